@@ -1,0 +1,1 @@
+"""Kernels: pure-torch references and Triton kernels behind one dispatcher."""

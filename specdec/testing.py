@@ -1,0 +1,47 @@
+"""One comparison helper with a dtype tolerance table, shared by tests and benches."""
+
+from __future__ import annotations
+
+import torch
+
+# (rtol, atol) per dtype. fp32/fp64 entries are for results computed in a different op order;
+# results computed in the same op order are compared bitwise (`exact=True`).
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-12, 1e-12),
+    torch.float32: (1e-5, 1e-6),
+    torch.bfloat16: (1.6e-2, 1e-2),
+    torch.float16: (2e-3, 1e-3),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """`(rtol, atol)` for `dtype` from the table."""
+    if dtype not in TOLERANCES:
+        raise ValueError(f"dtype: no tolerance for {dtype}; known: {sorted(map(str, TOLERANCES))}")
+    return TOLERANCES[dtype]
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype | None = None,
+                 exact: bool = False, msg: str = "") -> None:
+    """Compare `actual` to `expected` with the tolerance of `dtype` (default: `expected.dtype`).
+
+    `exact=True` demands bitwise equality (NaNs at the same places count as equal).
+    """
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{msg}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    if exact:
+        same = (actual == expected) | (actual.isnan() & expected.isnan())
+        if not bool(same.all()):
+            diff = (actual.double() - expected.double()).abs().nan_to_num(float("inf"))
+            raise AssertionError(f"{msg}: not bitwise equal; {int((~same).sum())} elements differ, "
+                                 f"max abs diff {diff.max().item():.3e}")
+        return
+    rtol, atol = tolerance(dtype or expected.dtype)
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol, msg=lambda m: f"{msg}: {m}")
+
+
+def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max(|e|.max(), tiny): one scalar relative error for a whole tensor."""
+    e = expected.double()
+    denom = e.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
+    return ((actual.double() - e).abs().max() / denom).item()

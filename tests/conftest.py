@@ -1,0 +1,13 @@
+import os
+
+# Triton kernels run on CPU only in the interpreter, and the flag must be set before any
+# `@triton.jit` decorator runs, i.e. before any kernel module is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
