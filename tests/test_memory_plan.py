@@ -1,0 +1,173 @@
+"""Memory plan: buffer shapes, byte counts, and the published SGLang allocation logs."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.__main__ import main
+from specdec.replayssm.config import StateConfig
+from specdec.replayssm.plan import BufferSpec, buffer_specs, format_plan, plan_json
+
+GIB = 2 ** 30
+BASE = ["memory", "--layers", "69", "--heads", "96", "--tp", "8", "--head-dim", "128", "--draft-tokens", "8",
+        "--running", "23"]
+RINGS = ["ring_d", "ring_k", "ring_g", "ring_rawv", "ring_rawk", "ring_beta"]
+KEYS = ["conv_state", "ssm_state", "intermediate_conv_window", *RINGS, "ring_total", "snapshot_intermediate_ssm"]
+
+
+def run_main(capsys, *args):
+    code = main([*BASE, *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_published_log_120_slots_bf16_subprocess():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "specdec", *BASE, "--slots", "120", "--ssm-dtype", "bfloat16"],
+                          capture_output=True, text=True, cwd=root, env={**os.environ}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "d=0.379GB k=0.379GB g=0.758GB rawv=0.379GB rawk=0.379GB beta=0.006GB" in out
+    assert "ssm_state size: 3.03GB" in out
+    assert "conv_state size: 0.21GB" in out
+    assert "intermediate_conv_window size: 0.34GB" in out
+    # one line per buffer with its shape and dtype
+    assert "ring_d" in out and "[69, 120, 12, 16, 128]" in out
+    assert "ssm_state" in out and "[69, 120, 12, 128, 128]" in out
+    assert "[69, 24, 8, 4608, 3]" in out and "[69, 24, 8, 12, 128, 128]" in out
+    assert "ratio" in out
+
+
+def test_published_log_52_slots_fp32(capsys):
+    code, out, _ = run_main(capsys, "--slots", "52", "--ssm-dtype", "float32")
+    assert code == 0
+    assert "ssm_state size: 2.63GB" in out
+    assert "d=0.164GB k=0.164GB g=0.328GB rawv=0.164GB rawk=0.164GB beta=0.003GB" in out
+
+
+def test_published_log_81_slots_bf16(capsys):
+    code, out, _ = run_main(capsys, "--slots", "81", "--ssm-dtype", "bfloat16")
+    assert code == 0
+    assert "ssm_state size: 2.05GB" in out
+    assert "d=0.256GB " in out and "g=0.512GB " in out and "beta=0.004GB" in out
+
+
+@pytest.mark.parametrize("slots,ssm_bytes", [(120, 2), (52, 4), (81, 2)])
+def test_json_byte_counts(capsys, slots, ssm_bytes):
+    ssm_dtype = {2: "bfloat16", 4: "float32"}[ssm_bytes]
+    code, out, _ = run_main(capsys, "--slots", str(slots), "--ssm-dtype", ssm_dtype, "--json")
+    assert code == 0
+    plan = json.loads(out)
+    for key in KEYS:
+        assert isinstance(plan[key], int), key
+    # L=69 layers, S=slots, H=96/8=12 heads, K=V=128, ring L=16, D=8, 23+1 rows, conv C=12*(128+128+128)
+    expected = {
+        "conv_state": 69 * slots * 4608 * 3 * 2,
+        "ssm_state": 69 * slots * 12 * 128 * 128 * ssm_bytes,
+        "intermediate_conv_window": 69 * 24 * 8 * 4608 * 3 * 2,
+        "ring_d": 69 * slots * 12 * 16 * 128 * 2,
+        "ring_k": 69 * slots * 12 * 16 * 128 * 2,
+        "ring_g": 69 * slots * 12 * 16 * 128 * 4,
+        "ring_rawv": 69 * slots * 12 * 16 * 128 * 2,
+        "ring_rawk": 69 * slots * 12 * 16 * 128 * 2,
+        "ring_beta": 69 * slots * 12 * 16 * 4,
+        "snapshot_intermediate_ssm": 69 * 24 * 8 * 12 * 128 * 128 * ssm_bytes,
+    }
+    expected["ring_total"] = sum(expected[k] for k in RINGS)
+    for key, value in expected.items():
+        assert plan[key] == value, key
+    snap = expected["snapshot_intermediate_ssm"] + expected["intermediate_conv_window"]
+    replay = expected["ring_total"] + expected["intermediate_conv_window"]
+    assert plan["ratio"] == pytest.approx(snap / replay)
+    if slots == 120:
+        assert f"{expected['ring_d'] / GIB:.3f}" == "0.379"
+        assert f"{expected['ssm_state'] / GIB:.2f}" == "3.03"
+
+
+def test_gdn_gate_and_running_default(capsys):
+    code, out, _ = run_main(capsys, "--slots", "30", "--gate", "gdn", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["ring_g"] == 69 * 30 * 12 * 16 * 1 * 4  # one log-decay per head
+    assert plan["ring_k"] == 69 * 30 * 12 * 16 * 128 * 2
+    code = main(["memory", "--layers", "2", "--slots", "5", "--heads", "4", "--head-dim", "8", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert plan["config"]["max_running"] == 4  # default running = slots - 1
+    assert plan["intermediate_conv_window"] == 2 * 5 * 8 * (4 * 24) * 3 * 2
+    assert plan["snapshot_intermediate_ssm"] == 2 * 5 * 8 * 4 * 8 * 8 * 4  # float32 ssm by default
+
+
+@pytest.mark.parametrize("draft,ring_len", [(8, 16), (9, 32), (1, 2), (4, 8)])
+def test_default_ring_len(capsys, draft, ring_len):
+    code = main(["memory", "--layers", "1", "--slots", "2", "--heads", "1", "--head-dim", "4",
+                 "--draft-tokens", str(draft), "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert plan["config"]["ring_len"] == ring_len
+    assert plan["ring_d"] == 1 * 2 * 1 * ring_len * 4 * 2
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--ring-len", "24"], "--ring-len"),    # not a power of two
+    (["--ring-len", "8"], "--ring-len"),     # L < 2D with D = 8
+    (["--draft-tokens", "0"], "--draft-tokens"),
+    (["--ssm-dtype", "float8"], "--ssm-dtype"),
+    (["--tp", "7"], "--tp"),                 # 96 heads not divisible by 7
+    (["--gate", "mamba"], "--gate"),
+    (["--slots", "10"], "--running"),        # 23 running requests do not fit 9 slots
+    (["--layers", "0"], "--layers"),
+])
+def test_bad_arguments(capsys, args, flag):
+    code = main([*BASE, "--slots", "120", *args])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert flag in lines[0] and "error" in lines[0]
+    assert "Traceback" not in err
+
+
+def test_bad_argument_subprocess():
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "specdec", *BASE, "--slots", "120", "--ring-len", "12"],
+                          capture_output=True, text=True, cwd=root, timeout=120)
+    assert proc.returncode == 2
+    assert "--ring-len" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_buffer_specs_contract():
+    cfg = StateConfig(num_layers=3, num_heads=2, head_k_dim=8, head_v_dim=16, conv_kernel=4, max_requests=5,
+                      max_running=3, num_draft_tokens=4, ring_len=8, ssm_dtype="bfloat16", act_dtype="bfloat16")
+    specs = buffer_specs(cfg)
+    c = 2 * (8 + 8 + 16)
+    assert set(specs) == {"conv_state", "ssm_state", "intermediate_conv_window", *RINGS, "snapshot_intermediate_ssm"}
+    assert specs["conv_state"].shape == (3, 6, c, 3)
+    assert specs["ssm_state"].shape == (3, 6, 2, 8, 16)
+    assert specs["intermediate_conv_window"].shape == (3, 4, 4, c, 3)
+    assert specs["ring_d"].shape == (3, 6, 2, 8, 16)
+    assert specs["ring_k"].shape == (3, 6, 2, 8, 8)
+    assert specs["ring_g"].shape == (3, 6, 2, 8, 8) and specs["ring_g"].dtype == torch.float32
+    assert specs["ring_rawv"].shape == (3, 6, 2, 8, 16)
+    assert specs["ring_rawk"].shape == (3, 6, 2, 8, 8)
+    assert specs["ring_beta"].shape == (3, 6, 2, 8) and specs["ring_beta"].dtype == torch.float32
+    assert specs["snapshot_intermediate_ssm"].shape == (3, 4, 4, 2, 8, 16)
+    for spec in specs.values():
+        # nbytes agrees with an actual allocation of that shape and dtype
+        assert spec.nbytes == torch.empty(spec.shape, dtype=spec.dtype, device="meta").numel() * \
+            torch.empty((), dtype=spec.dtype).element_size()
+        assert spec.gib == spec.nbytes / GIB
+    assert BufferSpec("x", (3, 5), torch.float32).nbytes == 60
+    gdn = buffer_specs(StateConfig.tiny(gate="gdn"))
+    assert gdn["ring_g"].shape[-1] == 1
+    plan = plan_json(cfg)
+    assert plan["ring_total"] == sum(plan[k] for k in RINGS)
+    text = format_plan(cfg)
+    assert all(name in text for name in specs)
