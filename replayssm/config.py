@@ -110,6 +110,11 @@ class StateConfig:
         """Channels of the log-decay g per head: K for KDA, 1 for GDN."""
         return self.head_k_dim if self.gate == "kda" else 1
 
+    @property
+    def record_dtype(self) -> torch.dtype:
+        """Ring g and beta: fp32, or fp64 when the checkpoint is fp64 (exactness tests)."""
+        return torch.float64 if self.ssm_dtype == torch.float64 else torch.float32
+
     @classmethod
     def tiny(cls, **overrides) -> "StateConfig":
         """A small preset for tests and examples."""

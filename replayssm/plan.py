@@ -46,7 +46,7 @@ def buffer_specs(cfg: StateConfig) -> dict[str, BufferSpec]:
     n, s, h = cfg.num_layers, cfg.num_slots, cfg.num_heads
     k, v, c, w = cfg.head_k_dim, cfg.head_v_dim, cfg.conv_dim, cfg.conv_kernel - 1
     rows, d, ring = cfg.max_running + 1, cfg.num_draft_tokens, cfg.ring_len
-    act, ssm, f32 = cfg.act_dtype, cfg.ssm_dtype, torch.float32
+    act, ssm, f32 = cfg.act_dtype, cfg.ssm_dtype, cfg.record_dtype
     shapes = {
         "conv_state": ((n, s, c, w), act),
         "ssm_state": ((n, s, h, k, v), ssm),

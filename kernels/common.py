@@ -1,0 +1,95 @@
+"""Shared math of the references: the model's L2 norm, one delta-rule step, argument checks.
+
+Pure torch; never imports triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def math_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """fp64 if any input is fp64, else fp32: the state is never advanced in a lower precision."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def l2norm(x: torch.Tensor, *, eps: float = 1e-6, norm: str = "rsqrt") -> torch.Tensor:
+    """Normalize the last dim exactly as the model does.
+
+    `norm="rsqrt"`: `x * rsqrt(sum(x^2) + eps)` (fla, Qwen3-Next, Qwen3.5);
+    `norm="sqrt_div"`: `x / sqrt(sum(x^2) + eps)` (Kimi-Linear). The two differ in the last bit, and a
+    state advanced with the wrong one drifts while outputs still look right.
+    """
+    ss = (x * x).sum(dim=-1, keepdim=True)
+    if norm == "rsqrt":
+        return x * torch.rsqrt(ss + eps)
+    if norm == "sqrt_div":
+        return x / torch.sqrt(ss + eps)
+    raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
+
+
+def gate_channels(g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """KDA gate `[..., H, K]` stays; GDN gate `[..., H]` (same shape as `beta`) becomes `[..., H, 1]`."""
+    return g.unsqueeze(-1) if g.dim() == beta.dim() else g
+
+
+def delta_step(S: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One token of the gated delta rule, in plain-decode op order.
+
+    Args:
+        S: state `[N, H, K, V]` in the math dtype.
+        q: normalized, scaled query `[N, H, K]` (None: no output, as in the exact fold);  k: normalized key `[N, H, K]`.
+        v: raw value `[N, H, V]`;  g: log-decay `[N, H, K]` (KDA) or `[N, H, 1]` (GDN);  beta: `[N, H]`.
+    Returns:
+        `(S_t [N, H, K, V], o_t [N, H, V], d_t [N, H, V])` with `S' = exp(g) S`,
+        `d = beta (v - S'^T k)`, `S_t = S' + k d^T`, `o = S_t^T q`.
+    """
+    S = S * g.exp()[..., None]
+    d = beta[..., None] * (v - (S * k[..., None]).sum(-2))
+    S = S + k[..., None] * d[..., None, :]
+    o = None if q is None else (S * q[..., None]).sum(-2)
+    return S, o, d
+
+
+def prepare_qk(q: torch.Tensor | None, k: torch.Tensor, *, scale: float, eps: float, norm: str,
+               dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Raw q/k `[..., K]` -> (normalized q * scale, normalized k) in `dtype`."""
+    k = l2norm(k.to(dtype), eps=eps, norm=norm)
+    if q is not None:
+        q = l2norm(q.to(dtype), eps=eps, norm=norm) * scale
+    return q, k
+
+
+def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
+    """`shape` entries of None are free. Raises one `ValueError` naming the argument."""
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
+
+
+def valid_slots(indices: torch.Tensor, null_slot: int) -> torch.Tensor:
+    """Rows whose slot is neither -1 nor the null slot (`[B]` bool)."""
+    return (indices >= 0) & (indices != null_slot)
+
+
+def conv_step(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the causal depthwise short conv.
+
+    Args:
+        window: the last `Kc-1` pre-conv inputs `[N, C, Kc-1]`;  x: this token's input `[N, C]`.
+        weight: `[C, Kc]`;  bias: `[C]` or None;  activation: "silu" or None.
+    Returns:
+        `(y [N, C], new_window [N, C, Kc-1])`, both in the math dtype of the inputs.
+    """
+    dt = math_dtype(window, x, weight)
+    full = torch.cat([window.to(dt), x.to(dt)[..., None]], dim=-1)  # [N, C, Kc]
+    y = (full * weight.to(dt)).sum(-1)
+    if bias is not None:
+        y = y + bias.to(dt)
+    if activation == "silu":
+        y = torch.nn.functional.silu(y)
+    elif activation is not None:
+        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
+    return y, full[..., 1:]

@@ -1,0 +1,3 @@
+from .naive import exact_fold
+
+__all__ = ["exact_fold"]

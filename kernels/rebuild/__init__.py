@@ -1,0 +1,3 @@
+from .naive import fast_rebuild
+
+__all__ = ["fast_rebuild"]

@@ -1,0 +1,3 @@
+from .naive import masked_scatter
+
+__all__ = ["masked_scatter"]
