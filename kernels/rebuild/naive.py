@@ -30,7 +30,7 @@ def fast_rebuild(ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, ring_
         pos = (ring_start[s] + torch.arange(m, device=ring_d.device)) % L
         d, k, g = ring_d[s][:, pos].to(dt), ring_k[s][:, pos].to(dt), ring_g[s][:, pos].to(dt)  # [H, m, *]
         G = g.cumsum(1)  # [H, m, K|1]: log A_{1:j}
-        Gm = G[:, -1:] if m else torch.zeros_like(g[:, :1])
+        Gm = G[:, -1:] if m else g.new_zeros(g.shape[0], 1, g.shape[2])
         kw = k * (Gm - G).exp()  # k_j * A_{j+1:m}
         S = Gm.exp().transpose(1, 2) * ssm_state[s].to(dt) + kw.transpose(1, 2) @ d
         out.append(S)

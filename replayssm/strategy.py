@@ -1,0 +1,345 @@
+"""State strategies: full snapshot (the oracle) and ReplaySSM (rings + exact fold), one interface.
+
+A speculative round on the linear layers:
+
+    strategy.begin(slots, num_tokens=D)            # or parent=[T] / [B, T] for a tree
+    for layer in range(num_layers):
+        y = strategy.conv(layer, x, weight, bias)  # short conv, window snapshots per token
+        o = strategy.mix(layer, q, k, v, g, beta)  # delta rule from the checkpoint
+    strategy.commit(num_accepted)                  # or path=[B, M] accepted node indices
+
+Nothing persistent changes before `commit`; `abort` drops an open round, leaving every slot as it was.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec import kernels
+
+from .config import StateConfig
+from .plan import buffer_specs
+from .pool import SlotPool, allocate
+from .ring import RingBuffers
+
+
+@dataclass
+class Round:
+    slots: torch.Tensor  # [B] slot per request row
+    num_tokens: int  # T
+    parent: torch.Tensor | None  # [B, T] tree parents; None = chain
+    conv_done: set[int] = field(default_factory=set)
+    mix_done: set[int] = field(default_factory=set)
+
+
+class StateStrategy(ABC):
+    """Common part: slot pool, per-token conv windows, round bookkeeping, conv commit and track copies."""
+
+    name = "base"
+
+    def __init__(self, cfg: StateConfig, *, device: torch.device | str = "cpu", pool: SlotPool | None = None):
+        self.cfg = cfg
+        self.pool = pool if pool is not None else SlotPool(cfg, device=device)
+        self.device = self.pool.device
+        self.conv_windows = allocate(buffer_specs(cfg)["intermediate_conv_window"], self.device)
+        self._round: Round | None = None
+
+    # ---- round -------------------------------------------------------------------------------------
+    def begin(self, slots, *, num_tokens: int | None = None, parent=None) -> None:
+        """Open a round for requests in `slots` (`[B]`; -1 or the null slot: skipped rows)."""
+        if self._round is not None:
+            raise RuntimeError("begin: a round is open; call commit() or abort() first")
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        self.pool.check_slots(slots)
+        B, D = slots.shape[0], self.cfg.num_draft_tokens
+        if not 1 <= B <= self.cfg.max_running + 1:
+            raise ValueError(f"slots: expected 1..{self.cfg.max_running + 1} requests, got {B}")
+        if parent is not None:
+            parent = torch.as_tensor(parent, dtype=torch.long, device=self.device)
+            if parent.dim() == 1:
+                parent = parent.expand(B, -1)
+            if parent.dim() != 2 or parent.shape[0] != B:
+                raise ValueError(f"parent: expected [T] or [{B}, T], got {list(parent.shape)}")
+            T = parent.shape[1]
+            if num_tokens is not None and num_tokens != T:
+                raise ValueError(f"num_tokens: {num_tokens} != {T} tree nodes in parent")
+            idx = torch.arange(T, device=self.device)
+            if bool(((parent < -1) | (parent >= idx)).any()):
+                raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
+        else:
+            T = D if num_tokens is None else int(num_tokens)
+        if not 1 <= T <= D:
+            raise ValueError(f"num_tokens: expected 1 <= T <= D={D}, got {T}")
+        self._round = Round(slots=slots, num_tokens=T, parent=parent.contiguous() if parent is not None else None)
+
+    def abort(self) -> None:
+        """Drop the open round; persistent state is untouched."""
+        self._round = None
+
+    def _open(self, layer: int, x: torch.Tensor, tail: tuple, arg: str) -> Round:
+        r = self._round
+        if r is None:
+            raise RuntimeError("no open round: call begin() first")
+        if not 0 <= layer < self.cfg.num_layers:
+            raise ValueError(f"layer: expected 0..{self.cfg.num_layers - 1}, got {layer}")
+        want = (r.slots.shape[0], r.num_tokens, *tail)
+        if tuple(x.shape) != want:
+            raise ValueError(f"{arg}: expected shape {list(want)}, got {list(x.shape)}")
+        return r
+
+    def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+             activation: str | None = "silu") -> torch.Tensor:
+        """Short conv of one layer. x `[B, T, C]` pre-conv, weight `[C, Kc]` -> y `[B, T, C]`."""
+        cfg = self.cfg
+        r = self._open(layer, x, (cfg.conv_dim,), "x")
+        if tuple(weight.shape) != (cfg.conv_dim, cfg.conv_kernel):
+            raise ValueError(f"weight: expected shape {[cfg.conv_dim, cfg.conv_kernel]}, got {list(weight.shape)}")
+        y = kernels.short_conv_verify(x, weight, bias, self.pool.conv[layer], r.slots, parent=r.parent,
+                                      window_states=self.conv_windows[layer], activation=activation,
+                                      null_slot=self.pool.null_slot)
+        r.conv_done.add(layer)
+        return y
+
+    def mix(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor) -> torch.Tensor:
+        """Delta rule of one layer: raw q, k `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H, K]` (KDA) or
+        `[B, T, H]` (GDN), beta `[B, T, H]` -> o `[B, T, H, V]`."""
+        cfg = self.cfg
+        H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
+        r = self._open(layer, q, (H, K), "q")
+        self._open(layer, k, (H, K), "k")
+        self._open(layer, v, (H, V), "v")
+        self._open(layer, g, (H, K) if cfg.gate == "kda" else (H,), "g")
+        self._open(layer, beta, (H,), "beta")
+        o = self._verify(layer, r, q, k, v, g, beta)
+        r.mix_done.add(layer)
+        return o
+
+    def commit(self, num_accepted=None, *, path=None) -> None:
+        """Keep the accepted tokens of each request: `num_accepted [B]` (chain, 1..T; ignored on skipped
+        rows) or `path [B, M]` (accepted node indices root to leaf, -1 padded). Closes the round."""
+        r = self._round
+        if r is None:
+            raise RuntimeError("commit: no open round")
+        missing = sorted(set(range(self.cfg.num_layers)) - (r.conv_done & r.mix_done))
+        if missing:
+            raise RuntimeError(f"commit: layers {missing} were not verified (conv and mix) in this round")
+        path, n = self._accepted(r, num_accepted, path)
+        before = self.committed_len(r.slots)
+        self._commit_ssm(r, path, n, before)
+        last = torch.where(n > 0, path.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0], -1)
+        kernels.masked_scatter(self.conv_windows, self.pool.conv, r.slots, last, null_slot=self.pool.null_slot)
+        self._track_conv(r, path, n, before)
+        self._round = None
+
+    def _accepted(self, r: Round, num_accepted, path) -> tuple[torch.Tensor, torch.Tensor]:
+        """Check the accepted tokens; -> (path `[B, M]`, n `[B]`, 0 on skipped rows)."""
+        B, T = r.slots.shape[0], r.num_tokens
+        valid = (r.slots >= 0) & (r.slots != self.pool.null_slot)
+        if (num_accepted is None) == (path is None):
+            raise ValueError("commit: pass exactly one of num_accepted (chain) or path (tree)")
+        if num_accepted is not None:
+            if r.parent is not None:
+                raise ValueError("num_accepted: this round is a tree; pass path=[B, M] node indices")
+            n = torch.as_tensor(num_accepted, dtype=torch.long, device=self.device)
+            if n.shape != (B,):
+                raise ValueError(f"num_accepted: expected shape [{B}], got {list(n.shape)}")
+            bad = valid & ((n < 1) | (n > T))
+            if bool(bad.any()):
+                raise ValueError(f"num_accepted: expected 1..{T} per request, got {n.tolist()}")
+            n = torch.where(valid, n, 0)
+            return torch.arange(T, device=self.device).expand(B, T), n
+        path = torch.as_tensor(path, dtype=torch.long, device=self.device)
+        if path.dim() != 2 or path.shape[0] != B or not 1 <= path.shape[1] <= T:
+            raise ValueError(f"path: expected [{B}, M] with 1 <= M <= {T}, got {list(path.shape)}")
+        parent = r.parent if r.parent is not None else torch.arange(-1, T - 1, device=self.device).expand(B, T)
+        n = torch.zeros(B, dtype=torch.long, device=self.device)
+        for b in valid.nonzero().flatten().tolist():
+            row = path[b].tolist()
+            m = row.index(-1) if -1 in row else len(row)
+            prev = -1
+            ok = m >= 1 and all(x == -1 for x in row[m:])
+            for x in row[:m]:
+                ok = ok and 0 <= x < T and int(parent[b, x]) == prev
+                prev = x
+            if not ok:
+                raise ValueError(f"path: row {b} = {row} is not a root-to-leaf path of the verified tree "
+                                 f"(parents {parent[b].tolist()})")
+            n[b] = m
+        return path.clamp(min=0), n
+
+    def _track_conv(self, r: Round, path: torch.Tensor, n: torch.Tensor, before: torch.Tensor) -> None:
+        """Copy the conv window right after every track-boundary token of this round; record its count."""
+        for b, s, node, count in self._crossings(r, path, n, before):
+            idx = (count // self.cfg.track_interval) % 2
+            self.pool.track_conv[:, s, idx] = self.conv_windows[:, b, node]
+            self.pool.track_len[s, idx] = count
+
+    def _crossings(self, r: Round, path: torch.Tensor, n: torch.Tensor, before: torch.Tensor):
+        """(row, slot, node, count) of every track-boundary token of this round."""
+        iv = self.cfg.track_interval
+        if iv is None:
+            return []
+        return [(b, s, int(path[b, j]), int(before[b]) + j + 1)
+                for b, s in enumerate(r.slots.tolist()) for j in range(int(n[b]))
+                if (int(before[b]) + j + 1) % iv == 0]
+
+    # ---- state -------------------------------------------------------------------------------------
+    def committed_len(self, slots: torch.Tensor) -> torch.Tensor:
+        """Tokens committed per slot `[B]` (folded + pending); 0 for skipped rows."""
+        valid = (slots >= 0) & (slots != self.pool.null_slot)
+        return torch.where(valid, self.pool.seq_len[slots.clamp(min=0)], 0)
+
+    def committed_ssm(self) -> torch.Tensor:
+        """`[Lyr, N, H, K, V]` committed checkpoints, pending records included (no state changes)."""
+        return self.pool.ssm
+
+    def flush(self, slots=None) -> None:
+        """Fold pending records (lazy commit) into the checkpoints of `slots` (default: all)."""
+
+    def release(self, slots: list[int]) -> None:
+        """End requests: fold what is pending, return the slots to the pool."""
+        self.flush(slots)
+        self.pool.free(list(slots))
+
+    def _kw(self) -> dict:
+        c = self.cfg
+        return dict(scale=c.scale, eps=c.norm_eps, norm=c.norm, null_slot=self.pool.null_slot)
+
+    # ---- per strategy ------------------------------------------------------------------------------
+    @abstractmethod
+    def _verify(self, layer, r, q, k, v, g, beta) -> torch.Tensor:
+        """Run the delta rule of one layer for the open round; -> o `[B, T, H, V]`."""
+
+    @abstractmethod
+    def _commit_ssm(self, r: Round, path: torch.Tensor, n: torch.Tensor, before: torch.Tensor) -> None:
+        """Advance the checkpoints by the accepted tokens (`before`: committed length per row)."""
+
+
+class SnapshotStrategy(StateStrategy):
+    """Full snapshot: verify writes the state after every token; commit scatters the last accepted one."""
+
+    name = "snapshot"
+
+    def __init__(self, cfg: StateConfig, *, device: torch.device | str = "cpu", pool: SlotPool | None = None):
+        super().__init__(cfg, device=device, pool=pool)
+        self.states = allocate(buffer_specs(cfg)["snapshot_intermediate_ssm"], self.device)  # [Lyr, R, T, H, K, V]
+
+    def _verify(self, layer, r, q, k, v, g, beta):
+        return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
+                                         intermediate_states=self.states[layer], **self._kw())
+
+    def _commit_ssm(self, r, path, n, before):
+        for b, s, node, count in self._crossings(r, path, n, before):
+            self.pool.track_ssm[:, s, (count // self.cfg.track_interval) % 2] = self.states[:, b, node]
+        last = torch.where(n > 0, path.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0], -1)
+        kernels.masked_scatter(self.states, self.pool.ssm, r.slots, last, null_slot=self.pool.null_slot)
+        self.pool.seq_len[r.slots[n > 0]] += n[n > 0]
+
+
+class ReplayStrategy(StateStrategy):
+    """ReplaySSM: verify keeps per-token records in rings; commit re-folds the accepted ones exactly.
+
+    `commit="eager"` folds right after acceptance. `commit="lazy"` leaves them pending: the next verify
+    starts from the fast rebuild of checkpoint + pending `(d, k, g)`, and the fold runs when pending + D
+    would overflow the ring, when a track boundary is crossed, on `flush`, or at request end.
+    """
+
+    name = "replay"
+
+    def __init__(self, cfg: StateConfig, *, commit: str = "eager", device: torch.device | str = "cpu",
+                 pool: SlotPool | None = None):
+        if commit not in ("eager", "lazy"):
+            raise ValueError(f"commit: expected 'eager' or 'lazy', got {commit!r}")
+        super().__init__(cfg, device=device, pool=pool)
+        self.commit_mode = commit
+        self.rings = RingBuffers(cfg, device=self.device)
+        self.node_states: torch.Tensor | None = None  # [R, T, H, K, V]: one layer's tree node states, reused
+
+    def _verify(self, layer, r, q, k, v, g, beta):
+        nodes = None
+        if r.parent is not None:
+            if self.node_states is None:  # allocated once, overwritten layer after layer
+                spec = buffer_specs(self.cfg)["snapshot_intermediate_ssm"]
+                self.node_states = torch.zeros(spec.shape[1:], dtype=torch.promote_types(spec.dtype, torch.float32),
+                                               device=self.device)
+            nodes = self.node_states
+        pending = self.rings.pending if self.commit_mode == "lazy" else None
+        return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
+                                         intermediate_states=nodes, ring=self.rings.layer(layer),
+                                         ring_start=self.rings.start, num_pending=pending, **self._kw())
+
+    def _fold(self, ssm: torch.Tensor, slots: torch.Tensor, num: torch.Tensor, offsets=None, *,
+              track: bool = True) -> None:
+        c = self.cfg
+        kernels.exact_fold(ssm, self.rings.rawv, self.rings.rawk, self.rings.g, self.rings.beta, slots,
+                           self.rings.start, num, offsets=offsets, seq_lens=self.pool.seq_len if track else None,
+                           track_interval=c.track_interval if track else None,
+                           track_states=self.pool.track_ssm if track else None, eps=c.norm_eps, norm=c.norm,
+                           null_slot=self.pool.null_slot)
+
+    def _commit_ssm(self, r, path, n, before):
+        valid = n > 0
+        if self.commit_mode == "eager":
+            self._fold(self.pool.ssm, r.slots, n, path)
+            self.pool.seq_len[r.slots[valid]] += n[valid]
+            return
+        for b, s in enumerate(r.slots.tolist()):
+            m = int(n[b])
+            if m and path[b, :m].tolist() != list(range(m)):
+                self.rings.compact(s, path[b, :m].tolist())
+        self.rings.pending[r.slots[valid]] += n[valid]
+        iv, L, D = self.cfg.track_interval, self.cfg.ring_len, self.cfg.num_draft_tokens
+        due = [s for b, s in enumerate(r.slots.tolist()) if n[b] > 0 and (
+            int(self.rings.pending[s]) + D > L
+            or (iv is not None and (int(before[b]) + int(n[b])) // iv > int(before[b]) // iv))]
+        if due:
+            self.flush(due)
+
+    def committed_len(self, slots):
+        valid = (slots >= 0) & (slots != self.pool.null_slot)
+        s = slots.clamp(min=0)
+        return torch.where(valid, self.pool.seq_len[s] + self.rings.pending[s], 0)
+
+    def committed_ssm(self) -> torch.Tensor:
+        if self.commit_mode == "eager":
+            return self.pool.ssm
+        ssm = self.pool.ssm.clone()
+        slots = (self.rings.pending > 0).nonzero().flatten()
+        self._fold(ssm, slots, self.rings.pending[slots], track=False)
+        return ssm
+
+    def flush(self, slots=None) -> None:
+        if self.commit_mode == "eager":
+            return
+        if slots is None:
+            slots = (self.rings.pending > 0).nonzero().flatten().tolist()
+        slots = torch.as_tensor([s for s in slots if int(self.rings.pending[s]) > 0], dtype=torch.long,
+                                device=self.device)
+        if slots.numel() == 0:
+            return
+        num = self.rings.pending[slots]
+        self._fold(self.pool.ssm, slots, num)
+        self.rings.start[slots] = (self.rings.start[slots] + num) % self.cfg.ring_len
+        self.pool.seq_len[slots] += num
+        self.rings.pending[slots] = 0
+
+    def release(self, slots: list[int]) -> None:
+        super().release(slots)
+        for s in slots:
+            self.rings.reset(s)
+
+
+def make_strategy(cfg: StateConfig, strategy: str = "replay", *, commit: str = "eager",
+                  device: torch.device | str = "cpu", pool: SlotPool | None = None) -> StateStrategy:
+    """`strategy` in {"replay", "snapshot"}; `commit` in {"eager", "lazy"} (replay only)."""
+    if strategy == "replay":
+        return ReplayStrategy(cfg, commit=commit, device=device, pool=pool)
+    if strategy == "snapshot":
+        if commit not in ("eager", "lazy"):
+            raise ValueError(f"commit: expected 'eager' or 'lazy', got {commit!r}")
+        return SnapshotStrategy(cfg, device=device, pool=pool)
+    raise ValueError(f"strategy: expected 'replay' or 'snapshot', got {strategy!r}")
