@@ -1,0 +1,100 @@
+"""Drives the state strategies and a plain sequential decode side by side on the same random inputs."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.kernels import recurrent_delta_rule, short_conv
+from specdec.replayssm import StateConfig, make_strategy
+from specdec.testing import max_rel_err
+
+STRATEGIES = {"snapshot": ("snapshot", "eager"), "replay-eager": ("replay", "eager"), "replay-lazy": ("replay", "lazy")}
+
+
+def rel_tol(dtype: torch.dtype) -> float:
+    """fp64: 1e-12 relative; fp32: 2 eps (same op order as plain decode)."""
+    return 1e-12 if dtype == torch.float64 else 2 * torch.finfo(torch.float32).eps
+
+
+def root_path(parent: list[int], node: int) -> list[int]:
+    """Node indices from the root down to `node`."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parent[node]
+    return path[::-1]
+
+
+class Harness:
+    """Same slots in every strategy; an independent plain-decode oracle per slot."""
+
+    def __init__(self, cfg: StateConfig, *, seed: int = 0, strategies=tuple(STRATEGIES)):
+        self.cfg = cfg
+        self.gen = torch.Generator().manual_seed(seed)
+        self.strats = {n: make_strategy(cfg, STRATEGIES[n][0], commit=STRATEGIES[n][1]) for n in strategies}
+        self.slots = None
+        for st in self.strats.values():
+            self.slots = st.pool.alloc(cfg.max_requests)
+        c, dt = cfg, cfg.ssm_dtype
+        self.weights = [self.randn(c.conv_dim, c.conv_kernel, dtype=torch.float64).to(c.act_dtype)
+                        for _ in range(c.num_layers)]
+        # Random starting states (a prefill), identical in every strategy and the oracle.
+        self.conv = self.randn(c.num_layers, c.num_slots, c.conv_dim, c.conv_kernel - 1).to(c.act_dtype)
+        self.ssm = (0.5 * self.randn(c.num_layers, c.num_slots, c.num_heads, c.head_k_dim, c.head_v_dim)).to(dt)
+        for st in self.strats.values():
+            for s in self.slots:
+                st.pool.load(s, conv=self.conv[:, s], ssm=self.ssm[:, s])
+        self.conv, self.ssm = self.conv.clone(), self.ssm.clone()
+
+    def randn(self, *shape, dtype=torch.float64):
+        return torch.randn(*shape, generator=self.gen, dtype=torch.float64).to(dtype)
+
+    def inputs(self, B: int, T: int) -> dict[str, torch.Tensor]:
+        """Random activations; q/k/v/x in act dtype, g/beta in the record dtype."""
+        c, act, rec = self.cfg, self.cfg.act_dtype, self.cfg.record_dtype
+        g_shape = (B, T, c.num_heads, c.head_k_dim) if c.gate == "kda" else (B, T, c.num_heads)
+        return dict(
+            x=self.randn(c.num_layers, B, T, c.conv_dim).to(act),
+            q=self.randn(c.num_layers, B, T, c.num_heads, c.head_k_dim).to(act),
+            k=self.randn(c.num_layers, B, T, c.num_heads, c.head_k_dim).to(act),
+            v=self.randn(c.num_layers, B, T, c.num_heads, c.head_v_dim).to(act),
+            g=(-0.5 * torch.rand(c.num_layers, *g_shape, generator=self.gen, dtype=torch.float64)).to(rec),
+            beta=torch.rand(c.num_layers, B, T, c.num_heads, generator=self.gen, dtype=torch.float64).to(rec),
+        )
+
+    def verify(self, name: str, slots: list[int], inp: dict, parent=None, corrupt=None):
+        """One verify pass over all layers; -> (conv outputs, mix outputs) per layer."""
+        st = self.strats[name]
+        T = inp["x"].shape[2]
+        st.begin(slots, num_tokens=None if parent is not None else T, parent=parent)
+        ys, os = [], []
+        for layer in range(self.cfg.num_layers):
+            ys.append(st.conv(layer, inp["x"][layer], self.weights[layer]))
+            os.append(st.mix(layer, *(inp[n][layer] for n in ("q", "k", "v", "g", "beta"))))
+        if corrupt is not None:
+            corrupt(st)
+        return ys, os
+
+    def oracle(self, slot: int, b: int, inp: dict, path: list[int], *, advance: bool):
+        """Plain decode of the tokens `path` of row b from the oracle state of `slot`.
+        -> per layer (y [n, C], o [n, H, V]); with `advance`, the oracle state moves on."""
+        out = []
+        for layer in range(self.cfg.num_layers):
+            sel = {n: t[layer, b, path][None] for n, t in inp.items()}
+            y, win = short_conv(sel["x"], self.weights[layer], conv_state=self.conv[layer, slot][None])
+            o, S = recurrent_delta_rule(sel["q"], sel["k"], sel["v"], sel["g"], sel["beta"],
+                                        initial_state=self.ssm[layer, slot][None], scale=self.cfg.scale,
+                                        eps=self.cfg.norm_eps, norm=self.cfg.norm)
+            if advance:
+                self.conv[layer, slot], self.ssm[layer, slot] = win[0], S[0].to(self.ssm.dtype)
+            out.append((y[0], o[0]))
+        return out
+
+    def check_state(self, name: str, slots: list[int]) -> None:
+        """Committed conv (bitwise) and ssm (relative tolerance) of `slots` equal the oracle's."""
+        st = self.strats[name]
+        ssm = st.committed_ssm()
+        for s in slots:
+            assert torch.equal(st.pool.conv[:, s], self.conv[:, s]), f"{name}: conv of slot {s} differs"
+            err = max_rel_err(ssm[:, s], self.ssm[:, s])
+            assert err <= rel_tol(self.cfg.ssm_dtype), f"{name}: ssm of slot {s} rel err {err:.3e}"

@@ -1,0 +1,191 @@
+"""State invariants of the strategies against plain sequential decode (hypothesis)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from state_harness import STRATEGIES, Harness, rel_tol, root_path
+
+from specdec.replayssm import StateConfig
+from specdec.testing import assert_close, max_rel_err
+
+
+def random_tree(draw, T: int) -> list[int]:
+    return [-1] + [draw(st.integers(-1, i - 1)) for i in range(1, T)]
+
+
+def run_round(h: Harness, draw, slots: list[int], *, tree: bool, check_outputs: bool = True,
+              corrupt=None) -> None:
+    """One verify + commit in every strategy, checked against the oracle; the oracle then advances."""
+    cfg = h.cfg
+    B = len(slots)
+    T = draw(st.integers(1, cfg.num_draft_tokens))
+    parent = random_tree(draw, T) if tree else None
+    inp = h.inputs(B, T)
+    valid = [b for b, s in enumerate(slots) if s not in (-1, cfg.null_slot)]
+    if tree:
+        paths = {b: root_path(parent, draw(st.integers(0, T - 1))) for b in valid}
+    else:
+        paths = {b: list(range(draw(st.integers(1, T)))) for b in valid}
+    untouched = [s for s in range(cfg.num_slots) if s not in slots or s == cfg.null_slot]
+    before = {n: (s.pool.conv.clone(), s.committed_ssm().clone()) for n, s in h.strats.items()}
+
+    outs = {n: h.verify(n, slots, inp, parent=parent, corrupt=corrupt) for n in h.strats}
+    for name, strat in h.strats.items():
+        if tree:
+            M = max(len(p) for p in paths.values()) if paths else 1
+            path = torch.full((B, M), -1, dtype=torch.long)
+            for b, p in paths.items():
+                path[b, :len(p)] = torch.tensor(p)
+            strat.commit(path=path)
+        else:
+            strat.commit(torch.tensor([len(paths[b]) if b in paths else 0 for b in range(B)]))
+
+    if check_outputs:
+        for b in valid:
+            s = slots[b]
+            nodes = range(T) if not tree else range(T)
+            for node in nodes:
+                ref = h.oracle(s, b, inp, root_path(parent, node) if tree else list(range(node + 1)), advance=False)
+                for name, (ys, os) in outs.items():
+                    for layer, (y_ref, o_ref) in enumerate(ref):
+                        if cfg.act_dtype in (torch.float32, torch.float64):  # batched sums: last-bit differences
+                            assert max_rel_err(ys[layer][b, node], y_ref[-1]) <= rel_tol(cfg.act_dtype), (name, "y")
+                        else:
+                            assert_close(ys[layer][b, node], y_ref[-1], dtype=cfg.act_dtype, msg=f"{name} y")
+                        got, want = os[layer][b, node], o_ref[-1]
+                        if cfg.act_dtype in (torch.float32, torch.float64) and name != "replay-lazy":
+                            err = max_rel_err(got, want)
+                            assert err <= rel_tol(cfg.ssm_dtype), (name, layer, node, err)
+                        else:  # fast rebuild from d records (lazy) / low-precision outputs
+                            assert_close(got, want, dtype=cfg.act_dtype, msg=f"{name} layer {layer} node {node}")
+        for name, (ys, os) in outs.items():
+            for b, s in enumerate(slots):
+                if b not in valid:
+                    assert all(bool((o[b] == 0).all()) for o in os), f"{name}: skipped row {b} got output"
+    for b in valid:
+        h.oracle(slots[b], b, inp, paths[b], advance=True)
+    for name, strat in h.strats.items():
+        h.check_state(name, [slots[b] for b in valid])
+        conv0, ssm0 = before[name]
+        ssm1 = strat.committed_ssm()
+        for s in untouched:
+            assert torch.equal(strat.pool.conv[:, s], conv0[:, s]), f"{name}: conv of untouched slot {s} changed"
+            assert torch.equal(ssm1[:, s], ssm0[:, s]), f"{name}: ssm of untouched slot {s} changed"
+
+
+@st.composite
+def configs(draw, dtype=torch.float64):
+    D = draw(st.integers(1, 5))
+    L = draw(st.sampled_from([None, 2 * (1 << (2 * D - 1).bit_length())]))
+    return StateConfig(
+        num_layers=draw(st.integers(1, 2)), num_heads=draw(st.integers(1, 3)),
+        head_k_dim=draw(st.sampled_from([3, 4, 5, 8])), head_v_dim=draw(st.sampled_from([2, 3, 6, 7])),
+        conv_kernel=draw(st.integers(2, 4)), gate=draw(st.sampled_from(["kda", "gdn"])),
+        max_requests=draw(st.integers(2, 4)), num_draft_tokens=D, ring_len=L, ssm_dtype=dtype, act_dtype=dtype,
+        track_interval=draw(st.sampled_from([None, 3, 7])), norm=draw(st.sampled_from(["rsqrt", "sqrt_div"])))
+
+
+def slot_map(draw, cfg: StateConfig) -> list[int]:
+    """A random order of some allocated slots (reversed included) with null rows mixed in."""
+    real = draw(st.permutations(list(range(cfg.max_requests))))
+    real = real[:draw(st.integers(1, len(real)))]
+    if draw(st.booleans()):
+        real = sorted(real, reverse=True)
+    rows = list(real)
+    for _ in range(draw(st.integers(0, cfg.max_requests + 1 - len(rows)))):
+        rows.insert(draw(st.integers(0, len(rows))), draw(st.sampled_from([-1, cfg.null_slot])))
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@settings(max_examples=40)
+@given(data=st.data())
+def test_strategies_equal_sequential_decode(dtype, tree, data):
+    """replay-eager == replay-lazy == snapshot == plain decode of the accepted tokens, round after round;
+    verify outputs == plain decode outputs; skipped, null and foreign slots bitwise unchanged."""
+    cfg = data.draw(configs(dtype))
+    h = Harness(cfg, seed=data.draw(st.integers(0, 2 ** 16)))
+    for _ in range(data.draw(st.integers(1, 4))):
+        run_round(h, data.draw, slot_map(data.draw, cfg), tree=tree)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_256_chained_rounds(dtype):
+    """Long runs (ring wrap, lazy folds on overflow and track boundaries) stay on plain decode."""
+    cfg = StateConfig(num_layers=2, num_heads=2, head_k_dim=5, head_v_dim=3, conv_kernel=4, max_requests=3,
+                      num_draft_tokens=4, ssm_dtype=dtype, act_dtype=dtype, track_interval=16)
+    h = Harness(cfg, seed=1)
+    gen = torch.Generator().manual_seed(2)
+
+    def draw(strategy):  # deterministic stand-in for hypothesis' draw: uniform over the integer range
+        lo, hi = strategy.wrapped_strategy.start, strategy.wrapped_strategy.end
+        return int(torch.randint(lo, hi + 1, (), generator=gen))
+
+    for i in range(256):
+        run_round(h, draw, [2, 0, cfg.null_slot, 1] if i % 2 else [1, 2], tree=False, check_outputs=i % 32 == 0)
+    snap = h.strats["snapshot"].pool
+    for name in ("replay-eager", "replay-lazy"):
+        pool = h.strats[name].pool
+        assert torch.equal(pool.track_len, snap.track_len)
+        assert torch.equal(pool.track_conv, snap.track_conv)
+        assert max_rel_err(pool.track_ssm, snap.track_ssm) <= rel_tol(dtype)
+    assert int(snap.track_len.max()) >= 16 * 20  # boundaries were crossed many times
+
+
+def test_bf16_ring_storage_matches_decode_of_same_bf16_activations():
+    """bf16 activations and rings, fp32 checkpoint: committed state == plain decode fed the same bf16 inputs."""
+    cfg = StateConfig(num_layers=2, num_heads=2, head_k_dim=6, head_v_dim=5, max_requests=3, num_draft_tokens=4,
+                      ssm_dtype=torch.float32, act_dtype=torch.bfloat16, track_interval=None)
+    h = Harness(cfg, seed=3)
+    gen = torch.Generator().manual_seed(4)
+
+    def draw(strategy):
+        s = getattr(strategy, "wrapped_strategy", strategy)
+        return int(torch.randint(s.start, s.end + 1, (), generator=gen))
+
+    for i in range(24):
+        run_round(h, draw, [0, 2, 1], tree=False, check_outputs=i % 8 == 0)
+
+
+def test_tree_node_buffer_allocated_once_and_reused():
+    cfg = StateConfig.tiny(num_layers=3, ssm_dtype=torch.float64, act_dtype=torch.float64)
+    h = Harness(cfg, seed=5, strategies=("replay-eager",))
+    gen = torch.Generator().manual_seed(6)
+    strat = h.strats["replay-eager"]
+    ptrs = set()
+    for _ in range(5):
+        inp = h.inputs(2, 4)
+        strat.begin([0, 1], parent=[-1, 0, 0, 1])
+        for layer in range(cfg.num_layers):
+            strat.conv(layer, inp["x"][layer], h.weights[layer])
+            strat.mix(layer, *(inp[n][layer] for n in ("q", "k", "v", "g", "beta")))
+            ptrs.add(strat.node_states.data_ptr())
+        strat.commit(path=[[0, 1, 3], [0, 2, -1]])
+        del gen
+        gen = None
+    assert len(ptrs) == 1
+    # one layer's size: [rows, T, H, K, V], not [layers, ...]
+    assert strat.node_states.shape == (cfg.max_running + 1, cfg.num_draft_tokens, cfg.num_heads,
+                                       cfg.head_k_dim, cfg.head_v_dim)
+
+
+@pytest.mark.parametrize("name", ["replay-eager", "replay-lazy"])
+def test_teeth_corrupt_one_rawk_record_fails(name):
+    """The comparison has teeth: one corrupted rawk record makes the committed state differ."""
+    cfg = StateConfig.tiny(ssm_dtype=torch.float64, act_dtype=torch.float64, track_interval=None)
+
+    def corrupt(strat):
+        pos = int(strat.rings.start[1] + strat.rings.pending[1]) % cfg.ring_len
+        strat.rings.rawk[0, 1, 0, pos, 0] += 1e-3
+
+    h = Harness(cfg, seed=7, strategies=(name,))
+    draws = iter([4, 3])  # T = 4 tokens, accept 3
+
+    with pytest.raises(AssertionError, match="rel err"):
+        run_round(h, lambda _: next(draws), [1], tree=False, check_outputs=False, corrupt=corrupt)
+        h.strats[name].flush()
+        h.check_state(name, [1])
