@@ -1,0 +1,98 @@
+"""Triton fast rebuild: the state after m pending records from the checkpoint and the (d, k, g) rings.
+
+Same signature and semantics as `kernels/rebuild/naive.py`. `_rebuild_tile` is also inlined at the
+start of the lazy verify kernel, so verify does not need a separate launch (or a host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fold.triton import _exp, _load_gate, check_float, num_warps_for
+
+
+@triton.jit
+def _rebuild_tile(S0, d_base, k_base, g_base, start, m, L, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk,
+                  offs_k, offs_v, mask_k, mask_v, BK: tl.constexpr, BV: tl.constexpr, GDN: tl.constexpr):
+    """`exp(G_m) S0 + sum_j (k_j exp(G_m - G_j)) d_j^T`, `G_j = g_1 + .. + g_j` summed in order."""
+    Gm = tl.zeros([BK], dtype=tl.float32)
+    for j in range(m):
+        pos = (start + j) % L
+        Gm += _load_gate(g_base + pos * s_gt, offs_k, mask_k, s_gk, BK, GDN)
+    acc = tl.zeros([BK, BV], dtype=tl.float32)
+    G = tl.zeros([BK], dtype=tl.float32)
+    for j in range(m):
+        pos = (start + j) % L
+        G += _load_gate(g_base + pos * s_gt, offs_k, mask_k, s_gk, BK, GDN)
+        kj = tl.load(k_base + pos * s_kt + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
+        dj = tl.load(d_base + pos * s_dt + offs_v * s_dv, mask=mask_v, other=0.0).to(tl.float32)
+        kw = kj * _exp(Gm - G)
+        acc += kw[:, None] * dj[None, :]
+    return _exp(Gm)[:, None] * S0 + acc
+
+
+@triton.jit
+def _fast_rebuild_kernel(state, idx, rd, rk, rg, ring_start, num_tokens, out,
+                         s_sn, s_sh, s_sk, s_sv,
+                         s_dn, s_dh, s_dt, s_dv,
+                         s_kn, s_kh, s_kt, s_kk,
+                         s_gn, s_gh, s_gt, s_gk,
+                         H, L,
+                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         GDN: tl.constexpr):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_v = tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    o_ptr = out + ((i_b * H + i_h) * K + offs_k[:, None]) * V + offs_v[None, :]
+    s = tl.load(idx + i_b).to(tl.int64)
+    if s < 0:
+        tl.store(o_ptr, tl.zeros([BK, BV], dtype=tl.float32), mask=mask_kv)
+        return
+    m = tl.load(num_tokens + i_b).to(tl.int32)
+    start = tl.load(ring_start + s).to(tl.int64)
+    S0 = tl.load(state + s * s_sn + i_h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv,
+                 mask=mask_kv, other=0.0).to(tl.float32)
+    S = _rebuild_tile(S0, rd + s * s_dn + i_h * s_dh, rk + s * s_kn + i_h * s_kh, rg + s * s_gn + i_h * s_gh,
+                      start, m, L, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, BK, BV, GDN)
+    tl.store(o_ptr, S, mask=mask_kv)
+
+
+def rebuild_blocks(K: int, V: int) -> tuple[int, int]:
+    BK = triton.next_power_of_2(K)
+    return BK, min(triton.next_power_of_2(V), 32 if BK >= 128 else 64)
+
+
+def fast_rebuild(ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, ring_d: torch.Tensor,
+                 ring_k: torch.Tensor, ring_g: torch.Tensor, ring_start: torch.Tensor,
+                 num_tokens: torch.Tensor) -> torch.Tensor:
+    """`S_m = Diag(A_{1:m}) S_0 + sum_j Diag(A_{j+1:m}) k_j d_j^T` per request (see `naive.fast_rebuild`).
+
+    Returns `[B, H, K, V]` fp32; a row whose slot is negative comes back as zeros.
+    """
+    check_float("fast_rebuild", ssm_state, ring_d, ring_k, ring_g)
+    N, H, K, V = ssm_state.shape
+    L = ring_d.shape[2]
+    B = ssm_state_indices.shape[0]
+    if ring_d.shape[:3] != (N, H, L) or ring_d.shape[3] != V or ring_k.shape != (N, H, L, K):
+        raise ValueError(f"ring_d / ring_k: expected [{N}, {H}, L, {V}] / [{N}, {H}, L, {K}], "
+                         f"got {list(ring_d.shape)} / {list(ring_k.shape)}")
+    if ring_g.dim() != 4 or ring_g.shape[:3] != (N, H, L) or ring_g.shape[3] not in (1, K):
+        raise ValueError(f"ring_g: expected [{N}, {H}, {L}, {K} or 1], got {list(ring_g.shape)}")
+    if num_tokens.shape != (B,):
+        raise ValueError(f"num_tokens: expected shape [{B}], got {list(num_tokens.shape)}")
+    out = torch.empty(B, H, K, V, dtype=torch.float32, device=ssm_state.device)
+    if B == 0:
+        return out
+    BK, BV = rebuild_blocks(K, V)
+    _fast_rebuild_kernel[(B, H, triton.cdiv(V, BV))](
+        ssm_state, ssm_state_indices, ring_d, ring_k, ring_g, ring_start, num_tokens, out,
+        *ssm_state.stride(), *ring_d.stride(), *ring_k.stride(), *ring_g.stride(), H, L,
+        K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[3] == 1 and K != 1, num_warps=num_warps_for(BK * BV))
+    return out
