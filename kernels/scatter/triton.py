@@ -1,0 +1,71 @@
+"""Triton masked scatter: copy one verify step per request into its persistent slot, all layers at once.
+
+Same signature and semantics as `kernels/scatter/naive.py`. A pure copy (with a dtype cast on store),
+so fp64 is fine too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _masked_scatter_kernel(src, dst, idx, step, B, E, null_slot,
+                           s_sl, s_sr, s_st, s_dl, s_dn, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    lyr = pid // B
+    b = pid % B
+    s = tl.load(idx + b).to(tl.int64)
+    t = tl.load(step + b).to(tl.int64)
+    if (s < 0) | (s == null_slot) | (t < 0):
+        return
+    offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < E
+    x = tl.load(src + lyr * s_sl + b * s_sr + t * s_st + offs, mask=mask)
+    tl.store(dst + lyr * s_dl + s * s_dn + offs, x.to(dst.dtype.element_ty), mask=mask)
+
+
+def _flat(t: torch.Tensor, lead: int) -> torch.Tensor | None:
+    """View `t` as `[*t.shape[:lead], E]` without a copy, or None when the trailing dims are not dense."""
+    try:
+        return t.view(*t.shape[:lead], math.prod(t.shape[lead:]))
+    except RuntimeError:
+        return None
+
+
+def masked_scatter(src: torch.Tensor, dst: torch.Tensor, dst_indices: torch.Tensor, step: torch.Tensor, *,
+                   null_slot: int = -1) -> None:
+    """`dst[:, dst_indices[b]] = src[:, b, step[b]]` for every layer, in place (see `naive.masked_scatter`).
+
+    Trailing (per-state) dims must be dense in both tensors (any layer / slot / step strides are fine);
+    otherwise the data goes through contiguous copies.
+    """
+    B = dst_indices.shape[0]
+    if src.dim() != dst.dim() + 1 or src.shape[0] != dst.shape[0] or src.shape[3:] != dst.shape[2:] \
+            or src.shape[1] < B:
+        raise ValueError(f"src: expected [{dst.shape[0]}, >={B}, T, {', '.join(map(str, dst.shape[2:]))}], "
+                         f"got {list(src.shape)}")
+    if step.shape != (B,):
+        raise ValueError(f"step: expected shape [{B}], got {list(step.shape)}")
+    Lyr = dst.shape[0]
+    E = math.prod(dst.shape[2:])
+    if B == 0 or Lyr == 0 or E == 0:
+        return
+    s3 = _flat(src, 3)
+    if s3 is None:
+        s3 = src.contiguous().view(*src.shape[:3], E)
+    d2 = _flat(dst, 2)
+    target = None
+    if d2 is None:
+        target, d2 = dst, dst.contiguous().view(*dst.shape[:2], E)
+    BLOCK = min(triton.next_power_of_2(E), 2048)
+    _masked_scatter_kernel[(Lyr * B, triton.cdiv(E, BLOCK))](
+        s3, d2, dst_indices, step, B, E, int(null_slot),
+        s3.stride(0), s3.stride(1), s3.stride(2), d2.stride(0), d2.stride(1), BLOCK=BLOCK,
+        num_warps=4 if BLOCK >= 1024 else 1)
+    if target is not None:
+        target.copy_(d2.view(target.shape))

@@ -1,0 +1,298 @@
+"""Triton verify: delta rule over D chain tokens or T tree nodes, and the short conv in front of it.
+
+Same signatures and semantics as `kernels/verify/naive.py`. One program per (request, head, V block):
+- chain: the state stays in registers across the tokens;
+- tree: each node's state is written to `intermediate_states` and a node whose parent is not the node
+  just before it reloads its parent's state from there (so trees need `intermediate_states`);
+- rings: `d`, `k` (normalized), `g`, `rawv`, `rawk`, `beta` of token t go to position
+  `(ring_start[s] + num_pending[s] + t) % L` of the request's slot s;
+- lazy: with `num_pending`, the start state is the fast rebuild of the checkpoint and the pending
+  `(d, k, g)` records, computed in the same program (no separate launch).
+The checkpoint is never written. Rows whose slot is -1 or `null_slot` write zero outputs and nothing else.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import check_shape, gate_channels
+from ..fold.triton import _delta_update, _exp, _l2norm, _load_gate, check_float, num_warps_for
+from ..rebuild.triton import _rebuild_tile, rebuild_blocks
+
+
+def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor | None:
+    """`None` (chain) / `[T]` / `[B, T]` -> None or a contiguous `[B, T]` int32 tensor, checked."""
+    if parent is None:
+        return None
+    if parent.dim() == 1:
+        parent = parent.expand(B, -1)
+    check_shape("parent", parent, (B, T))
+    idx = torch.arange(T, device=parent.device)
+    if bool(((parent < -1) | (parent >= idx)).any()):
+        raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
+    return parent.to(device=device, dtype=torch.int32).contiguous()
+
+
+@triton.jit
+def _silu(y):
+    return tl.math.div_rn(y, 1.0 + _exp(-y))
+
+
+@triton.jit
+def _short_conv_verify_kernel(
+        x, w, bias, conv_state, idx, parent, win, y,
+        s_xb, s_xt, s_xc, s_wc, s_wk, s_cn, s_cc, s_ck, s_pb, s_pt,
+        s_wb, s_wt, s_wcc, s_wkk,
+        T, C, null_slot,
+        KC: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+        IS_TREE: tl.constexpr, HAS_WIN: tl.constexpr):
+    i_b = tl.program_id(0).to(tl.int64)
+    i_c = tl.program_id(1)
+    offs_c = i_c * BC + tl.arange(0, BC)
+    mask_c = offs_c < C
+    y_base = y + i_b * T * C + offs_c
+    s = tl.load(idx + i_b).to(tl.int64)
+    if (s < 0) | (s == null_slot):
+        for t in range(T):
+            tl.store(y_base + t * C, tl.zeros([BC], dtype=tl.float32).to(y.dtype.element_ty), mask=mask_c)
+        return
+    x_base = x + i_b * s_xb + offs_c * s_xc
+    c_base = conv_state + s * s_cn + offs_c * s_cc
+    if HAS_BIAS:
+        bv = tl.load(bias + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    for t in range(T):
+        # Walk from the token up its ancestors: column KC-1 of the conv input is x_t, column KC-2 its
+        # parent's x, ...; once past the root the columns come from the slot's window, newest first.
+        cur = tl.zeros([], dtype=tl.int32) + t
+        wcol = tl.zeros([], dtype=tl.int32) + (KC - 2)
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for jj in tl.static_range(KC):
+            j: tl.constexpr = KC - 1 - jj
+            in_seq = cur >= 0
+            # masks as [BC] vectors: the interpreter mishandles `vector & scalar-bool` masks
+            cur_v = tl.zeros([BC], dtype=tl.int32) + cur
+            wcol_v = tl.zeros([BC], dtype=tl.int32) + wcol
+            xv = tl.load(x_base + cur * s_xt, mask=mask_c & (cur_v >= 0), other=0.0).to(tl.float32)
+            wv = tl.load(c_base + wcol * s_ck, mask=mask_c & (cur_v < 0) & (wcol_v >= 0), other=0.0).to(tl.float32)
+            val = tl.where(cur_v >= 0, xv, wv)
+            acc += val * tl.load(w + offs_c * s_wc + j * s_wk, mask=mask_c, other=0.0).to(tl.float32)
+            if HAS_WIN:
+                if j >= 1:
+                    tl.store(win + i_b * s_wb + t * s_wt + offs_c * s_wcc + (j - 1) * s_wkk,
+                             val.to(win.dtype.element_ty), mask=mask_c)
+            if IS_TREE:
+                nxt = tl.load(parent + i_b * s_pb + cur * s_pt, mask=in_seq, other=-1)
+            else:
+                nxt = cur - 1
+            wcol = tl.where(in_seq, wcol, wcol - 1)
+            cur = tl.where(in_seq, nxt, -1)
+        if HAS_BIAS:
+            acc = acc + bv
+        if SILU:
+            acc = _silu(acc)
+        tl.store(y_base + t * C, acc.to(y.dtype.element_ty), mask=mask_c)
+
+
+def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                      conv_state_indices: torch.Tensor, *, parent: torch.Tensor | None = None,
+                      window_states: torch.Tensor | None = None, activation: str | None = "silu",
+                      null_slot: int = -1) -> torch.Tensor:
+    """Short conv over the verify tokens of each request, from its slot's window (see `naive`)."""
+    check_float("short_conv_verify", x, weight, bias, conv_state, window_states)
+    B, T, C = x.shape
+    Kc = weight.shape[-1]
+    check_shape("weight", weight, (C, Kc))
+    check_shape("conv_state", conv_state, (None, C, Kc - 1))
+    check_shape("conv_state_indices", conv_state_indices, (B,))
+    if window_states is not None and (window_states.dim() != 4 or window_states.shape[0] < B
+                                      or window_states.shape[1] < T or window_states.shape[2:] != (C, Kc - 1)):
+        raise ValueError(f"window_states: expected [>={B}, >={T}, {C}, {Kc - 1}], got {list(window_states.shape)}")
+    if activation not in ("silu", None):
+        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
+    if bias is not None:
+        check_shape("bias", bias, (C,))
+        bias = bias.contiguous()
+    par = _parents(parent, B, T, x.device)
+    y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
+    if B == 0 or T == 0:
+        return y
+    BC = min(triton.next_power_of_2(C), 256)
+    win = window_states if window_states is not None else y
+    _short_conv_verify_kernel[(B, triton.cdiv(C, BC))](
+        x, weight, bias if bias is not None else weight, conv_state, conv_state_indices,
+        par if par is not None else conv_state_indices, win, y,
+        *x.stride(), *weight.stride(), *conv_state.stride(), *(par.stride() if par is not None else (0, 0)),
+        *(window_states.stride() if window_states is not None else (0,) * 4),
+        T, C, int(null_slot),
+        KC=Kc, BC=BC, HAS_BIAS=bias is not None, SILU=activation == "silu", IS_TREE=par is not None,
+        HAS_WIN=window_states is not None, num_warps=num_warps_for(BC * 8))
+    return y
+
+
+@triton.jit
+def _verify_kernel(
+        q, k, v, g, beta, state, idx, parent, inter, o,
+        rd, rk, rg, rrv, rrk, rb, ring_start, num_pending,
+        s_sn, s_sh, s_sk, s_sv,
+        s_ib, s_it, s_ih, s_ik, s_iv,
+        s_dn, s_dh, s_dt, s_dv,
+        s_kn, s_kh, s_kt, s_kk,
+        s_gn, s_gh, s_gt, s_gk,
+        s_vn, s_vh, s_vt, s_vv,
+        s_rn, s_rh, s_rt, s_rk,
+        s_bn, s_bh, s_bt,
+        T, H, L, null_slot, scale, eps,
+        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        GDN: tl.constexpr, RING_GDN: tl.constexpr, RGK, IS_TREE: tl.constexpr, HAS_INTER: tl.constexpr,
+        HAS_RING: tl.constexpr, HAS_PENDING: tl.constexpr, SQRT_DIV: tl.constexpr):
+    # q, k [B, T, H, K], v / o [B, T, H, V], g [B, T, H, K or 1], beta [B, T, H], parent [B, T]: contiguous.
+    i_b = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    i_v = tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = i_v * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    o_base = o + (i_b * T * H + i_h) * V + offs_v
+    s = tl.load(idx + i_b).to(tl.int64)
+    if (s < 0) | (s == null_slot):
+        for t in range(T):
+            tl.store(o_base + t * H * V, tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty), mask=mask_v)
+        return
+    kv_state = offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+    S0 = tl.load(state + s * s_sn + i_h * s_sh + kv_state, mask=mask_kv, other=0.0).to(tl.float32)
+    base = 0
+    if HAS_RING:
+        start = tl.load(ring_start + s).to(tl.int64)
+        base = start
+        d_base = rd + s * s_dn + i_h * s_dh
+        k_base = rk + s * s_kn + i_h * s_kh
+        g_base = rg + s * s_gn + i_h * s_gh
+        if HAS_PENDING:
+            m = tl.load(num_pending + s).to(tl.int32)
+            S0 = _rebuild_tile(S0, d_base, k_base, g_base, start, m, L, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk,
+                               offs_k, offs_v, mask_k, mask_v, BK, BV, RING_GDN)
+            base = start + m
+    kv_inter = offs_k[:, None] * s_ik + offs_v[None, :] * s_iv
+    S = S0
+    for t in range(T):
+        if IS_TREE:
+            p = tl.load(parent + i_b * T + t)
+            if p != t - 1:
+                if p < 0:
+                    S = S0
+                else:
+                    S = tl.load(inter + i_b * s_ib + p.to(tl.int64) * s_it + i_h * s_ih + kv_inter,
+                                mask=mask_kv, other=0.0).to(tl.float32)
+        tok = (i_b * T + t) * H + i_h
+        qt = tl.load(q + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        kt = tl.load(k + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        vt = tl.load(v + tok * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        if GDN:
+            gt = _load_gate(g + tok, offs_k, mask_k, 1, BK, True)
+        else:
+            gt = _load_gate(g + tok * K, offs_k, mask_k, 1, BK, False)
+        bt = tl.load(beta + tok).to(tl.float32)
+        qn = _l2norm(qt, eps, SQRT_DIV) * scale
+        kn = _l2norm(kt, eps, SQRT_DIV)
+        S, d = _delta_update(S, kn, vt, gt, bt)
+        ot = tl.sum(S * qn[:, None], axis=0)
+        tl.store(o_base + t * H * V, ot.to(o.dtype.element_ty), mask=mask_v)
+        if HAS_INTER:
+            tl.store(inter + i_b * s_ib + t * s_it + i_h * s_ih + kv_inter, S.to(inter.dtype.element_ty),
+                     mask=mask_kv)
+            if IS_TREE:
+                tl.debug_barrier()
+        if HAS_RING:
+            pos = (base + t) % L
+            tl.store(d_base + pos * s_dt + offs_v * s_dv, d.to(rd.dtype.element_ty), mask=mask_v)
+            tl.store(rrv + s * s_vn + i_h * s_vh + pos * s_vt + offs_v * s_vv, vt.to(rrv.dtype.element_ty),
+                     mask=mask_v)
+            if i_v == 0:
+                tl.store(k_base + pos * s_kt + offs_k * s_kk, kn.to(rk.dtype.element_ty), mask=mask_k)
+                tl.store(g_base + pos * s_gt + offs_k * s_gk, gt.to(rg.dtype.element_ty), mask=offs_k < RGK)
+                tl.store(rrk + s * s_rn + i_h * s_rh + pos * s_rt + offs_k * s_rk, kt.to(rrk.dtype.element_ty),
+                         mask=mask_k)
+                tl.store(rb + s * s_bn + i_h * s_bh + pos * s_bt, bt.to(rb.dtype.element_ty))
+
+
+def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, *,
+                      parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
+                      ring: tuple[torch.Tensor, ...] | None = None, ring_start: torch.Tensor | None = None,
+                      num_pending: torch.Tensor | None = None, scale: float | None = None, eps: float = 1e-6,
+                      norm: str = "rsqrt", null_slot: int = -1) -> torch.Tensor:
+    """Run the verify tokens of each request from its slot's checkpoint (see `naive.verify_delta_rule`).
+
+    Trees need `intermediate_states` (node states live there); ring records are stored in the ring
+    tensors' dtypes; the checkpoint is read only.
+    """
+    check_float("verify_delta_rule", q, k, v, g, beta, ssm_state, intermediate_states, *(ring or ()))
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    check_shape("q", q, (B, T, H, K))
+    check_shape("v", v, (B, T, H, V))
+    check_shape("beta", beta, (B, T, H))
+    g = gate_channels(g, beta)
+    check_shape("g", g, (B, T, H, None))
+    if g.shape[-1] not in (1, K):
+        raise ValueError(f"g: expected last dim {K} (KDA) or none (GDN), got {list(g.shape)}")
+    check_shape("ssm_state", ssm_state, (None, H, K, V))
+    check_shape("ssm_state_indices", ssm_state_indices, (B,))
+    if norm not in ("rsqrt", "sqrt_div"):
+        raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
+    if intermediate_states is not None and (intermediate_states.dim() != 5 or intermediate_states.shape[0] < B
+                                            or intermediate_states.shape[1] < T
+                                            or intermediate_states.shape[2:] != (H, K, V)):
+        raise ValueError(f"intermediate_states: expected [>={B}, >={T}, {H}, {K}, {V}], "
+                         f"got {list(intermediate_states.shape)}")
+    par = _parents(parent, B, T, k.device)
+    if par is not None and intermediate_states is None:
+        raise ValueError("intermediate_states: required for tree verify (node states live there)")
+    N = ssm_state.shape[0]
+    if ring is not None:
+        if len(ring) != 6:
+            raise ValueError(f"ring: expected (d, k, g, rawv, rawk, beta), got {len(ring)} tensors")
+        L = ring[0].shape[2]
+        if T > L:
+            raise ValueError(f"q: {T} verify tokens do not fit a ring of depth L={L}")
+        if ring_start is None:
+            raise ValueError("ring_start: required with ring")
+        rd, rk, rg, rrv, rrk, rb = ring
+        for name, t, dim in (("d", rd, V), ("k", rk, K), ("rawv", rrv, V), ("rawk", rrk, K)):
+            check_shape(f"ring[{name}]", t, (N, H, L, dim))
+        check_shape("ring[beta]", rb, (N, H, L))
+        if rg.dim() != 4 or rg.shape[:3] != (N, H, L) or rg.shape[3] not in (1, K) \
+                or (rg.shape[3] == 1 and g.shape[-1] == K and K != 1):
+            raise ValueError(f"ring[g]: expected [{N}, {H}, {L}, {g.shape[-1]}], got {list(rg.shape)}")
+    elif num_pending is not None:
+        raise ValueError("num_pending: needs ring (the pending records live there)")
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
+    if B == 0 or T == 0:
+        return o
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    scale = K ** -0.5 if scale is None else float(scale)
+    BK, BV = rebuild_blocks(K, V)
+    has_ring = ring is not None
+    has_inter = intermediate_states is not None
+    if has_ring:
+        ring_args = ring
+        ring_strides = (*rd.stride(), *rk.stride(), *rg.stride(), *rrv.stride(), *rrk.stride(), *rb.stride())
+        L, RGK = rd.shape[2], rg.shape[3]
+    else:
+        ring_args = (ssm_state,) * 6
+        ring_strides = (0,) * 23
+        L, RGK = 1, 1
+    _verify_kernel[(B, H, triton.cdiv(V, BV))](
+        q, k, v, g, beta, ssm_state, ssm_state_indices, par if par is not None else ssm_state_indices,
+        intermediate_states if has_inter else o, o, *ring_args,
+        ring_start if has_ring else ssm_state_indices, num_pending if num_pending is not None else ssm_state_indices,
+        *ssm_state.stride(), *(intermediate_states.stride() if has_inter else (0,) * 5), *ring_strides,
+        T, H, L, int(null_slot), scale, float(eps),
+        K=K, V=V, BK=BK, BV=BV, GDN=g.shape[-1] == 1 and K != 1, RING_GDN=has_ring and RGK == 1 and K != 1,
+        RGK=RGK, IS_TREE=par is not None, HAS_INTER=has_inter, HAS_RING=has_ring,
+        HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", num_warps=num_warps_for(BK * BV))
+    return o
