@@ -1,10 +1,7 @@
 """Kernels: pure-torch references and Triton kernels behind one dispatcher."""
 
-from .fold import exact_fold
-from .rebuild import fast_rebuild
+from .dispatch import exact_fold, fast_rebuild, masked_scatter, pick, short_conv_verify, verify_delta_rule
 from .recurrent import recurrent_delta_rule, short_conv
-from .scatter import masked_scatter
-from .verify import short_conv_verify, verify_delta_rule
 
-__all__ = ["exact_fold", "fast_rebuild", "masked_scatter", "recurrent_delta_rule", "short_conv",
-           "short_conv_verify", "verify_delta_rule"]
+__all__ = ["verify_delta_rule", "short_conv_verify", "exact_fold", "fast_rebuild", "masked_scatter",
+           "recurrent_delta_rule", "short_conv", "pick"]

@@ -1,0 +1,87 @@
+"""Pick the Triton kernel or the torch reference for each op.
+
+Triton runs when the tensors are on CUDA, or everywhere when the environment sets
+`SPECDEC_FORCE_TRITON=1` (the CPU tests do that under `TRITON_INTERPRET=1`). fp64 always goes to the
+reference (the kernels compute in fp32). The Triton modules are imported on first use only, so
+importing `specdec.kernels` never imports triton.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+from .fold.naive import exact_fold as _ref_exact_fold
+from .rebuild.naive import fast_rebuild as _ref_fast_rebuild
+from .scatter.naive import masked_scatter as _ref_masked_scatter
+from .verify.naive import short_conv_verify as _ref_short_conv_verify
+from .verify.naive import verify_delta_rule as _ref_verify_delta_rule
+
+# op name -> (reference, Triton module relative to this package)
+OPS = {
+    "verify_delta_rule": (_ref_verify_delta_rule, ".verify.triton"),
+    "short_conv_verify": (_ref_short_conv_verify, ".verify.triton"),
+    "exact_fold": (_ref_exact_fold, ".fold.triton"),
+    "fast_rebuild": (_ref_fast_rebuild, ".rebuild.triton"),
+    "masked_scatter": (_ref_masked_scatter, ".scatter.triton"),
+}
+
+
+def force_triton() -> bool:
+    return os.environ.get("SPECDEC_FORCE_TRITON", "") == "1"
+
+
+def triton_impl(name: str):
+    """The Triton implementation of op `name` (imports its module)."""
+    if name not in OPS:
+        raise ValueError(f"name: unknown op {name!r}; known: {sorted(OPS)}")
+    return getattr(importlib.import_module(OPS[name][1], __package__), name)
+
+
+def reference_impl(name: str):
+    """The torch reference of op `name`."""
+    if name not in OPS:
+        raise ValueError(f"name: unknown op {name!r}; known: {sorted(OPS)}")
+    return OPS[name][0]
+
+
+def pick(name: str, *tensors):
+    """Triton for CUDA tensors (or with SPECDEC_FORCE_TRITON=1), else the reference; fp64 -> reference.
+
+    `tensors` may hold None and tuples of tensors (rings); only tensors are looked at.
+    """
+    flat = []
+    for t in tensors:
+        if isinstance(t, (tuple, list)):
+            flat.extend(x for x in t if isinstance(x, torch.Tensor))
+        elif isinstance(t, torch.Tensor):
+            flat.append(t)
+    if any(t.dtype == torch.float64 for t in flat):
+        return reference_impl(name)
+    if force_triton() or any(t.is_cuda for t in flat):
+        return triton_impl(name)
+    return reference_impl(name)
+
+
+def _dispatched(name: str):
+    ref = reference_impl(name)
+
+    @functools.wraps(ref)
+    def op(*args, **kwargs):
+        return pick(name, *args, *kwargs.values())(*args, **kwargs)
+
+    op.__doc__ = (ref.__doc__ or "") + "\n    Dispatched: Triton on CUDA tensors (see specdec.kernels.dispatch).\n"
+    return op
+
+
+verify_delta_rule = _dispatched("verify_delta_rule")
+short_conv_verify = _dispatched("short_conv_verify")
+exact_fold = _dispatched("exact_fold")
+fast_rebuild = _dispatched("fast_rebuild")
+masked_scatter = _dispatched("masked_scatter")
+
+__all__ = ["OPS", "pick", "triton_impl", "reference_impl", "force_triton", "verify_delta_rule",
+           "short_conv_verify", "exact_fold", "fast_rebuild", "masked_scatter"]
