@@ -1,0 +1,115 @@
+"""KV cache of the full-attention layers: per-request buffers, rollback by length, tree masks."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Quacks like a transformers `Cache` for the model's own attention modules (`update` returns the
+    full keys/values), but keeps one buffer per request slot: `[N, heads, max_length, dim]` per stored
+    tensor (K and V, or MLA's compressed latents), allocated at the first `update` of each layer.
+
+    A round writes its T new entries after each request's committed length; `commit` keeps the accepted
+    ones (compacting a tree's accepted path) by moving the length, so rollback costs nothing.
+    """
+
+    def __init__(self, num_slots: int, max_length: int, *, device: torch.device | str = "cpu"):
+        self.max_length = max_length
+        self.device = torch.device(device)
+        self.lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)
+        self.store: dict[int, list[torch.Tensor]] = {}
+        self.slots: torch.Tensor | None = None
+        self.parent: torch.Tensor | None = None
+        self.num_tokens = 0
+
+    # ---- round -------------------------------------------------------------------------------------
+    def begin(self, slots: torch.Tensor, num_tokens: int, parent: torch.Tensor | None = None) -> None:
+        """Open a round: `slots [B]`, T tokens (a chain, or a tree with `parent [B, T]`)."""
+        need = self.lengths[slots] + num_tokens
+        if bool((need > self.max_length).any()):
+            raise ValueError(f"max_length: {int(need.max())} tokens would exceed the cache length {self.max_length}")
+        self.slots, self.num_tokens, self.parent = slots, num_tokens, parent
+
+    def depth(self) -> torch.Tensor:
+        """Depth of each round token `[B, T]` (chain: t; tree: ancestors counted)."""
+        B, T = self.slots.shape[0], self.num_tokens
+        if self.parent is None:
+            return torch.arange(T, device=self.device).expand(B, T)
+        depth = torch.zeros(B, T, dtype=torch.long, device=self.device)
+        for t in range(1, T):
+            p = self.parent[:, t]
+            depth[:, t] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, 0)
+        return depth
+
+    def positions(self) -> torch.Tensor:
+        """Position ids `[B, T]`: committed length + depth."""
+        return self.lengths[self.slots][:, None] + self.depth()
+
+    def visible(self) -> torch.Tensor:
+        """`[B, T, T]` bool: round token t sees round token u (u is t or an ancestor of t)."""
+        B, T = self.slots.shape[0], self.num_tokens
+        if self.parent is None:
+            return torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(B, T, T)
+        vis = torch.eye(T, dtype=torch.bool, device=self.device).repeat(B, 1, 1)
+        for t in range(1, T):
+            p = self.parent[:, t]
+            anc = vis[torch.arange(B, device=self.device), p.clamp(min=0)] & (p >= 0)[:, None]
+            vis[:, t] |= anc
+        return vis
+
+    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask `[B, 1, T, S]`, `S = max committed length + T`: committed keys and the token's
+        own ancestors are visible; other round tokens and padding are not."""
+        lens = self.lengths[self.slots]
+        B, T = lens.shape[0], self.num_tokens
+        S = int(lens.max()) + T
+        j = torch.arange(S, device=self.device)
+        ok = (j[None, None, :] < lens[:, None, None]).expand(B, T, S).clone()
+        rel = j[None, :] - lens[:, None]  # [B, S]: index of the round token stored at key j
+        inside = (rel >= 0) & (rel < T)
+        vis = self.visible()  # [B, T, T]
+        gathered = vis.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S))
+        ok |= inside[:, None, :] & gathered
+        mask = torch.zeros(B, 1, T, S, dtype=dtype, device=self.device)
+        return mask.masked_fill(~ok[:, None], torch.finfo(dtype).min)
+
+    # ---- transformers Cache surface -----------------------------------------------------------------
+    def update(self, *states: torch.Tensor, **kwargs):
+        """`update(key [B, h, T, dk], value [B, h, T, dv], layer_idx, ...)` -> full `[B, h, S, d]` each."""
+        layer_idx = states[2] if len(states) > 2 else kwargs["layer_idx"]
+        new = states[:2]
+        if layer_idx not in self.store:
+            self.store[layer_idx] = [torch.zeros(self.lengths.shape[0], x.shape[1], self.max_length, x.shape[3],
+                                                 dtype=x.dtype, device=self.device) for x in new]
+        lens = self.lengths[self.slots]
+        S = int(lens.max()) + self.num_tokens
+        idx = lens[:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]
+        out = []
+        for buf, x in zip(self.store[layer_idx], new):
+            buf[self.slots[:, None], :, idx] = x.transpose(1, 2).to(buf.dtype)  # [B, T, h, d] at (slot, pos)
+            out.append(buf[self.slots, :, :S])
+        return tuple(out)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.lengths[self.slots].max()) if self.slots is not None else 0
+
+    # ---- commit ------------------------------------------------------------------------------------
+    def commit(self, path: torch.Tensor, n: torch.Tensor) -> None:
+        """Keep `n [B]` accepted round tokens of each row, `path [B, M]` their node indices (root first)."""
+        lens = self.lengths[self.slots]
+        for b, s in enumerate(self.slots.tolist()):
+            m = int(n[b])
+            p = path[b, :m]
+            if m and p.tolist() != list(range(m)):  # tree: move the accepted path to consecutive positions
+                for bufs in self.store.values():
+                    for buf in bufs:
+                        buf[s, :, lens[b]:lens[b] + m] = buf[s, :, lens[b] + p]
+        self.lengths[self.slots] += n
+        self.slots = self.parent = None
+
+    def abort(self) -> None:
+        self.slots = self.parent = None
+
+    def reset(self, slot: int) -> None:
+        self.lengths[slot] = 0

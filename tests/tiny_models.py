@@ -1,0 +1,90 @@
+"""Tiny random models of transformers' own classes, and a switch to transformers' pure-torch paths."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import torch
+
+FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5")
+
+
+def tiny_config(family: str, *, vocab_size: int = 96, num_layers: int = 4):
+    """A 4-layer config (3 linear + 1 full attention) of `family`, hidden 64."""
+    layer_types = ["linear_attention"] * (num_layers - 1) + ["full_attention"]
+    if family == "kimi_linear":
+        from transformers import KimiLinearConfig
+        return KimiLinearConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16,
+            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_experts=4, num_experts_per_token=2,
+            num_shared_experts=1, linear_num_heads=2, linear_head_dim=16, layer_types=layer_types,
+            mlp_layer_types=["dense"] + ["sparse"] * (num_layers - 1), pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, tie_word_embeddings=False)
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig
+        return Qwen3NextConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, num_hidden_layers=num_layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+            layer_types=layer_types, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+        return Qwen3_5TextConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, layer_types=layer_types,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    raise ValueError(family)
+
+
+def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, **kw):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **kw), dtype=dtype,
+                                             experts_implementation="eager", attn_implementation="eager")
+    return model.eval()
+
+
+@contextlib.contextmanager
+def torch_fallbacks(*families: str):
+    """Route transformers' linear-attention layers to its own pure-torch code (fla's Triton kernels do not
+    run on CPU): swap each hub/fla-backed function of the modeling module for its `__wrapped__` original."""
+    swaps = []
+    for fam in families or FAMILIES:
+        mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
+        for name, fn in list(vars(mod).items()):
+            orig = getattr(fn, "__wrapped__", None)
+            if callable(fn) and orig is not None and getattr(fn, "__module__", None) == mod.__name__:
+                swaps.append((mod, name, fn))
+                setattr(mod, name, orig)
+    try:
+        yield
+    finally:
+        for mod, name, fn in swaps:
+            setattr(mod, name, fn)
+
+
+class _Float64Mode(torch.overrides.TorchFunctionMode):
+    """Every float32 request becomes float64: `.float()`, `.to(torch.float32)`, `dtype=torch.float32`."""
+
+    @staticmethod
+    def _swap(x):
+        return torch.float64 if x is torch.float32 else x
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = {k: self._swap(v) for k, v in (kwargs or {}).items()}
+        if func is torch.Tensor.float:
+            return args[0].double()
+        args = tuple(self._swap(a) for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def float64_everywhere():
+    """Run code in float64 throughout. transformers computes its linear-attention layers in float32 even in a
+    float64 model (and keeps the recurrent state in float32), so float64 comparisons run both sides under this."""
+    with _Float64Mode():
+        yield
