@@ -24,6 +24,19 @@ def num_warps_for(block_elems: int) -> int:
 
 
 @triton.jit
+def _cast_to(x, ptr):
+    """`x` in the element type of `ptr`; fp32 -> bf16 rounds to nearest even, like torch and the GPU
+    (the interpreter's own fp32 -> bf16 cast truncates)."""
+    if (ptr.dtype.element_ty == tl.bfloat16) and (x.dtype == tl.float32):
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+        bits = tl.where(x == x, r, 0x7FC0).to(tl.uint16)
+        return bits.to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
 def _exp(x):
     """fp32 `exp` rounded from fp64: correctly rounded on every backend, like torch's CPU `exp` (numpy's
     fp32 `exp` in the interpreter and the GPU's fast `exp` are an ulp off often enough to drift a
@@ -115,8 +128,8 @@ def _exact_fold_kernel(
                 par = (count // track_interval) % 2
                 t_off = lyr * s_tl + s * s_tn + par * s_tp + i_h * s_th
                 tl.store(track + t_off + offs_k[:, None] * s_tk + offs_v[None, :] * s_tv,
-                         S.to(track.dtype.element_ty), mask=mask_kv)
-    tl.store(state + st_off + kv_off, S.to(state.dtype.element_ty), mask=mask_kv)
+                         _cast_to(S, track), mask=mask_kv)
+    tl.store(state + st_off + kv_off, _cast_to(S, state), mask=mask_kv)
 
 
 def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torch.Tensor, ring_g: torch.Tensor,

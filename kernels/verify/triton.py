@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..common import check_shape, gate_channels
-from ..fold.triton import _delta_update, _exp, _l2norm, _load_gate, check_float, num_warps_for
+from ..fold.triton import _cast_to, _delta_update, _exp, _l2norm, _load_gate, check_float, num_warps_for
 from ..rebuild.triton import _rebuild_tile, rebuild_blocks
 
 
@@ -56,7 +56,7 @@ def _short_conv_verify_kernel(
     s = tl.load(idx + i_b).to(tl.int64)
     if (s < 0) | (s == null_slot):
         for t in range(T):
-            tl.store(y_base + t * C, tl.zeros([BC], dtype=tl.float32).to(y.dtype.element_ty), mask=mask_c)
+            tl.store(y_base + t * C, _cast_to(tl.zeros([BC], dtype=tl.float32), y), mask=mask_c)
         return
     x_base = x + i_b * s_xb + offs_c * s_xc
     c_base = conv_state + s * s_cn + offs_c * s_cc
@@ -81,7 +81,7 @@ def _short_conv_verify_kernel(
             if HAS_WIN:
                 if j >= 1:
                     tl.store(win + i_b * s_wb + t * s_wt + offs_c * s_wcc + (j - 1) * s_wkk,
-                             val.to(win.dtype.element_ty), mask=mask_c)
+                             _cast_to(val, win), mask=mask_c)
             if IS_TREE:
                 nxt = tl.load(parent + i_b * s_pb + cur * s_pt, mask=in_seq, other=-1)
             else:
@@ -92,7 +92,7 @@ def _short_conv_verify_kernel(
             acc = acc + bv
         if SILU:
             acc = _silu(acc)
-        tl.store(y_base + t * C, acc.to(y.dtype.element_ty), mask=mask_c)
+        tl.store(y_base + t * C, _cast_to(acc, y), mask=mask_c)
 
 
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -160,7 +160,7 @@ def _verify_kernel(
     s = tl.load(idx + i_b).to(tl.int64)
     if (s < 0) | (s == null_slot):
         for t in range(T):
-            tl.store(o_base + t * H * V, tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty), mask=mask_v)
+            tl.store(o_base + t * H * V, _cast_to(tl.zeros([BV], dtype=tl.float32), o), mask=mask_v)
         return
     kv_state = offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
     S0 = tl.load(state + s * s_sn + i_h * s_sh + kv_state, mask=mask_kv, other=0.0).to(tl.float32)
@@ -200,23 +200,23 @@ def _verify_kernel(
         kn = _l2norm(kt, eps, SQRT_DIV)
         S, d = _delta_update(S, kn, vt, gt, bt)
         ot = tl.sum(S * qn[:, None], axis=0)
-        tl.store(o_base + t * H * V, ot.to(o.dtype.element_ty), mask=mask_v)
+        tl.store(o_base + t * H * V, _cast_to(ot, o), mask=mask_v)
         if HAS_INTER:
-            tl.store(inter + i_b * s_ib + t * s_it + i_h * s_ih + kv_inter, S.to(inter.dtype.element_ty),
+            tl.store(inter + i_b * s_ib + t * s_it + i_h * s_ih + kv_inter, _cast_to(S, inter),
                      mask=mask_kv)
             if IS_TREE:
                 tl.debug_barrier()
         if HAS_RING:
             pos = (base + t) % L
-            tl.store(d_base + pos * s_dt + offs_v * s_dv, d.to(rd.dtype.element_ty), mask=mask_v)
-            tl.store(rrv + s * s_vn + i_h * s_vh + pos * s_vt + offs_v * s_vv, vt.to(rrv.dtype.element_ty),
+            tl.store(d_base + pos * s_dt + offs_v * s_dv, _cast_to(d, rd), mask=mask_v)
+            tl.store(rrv + s * s_vn + i_h * s_vh + pos * s_vt + offs_v * s_vv, _cast_to(vt, rrv),
                      mask=mask_v)
             if i_v == 0:
-                tl.store(k_base + pos * s_kt + offs_k * s_kk, kn.to(rk.dtype.element_ty), mask=mask_k)
-                tl.store(g_base + pos * s_gt + offs_k * s_gk, gt.to(rg.dtype.element_ty), mask=offs_k < RGK)
-                tl.store(rrk + s * s_rn + i_h * s_rh + pos * s_rt + offs_k * s_rk, kt.to(rrk.dtype.element_ty),
+                tl.store(k_base + pos * s_kt + offs_k * s_kk, _cast_to(kn, rk), mask=mask_k)
+                tl.store(g_base + pos * s_gt + offs_k * s_gk, _cast_to(gt, rg), mask=offs_k < RGK)
+                tl.store(rrk + s * s_rn + i_h * s_rh + pos * s_rt + offs_k * s_rk, _cast_to(kt, rrk),
                          mask=mask_k)
-                tl.store(rb + s * s_bn + i_h * s_bh + pos * s_bt, bt.to(rb.dtype.element_ty))
+                tl.store(rb + s * s_bn + i_h * s_bh + pos * s_bt, _cast_to(bt, rb))
 
 
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
