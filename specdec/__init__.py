@@ -1,6 +1,18 @@
 """specdec: lossless speculative decoding for hybrid linear-attention LLMs.
 
+    engine = specdec.wrap(model, drafter="ngram")
+    out = engine.generate(input_ids, max_new_tokens=64)
+
 Importing this package has no side effects: no device probing, no environment changes.
 """
 
 __version__ = "0.1.0"
+
+
+def wrap(model, **config):
+    """See `specdec.engine.wrap`."""
+    from .engine import wrap as _wrap
+    return _wrap(model, **config)
+
+
+__all__ = ["wrap", "__version__"]

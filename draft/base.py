@@ -1,0 +1,61 @@
+"""Drafter interface: propose a block of draft tokens per request, keep own caches in step with commits."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftBlock:
+    """Drafts for B requests.
+
+    tokens: `[B, G]` draft tokens following each request's anchor (G may be 0).
+    num_drafts: `[B]` valid drafts per row (<= G; the rest is padding and never accepted).
+    probs: `[B, G, V]` distribution each draft was drawn from, or None for deterministic drafts (one-hot q).
+    parent: None for a chain, or `[B, 1 + G]` parents over `[anchor, drafts...]` for a tree (anchor -1).
+    """
+
+    tokens: torch.Tensor
+    num_drafts: torch.Tensor
+    probs: torch.Tensor | None = None
+    parent: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, B: int, device) -> "DraftBlock":
+        return cls(torch.zeros(B, 0, dtype=torch.long, device=device), torch.zeros(B, dtype=torch.long, device=device))
+
+    @classmethod
+    def from_lists(cls, drafts: list[list[int]], device) -> "DraftBlock":
+        """Right-padded chain block from per-row token lists."""
+        G = max((len(d) for d in drafts), default=0)
+        tokens = torch.zeros(len(drafts), G, dtype=torch.long, device=device)
+        for b, d in enumerate(drafts):
+            tokens[b, :len(d)] = torch.tensor(d, dtype=torch.long)
+        return cls(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long, device=device))
+
+
+class Drafter(ABC):
+    """A drafter sees each request's full token history (prompt + committed tokens + the anchor)."""
+
+    name = "drafter"
+
+    def bind(self, engine) -> None:
+        """Called once by the engine (target runner, sampling settings are reachable through it)."""
+        self.engine = engine
+
+    def begin(self, rows: list[int], prompts: list[torch.Tensor]) -> None:
+        """New requests `rows` with their prompts `[P]`."""
+
+    @abstractmethod
+    def propose(self, rows: list[int], contexts: list[torch.Tensor], gamma: int, *, sampling=None,
+                generator: torch.Generator | None = None) -> DraftBlock:
+        """Up to `gamma` drafts after each context `[n]` (whose last token is the anchor)."""
+
+    def commit(self, rows: list[int], num_accepted: torch.Tensor) -> None:
+        """`num_accepted [B]` drafts of the last block were accepted."""
+
+    def release(self, rows: list[int]) -> None:
+        """Requests ended."""

@@ -1,0 +1,73 @@
+"""A small causal LM as drafter (any model; hybrid ones roll back through the same state machinery)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import DraftBlock, Drafter
+
+
+class ModelDrafter(Drafter):
+    """Drafts autoregressively with `draft_model`. Its caches only ever commit tokens the target accepted:
+    each propose first commits the tokens accepted since the last one (anchor included), then drafts
+    token by token in rounds that are aborted, so rejected drafts never touch its state."""
+
+    name = "model"
+
+    def __init__(self, draft_model, *, max_batch_size: int = 8, max_length: int = 4096, gamma: int = 7):
+        from specdec.runner import make_runner
+        self.model = draft_model
+        self.runner = make_runner(draft_model, max_batch_size=max_batch_size, max_length=max_length + gamma + 1,
+                                  num_verify_tokens=gamma + 1)
+        self.gamma = gamma
+        self.slot: dict[int, int] = {}
+        self.seen: dict[int, int] = {}
+
+    def begin(self, rows, prompts):
+        slots = self.runner.alloc(len(rows))
+        for r, s, p in zip(rows, slots, prompts):
+            self.slot[r], self.seen[r] = s, 0
+
+    def release(self, rows):
+        slots = [self.slot.pop(r) for r in rows if r in self.slot]
+        for r in rows:
+            self.seen.pop(r, None)
+        if slots:
+            self.runner.release(slots)
+
+    def _next(self, logits: torch.Tensor, sampling, generator):
+        from specdec.verify import probs_from_logits
+        if sampling is None or not sampling.do_sample:
+            return int(logits.argmax()), None
+        q = probs_from_logits(logits, sampling)
+        return int(torch.multinomial(q.to(torch.float64), 1, generator=generator)), q
+
+    @torch.no_grad()
+    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        gamma = min(gamma, self.gamma)
+        drafts, probs = [], []
+        for r, ctx in zip(rows, contexts):
+            s = self.slot[r]
+            new = ctx[self.seen[r]:]
+            if self.seen[r] == 0:
+                out = self.runner.prefill(s, new)
+            else:
+                out = self.runner.forward([s], new[None])
+                self.runner.commit([new.shape[0]])
+            self.seen[r] = ctx.shape[0]
+            row, qs = [], []
+            tok, q = self._next(out.logits[0, -1], sampling, generator)
+            row.append(tok)
+            qs.append(q)
+            while len(row) < gamma:
+                out = self.runner.forward([s], torch.tensor([row], dtype=torch.long, device=ctx.device))
+                self.runner.abort()
+                tok, q = self._next(out.logits[0, -1], sampling, generator)
+                row.append(tok)
+                qs.append(q)
+            drafts.append(row)
+            probs.append(qs)
+        block = DraftBlock.from_lists(drafts, contexts[0].device)
+        if sampling is not None and sampling.do_sample and drafts:
+            block.probs = torch.stack([torch.stack(qs) for qs in probs])
+        return block

@@ -1,0 +1,33 @@
+"""Prompt lookup: draft the continuation of the latest earlier occurrence of the context's suffix."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import DraftBlock, Drafter
+
+
+class NgramDrafter(Drafter):
+    """No weights. For n from `max_ngram` down to `min_ngram`, find the latest earlier occurrence of the
+    last n tokens and propose the (up to gamma) tokens that followed it."""
+
+    name = "ngram"
+
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"min_ngram/max_ngram: expected 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def lookup(self, ctx: list[int], gamma: int) -> list[int]:
+        for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
+            suffix = ctx[-n:]
+            for i in range(len(ctx) - n - 1, -1, -1):
+                if ctx[i:i + n] == suffix:
+                    follow = ctx[i + n:i + n + gamma]
+                    if follow:
+                        return follow
+        return []
+
+    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        device = contexts[0].device if contexts else "cpu"
+        return DraftBlock.from_lists([self.lookup(c.tolist(), gamma) for c in contexts], device)

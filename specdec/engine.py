@@ -1,0 +1,271 @@
+"""`specdec.wrap(model)`: speculative generation with a target runner, a drafter and acceptance rules."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.draft import Drafter, DraftBlock, ModelDrafter, NgramDrafter
+from specdec.verify import SamplingParams, accept_chain_greedy, accept_chain_sampling, probs_from_logits
+
+from .runner import make_runner
+
+STRATEGIES = ("replay", "snapshot")
+COMMITS = ("eager", "lazy")
+
+
+@dataclass
+class SpecStats:
+    """Counters of one `generate` call. `tau`: tokens committed per verify forward (bonus included);
+    `alpha`: accepted / proposed drafts; `per_position[i]`: acceptance of draft i given drafts < i were."""
+
+    rounds: int = 0  # verify forwards, counted per request
+    tokens: int = 0  # tokens committed by verify forwards (accepted drafts + bonus)
+    proposed: int = 0
+    accepted: int = 0
+    drafter_failures: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
+                                                               "total": 0.0})
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
+
+    def record(self, num_drafts: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        for g, n in zip(num_drafts.tolist(), num_accepted.tolist()):
+            self.rounds += 1
+            self.tokens += n + 1
+            self.proposed += g
+            self.accepted += n
+            while len(self.reached) < g:
+                self.reached.append(0)
+                self.accepted_at.append(0)
+            for i in range(min(n + 1, g)):  # draft i was reached when drafts < i were all accepted
+                self.reached[i] += 1
+                self.accepted_at[i] += int(i < n)
+
+    def as_dict(self) -> dict:
+        return dict(rounds=self.rounds, tokens=self.tokens, tau=self.tau, alpha=self.alpha, proposed=self.proposed,
+                    accepted=self.accepted, per_position=self.per_position, drafter_failures=self.drafter_failures,
+                    timings=dict(self.timings))
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor  # [B, longest prompt + new], right-padded with the pad id
+    stats: SpecStats
+
+
+class SpecEngine:
+    """Lossless speculative decoding for one target model; see `specdec.wrap`."""
+
+    def __init__(self, model, *, drafter="ngram", num_draft_tokens: int = 7, strategy: str = "replay",
+                 commit: str = "eager", draft_model=None, max_batch_size: int = 8, max_length: int | None = None,
+                 **drafter_kwargs):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
+        if commit not in COMMITS:
+            raise ValueError(f"commit: expected one of {COMMITS}, got {commit!r}")
+        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens: expected an int >= 1, got {num_draft_tokens!r}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
+        self.model = model
+        self.gamma = num_draft_tokens
+        self.max_length = int(max_length or min(getattr(model.config, "max_position_embeddings", 4096) or 4096,
+                                                4096))
+        self.drafter = self._make_drafter(drafter, draft_model, max_batch_size, drafter_kwargs)
+        self.runner = make_runner(model, strategy=strategy, commit=commit, max_batch_size=max_batch_size,
+                                  max_length=self.max_length + self.gamma + 1, num_verify_tokens=self.gamma + 1)
+        self.drafter.bind(self)
+        gen = getattr(model, "generation_config", None)
+        self.eos_token_id = getattr(gen, "eos_token_id", None)
+        pad = getattr(gen, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(model.config, "pad_token_id", None)
+        if pad is None:
+            eos = self.eos_token_id
+            pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
+        self.pad_token_id = int(pad)
+
+    def _make_drafter(self, drafter, draft_model, max_batch_size, kwargs) -> Drafter:
+        if isinstance(drafter, Drafter):
+            return drafter
+        if drafter == "ngram":
+            return NgramDrafter(**kwargs)
+        if drafter == "model":
+            if draft_model is None:
+                raise ValueError("draft_model: required with drafter='model'")
+            tv = self.model.config.get_text_config().vocab_size
+            dv = draft_model.config.get_text_config().vocab_size
+            if tv != dv:
+                raise ValueError(f"draft_model: vocab size {dv} does not match the target's {tv}")
+            return ModelDrafter(draft_model, max_batch_size=max_batch_size, max_length=self.max_length,
+                                gamma=self.gamma, **kwargs)
+        raise ValueError(f"drafter: expected 'ngram', 'model' or a Drafter instance, got {drafter!r}")
+
+    # ---- generate ----------------------------------------------------------------------------------
+    def _prompts(self, input_ids) -> list[torch.Tensor]:
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() == 1:
+                input_ids = input_ids[None]
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids: expected [B, P] or a list of 1-D sequences, got {list(input_ids.shape)}")
+            prompts = list(input_ids)
+        else:
+            prompts = [torch.as_tensor(p, dtype=torch.long) for p in input_ids]
+        if not prompts:
+            raise ValueError("input_ids: no prompts")
+        for i, p in enumerate(prompts):
+            if p.dim() != 1 or p.numel() == 0:
+                raise ValueError(f"input_ids: prompt {i} is empty or not 1-D (shape {list(p.shape)})")
+        return [p.to(self.runner.device, torch.long) for p in prompts]
+
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
+                 top_k: int = 0, top_p: float = 1.0, eos_token_id="default", seed: int | None = None,
+                 streamer=None) -> GenerateOutput:
+        """Generate up to `max_new_tokens` per prompt; greedy output equals the target's own greedy decode and
+        sampled output follows the target's distribution. `eos_token_id=None` never stops early."""
+        t0 = time.perf_counter()
+        prompts = self._prompts(input_ids)
+        B = len(prompts)
+        sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        longest = max(p.numel() for p in prompts)
+        if longest + max_new_tokens > self.max_length:
+            raise ValueError(f"max_new_tokens: prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"max_length {self.max_length}")
+        if B > self.runner.num_free:
+            raise ValueError(f"input_ids: {B} requests but only {self.runner.num_free} free slots "
+                             f"(max_batch_size)")
+        if streamer is not None and B != 1:
+            raise ValueError("streamer: streaming supports a single prompt")
+        eos = self.eos_token_id if eos_token_id == "default" else eos_token_id
+        eos_set = set([eos] if isinstance(eos, int) else (eos or []))
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+        stats = SpecStats()
+        slots = self.runner.alloc(B)
+        rows = list(range(B))
+        try:
+            self.drafter.begin(rows, prompts)
+            out_tokens: list[list[int]] = [[] for _ in rows]
+            anchors = torch.zeros(B, dtype=torch.long, device=self.runner.device)
+            t = time.perf_counter()
+            for b, p in enumerate(prompts):
+                logits = self.runner.prefill(slots[b], p).logits[0, -1]
+                anchors[b] = self._sample(logits, sampling, gen)
+            stats.timings["prefill"] += time.perf_counter() - t
+            if streamer is not None:
+                streamer.put(prompts[0].cpu())
+            active = [b for b in rows if not self._emit(out_tokens[b], [int(anchors[b])], max_new_tokens, eos_set,
+                                                        streamer)]
+            while active:
+                self._round(active, slots, prompts, out_tokens, anchors, sampling, gen, stats, max_new_tokens,
+                            eos_set, streamer)
+                active = [b for b in active if not self._done(out_tokens[b], max_new_tokens, eos_set)]
+        finally:
+            self.drafter.release(rows)
+            self.runner.release(slots)
+            if streamer is not None:
+                streamer.end()
+        stats.timings["total"] = time.perf_counter() - t0
+        width = max(p.numel() + len(o) for p, o in zip(prompts, out_tokens))
+        seqs = torch.full((B, width), self.pad_token_id, dtype=torch.long)
+        for b, (p, o) in enumerate(zip(prompts, out_tokens)):
+            row = p.tolist() + o
+            seqs[b, :len(row)] = torch.tensor(row)
+        return GenerateOutput(seqs, stats)
+
+    def _round(self, active, slots, prompts, out_tokens, anchors, sampling, gen, stats, max_new, eos_set, streamer):
+        B = len(active)
+        dev = self.runner.device
+        contexts = [torch.cat([prompts[b], torch.tensor(out_tokens[b], dtype=torch.long, device=dev)])
+                    for b in active]
+        gamma = min(self.gamma, max(max_new - len(out_tokens[b]) for b in active))
+        t = time.perf_counter()
+        try:
+            block = self.drafter.propose(active, contexts, gamma, sampling=sampling, generator=gen)
+            block = self._check_block(block, B, gamma)
+        except Exception as e:  # a broken drafter costs speed, never correctness: plain decode this round
+            warnings.warn(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)} failed "
+                          f"({type(e).__name__}: {e}); plain decode for this round", RuntimeWarning, stacklevel=3)
+            stats.drafter_failures += 1
+            block = DraftBlock.empty(B, dev)
+        stats.timings["draft"] += time.perf_counter() - t
+        t = time.perf_counter()
+        G = block.tokens.shape[1]
+        ids = torch.cat([anchors[active][:, None], block.tokens], dim=1)
+        out = self.runner.forward([slots[b] for b in active], ids)
+        if sampling.do_sample:
+            p = probs_from_logits(out.logits, sampling)
+            n, bonus = accept_chain_sampling(block.tokens, block.probs, p, generator=gen, num_drafts=block.num_drafts)
+        else:
+            n, bonus = accept_chain_greedy(block.tokens, out.logits, num_drafts=block.num_drafts)
+        self.runner.commit(n + 1)
+        stats.timings["verify"] += time.perf_counter() - t
+        self.drafter.commit(active, n)
+        stats.record(block.num_drafts, n)
+        for i, b in enumerate(active):
+            new = block.tokens[i, :int(n[i])].tolist() + [int(bonus[i])]
+            anchors[b] = bonus[i]
+            self._emit(out_tokens[b], new, max_new, eos_set, streamer)
+        del G
+
+    @staticmethod
+    def _check_block(block: DraftBlock, B: int, gamma: int) -> DraftBlock:
+        if not isinstance(block, DraftBlock) or block.tokens.dim() != 2 or block.tokens.shape[0] != B:
+            raise ValueError(f"drafter returned {type(block).__name__}, expected a DraftBlock with tokens [{B}, G]")
+        if block.tokens.shape[1] > gamma:
+            block.tokens = block.tokens[:, :gamma]
+            block.num_drafts = block.num_drafts.clamp(max=gamma)
+            if block.probs is not None:
+                block.probs = block.probs[:, :gamma]
+        return block
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, sampling: SamplingParams, gen) -> int:
+        if not sampling.do_sample:
+            return int(logits.argmax())
+        return int(torch.multinomial(probs_from_logits(logits, sampling).to(torch.float64), 1, generator=gen))
+
+    @staticmethod
+    def _done(toks: list[int], max_new: int, eos_set: set) -> bool:
+        return len(toks) >= max_new or (bool(toks) and toks[-1] in eos_set)
+
+    def _emit(self, toks: list[int], new: list[int], max_new: int, eos_set: set, streamer) -> bool:
+        """Append `new`, cut at EOS / max_new_tokens; -> finished."""
+        kept = []
+        for x in new:
+            if self._done(toks + kept, max_new, eos_set):
+                break
+            kept.append(x)
+        toks.extend(kept)
+        if streamer is not None and kept:
+            streamer.put(torch.tensor(kept))
+        return self._done(toks, max_new, eos_set)
+
+
+def wrap(model, **config) -> SpecEngine:
+    """Speculative decoding for a transformers causal LM: `wrap(model).generate(input_ids)`.
+
+    Options: drafter ("ngram", "model" or a Drafter), num_draft_tokens (gamma, 7), strategy ("replay" or
+    "snapshot"), commit ("eager" or "lazy"), draft_model, max_batch_size (8), max_length.
+    """
+    return SpecEngine(model, **config)
