@@ -27,13 +27,12 @@ def num_warps_for(block_elems: int) -> int:
 def _cast_to(x, ptr):
     """`x` in the element type of `ptr`; fp32 -> bf16 rounds to nearest even, like torch and the GPU
     (the interpreter's own fp32 -> bf16 cast truncates)."""
+    y = x
     if (ptr.dtype.element_ty == tl.bfloat16) and (x.dtype == tl.float32):
         u = x.to(tl.uint32, bitcast=True)
         r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
-        bits = tl.where(x == x, r, 0x7FC0).to(tl.uint16)
-        return bits.to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(ptr.dtype.element_ty)
+        y = tl.where(x == x, r, 0x7FC0).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return y.to(ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -59,9 +58,10 @@ def _l2norm(x, eps, SQRT_DIV: tl.constexpr):
 def _load_gate(ptr, offs_k, mask_k, stride_k, BK: tl.constexpr, GDN: tl.constexpr):
     """The log-decay of one token as a `[BK]` fp32 vector (GDN: one scalar broadcast over K)."""
     if GDN:
-        return tl.zeros([BK], dtype=tl.float32) + tl.load(ptr).to(tl.float32)
+        g = tl.zeros([BK], dtype=tl.float32) + tl.load(ptr).to(tl.float32)
     else:
-        return tl.load(ptr + offs_k * stride_k, mask=mask_k, other=0.0).to(tl.float32)
+        g = tl.load(ptr + offs_k * stride_k, mask=mask_k, other=0.0).to(tl.float32)
+    return g
 
 
 @triton.jit
@@ -181,4 +181,5 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
         *(track_states.stride() if has_track else (0,) * 6),
         B, L, int(null_slot), int(track_interval) if has_track else 1, float(eps),
         K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[4] == 1 and K != 1, HAS_OFFSETS=has_off, HAS_TRACK=has_track,
-        SQRT_DIV=norm == "sqrt_div", num_warps=num_warps_for(BK * BV))
+        SQRT_DIV=norm == "sqrt_div", num_warps=num_warps_for(BK * BV),
+        enable_fp_fusion=False)

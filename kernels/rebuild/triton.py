@@ -94,5 +94,6 @@ def fast_rebuild(ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, ring_
     _fast_rebuild_kernel[(B, H, triton.cdiv(V, BV))](
         ssm_state, ssm_state_indices, ring_d, ring_k, ring_g, ring_start, num_tokens, out,
         *ssm_state.stride(), *ring_d.stride(), *ring_k.stride(), *ring_g.stride(), H, L,
-        K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[3] == 1 and K != 1, num_warps=num_warps_for(BK * BV))
+        K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[3] == 1 and K != 1, num_warps=num_warps_for(BK * BV),
+        enable_fp_fusion=False)
     return out

@@ -69,7 +69,7 @@ def _short_conv_verify_kernel(
         wcol = tl.zeros([], dtype=tl.int32) + (KC - 2)
         acc = tl.zeros([BC], dtype=tl.float32)
         for jj in tl.static_range(KC):
-            j: tl.constexpr = KC - 1 - jj
+            j = KC - 1 - jj
             in_seq = cur >= 0
             # masks as [BC] vectors: the interpreter mishandles `vector & scalar-bool` masks
             cur_v = tl.zeros([BC], dtype=tl.int32) + cur
@@ -127,7 +127,8 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         *(window_states.stride() if window_states is not None else (0,) * 4),
         T, C, int(null_slot),
         KC=Kc, BC=BC, HAS_BIAS=bias is not None, SILU=activation == "silu", IS_TREE=par is not None,
-        HAS_WIN=window_states is not None, num_warps=num_warps_for(BC * 8))
+        HAS_WIN=window_states is not None, num_warps=num_warps_for(BC * 8),
+        enable_fp_fusion=False)
     return y
 
 
@@ -294,5 +295,6 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         T, H, L, int(null_slot), scale, float(eps),
         K=K, V=V, BK=BK, BV=BV, GDN=g.shape[-1] == 1 and K != 1, RING_GDN=has_ring and RGK == 1 and K != 1,
         RGK=RGK, IS_TREE=par is not None, HAS_INTER=has_inter, HAS_RING=has_ring,
-        HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", num_warps=num_warps_for(BK * BV))
+        HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", num_warps=num_warps_for(BK * BV),
+        enable_fp_fusion=False)
     return o
