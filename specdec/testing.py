@@ -42,6 +42,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.d
 
 def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |a - e| / max(|e|.max(), tiny): one scalar relative error for a whole tensor."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"shape {tuple(actual.shape)} != {tuple(expected.shape)}")
     e = expected.double()
     denom = e.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
     return ((actual.double() - e).abs().max() / denom).item()

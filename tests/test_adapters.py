@@ -1,0 +1,104 @@
+"""Teacher-forced logits of the hybrid adapters == the transformers model's own forward (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
+
+from specdec.runner import HybridRunner
+from specdec.testing import max_rel_err
+
+TOL = 1e-10
+MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    return tiny_model(request.param, seed=1)
+
+
+def reference_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own forward over the whole sequence `[P]` -> `[P, vocab]`."""
+    return model(ids[None]).logits[0]
+
+
+@pytest.mark.parametrize("strategy, commit", MODES)
+def test_chain_rounds_match_full_forward(model, strategy, commit):
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (30,), generator=gen)
+    with torch_fallbacks(), float64_everywhere():
+        ref = reference_logits(model, ids)
+        runner = HybridRunner(model, strategy=strategy, commit=commit, max_batch_size=2, max_length=64,
+                              num_verify_tokens=5, prefill_chunk=4)
+        slot = runner.alloc(1)[0]
+        out = runner.prefill(slot, ids[:11])  # chunks of 4, 4, 3 tokens
+        assert max_rel_err(out.logits[0], ref[8:11]) < TOL
+        pos = 11
+        while pos < ids.numel():
+            T = min(5, ids.numel() - pos)
+            logits = runner.forward([slot], ids[None, pos:pos + T]).logits[0]
+            assert max_rel_err(logits, ref[pos:pos + T]) < TOL, f"round at {pos}"
+            n = int(torch.randint(1, T + 1, (), generator=gen))
+            runner.commit([n])
+            pos += n
+
+
+@pytest.mark.parametrize("strategy, commit", MODES)
+def test_tree_round_then_chain(model, strategy, commit):
+    """Every tree node's logits == the full forward of its root path; after committing one path, later
+    rounds still match (KV compaction, fold of the accepted path)."""
+    gen = torch.Generator().manual_seed(1)
+    V = model.config.vocab_size
+    ids = torch.randint(3, V, (24,), generator=gen)
+    P = 10
+    parent = [-1, 0, 0, 1, 2, 3, 1]  # node 0 = the next true token; path 0-1-3-5 follows the true sequence
+    true_nodes = {0: P, 1: P + 1, 3: P + 2, 5: P + 3}
+    tokens = torch.tensor([int(ids[true_nodes[i]]) if i in true_nodes else int(torch.randint(3, V, (), generator=gen))
+                           for i in range(len(parent))])
+    with torch_fallbacks(), float64_everywhere():
+        runner = HybridRunner(model, strategy=strategy, commit=commit, max_batch_size=2, max_length=64,
+                              num_verify_tokens=len(parent))
+        other = runner.alloc(1)[0]  # a foreign request whose state must not move
+        runner.prefill(other, ids[:5])
+        slot = runner.alloc(1)[0]
+        runner.prefill(slot, ids[:P])
+        before = (runner.state.pool.ssm[:, other].clone(), runner.kv.lengths[other].item())
+        logits = runner.forward([slot], tokens[None], parent=parent).logits[0]
+        for node in range(len(parent)):
+            path, x = [], node
+            while x >= 0:
+                path.append(x)
+                x = parent[x]
+            seq = torch.cat([ids[:P], tokens[path[::-1]]])
+            assert max_rel_err(logits[node], reference_logits(model, seq)[-1]) < TOL, f"node {node}"
+        runner.commit(path=[[0, 1, 3, 5]])
+        assert torch.equal(runner.state.pool.ssm[:, other], before[0]) and runner.kv.lengths[other] == before[1]
+        ref = reference_logits(model, ids)
+        pos = P + 4
+        while pos < ids.numel():
+            T = min(4, ids.numel() - pos)
+            got = runner.forward([slot], ids[None, pos:pos + T]).logits[0]
+            assert max_rel_err(got, ref[pos:pos + T]) < TOL
+            runner.commit([T])
+            pos += T
+
+
+def test_batched_rows_of_different_lengths(model):
+    """Two requests with different committed lengths verified in one batch (padded KV, per-row masks)."""
+    gen = torch.Generator().manual_seed(2)
+    V = model.config.vocab_size
+    a, b = torch.randint(3, V, (20,), generator=gen), torch.randint(3, V, (13,), generator=gen)
+    with torch_fallbacks(), float64_everywhere():
+        ra, rb = reference_logits(model, a), reference_logits(model, b)
+        runner = HybridRunner(model, max_batch_size=3, max_length=64, num_verify_tokens=4)
+        sa, sb = runner.alloc(2)
+        runner.prefill(sa, a[:12])
+        runner.prefill(sb, b[:5])
+        pa, pb = 12, 5
+        for _ in range(2):
+            ids = torch.stack([b[pb:pb + 4], a[pa:pa + 4]])  # reversed slot order
+            got = runner.forward([sb, sa], ids).logits
+            assert max_rel_err(got[0], rb[pb:pb + 4]) < TOL and max_rel_err(got[1], ra[pa:pa + 4]) < TOL
+            runner.commit([2, 4])
+            pb, pa = pb + 2, pa + 4
