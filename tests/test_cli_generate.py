@@ -1,0 +1,112 @@
+"""`python -m specdec generate`: a tiny saved model and tokenizer, run in a subprocess as a user would.
+
+The oracle is independent of specdec: transformers' own greedy `generate`, in-process, on its pure-torch
+linear-attention path. The subprocess gets no such help (and no TRITON_INTERPRET): on CPU, transformers would
+send its linear-attention layers to fla's Triton kernels, which specdec must never call, prefill included.
+"""
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import tiny_model, torch_fallbacks
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "def foo("
+NEW = 12
+SEED = 0  # model weights; a greedy near-tie between the two sides would be fixed here, not by a looser check
+
+
+def build_tokenizer():
+    """A byte-level BPE (320 tokens: <pad>=0, <bos>=1, <eos>=2, the 256 bytes, merges) trained on stdlib code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([inspect.getsource(textwrap)[:8000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """-> (directory, tokenizer, prompt ids, the oracle's new token ids)."""
+    tokenizer = build_tokenizer()
+    model = tiny_model("qwen3_5", seed=SEED, dtype=torch.float32, vocab_size=len(tokenizer))
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (model.config.pad_token_id, model.config.eos_token_id)
+    path = tmp_path_factory.mktemp("tiny_qwen3_5")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch_fallbacks(), torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    new = ref[0, ids.shape[1]:].tolist()
+    assert len(new) == NEW  # no early EOS with this seed: all 12 tokens are compared
+    return path, tokenizer, ids[0].tolist(), new
+
+
+def run_cli(*args, timeout=180):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-m", "specdec", "generate", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+def test_json_equals_transformers_greedy(saved):
+    path, tokenizer, _, oracle = saved
+    # the model itself as the drafter: drafts are accepted, so the accept path is exercised as well
+    proc = run_cli("--model", path, "--prompt", PROMPT, "--max-new-tokens", NEW, "--drafter", "model",
+                   "--draft-model", path, "--num-draft-tokens", 4, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # one JSON object, nothing else on stdout
+    assert set(out) == {"text", "tokens", "stats"}
+    assert out["tokens"] == oracle
+    assert out["text"] == tokenizer.decode(oracle, skip_special_tokens=True)
+    stats = out["stats"]
+    assert stats["new_tokens"] == NEW and stats["tokens_per_s"] > 0
+    assert stats["accepted"] > 0 and stats["tau"] > 1 and 0 < stats["alpha"] <= 1
+    assert stats["rounds"] >= 1 and len(stats["per_position"]) <= 4
+
+
+def test_stream_prints_text_and_stats(saved):
+    path, tokenizer, prompt_ids, oracle = saved
+    proc = run_cli("--model", path, "--prompt", PROMPT, "--max-new-tokens", NEW, "--strategy", "snapshot",
+                   "--commit", "lazy")
+    assert proc.returncode == 0, proc.stderr
+    assert tokenizer.decode(prompt_ids + oracle, skip_special_tokens=True) in proc.stdout
+    assert f"{NEW} new tokens in" in proc.stdout and "tokens/s" in proc.stdout
+    for word in ("rounds", "tau", "alpha", "acceptance per draft position"):
+        assert word in proc.stdout
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--prompt", "x"], "--model"),
+    (["--model", "{missing}", "--prompt", "x"], "--model"),
+    (["--model", "{empty}", "--prompt", "x"], "--model"),  # a directory without a model
+    (["--model", "{model}", "--prompt", "x", "--strategy", "tree"], "--strategy"),
+    (["--model", "{model}", "--prompt", "x", "--commit", "later"], "--commit"),
+    (["--model", "{model}", "--prompt", "x", "--drafter", "model"], "--draft-model"),
+    (["--model", "{model}", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--model", "{model}", "--prompt", "x", "--num-draft-tokens", "0"], "--num-draft-tokens"),
+    (["--model", "{model}", "--prompt", "x", "--temperature", "0.5"], "--temperature"),
+    (["--model", "{model}", "--prompt", "x", "--do-sample", "--top-p", "0"], "--top-p"),
+    (["--model", "{model}", "--prompt", "x", "--dtype", "float16"], "--dtype"),
+    (["--model", "{model}", "--prompt", ""], "--prompt"),
+])
+def test_bad_arguments_exit_2(saved, tmp_path, args, flag):
+    (tmp_path / "empty").mkdir()
+    names = {"model": saved[0], "missing": tmp_path / "missing", "empty": tmp_path / "empty"}
+    proc = run_cli(*[a.format(**names) for a in args], timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("specdec generate: error: ") and flag in lines[0], proc.stderr
