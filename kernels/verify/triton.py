@@ -3,7 +3,8 @@
 Same signatures and semantics as `kernels/verify/naive.py`. One program per (request, head, V block):
 - chain: the state stays in registers across the tokens;
 - tree: each node's state is written to `intermediate_states` and a node whose parent is not the node
-  just before it reloads its parent's state from there (so trees need `intermediate_states`);
+  just before it reloads its parent's state from there (so trees need `intermediate_states`, and an
+  fp32 one for parents taken bit for bit; a bf16 buffer rounds those parents);
 - rings: `d`, `k` (normalized), `g`, `rawv`, `rawk`, `beta` of token t go to position
   `(ring_start[s] + num_pending[s] + t) % L` of the request's slot s;
 - lazy: with `num_pending`, the start state is the fast rebuild of the checkpoint and the pending
