@@ -41,6 +41,7 @@ class Drafter(ABC):
     """A drafter sees each request's full token history (prompt + committed tokens + the anchor)."""
 
     name = "drafter"
+    feature_layers: tuple[int, ...] = ()  # target decoder layers whose outputs `observe` receives
 
     def bind(self, engine) -> None:
         """Called once by the engine (target runner, sampling settings are reachable through it)."""
@@ -56,6 +57,12 @@ class Drafter(ABC):
 
     def commit(self, rows: list[int], num_accepted: torch.Tensor) -> None:
         """`num_accepted [B]` drafts of the last block were accepted."""
+
+    def observe(self, rows: list[int], tokens: list[torch.Tensor], hidden: list[torch.Tensor],
+                features: dict[int, list[torch.Tensor]]) -> None:
+        """Target outputs at newly committed positions, per row: `tokens [n]` (the prompt after prefill; the
+        anchor and accepted drafts after a round), `hidden [n, d]` (final normed hidden state) and
+        `features[layer] [n, d]` (outputs of the `feature_layers`). The token following them is the next anchor."""
 
     def release(self, rows: list[int]) -> None:
         """Requests ended."""

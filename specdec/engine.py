@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.draft import Drafter, DraftBlock, ModelDrafter, NgramDrafter
-from specdec.verify import SamplingParams, accept_chain_greedy, accept_chain_sampling, probs_from_logits
+from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
+                            accept_tree_sampling, probs_from_logits)
 
 from .runner import make_runner
 
@@ -168,9 +169,11 @@ class SpecEngine:
             out_tokens: list[list[int]] = [[] for _ in rows]
             anchors = torch.zeros(B, dtype=torch.long, device=self.runner.device)
             t = time.perf_counter()
+            capture = tuple(self.drafter.feature_layers)
             for b, p in enumerate(prompts):
-                logits = self.runner.prefill(slots[b], p).logits[0, -1]
-                anchors[b] = self._sample(logits, sampling, gen)
+                out = self.runner.prefill(slots[b], p, capture=capture)
+                anchors[b] = self._sample(out.logits[0, -1], sampling, gen)
+                self.drafter.observe([b], [p], [out.hidden[0]], {i: [out.captured[i][0]] for i in capture})
             stats.timings["prefill"] += time.perf_counter() - t
             if streamer is not None:
                 streamer.put(prompts[0].cpu())
@@ -210,28 +213,44 @@ class SpecEngine:
             block = DraftBlock.empty(B, dev)
         stats.timings["draft"] += time.perf_counter() - t
         t = time.perf_counter()
-        G = block.tokens.shape[1]
-        ids = torch.cat([anchors[active][:, None], block.tokens], dim=1)
-        out = self.runner.forward([slots[b] for b in active], ids)
-        if sampling.do_sample:
-            p = probs_from_logits(out.logits, sampling)
-            n, bonus = accept_chain_sampling(block.tokens, block.probs, p, generator=gen, num_drafts=block.num_drafts)
+        ids = torch.cat([anchors[active][:, None], block.tokens], dim=1)  # [B, 1 + G]: anchor, drafts
+        capture = tuple(self.drafter.feature_layers)
+        out = self.runner.forward([slots[b] for b in active], ids, parent=block.parent, capture=capture)
+        p = probs_from_logits(out.logits, sampling) if sampling.do_sample else None
+        if block.parent is None:
+            if sampling.do_sample:
+                n, bonus = accept_chain_sampling(block.tokens, block.probs, p, generator=gen,
+                                                 num_drafts=block.num_drafts)
+            else:
+                n, bonus = accept_chain_greedy(block.tokens, out.logits, num_drafts=block.num_drafts)
+            ar = torch.arange(ids.shape[1], device=dev)
+            path = torch.where(ar[None] <= n[:, None], ar[None], -1)
+            self.runner.commit(n + 1)
         else:
-            n, bonus = accept_chain_greedy(block.tokens, out.logits, num_drafts=block.num_drafts)
-        self.runner.commit(n + 1)
+            if sampling.do_sample:
+                q = None if block.probs is None else torch.cat([torch.zeros_like(block.probs[:, :1]), block.probs], 1)
+                path, bonus = accept_tree_sampling(ids, block.parent, q, p, generator=gen)
+            else:
+                path, bonus = accept_tree_greedy(ids, block.parent, out.logits)
+            n = (path >= 0).sum(1) - 1
+            self.runner.commit(path=path)
         stats.timings["verify"] += time.perf_counter() - t
         self.drafter.commit(active, n)
         stats.record(block.num_drafts, n)
+        kept = [path[i, :int(n[i]) + 1] for i in range(B)]
+        self.drafter.observe(active, [ids[i, k] for i, k in enumerate(kept)], [out.hidden[i, k] for i, k in enumerate(kept)],
+                             {l: [out.captured[l][i, k] for i, k in enumerate(kept)] for l in capture})
         for i, b in enumerate(active):
-            new = block.tokens[i, :int(n[i])].tolist() + [int(bonus[i])]
+            new = ids[i, kept[i][1:]].tolist() + [int(bonus[i])]
             anchors[b] = bonus[i]
             self._emit(out_tokens[b], new, max_new, eos_set, streamer)
-        del G
 
     @staticmethod
     def _check_block(block: DraftBlock, B: int, gamma: int) -> DraftBlock:
         if not isinstance(block, DraftBlock) or block.tokens.dim() != 2 or block.tokens.shape[0] != B:
             raise ValueError(f"drafter returned {type(block).__name__}, expected a DraftBlock with tokens [{B}, G]")
+        if block.parent is not None:  # trees carry their own node budget
+            return block
         if block.tokens.shape[1] > gamma:
             block.tokens = block.tokens[:, :gamma]
             block.num_drafts = block.num_drafts.clamp(max=gamma)

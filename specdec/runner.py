@@ -134,11 +134,13 @@ class HybridRunner:
 
     @torch.no_grad()
     def prefill(self, slot: int, ids: torch.Tensor, *, capture=()) -> RunnerOutput:
-        """Run a prompt `[P]` into a fresh slot in chunks; -> outputs of the last chunk."""
-        out = None
-        for start in range(0, ids.shape[0], self.prefill_chunk):
-            out = self._forward([slot], ids[None, start:start + self.prefill_chunk], None, True, capture)
-        return out
+        """Run a prompt `[P]` into a fresh slot in chunks; -> outputs over the whole prompt."""
+        outs = [self._forward([slot], ids[None, start:start + self.prefill_chunk], None, True, capture)
+                for start in range(0, ids.shape[0], self.prefill_chunk)]
+        if len(outs) == 1:
+            return outs[0]
+        return RunnerOutput(torch.cat([o.logits for o in outs], 1), torch.cat([o.hidden for o in outs], 1),
+                            {i: torch.cat([o.captured[i] for o in outs], 1) for i in capture})
 
     @torch.no_grad()
     def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=()) -> RunnerOutput:
