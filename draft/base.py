@@ -47,6 +47,10 @@ class Drafter(ABC):
         """Called once by the engine (target runner, sampling settings are reachable through it)."""
         self.engine = engine
 
+    def max_verify_tokens(self, gamma: int) -> int:
+        """Most tokens one verify window needs (anchor included): a chain's gamma + 1, a tree's node budget."""
+        return gamma + 1
+
     def begin(self, rows: list[int], prompts: list[torch.Tensor]) -> None:
         """New requests `rows` with their prompts `[P]`."""
 

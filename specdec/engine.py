@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.draft import Drafter, DraftBlock, ModelDrafter, NgramDrafter
+from specdec.draft.common import KINDS, build_drafter_net, kind_module, load_drafter
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits)
 
@@ -89,8 +91,10 @@ class SpecEngine:
         self.max_length = int(max_length or min(getattr(model.config, "max_position_embeddings", 4096) or 4096,
                                                 4096))
         self.drafter = self._make_drafter(drafter, draft_model, max_batch_size, drafter_kwargs)
+        verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
         self.runner = make_runner(model, strategy=strategy, commit=commit, max_batch_size=max_batch_size,
-                                  max_length=self.max_length + self.gamma + 1, num_verify_tokens=self.gamma + 1)
+                                  max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens)
+        self.slots: list[int] = []  # target slot of each request row of the running generate call
         self.drafter.bind(self)
         gen = getattr(model, "generation_config", None)
         self.eos_token_id = getattr(gen, "eos_token_id", None)
@@ -116,7 +120,15 @@ class SpecEngine:
                 raise ValueError(f"draft_model: vocab size {dv} does not match the target's {tv}")
             return ModelDrafter(draft_model, max_batch_size=max_batch_size, max_length=self.max_length,
                                 gamma=self.gamma, **kwargs)
-        raise ValueError(f"drafter: expected 'ngram', 'model' or a Drafter instance, got {drafter!r}")
+        if isinstance(drafter, str) and drafter in KINDS:  # untrained net of that kind, sized for the target
+            net = build_drafter_net(drafter, self.model)
+            return kind_module(drafter).make_drafter(net, gamma=self.gamma, max_batch_size=max_batch_size, **kwargs)
+        if isinstance(drafter, (str, os.PathLike)) and os.path.isdir(drafter):
+            net = load_drafter(os.fspath(drafter), self.model)
+            return kind_module(net.config.kind).make_drafter(net, gamma=self.gamma, max_batch_size=max_batch_size,
+                                                             **kwargs)
+        raise ValueError(f"drafter: expected 'ngram', 'model', one of {sorted(KINDS)}, a trained drafter directory "
+                         f"or a Drafter instance, got {drafter!r}")
 
     # ---- generate ----------------------------------------------------------------------------------
     def _prompts(self, input_ids) -> list[torch.Tensor]:
@@ -163,6 +175,7 @@ class SpecEngine:
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
         stats = SpecStats()
         slots = self.runner.alloc(B)
+        self.slots = slots
         rows = list(range(B))
         try:
             self.drafter.begin(rows, prompts)
