@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import torch
 
-FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5")
+from specdec.hf_compat import FAMILIES, torch_fallbacks  # noqa: F401  (re-exported for the tests)
 
 
 def tiny_config(family: str, *, vocab_size: int = 96, num_layers: int = 4):
@@ -46,25 +45,6 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float64
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kw), dtype=dtype,
                                              experts_implementation="eager", attn_implementation="eager")
     return model.eval()
-
-
-@contextlib.contextmanager
-def torch_fallbacks(*families: str):
-    """Route transformers' linear-attention layers to its own pure-torch code (fla's Triton kernels do not
-    run on CPU): swap each hub/fla-backed function of the modeling module for its `__wrapped__` original."""
-    swaps = []
-    for fam in families or FAMILIES:
-        mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
-        for name, fn in list(vars(mod).items()):
-            orig = getattr(fn, "__wrapped__", None)
-            if callable(fn) and orig is not None and getattr(fn, "__module__", None) == mod.__name__:
-                swaps.append((mod, name, fn))
-                setattr(mod, name, orig)
-    try:
-        yield
-    finally:
-        for mod, name, fn in swaps:
-            setattr(mod, name, fn)
 
 
 class _Float64Mode(torch.overrides.TorchFunctionMode):
