@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -112,7 +111,8 @@ def make_inputs(s: Shapes, device: str, seed: int = 0):
     ring_start = torch.randint(0, L, (N,), **dev)
     fold = dict(
         ssm_state=torch.randn(Lyr, N, H, K, V, **dev) * 0.1,
-        ring_rawv=torch.randn(Lyr, N, H, L, V, **dev).to(s.act), ring_rawk=torch.randn(Lyr, N, H, L, K, **dev).to(s.act),
+        ring_rawv=torch.randn(Lyr, N, H, L, V, **dev).to(s.act),
+        ring_rawk=torch.randn(Lyr, N, H, L, K, **dev).to(s.act),
         ring_g=-torch.rand(Lyr, N, H, L, K, **dev) * 0.1, ring_beta=torch.rand(Lyr, N, H, L, **dev),
         ssm_state_indices=torch.arange(B, **dev).flip(0), ring_start=ring_start,
         num_tokens=torch.full((B,), D, **dev),

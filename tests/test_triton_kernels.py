@@ -514,7 +514,8 @@ bf, f = torch.bfloat16, torch.float32
 N, H, L, K, V, B, T = 4, 2, 8, 5, 6, 2, 3
 z = lambda *s, dt=f: torch.zeros(*s, dtype=dt)
 i = lambda *v: torch.tensor(v)
-ring = lambda dt: (z(N, H, L, V, dt=dt), z(N, H, L, K, dt=dt), z(N, H, L, K), z(N, H, L, V, dt=dt), z(N, H, L, K, dt=dt), z(N, H, L))
+ring = lambda dt: (z(N, H, L, V, dt=dt), z(N, H, L, K, dt=dt), z(N, H, L, K), z(N, H, L, V, dt=dt),
+                   z(N, H, L, K, dt=dt), z(N, H, L))
 for dt, tree in ((f, False), (bf, True)):
     tv.verify_delta_rule(z(B, T, H, K, dt=dt), z(B, T, H, K, dt=dt), z(B, T, H, V, dt=dt), z(B, T, H, K), z(B, T, H),
                          z(N, H, K, V), i(0, 2), parent=i(-1, 0, 0) if tree else None,
@@ -523,7 +524,8 @@ for dt, tree in ((f, False), (bf, True)):
     tv.short_conv_verify(z(B, T, 10, dt=dt), z(10, 4, dt=dt), z(10, dt=dt), z(N, 10, 3, dt=dt), i(0, 2),
                          parent=i(-1, 0, 0) if tree else None, window_states=z(B, T, 10, 3, dt=dt))
     tf.exact_fold(z(2, N, H, K, V), z(2, N, H, L, V, dt=dt), z(2, N, H, L, K, dt=dt), z(2, N, H, L, 1 if tree else K),
-                  z(2, N, H, L), i(0, 2), z(N, dt=torch.long), i(3, 2), offsets=z(B, 4, dt=torch.long) if tree else None,
+                  z(2, N, H, L), i(0, 2), z(N, dt=torch.long), i(3, 2),
+                  offsets=z(B, 4, dt=torch.long) if tree else None,
                   seq_lens=z(N, dt=torch.long), track_interval=4, track_states=z(2, N, 2, H, K, V))
     tr.fast_rebuild(z(N, H, K, V), i(0, 2), z(N, H, L, V, dt=dt), z(N, H, L, K, dt=dt), z(N, H, L, 1 if tree else K),
                     z(N, dt=torch.long), i(3, 2))
@@ -542,7 +544,8 @@ for k, args, kw in calls:
         else:
             sig[p.name] = "fp32" if isinstance(v, float) else "i32"
     try:
-        triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=opts)
+        triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options=opts)
     except Exception as e:
         if "ptxas" in str(e).lower():
             sys.exit(77)
