@@ -142,9 +142,14 @@ class SpecEngine:
             prompts = [torch.as_tensor(p, dtype=torch.long) for p in input_ids]
         if not prompts:
             raise ValueError("input_ids: no prompts")
+        emb = self.model.get_input_embeddings()
+        vocab = getattr(emb, "num_embeddings", None) or self.runner.vocab_size
         for i, p in enumerate(prompts):
             if p.dim() != 1 or p.numel() == 0:
                 raise ValueError(f"input_ids: prompt {i} is empty or not 1-D (shape {list(p.shape)})")
+            if bool(((p < 0) | (p >= vocab)).any()):  # else the embedding fails after slots are taken
+                raise ValueError(f"input_ids: prompt {i} has token ids outside [0, {vocab}): "
+                                 f"min {int(p.min())}, max {int(p.max())}")
         return [p.to(self.runner.device, torch.long) for p in prompts]
 
     @torch.no_grad()

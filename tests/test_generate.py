@@ -1,0 +1,349 @@
+"""End to end: `specdec.wrap(model).generate` == transformers' own greedy `model.generate`, token for token.
+
+Hybrid families (float64 tiny random models) through the hybrid runner, for every state strategy / commit
+mode and every drafter kind: ngram, a draft model that is a noisy copy of the target (partial acceptance)
+and the target itself as draft model (everything accepted). Any other causal LM (Llama, the Mamba2 hybrid
+Bamba) through the generic runner. Bad input raises one ValueError naming the argument and leaves every
+slot as it was; a drafter that fails mid-generation costs a plain decode round, never correctness.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
+
+import specdec
+from specdec.draft import DraftBlock, Drafter, NgramDrafter
+
+GAMMA = 7
+N = 17  # 1 token from prefill + 2 full rounds of GAMMA + 1: with everything accepted tau == GAMMA + 1 exactly
+MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
+DRAFTERS = ("ngram", "noisy", "self")
+FULL = "qwen3_5"  # the full strategy x commit x drafter matrix; the other families get a rotation of it
+SUBSET = {
+    "kimi_linear": [("replay", "eager", "ngram"), ("replay", "lazy", "noisy"), ("snapshot", "eager", "self")],
+    "qwen3_next": [("replay", "eager", "noisy"), ("replay", "lazy", "self"), ("snapshot", "eager", "ngram")],
+}
+PROMPTS = {  # repetitive prompts give the ngram drafter something to propose
+    "rep4": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    "rep3": [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12, 13, 11],
+    "plain": [3, 41, 17, 88, 9, 60, 23],
+}
+CASE_PROMPTS = {  # a list = one batched generate call with prompts of different lengths
+    "ngram": ["rep4", "rep3"],
+    "noisy": "rep4",
+    "self": "plain",
+}
+
+
+def _cases():
+    for family in FAMILIES:
+        combos = ([(s, c, d) for s, c in MODES for d in DRAFTERS] if family == FULL else SUBSET[family])
+        for s, c, d in combos:
+            yield pytest.param(family, s, c, d, id=f"{family}-{s}-{c}-{d}")
+
+
+def _noisy_copy(target, family: str, scale: float = 1e-3, seed: int = 123):
+    """The target's weights plus `scale * randn`: mostly the same argmax, not always."""
+    draft = tiny_model(family, seed=seed)
+    draft.load_state_dict(target.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return draft
+
+
+class _Models:
+    """Module-wide cache of models and of transformers' reference outputs (built on first use)."""
+
+    def __init__(self):
+        self.targets, self.noisy, self.refs = {}, {}, {}
+
+    def target(self, family):
+        if family not in self.targets:
+            self.targets[family] = tiny_model(family, seed=0)
+        return self.targets[family]
+
+    def noisy_draft(self, family):
+        if family not in self.noisy:
+            self.noisy[family] = _noisy_copy(self.target(family), family)
+        return self.noisy[family]
+
+    def ref(self, model, prompt: list[int], max_new_tokens: int = N, eos="default", hybrid: bool = True):
+        """transformers' greedy generate on `prompt` alone -> list of token ids (prompt included)."""
+        key = (id(model), tuple(prompt), max_new_tokens, eos)
+        if key not in self.refs:
+            kw = {} if eos == "default" else {"eos_token_id": eos}
+            ids = torch.tensor([prompt])
+            if hybrid:
+                with torch_fallbacks(), float64_everywhere():
+                    out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, **kw)
+            else:
+                out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, **kw)
+            self.refs[key] = out[0].tolist()
+        return self.refs[key]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return _Models()
+
+
+def _spec_generate(engine, prompts, hybrid: bool = True, **kw):
+    if hybrid:
+        with torch_fallbacks(), float64_everywhere():
+            return engine.generate(prompts, **kw)
+    return engine.generate(prompts, **kw)
+
+
+def _assert_rows_match(out, refs: list[list[int]], pad: int):
+    assert out.sequences.shape[0] == len(refs)
+    assert out.sequences.shape[1] == max(len(r) for r in refs)
+    for b, ref in enumerate(refs):
+        row = out.sequences[b]
+        assert row[:len(ref)].tolist() == ref, f"row {b} differs from transformers' greedy generate"
+        assert bool((row[len(ref):] == pad).all()), f"row {b}: padding after the end is not the pad id"
+
+
+def _assert_stats_sane(stats, gamma: int = GAMMA):
+    assert 0 <= stats.accepted <= stats.proposed
+    assert stats.rounds >= 1 and stats.tokens >= stats.rounds
+    assert len(stats.per_position) <= gamma
+    assert all(0.0 <= a <= 1.0 for a in stats.per_position)
+    assert stats.drafter_failures == 0
+
+
+# ---- 1. greedy identity, hybrid families -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family, strategy, commit, drafter", list(_cases()))
+def test_greedy_identity_hybrid(models, family, strategy, commit, drafter):
+    target = models.target(family)
+    kw = dict(num_draft_tokens=GAMMA, strategy=strategy, commit=commit, max_batch_size=2)
+    if drafter == "ngram":
+        engine = specdec.wrap(target, drafter="ngram", **kw)
+    else:
+        draft_model = models.noisy_draft(family) if drafter == "noisy" else target
+        engine = specdec.wrap(target, drafter="model", draft_model=draft_model, **kw)
+    assert type(engine.runner).__name__ == "HybridRunner"
+    names = CASE_PROMPTS[drafter]
+    eos = None if drafter == "self" else "default"  # everything accepted: nothing may stop the rounds early
+    if isinstance(names, list):
+        prompts = [torch.tensor(PROMPTS[n]) for n in names]  # list of 1-D tensors of different lengths
+    else:
+        prompts = torch.tensor([PROMPTS[names]])  # [1, P]
+        names = [names]
+    refs = [models.ref(target, PROMPTS[n], eos=eos) for n in names]
+    gen_kw = {} if eos == "default" else {"eos_token_id": None}
+    out = _spec_generate(engine, prompts, max_new_tokens=N, **gen_kw)
+    _assert_rows_match(out, refs, engine.pad_token_id)
+    stats = out.stats
+    _assert_stats_sane(stats)
+    if drafter == "ngram":
+        assert stats.proposed > 0 and stats.accepted > 0, stats.as_dict()
+    elif drafter == "noisy":
+        assert 0.0 < stats.alpha < 1.0, stats.as_dict()
+    else:
+        assert all(len(r) == len(PROMPTS[n]) + N for r, n in zip(refs, names))
+        assert stats.alpha == 1.0 and stats.tau == GAMMA + 1, stats.as_dict()
+        assert stats.per_position == [1.0] * GAMMA
+    assert engine.runner.num_free == 2  # every slot came back
+
+
+def test_batch_model_drafter_and_eos_cut(models):
+    """A batch under the model drafter, stopped by an EOS id that greedy decode reaches in row 0: each row ends
+    exactly where transformers' generate on that prompt alone would end."""
+    family = FULL
+    target = models.target(family)
+    names = ["rep3", "plain"]
+    full = [models.ref(target, PROMPTS[n], eos=None) for n in names]
+    eos = full[0][len(PROMPTS[names[0]]) + 5]  # the 6th generated token of row 0
+    expected = []
+    for n, row in zip(names, full):
+        gen = row[len(PROMPTS[n]):]
+        cut = gen.index(eos) + 1 if eos in gen else len(gen)
+        expected.append(PROMPTS[n] + gen[:cut])
+    assert expected[0] == models.ref(target, PROMPTS[names[0]], eos=eos)  # transformers agrees on the cut
+    engine = specdec.wrap(target, drafter="model", draft_model=models.noisy_draft(family), strategy="snapshot",
+                          max_batch_size=2)
+    out = _spec_generate(engine, [torch.tensor(PROMPTS[n]) for n in names], max_new_tokens=N, eos_token_id=eos)
+    _assert_rows_match(out, expected, engine.pad_token_id)
+    assert len(expected[0]) < len(expected[1]) or expected[1][-1] == eos
+
+
+# ---- 2. generic path (no hybrid adapter) -------------------------------------------------------------------
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(cfg).to(torch.float64).eval()
+
+
+def _bamba():
+    from transformers import BambaConfig, BambaForCausalLM
+    torch.manual_seed(0)
+    cfg = BambaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
+                      mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                      mamba_chunk_size=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2)
+    return BambaForCausalLM(cfg).to(torch.float64).eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "bamba"])
+def generic_model(request):
+    return {"llama": _llama, "bamba": _bamba}[request.param]()
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_greedy_identity_generic(models, generic_model, drafter):
+    model = generic_model
+    if drafter == "ngram":
+        engine = specdec.wrap(model, drafter="ngram", num_draft_tokens=GAMMA, max_batch_size=2)
+        names, eos, gen_kw = ["rep4", "rep3"], "default", {}
+        prompts = [torch.tensor(PROMPTS[n]) for n in names]
+    else:
+        engine = specdec.wrap(model, drafter="model", draft_model=model, num_draft_tokens=GAMMA, max_batch_size=2)
+        names, eos, gen_kw = ["plain"], None, {"eos_token_id": None}
+        prompts = torch.tensor([PROMPTS["plain"]])
+    assert type(engine.runner).__name__ == "GenericRunner"
+    refs = [models.ref(model, PROMPTS[n], eos=eos, hybrid=False) for n in names]
+    out = _spec_generate(engine, prompts, hybrid=False, max_new_tokens=N, **gen_kw)
+    _assert_rows_match(out, refs, engine.pad_token_id)
+    _assert_stats_sane(out.stats)
+    if drafter == "ngram":
+        assert out.stats.proposed > 0, out.stats.as_dict()
+    else:
+        assert out.stats.alpha == 1.0 and out.stats.tau == GAMMA + 1, out.stats.as_dict()
+    assert engine.runner.num_free == 2
+
+
+# ---- 3. bad input ------------------------------------------------------------------------------------------
+
+
+def _slot_state(engine):
+    runners = [engine.runner] + ([engine.drafter.runner] if hasattr(engine.drafter, "runner") else [])
+    snap = []
+    for r in runners:
+        snap.append(r.num_free)
+        if type(r).__name__ == "HybridRunner":
+            pool = r.state.pool
+            snap += [pool.ssm.clone(), pool.conv.clone(), pool.seq_len.clone(), r.kv.lengths.clone()]
+    return snap
+
+
+def _assert_same_state(before, after):
+    assert len(before) == len(after)
+    for a, b in zip(before, after):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert bool(((a == b) | (a.isnan() & b.isnan())).all()) if a.is_floating_point() else bool((a == b).all())
+        else:
+            assert a == b
+
+
+def _bad_generate_calls(target, family):
+    p = torch.tensor(PROMPTS["rep4"])
+    wrong_vocab = tiny_model(family, seed=5, vocab_size=target.config.vocab_size + 32)
+    return [
+        ("drafter", lambda e: specdec.wrap(target, drafter="bogus")),
+        ("strategy", lambda e: specdec.wrap(target, strategy="bogus")),
+        ("commit", lambda e: specdec.wrap(target, commit="bogus")),
+        ("draft_model", lambda e: specdec.wrap(target, drafter="model", draft_model=wrong_vocab)),
+        ("input_ids", lambda e: e.generate([torch.tensor([], dtype=torch.long)], max_new_tokens=4)),
+        ("input_ids", lambda e: e.generate([p, torch.tensor([], dtype=torch.long)], max_new_tokens=4)),
+        ("input_ids", lambda e: e.generate([], max_new_tokens=4)),
+        ("max_new_tokens", lambda e: e.generate([p], max_new_tokens=e.max_length - p.numel() + 1)),
+        ("max_new_tokens", lambda e: e.generate([p], max_new_tokens=0)),
+        ("max_batch_size", lambda e: e.generate([p, p, p], max_new_tokens=4)),
+        ("input_ids", lambda e: e.generate([torch.tensor([5, 6, target.config.vocab_size])], max_new_tokens=4)),
+        ("input_ids", lambda e: e.generate([torch.tensor([5, -1, 7])], max_new_tokens=4)),
+    ]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "noisy"])
+def test_bad_input_raises_and_leaves_slots_untouched(models, drafter):
+    family = FULL
+    target = models.target(family)
+    kw = dict(drafter="ngram") if drafter == "ngram" else dict(drafter="model", draft_model=models.noisy_draft(family))
+    engine = specdec.wrap(target, num_draft_tokens=GAMMA, max_batch_size=2, max_length=40, **kw)
+    prompt = torch.tensor([PROMPTS["rep4"]])
+    first = _spec_generate(engine, prompt, max_new_tokens=N)
+    _assert_rows_match(first, [models.ref(target, PROMPTS["rep4"])], engine.pad_token_id)
+    before = _slot_state(engine)
+    assert before[0] == 2
+    for arg, call in _bad_generate_calls(target, family):
+        with torch_fallbacks(), float64_everywhere():
+            with pytest.raises(ValueError) as err:
+                call(engine)
+        assert arg in str(err.value), f"{arg}: message does not name it: {err.value}"
+        _assert_same_state(before, _slot_state(engine))
+    second = _spec_generate(engine, prompt, max_new_tokens=N)
+    assert torch.equal(second.sequences, first.sequences)
+
+
+def test_bad_input_generic():
+    model = _llama()
+    engine = specdec.wrap(model, max_batch_size=2, max_length=40)
+    p = torch.tensor(PROMPTS["rep4"])
+    first = engine.generate([p], max_new_tokens=8)
+    for arg, call in [
+        ("input_ids", lambda: engine.generate([p, torch.tensor([], dtype=torch.long)], max_new_tokens=4)),
+        ("max_batch_size", lambda: engine.generate([p, p, p], max_new_tokens=4)),
+        ("max_new_tokens", lambda: engine.generate([p], max_new_tokens=40)),
+        ("input_ids", lambda: engine.generate([torch.tensor([5, 6, 96])], max_new_tokens=4)),
+    ]:
+        with pytest.raises(ValueError, match=arg):
+            call()
+        assert engine.runner.num_free == 2
+    assert torch.equal(engine.generate([p], max_new_tokens=8).sequences, first.sequences)
+
+
+# ---- 4. a drafter that fails mid-generation ---------------------------------------------------------------
+
+
+class FlakyDrafter(Drafter):
+    """Ngram drafts, except: raises on the 2nd propose, returns a malformed block on the 4th."""
+
+    name = "flaky"
+
+    def __init__(self):
+        self.inner = NgramDrafter()
+        self.calls = 0
+
+    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("draft server went away")
+        if self.calls == 4:
+            return DraftBlock(torch.zeros(len(rows) + 1, 2, dtype=torch.long), torch.zeros(len(rows) + 1))
+        return self.inner.propose(rows, contexts, gamma, sampling=sampling, generator=generator)
+
+
+@pytest.mark.parametrize("where", ["hybrid", "generic"])
+def test_failing_drafter_falls_back_to_plain_decode(models, where):
+    if where == "hybrid":
+        target, hybrid = models.target(FULL), True
+        engine = specdec.wrap(target, drafter=FlakyDrafter(), strategy="replay", commit="lazy", max_batch_size=2)
+    else:
+        target, hybrid = _llama(), False
+        engine = specdec.wrap(target, drafter=FlakyDrafter(), max_batch_size=2)
+    names = ["rep4", "rep3"]
+    refs = [models.ref(target, PROMPTS[n], hybrid=hybrid) for n in names]
+    with pytest.warns(RuntimeWarning, match="plain decode") as record:
+        out = _spec_generate(engine, [torch.tensor(PROMPTS[n]) for n in names], hybrid=hybrid, max_new_tokens=N)
+    assert engine.drafter.calls >= 4
+    assert out.stats.drafter_failures == 2
+    assert sum(issubclass(w.category, RuntimeWarning) and "flaky" in str(w.message) for w in record) == 2
+    _assert_rows_match(out, refs, engine.pad_token_id)
+    assert out.stats.proposed > 0 and out.stats.accepted > 0
+    assert engine.runner.num_free == 2
+    assert not math.isnan(out.stats.tau)
