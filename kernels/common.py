@@ -13,18 +13,38 @@ def math_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def dot(S: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`S^T x` over the K axis: S `[..., K, V]`, x `[..., K]` -> `[..., V]`.
+
+    fp32 products are exact in fp64 and the fp64 sum is rounded once, so the result does not depend on
+    the reduction order: the torch reference and the Triton kernels (any backend) agree bit for bit.
+    """
+    if S.dtype == torch.float64:
+        return (S * x[..., None]).sum(-2)
+    return (S.double() * x.double()[..., None]).sum(-2).to(S.dtype)
+
+
+def exp(g: torch.Tensor) -> torch.Tensor:
+    """`exp` correctly rounded to the input dtype (computed in fp64), the same on every backend."""
+    return g.exp() if g.dtype == torch.float64 else g.double().exp().to(g.dtype)
+
+
 def l2norm(x: torch.Tensor, *, eps: float = 1e-6, norm: str = "rsqrt") -> torch.Tensor:
     """Normalize the last dim exactly as the model does.
 
-    `norm="rsqrt"`: `x * rsqrt(sum(x^2) + eps)` (fla, Qwen3-Next, Qwen3.5);
+    `norm="rsqrt"`: `x * rsqrt(sum(x^2) + eps)` (fla, Qwen3-Next, Qwen3.5; as `x * (1 / sqrt(.))`);
     `norm="sqrt_div"`: `x / sqrt(sum(x^2) + eps)` (Kimi-Linear). The two differ in the last bit, and a
     state advanced with the wrong one drifts while outputs still look right.
     """
-    ss = (x * x).sum(dim=-1, keepdim=True)
+    if x.dtype == torch.float64:
+        r = torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+    else:  # order-free sum as in `dot`; sqrt rounded from fp64 (torch's fp32 sqrt is not always correctly rounded)
+        ss = (x.double() * x.double()).sum(dim=-1, keepdim=True).to(x.dtype) + eps
+        r = torch.sqrt(ss.double()).to(x.dtype)
     if norm == "rsqrt":
-        return x * torch.rsqrt(ss + eps)
+        return x * (1.0 / r)
     if norm == "sqrt_div":
-        return x / torch.sqrt(ss + eps)
+        return x / r
     raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
 
 
@@ -45,10 +65,10 @@ def delta_step(S: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torc
         `(S_t [N, H, K, V], o_t [N, H, V], d_t [N, H, V])` with `S' = exp(g) S`,
         `d = beta (v - S'^T k)`, `S_t = S' + k d^T`, `o = S_t^T q`.
     """
-    S = S * g.exp()[..., None]
-    d = beta[..., None] * (v - (S * k[..., None]).sum(-2))
+    S = S * exp(g)[..., None]
+    d = beta[..., None] * (v - dot(S, k))
     S = S + k[..., None] * d[..., None, :]
-    o = None if q is None else (S * q[..., None]).sum(-2)
+    o = None if q is None else dot(S, q)
     return S, o, d
 
 

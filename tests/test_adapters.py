@@ -33,7 +33,7 @@ def test_chain_rounds_match_full_forward(model, strategy, commit):
                               num_verify_tokens=5, prefill_chunk=4)
         slot = runner.alloc(1)[0]
         out = runner.prefill(slot, ids[:11])  # chunks of 4, 4, 3 tokens
-        assert max_rel_err(out.logits[0], ref[8:11]) < TOL
+        assert max_rel_err(out.logits[0], ref[:11]) < TOL  # outputs of every chunk
         pos = 11
         while pos < ids.numel():
             T = min(5, ids.numel() - pos)

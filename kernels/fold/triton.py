@@ -46,8 +46,8 @@ def _exp(x):
 @triton.jit
 def _l2norm(x, eps, SQRT_DIV: tl.constexpr):
     """`x * rsqrt(sum(x^2) + eps)` or `x / sqrt(sum(x^2) + eps)`, correctly rounded like torch on CPU."""
-    ss = tl.sum(x * x, axis=0)
-    r = tl.math.sqrt_rn(ss + eps)
+    ss = tl.sum(x.to(tl.float64) * x.to(tl.float64), axis=0).to(tl.float32)  # order-free, see _dot
+    r = tl.sqrt((ss + eps).to(tl.float64)).to(tl.float32)  # correctly rounded (kernels/common.py l2norm)
     if SQRT_DIV:
         return tl.math.div_rn(x, r)
     else:
@@ -65,10 +65,17 @@ def _load_gate(ptr, offs_k, mask_k, stride_k, BK: tl.constexpr, GDN: tl.constexp
 
 
 @triton.jit
+def _dot(S, x):
+    """`S^T x` over K: exact fp32 products summed in fp64 and rounded once, so the result is the same
+    whatever order the backend reduces in (kernels/common.py `dot`)."""
+    return tl.sum(S.to(tl.float64) * x.to(tl.float64)[:, None], axis=0).to(tl.float32)
+
+
+@triton.jit
 def _delta_update(S, k, v, g, beta):
     """`S' = exp(g) S`; `d = beta (v - S'^T k)`; `S = S' + k d^T` (kernels/common.py delta_step)."""
     S = S * _exp(g)[:, None]
-    d = beta * (v - tl.sum(S * k[:, None], axis=0))
+    d = beta * (v - _dot(S, k))
     S = S + k[:, None] * d[None, :]
     return S, d
 

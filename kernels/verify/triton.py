@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..common import check_shape, gate_channels
-from ..fold.triton import _cast_to, _delta_update, _exp, _l2norm, _load_gate, check_float, num_warps_for
+from ..fold.triton import _cast_to, _delta_update, _dot, _exp, _l2norm, _load_gate, check_float, num_warps_for
 from ..rebuild.triton import _rebuild_tile, rebuild_blocks
 
 
@@ -201,7 +201,7 @@ def _verify_kernel(
         qn = _l2norm(qt, eps, SQRT_DIV) * scale
         kn = _l2norm(kt, eps, SQRT_DIV)
         S, d = _delta_update(S, kn, vt, gt, bt)
-        ot = tl.sum(S * qn[:, None], axis=0)
+        ot = _dot(S, qn)
         tl.store(o_base + t * H * V, _cast_to(ot, o), mask=mask_v)
         if HAS_INTER:
             tl.store(inter + i_b * s_ib + t * s_it + i_h * s_ih + kv_inter, _cast_to(S, inter),
