@@ -17,7 +17,8 @@ from .config import StateConfig
 GIB = 2 ** 30
 
 RING_NAMES = ("ring_d", "ring_k", "ring_g", "ring_rawv", "ring_rawk", "ring_beta")
-BUFFER_NAMES = ("conv_state", "ssm_state", "intermediate_conv_window", *RING_NAMES, "snapshot_intermediate_ssm")
+BUFFER_NAMES = ("conv_state", "ssm_state", "intermediate_conv_window", *RING_NAMES, "snapshot_intermediate_ssm",
+                "tree_node_states")
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,8 @@ def buffer_specs(cfg: StateConfig) -> dict[str, BufferSpec]:
         "ring_rawk": ((n, s, h, ring, k), act),
         "ring_beta": ((n, s, h, ring), f32),
         "snapshot_intermediate_ssm": ((n, rows, d, h, k, v), ssm),
+        # tree verify with ReplaySSM: node states of ONE layer, reused layer after layer (never committed)
+        "tree_node_states": ((rows, d, h, k, v), torch.promote_types(ssm, torch.float32)),
     }
     return {name: BufferSpec(name, tuple(int(x) for x in shape), dtype) for name, (shape, dtype) in shapes.items()}
 
@@ -75,6 +78,8 @@ def plan_json(cfg: StateConfig) -> dict:
     out["spec_state_snapshot"] = out["snapshot_intermediate_ssm"] + window
     out["spec_state_replay"] = out["ring_total"] + window
     out["ratio"] = out["spec_state_snapshot"] / out["spec_state_replay"]
+    out["spec_state_replay_tree"] = out["spec_state_replay"] + out["tree_node_states"]
+    out["ratio_tree"] = out["spec_state_snapshot"] / out["spec_state_replay_tree"]
     out["shapes"] = {name: list(spec.shape) for name, spec in specs.items()}
     out["dtypes"] = {name: _dtype_name(spec.dtype) for name, spec in specs.items()}
     out["config"] = {
@@ -115,4 +120,8 @@ def format_plan(cfg: StateConfig) -> str:
         f"{gb(plan['spec_state_snapshot'], 2)} vs ReplaySSM (rings {gb(plan['ring_total'], 2)} "
         f"+ intermediate_conv_window {gb(plan['intermediate_conv_window'], 2)}) = "
         f"{gb(plan['spec_state_replay'], 2)}, ratio {plan['ratio']:.2f}x")
+    lines.append(
+        f"Tree verify (T={cfg.num_draft_tokens} nodes): all-layer snapshot {gb(plan['spec_state_snapshot'], 2)} vs "
+        f"ReplaySSM (rings + one layer's node states {gb(plan['tree_node_states'], 2)} + conv windows) = "
+        f"{gb(plan['spec_state_replay_tree'], 2)}, ratio {plan['ratio_tree']:.2f}x")
     return "\n".join(lines)

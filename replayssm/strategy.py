@@ -263,9 +263,7 @@ class ReplayStrategy(StateStrategy):
         nodes = None
         if r.parent is not None:
             if self.node_states is None:  # allocated once, overwritten layer after layer
-                spec = buffer_specs(self.cfg)["snapshot_intermediate_ssm"]
-                self.node_states = torch.zeros(spec.shape[1:], dtype=torch.promote_types(spec.dtype, torch.float32),
-                                               device=self.device)
+                self.node_states = allocate(buffer_specs(self.cfg)["tree_node_states"], self.device)
             nodes = self.node_states
         pending = self.rings.pending if self.commit_mode == "lazy" else None
         return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,

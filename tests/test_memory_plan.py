@@ -148,7 +148,8 @@ def test_buffer_specs_contract():
                       max_running=3, num_draft_tokens=4, ring_len=8, ssm_dtype="bfloat16", act_dtype="bfloat16")
     specs = buffer_specs(cfg)
     c = 2 * (8 + 8 + 16)
-    assert set(specs) == {"conv_state", "ssm_state", "intermediate_conv_window", *RINGS, "snapshot_intermediate_ssm"}
+    assert set(specs) == {"conv_state", "ssm_state", "intermediate_conv_window", *RINGS, "snapshot_intermediate_ssm",
+                          "tree_node_states"}
     assert specs["conv_state"].shape == (3, 6, c, 3)
     assert specs["ssm_state"].shape == (3, 6, 2, 8, 16)
     assert specs["intermediate_conv_window"].shape == (3, 4, 4, c, 3)
@@ -159,6 +160,8 @@ def test_buffer_specs_contract():
     assert specs["ring_rawk"].shape == (3, 6, 2, 8, 8)
     assert specs["ring_beta"].shape == (3, 6, 2, 8) and specs["ring_beta"].dtype == torch.float32
     assert specs["snapshot_intermediate_ssm"].shape == (3, 4, 4, 2, 8, 16)
+    # one layer's node states, kept in fp32 even with a bf16 checkpoint
+    assert specs["tree_node_states"].shape == (4, 4, 2, 8, 16) and specs["tree_node_states"].dtype == torch.float32
     for spec in specs.values():
         # nbytes agrees with an actual allocation of that shape and dtype
         assert spec.nbytes == torch.empty(spec.shape, dtype=spec.dtype, device="meta").numel() * \
@@ -171,3 +174,19 @@ def test_buffer_specs_contract():
     assert plan["ring_total"] == sum(plan[k] for k in RINGS)
     text = format_plan(cfg)
     assert all(name in text for name in specs)
+
+
+def test_tree_report_kimi_linear_shapes():
+    """Tree verify at T=64 on Kimi-Linear shapes (20 KDA layers, 32 heads, K=V=128, 64 requests): the
+    ReplaySSM spec state (rings, one layer's node states, conv windows) vs an all-layer snapshot."""
+    cfg = StateConfig(num_layers=20, num_heads=32, head_k_dim=128, head_v_dim=128, max_requests=64,
+                      num_draft_tokens=64, act_dtype="bfloat16")
+    plan = plan_json(cfg)
+    rows, T, H, K = 65, 64, 32, 128
+    snapshot = 20 * rows * T * H * K * K * 4 + 20 * rows * T * (H * 3 * K) * 3 * 2
+    rings = 20 * 65 * H * 128 * (4 * K * 2 + K * 4 + 4)  # d k rawv rawk bf16, g fp32 [K], beta fp32
+    replay_tree = rings + rows * T * H * K * K * 4 + 20 * rows * T * (H * 3 * K) * 3 * 2
+    assert plan["spec_state_snapshot"] == snapshot
+    assert plan["spec_state_replay_tree"] == replay_tree
+    assert abs(plan["ratio_tree"] - snapshot / replay_tree) < 1e-12
+    assert "Tree verify (T=64 nodes)" in format_plan(cfg)
