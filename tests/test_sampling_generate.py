@@ -1,0 +1,246 @@
+"""End to end: speculative sampling through `specdec.wrap(model).generate` follows the target's own distribution.
+
+Oracle: the exact joint distribution of the first NEW generated tokens, from transformers' own forward of the
+target over every prefix (pure-torch paths, float64) with the same logits transform (temperature / top-p).
+Empirical: many seeded `generate` calls, each a batch of the same prompt. A chi-square goodness-of-fit test on
+the joint (cells expecting fewer than 5 pooled) at significance 1e-3 must pass for the model drafter (drafts
+sampled from the draft model's own q) and the n-gram drafter (deterministic drafts), and must fail for
+deliberately wrong acceptance rules run through the same engine. Seeds are fixed, so the tests are deterministic.
+
+The models are tiny and their logits scaled up so that p and q are far from uniform and differ: about half
+the drafts are rejected, so the residual distribution decides much of the output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from statistics import NormalDist
+
+import pytest
+import torch
+from tiny_models import float64_everywhere, tiny_model, torch_fallbacks
+
+import specdec
+import specdec.engine as engine_mod
+from specdec.verify import SamplingParams, accept_chain_sampling, probs_from_logits
+
+FAMILY = "qwen3_5"
+V = 8
+LOGIT_SCALE = 4.0  # sharpens the random models' near-uniform logits
+PROMPT = [1, 3, 5, 7, 2, 4, 6, 0, 5, 3]  # holds every token, so the n-gram drafter always finds the anchor
+NEW = 3  # tokens tested: the first is sampled after prefill, the rest come from verify rounds
+GAMMA = 2
+BATCH = 100  # copies of the prompt per generate call
+N = 2000  # samples per setting
+ALPHA = 1e-3
+
+SETTINGS = {
+    "temperature=1": dict(temperature=1.0),
+    "temperature=0.7": dict(temperature=0.7),
+    "top_p=0.9": dict(temperature=1.0, top_p=0.9),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# chi-square goodness of fit
+
+
+def chi2_critical(df: int, alpha: float = ALPHA) -> float:
+    """Upper `alpha` quantile of chi-square(df), Wilson-Hilferty approximation."""
+    z = NormalDist().inv_cdf(1 - alpha)
+    c = 2 / (9 * df)
+    return df * (1 - c + z * math.sqrt(c)) ** 3
+
+
+def chi2_gof(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic and degrees of freedom of `counts` against `probs` (flat, same length).
+
+    Cells of probability 0 must be empty. Cells expecting fewer than 5 are pooled into one; if the pool
+    still expects fewer than 5 it joins the smallest remaining cell.
+    """
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    assert counts[probs == 0].sum() == 0, "a sequence of probability 0 under the target was emitted"
+    exp = probs * counts.sum()
+    live = probs > 0
+    big = live & (exp >= 5)
+    obs_cells, exp_cells = list(counts[big]), list(exp[big])
+    small = live & ~big
+    if small.any():
+        pool_o, pool_e = counts[small].sum(), exp[small].sum()
+        if pool_e < 5 and exp_cells:
+            j = min(range(len(exp_cells)), key=lambda i: float(exp_cells[i]))
+            pool_o, pool_e = pool_o + obs_cells.pop(j), pool_e + exp_cells.pop(j)
+        obs_cells.append(pool_o)
+        exp_cells.append(pool_e)
+    o, e = torch.stack(obs_cells), torch.stack(exp_cells)
+    return float(((o - e) ** 2 / e).sum()), len(obs_cells) - 1
+
+
+def test_chi2_critical_matches_tables():
+    for df, q in [(5, 20.515), (10, 29.588), (30, 59.703), (100, 149.449)]:  # chi-square upper 0.001 quantiles
+        assert abs(chi2_critical(df) - q) / q < 0.015
+
+
+def test_chi2_gof_pools_small_cells():
+    probs = torch.tensor([0.5, 0.3, 0.19, 0.006, 0.004, 0.0])
+    counts = torch.tensor([50, 30, 19, 1, 0, 0])
+    stat, df = chi2_gof(counts, probs)  # cells 3 and 4 pool (expect 1) and join cell 2 (19 + 1 = 20)
+    assert df == 2 and stat == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(AssertionError):
+        chi2_gof(torch.tensor([50, 30, 19, 0, 0, 1]), probs)
+
+
+# ----------------------------------------------------------------------------------------------
+# models, oracle, sampling
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Thousands of forwards of a tiny model: intra-op threads only add synchronization (and stall badly
+    when the cores are shared), so this module runs on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_model(seed: int):
+    model = tiny_model(FAMILY, seed=seed, vocab_size=V, num_layers=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LOGIT_SCALE)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_model(0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return make_model(1)
+
+
+@pytest.fixture(scope="module")
+def engines(target, draft):
+    kw = dict(num_draft_tokens=GAMMA, max_batch_size=BATCH, max_length=64)
+    return {"model": specdec.wrap(target, drafter="model", draft_model=draft, **kw),
+            "ngram": specdec.wrap(target, drafter="ngram", **kw)}
+
+
+def exact_joint(model, params: SamplingParams, new: int = NEW) -> torch.Tensor:
+    """`[V] * new`: probability of each continuation of PROMPT, from the model's own forward over every prefix."""
+    tails = torch.tensor(list(itertools.product(range(V), repeat=new - 1)), dtype=torch.long).view(V ** (new - 1),
+                                                                                                    new - 1)
+    ids = torch.cat([torch.tensor(PROMPT).expand(tails.shape[0], -1), tails], 1)
+    with torch.no_grad(), torch_fallbacks(FAMILY), float64_everywhere():
+        logits = model(ids).logits[:, -new:].double()
+    probs = probs_from_logits(logits, params).view(*([V] * (new - 1)), new, V)
+    joint = probs[(0,) * (new - 1) + (0,)]  # p(t1)
+    for i in range(1, new):
+        # p(t_{i+1} | t_1..t_i): rows whose first i tail tokens are the prefix (later ones are irrelevant)
+        cond = probs[(slice(None),) * i + (0,) * (new - 1 - i) + (i,)]  # [V] * i + [V]
+        joint = joint.unsqueeze(-1) * cond
+    assert joint.sum().item() == pytest.approx(1.0, abs=1e-9)
+    return joint
+
+
+def sample_counts(engine, params: dict, n: int, seed: int) -> tuple[torch.Tensor, dict]:
+    """Counts `[V ** NEW]` of the first NEW tokens over `n` sampled continuations, and summed draft stats."""
+    counts = torch.zeros(V ** NEW, dtype=torch.long)
+    place = V ** torch.arange(NEW - 1, -1, -1)
+    totals = dict(proposed=0, accepted=0, rounds=0, drafter_failures=0)
+    prompts = torch.tensor(PROMPT).expand(BATCH, -1)
+    for call in range(n // BATCH):
+        out = engine.generate(prompts, max_new_tokens=NEW, do_sample=True, seed=seed + call, eos_token_id=None,
+                              **params)
+        new = out.sequences[:, len(PROMPT):]
+        assert new.shape == (BATCH, NEW) and bool(((new >= 0) & (new < V)).all())
+        counts += torch.bincount((new * place).sum(1), minlength=V ** NEW)
+        for k in totals:
+            totals[k] += getattr(out.stats, k)
+    return counts, totals
+
+
+def gof(counts: torch.Tensor, joint: torch.Tensor) -> tuple[float, int, float]:
+    stat, df = chi2_gof(counts, joint)
+    return stat, df, chi2_critical(df)
+
+
+# ----------------------------------------------------------------------------------------------
+# speculative sampling follows the target
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_sampled_tokens_follow_target(engines, target, drafter, setting):
+    params = SETTINGS[setting]
+    joint = exact_joint(target, SamplingParams(do_sample=True, **params))
+    seed = 1000 * list(SETTINGS).index(setting) + (0 if drafter == "model" else 500)
+    counts, totals = sample_counts(engines[drafter], params, N, seed)
+    # drafts matter at the tested positions: proposed in every first round, both accepted and rejected often
+    # (the model drafter accepts about half, prompt lookup about a tenth)
+    assert totals["drafter_failures"] == 0
+    assert totals["proposed"] >= N, totals
+    assert 0.05 * totals["proposed"] < totals["accepted"] < 0.9 * totals["proposed"], totals
+    stat, df, crit = gof(counts, joint)
+    print(f"{drafter} {setting}: chi2 {stat:.1f} df {df} critical {crit:.1f} "
+          f"alpha {totals['accepted'] / totals['proposed']:.3f}")
+    assert stat < crit, f"{drafter} {setting}: chi2 {stat:.1f} >= critical {crit:.1f} (df {df})"
+
+
+# ----------------------------------------------------------------------------------------------
+# teeth: the same test rejects wrong acceptance rules run through the same engine
+
+
+def _p_at(target_probs: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return target_probs[torch.arange(n.shape[0]), n]
+
+
+def accept_every_draft(draft_tokens, draft_probs, target_probs, *, generator=None, num_drafts=None):
+    """Wrong: emits every draft (the draft model's own distribution), bonus from p after them."""
+    n = torch.full((draft_tokens.shape[0],), draft_tokens.shape[1], dtype=torch.long) if num_drafts is None \
+        else num_drafts.long()
+    return n, torch.multinomial(_p_at(target_probs, n).double(), 1, generator=generator).squeeze(1)
+
+
+def bonus_without_residual(draft_tokens, draft_probs, target_probs, *, generator=None, num_drafts=None):
+    """Wrong: the right accept test, but after a rejection the bonus is drawn from p, not norm(max(0, p - q))."""
+    n, _ = accept_chain_sampling(draft_tokens, draft_probs, target_probs, generator=generator,
+                                 num_drafts=num_drafts)
+    return n, torch.multinomial(_p_at(target_probs, n).double(), 1, generator=generator).squeeze(1)
+
+
+@pytest.mark.parametrize("drafter, wrong, n", [
+    ("model", accept_every_draft, 500),
+    ("model", bonus_without_residual, 2000),
+    ("ngram", bonus_without_residual, 1000),
+])
+def test_wrong_acceptance_is_detected(engines, target, monkeypatch, drafter, wrong, n):
+    params = SETTINGS["temperature=1"]
+    joint = exact_joint(target, SamplingParams(do_sample=True, **params))
+    monkeypatch.setattr(engine_mod, "accept_chain_sampling", wrong)
+    counts, _ = sample_counts(engines[drafter], params, n, seed=7000)
+    stat, df, crit = gof(counts, joint)
+    print(f"{drafter} {wrong.__name__}: chi2 {stat:.1f} df {df} critical {crit:.1f}")
+    assert stat > crit, f"{drafter} {wrong.__name__}: chi2 {stat:.1f} <= critical {crit:.1f} (df {df})"
+
+
+# ----------------------------------------------------------------------------------------------
+# seeds
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_seeded_generate_is_reproducible(engines, drafter):
+    engine = engines[drafter]
+    prompts = torch.tensor(PROMPT).expand(4, -1)
+    kw = dict(max_new_tokens=24, do_sample=True, temperature=1.0, top_p=0.95, eos_token_id=None)
+    a = engine.generate(prompts, seed=123, **kw).sequences
+    b = engine.generate(prompts, seed=123, **kw).sequences
+    c = engine.generate(prompts, seed=124, **kw).sequences
+    assert a.shape == (4, len(PROMPT) + 24)
+    assert torch.equal(a, b), "same seed, different sequences"
+    assert not torch.equal(a, c), "different seeds, same sequences"
+    # rows of one batch are independent draws, not copies
+    assert len({tuple(r) for r in a.tolist()}) > 1
