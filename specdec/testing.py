@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from statistics import NormalDist
+
 import torch
 
 # (rtol, atol) per dtype. fp32/fp64 entries are for results computed in a different op order;
@@ -47,3 +50,34 @@ def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     e = expected.double()
     denom = e.abs().max().clamp_min(torch.finfo(torch.float64).tiny)
     return ((actual.double() - e).abs().max() / denom).item()
+
+
+def chi2_critical(df: int, alpha: float = 1e-3) -> float:
+    """Upper `alpha` quantile of chi-square(df), Wilson-Hilferty approximation."""
+    z = NormalDist().inv_cdf(1 - alpha)
+    c = 2 / (9 * df)
+    return df * (1 - c + z * math.sqrt(c)) ** 3
+
+
+def chi2_gof(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic and degrees of freedom of `counts` against `probs` (flat, same length).
+
+    Cells of probability 0 must be empty. Cells expecting fewer than 5 are pooled into one; if the pool
+    still expects fewer than 5 it joins the smallest remaining cell.
+    """
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    assert counts[probs == 0].sum() == 0, "an outcome of probability 0 under the target was emitted"
+    exp = probs * counts.sum()
+    live = probs > 0
+    big = live & (exp >= 5)
+    obs_cells, exp_cells = list(counts[big]), list(exp[big])
+    small = live & ~big
+    if small.any():
+        pool_o, pool_e = counts[small].sum(), exp[small].sum()
+        if pool_e < 5 and exp_cells:
+            j = min(range(len(exp_cells)), key=lambda i: float(exp_cells[i]))
+            pool_o, pool_e = pool_o + obs_cells.pop(j), pool_e + exp_cells.pop(j)
+        obs_cells.append(pool_o)
+        exp_cells.append(pool_e)
+    o, e = torch.stack(obs_cells), torch.stack(exp_cells)
+    return float(((o - e) ** 2 / e).sum()), len(obs_cells) - 1

@@ -7,8 +7,6 @@ deterministic), plus teeth checks showing the same test rejects deliberately wro
 
 from __future__ import annotations
 
-import math
-from statistics import NormalDist
 
 import pytest
 import torch
@@ -17,11 +15,10 @@ from hypothesis import strategies as st
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import specdec.verify.accept as accept_mod
-from specdec.testing import assert_close
+from specdec.testing import assert_close, chi2_critical, chi2_gof
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits)
 
-ALPHA = 1e-3
 N = 20_000  # independent requests per statistical test, one row each
 V = 8
 
@@ -29,30 +26,9 @@ V = 8
 # chi-square goodness of fit
 
 
-def chi2_critical(df: int, alpha: float = ALPHA) -> float:
-    """Upper `alpha` quantile of chi-square(df), Wilson-Hilferty approximation."""
-    z = NormalDist().inv_cdf(1 - alpha)
-    c = 2 / (9 * df)
-    return df * (1 - c + z * math.sqrt(c)) ** 3
-
-
 def chi2_stat(samples: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson statistic and degrees of freedom of `samples` `[n]` against `probs` `[V]`.
-
-    Tokens with probability 0 must never appear. Cells expecting fewer than 5 are pooled into one so
-    the chi-square approximation holds.
-    """
-    counts = torch.bincount(samples, minlength=probs.numel()).double()
-    probs = probs.double()
-    assert counts[probs == 0].sum() == 0, f"impossible token emitted: counts {counts.tolist()} probs {probs.tolist()}"
-    exp = probs * samples.numel()
-    big = exp >= 5
-    obs_cells, exp_cells = list(counts[big]), list(exp[big])
-    if (~big & (probs > 0)).any():
-        obs_cells.append(counts[~big].sum())
-        exp_cells.append(exp[~big].sum())
-    obs_t, exp_t = torch.stack(obs_cells), torch.stack(exp_cells)
-    return float(((obs_t - exp_t) ** 2 / exp_t).sum()), len(obs_cells) - 1
+    """Pearson statistic and degrees of freedom of token `samples` `[n]` against `probs` `[V]`."""
+    return chi2_gof(torch.bincount(samples, minlength=probs.numel()), probs)
 
 
 def fit(first: torch.Tensor, p1: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor] | None = None,

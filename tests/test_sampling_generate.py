@@ -14,8 +14,6 @@ the drafts are rejected, so the residual distribution decides much of the output
 from __future__ import annotations
 
 import itertools
-import math
-from statistics import NormalDist
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from tiny_models import float64_everywhere, tiny_model, torch_fallbacks
 
 import specdec
 import specdec.engine as engine_mod
+from specdec.testing import chi2_critical, chi2_gof
 from specdec.verify import SamplingParams, accept_chain_sampling, probs_from_logits
 
 FAMILY = "qwen3_5"
@@ -33,7 +32,6 @@ NEW = 3  # tokens tested: the first is sampled after prefill, the rest come from
 GAMMA = 2
 BATCH = 100  # copies of the prompt per generate call
 N = 2000  # samples per setting
-ALPHA = 1e-3
 
 SETTINGS = {
     "temperature=1": dict(temperature=1.0),
@@ -44,37 +42,6 @@ SETTINGS = {
 
 # ----------------------------------------------------------------------------------------------
 # chi-square goodness of fit
-
-
-def chi2_critical(df: int, alpha: float = ALPHA) -> float:
-    """Upper `alpha` quantile of chi-square(df), Wilson-Hilferty approximation."""
-    z = NormalDist().inv_cdf(1 - alpha)
-    c = 2 / (9 * df)
-    return df * (1 - c + z * math.sqrt(c)) ** 3
-
-
-def chi2_gof(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson statistic and degrees of freedom of `counts` against `probs` (flat, same length).
-
-    Cells of probability 0 must be empty. Cells expecting fewer than 5 are pooled into one; if the pool
-    still expects fewer than 5 it joins the smallest remaining cell.
-    """
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    assert counts[probs == 0].sum() == 0, "a sequence of probability 0 under the target was emitted"
-    exp = probs * counts.sum()
-    live = probs > 0
-    big = live & (exp >= 5)
-    obs_cells, exp_cells = list(counts[big]), list(exp[big])
-    small = live & ~big
-    if small.any():
-        pool_o, pool_e = counts[small].sum(), exp[small].sum()
-        if pool_e < 5 and exp_cells:
-            j = min(range(len(exp_cells)), key=lambda i: float(exp_cells[i]))
-            pool_o, pool_e = pool_o + obs_cells.pop(j), pool_e + exp_cells.pop(j)
-        obs_cells.append(pool_o)
-        exp_cells.append(pool_e)
-    o, e = torch.stack(obs_cells), torch.stack(exp_cells)
-    return float(((o - e) ** 2 / e).sum()), len(obs_cells) - 1
 
 
 def test_chi2_critical_matches_tables():
