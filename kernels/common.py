@@ -88,6 +88,19 @@ def check_shape(name: str, t: torch.Tensor, shape: tuple) -> None:
         raise ValueError(f"{name}: expected shape {want}, got {list(t.shape)}")
 
 
+def check_delta_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
+    """Shapes of the delta-rule inputs (q, k `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H, K]` or `[B, T, H]`,
+    beta `[B, T, H]`) -> `(B, T, H, K, V, g [B, T, H, K or 1])`."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    check_shape("q", q, (B, T, H, K))
+    check_shape("v", v, (B, T, H, V))
+    check_shape("beta", beta, (B, T, H))
+    g = gate_channels(g, beta)
+    check_shape("g", g, (B, T, H, None))
+    return B, T, H, K, V, g
+
+
 def valid_slots(indices: torch.Tensor, null_slot: int) -> torch.Tensor:
     """Rows whose slot is neither -1 nor the null slot (`[B]` bool)."""
     return (indices >= 0) & (indices != null_slot)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import check_shape, conv_step, delta_step, gate_channels, math_dtype, prepare_qk
+from ..common import check_delta_inputs, check_shape, conv_step, delta_step, math_dtype, prepare_qk
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -45,13 +45,7 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     Returns:
         `(o [B, T, H, V] in v.dtype, S [B, H, K, V])`; S in fp32 (fp64 if any input is fp64).
     """
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    check_shape("q", q, (B, T, H, K))
-    check_shape("v", v, (B, T, H, V))
-    check_shape("beta", beta, (B, T, H))
-    g = gate_channels(g, beta)
-    check_shape("g", g, (B, T, H, None))
+    B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
     dt = math_dtype(q, k, v, g, beta, initial_state)
     scale = K ** -0.5 if scale is None else scale
     q, k = prepare_qk(q, k, scale=scale, eps=eps, norm=norm, dtype=dt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import (check_shape, conv_step, delta_step, gate_channels, math_dtype, prepare_qk,
+from ..common import (check_delta_inputs, check_shape, conv_step, delta_step, math_dtype, prepare_qk,
                       valid_slots)
 from ..rebuild.naive import fast_rebuild
 
@@ -86,13 +86,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     Returns:
         o `[B, T, H, V]` in v.dtype.
     """
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    check_shape("q", q, (B, T, H, K))
-    check_shape("v", v, (B, T, H, V))
-    check_shape("beta", beta, (B, T, H))
-    g = gate_channels(g, beta)
-    check_shape("g", g, (B, T, H, None))
+    B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
     check_shape("ssm_state", ssm_state, (None, H, K, V))
     check_shape("ssm_state_indices", ssm_state_indices, (B,))
     if intermediate_states is not None and (intermediate_states.dim() != 5 or intermediate_states.shape[0] < B

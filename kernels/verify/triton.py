@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import check_shape, gate_channels
+from ..common import check_delta_inputs, check_shape
 from ..fold.triton import _cast_to, _delta_update, _dot, _exp, _l2norm, _load_gate, check_float, num_warps_for
 from ..rebuild.triton import _rebuild_tile, rebuild_blocks
 
@@ -233,13 +233,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     tensors' dtypes; the checkpoint is read only.
     """
     check_float("verify_delta_rule", q, k, v, g, beta, ssm_state, intermediate_states, *(ring or ()))
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    check_shape("q", q, (B, T, H, K))
-    check_shape("v", v, (B, T, H, V))
-    check_shape("beta", beta, (B, T, H))
-    g = gate_channels(g, beta)
-    check_shape("g", g, (B, T, H, None))
+    B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
     if g.shape[-1] not in (1, K):
         raise ValueError(f"g: expected last dim {K} (KDA) or none (GDN), got {list(g.shape)}")
     check_shape("ssm_state", ssm_state, (None, H, K, V))
