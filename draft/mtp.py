@@ -1,0 +1,394 @@
+"""Frozen-KV MTP drafter: a small multi-token-prediction head that reads the target's KV cache read-only.
+
+One drafting step, for a request whose committed tokens are `x_0 .. x_t` and whose anchor is `x_{t+1}`:
+
+    x = fc(concat(norm(emb(x_{t+1})), norm(h_t)))        # h_t: the target's final hidden state at t
+    x = x + attn(norm(x)); x = x + mlp(norm(x))          # per block (Config.num_layers)
+    logits = lm_head(norm(x))                            # emb and lm_head are the target's own
+
+Each block's attention computes queries only. Keys and values are the target's own cache of one
+full-attention layer (`Config.attn_layer`, the last one by default), read in place: the drafter keeps no KV
+of its own and never writes the target's cache, and its query sits at position `seq_len - 1` (the last
+committed token) for every step. Kimi-Linear (MLA, NoPE) stores compressed latents, expanded here with the
+target attention module's own `expand_kv`; Qwen3-Next / Qwen3.5 store keys after `k_norm` and RoPE, so the
+query gets the target's rotary embedding at that position and the key heads are shared across query
+groups (GQA) as in the target. Step i+1 feeds `emb(draft_i)` and step i's block output as the new h.
+
+Training (`Net.loss`) distils the target: at every position t of a window, from `(hidden[t], tokens[t+1])`
+and the target attention layer's keys/values over positions <= t (recomputed with the target's own
+modules from the captured input of that layer, causal), predict the target's distribution `logits[t+1]`;
+then `Config.train_depth - 1` further chained steps with teacher-forced tokens and the drafter's own h.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .base import DraftBlock, Drafter
+from .common import MLP, DraftConfig, RMSNorm, soft_ce
+
+FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5", "qwen3_5_text")
+
+
+@dataclass
+class Config(DraftConfig):
+    """`num_heads` / `head_dim` describe the queries, which follow the target attention layer's geometry."""
+
+    kind: str = "mtp"
+    attn_layer: int = -1  # target full-attention layer whose KV the blocks read (-1: the last one)
+    train_depth: int = 2  # chained steps per position in `loss` (1 = plain next-next-token)
+    depth_decay: float = 0.8  # weight of chained step k in the loss: depth_decay ** k
+    eval_depth: int = 4  # drafts per position measured by `evaluate`
+
+    @classmethod
+    def for_target(cls, target, **overrides) -> "Config":
+        layer = resolve_attn_layer(target, overrides.get("attn_layer", -1))
+        attn = target.model.layers[layer].self_attn
+        base = dict(attn_layer=layer, feature_layers=[layer - 1] if layer > 0 else [],
+                    num_heads=target.config.get_text_config().num_attention_heads, head_dim=_qk_dim(attn))
+        base.update(overrides)
+        return super().for_target(target, **base)
+
+
+def _qk_dim(attn) -> int:
+    return attn.qk_head_dim if hasattr(attn, "kv_b_proj") else attn.head_dim
+
+
+def resolve_attn_layer(target, layer: int) -> int:
+    """Index of a full-attention layer of `target` (`-1`: the last one); ValueError naming the drafter."""
+    types = getattr(target.config.get_text_config(), "layer_types", None) or []
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    family = target.config.model_type
+    if family not in FAMILIES or not full:
+        raise ValueError(f"drafter: mtp reads the KV cache of a hybrid target ({', '.join(FAMILIES[:3])}); "
+                         f"model_type {family!r} is not one")
+    if layer == -1:
+        return full[-1]
+    if layer not in full:
+        raise ValueError(f"drafter: mtp attn_layer {layer} is not a full-attention layer of this target "
+                         f"(those are {full})")
+    return layer
+
+
+@dataclass
+class KVContext:
+    """What the query-only attention reads: keys `[B, H, S, Dk]` and values `[B, H, S, Dv]` (query heads, GQA
+    already expanded), an additive mask `[B, 1, T, S]`, and the rotary (cos, sin) of the query positions."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor] | None
+
+
+class QueryOnlyAttention(nn.Module):
+    def __init__(self, hidden: int, num_heads: int, qk_dim: int, v_dim: int, scale: float, *, q_norm: bool,
+                 eps: float, apply_rope=None):
+        super().__init__()
+        self.num_heads, self.qk_dim, self.v_dim, self.scale = num_heads, qk_dim, v_dim, scale
+        self.q_proj = nn.Linear(hidden, num_heads * qk_dim, bias=False)
+        self.q_norm = RMSNorm(qk_dim, eps) if q_norm else None
+        self.o_proj = nn.Linear(num_heads * v_dim, hidden, bias=False)
+        self._apply_rope = apply_rope  # the target's apply_rotary_pos_emb (a plain function, not a module)
+
+    def forward(self, x: torch.Tensor, ctx: KVContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.qk_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = q.transpose(1, 2)  # [B, H, T, Dk]
+        if ctx.rope is not None:
+            q, _ = self._apply_rope(q, q, *ctx.rope)
+        att = (q @ ctx.keys.transpose(-1, -2)) * self.scale + ctx.mask
+        att = att.softmax(-1, dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+        out = att.to(ctx.values.dtype) @ ctx.values  # [B, H, T, Dv]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim))
+
+
+class MTPBlock(nn.Module):
+    def __init__(self, cfg: Config, hidden: int, attn_kw: dict):
+        super().__init__()
+        self.attn_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.attn = QueryOnlyAttention(hidden, eps=cfg.rms_norm_eps, **attn_kw)
+        self.mlp_norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.mlp = MLP(hidden, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, ctx: KVContext) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), ctx)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Net(nn.Module):
+    """The MTP head. Shared target modules are attributes named `target_*` (not saved, not trained)."""
+
+    def __init__(self, config: Config, target):
+        super().__init__()
+        self.config = config
+        tc = target.config.get_text_config()
+        layer = resolve_attn_layer(target, config.attn_layer)
+        base = target.model
+        attn = base.layers[layer].self_attn
+        self.mla = hasattr(attn, "kv_b_proj")
+        if not self.mla and not all(hasattr(attn, n) for n in ("k_proj", "v_proj", "k_norm")):
+            raise ValueError(f"drafter: mtp does not know the attention module {type(attn).__name__}")
+        d = tc.hidden_size
+        num_heads = tc.num_attention_heads
+        qk_dim = _qk_dim(attn)
+        v_dim = attn.v_head_dim if self.mla else attn.head_dim
+        if (config.num_heads, config.head_dim) != (num_heads, qk_dim):
+            raise ValueError(f"drafter: mtp queries must match the target attention layer ({num_heads} heads of "
+                             f"{qk_dim}), config has {config.num_heads} x {config.head_dim}")
+        for name, v in (("train_depth", config.train_depth), ("eval_depth", config.eval_depth),
+                        ("num_layers", config.num_layers)):
+            if v < 1:
+                raise ValueError(f"drafter: mtp {name} must be >= 1, got {v}")
+        self.layer = layer
+        self.target_embed = base.embed_tokens
+        self.target_lm_head = target.lm_head
+        self.target_attn = attn
+        self.target_attn_norm = base.layers[layer].input_layernorm
+        self.target_rotary = None if self.mla else base.rotary_emb
+        apply_rope = None if self.mla else sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.embed_norm = RMSNorm(d, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        attn_kw = dict(num_heads=num_heads, qk_dim=qk_dim, v_dim=v_dim, scale=float(attn.scaling),
+                       q_norm=not self.mla, apply_rope=apply_rope)
+        self.layers = nn.ModuleList(MTPBlock(config, d, attn_kw) for _ in range(config.num_layers))
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+
+    @classmethod
+    def from_target(cls, target, config: Config) -> "Net":
+        """A net in the target's device and dtype (so loaded weights are copied in at full precision)."""
+        w = target.model.embed_tokens.weight
+        return cls(config, target).to(device=w.device, dtype=w.dtype)
+
+    # The shared target modules belong to the target: `.to()` / `.double()` / `.train()` on the net leave them
+    # (and the target's numerics, e.g. a float32 rotary buffer in a bf16 model) exactly as they are.
+    def _shared(self) -> list[str]:
+        return [n for n in self._modules if n.startswith("target_")]
+
+    def _apply(self, fn, recurse=True):
+        saved = dict(self._modules)
+        for n in self._shared():
+            del self._modules[n]
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._modules.clear()
+            self._modules.update(saved)
+
+    def train(self, mode: bool = True):
+        self.training = mode
+        for name, mod in self.named_children():
+            if not name.startswith("target_"):
+                mod.train(mode)
+        return self
+
+    # ---- shared target pieces (never receive gradients) ----------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.target_embed.weight.detach(), self.target_embed.padding_idx).to(self.dtype)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.target_lm_head
+        w = head.weight.detach()
+        return F.linear(x.to(w.dtype), w, None if head.bias is None else head.bias.detach())
+
+    def _expand(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored pair of the attention layer `[B, h, S, d]` -> keys, values with one head per query head."""
+        if self.mla:
+            k, v = self.target_attn.expand_kv(a, b)
+        else:
+            k, v = a, b
+        rep = self.config.num_heads // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return k, v
+
+    def _context(self, keys, values, visible: torch.Tensor, like: torch.Tensor, positions: torch.Tensor):
+        """KVContext in the net's dtype; `visible [B or 1, T, S]` bool; rotary of the query `positions [B, T]`."""
+        dt = self.dtype
+        mask = torch.zeros(visible.shape, dtype=dt, device=visible.device).masked_fill(~visible, torch.finfo(dt).min)
+        rope = None
+        if self.target_rotary is not None:
+            rope = tuple(x.to(dt) for x in self.target_rotary(like, positions))
+        return KVContext(keys.to(dt), values.to(dt), mask[:, None], rope)
+
+    @torch.no_grad()
+    def context_from_cache(self, kv, slots: list[int]) -> KVContext:
+        """The target's committed KV of `slots` (a `KVCache`), for one query per row at `length - 1`."""
+        if self.layer not in kv.store:
+            raise RuntimeError(f"mtp: the target cache has no entries for layer {self.layer} yet")
+        slots_t = torch.as_tensor(slots, dtype=torch.long, device=kv.lengths.device)
+        lens = kv.lengths[slots_t]
+        S = int(lens.max())
+        a, b = (buf[slots_t, :, :S] for buf in kv.store[self.layer])
+        keys, values = self._expand(a, b)
+        visible = (torch.arange(S, device=lens.device)[None, :] < lens[:, None])[:, None]  # [B, 1, S]
+        return self._context(keys, values, visible, a, (lens - 1)[:, None])
+
+    @torch.no_grad()
+    def context_from_batch(self, tokens: torch.Tensor, features: dict[int, torch.Tensor]) -> KVContext:
+        """Keys/values of the attention layer over a whole window, recomputed with the target's own modules
+        from the layer's captured input; query t sees keys <= t."""
+        B, S = tokens.shape
+        inp = features[self.layer - 1] if self.layer > 0 else self.target_embed(tokens)
+        x = self.target_attn_norm(inp.to(self.target_embed.weight.dtype))
+        attn = self.target_attn
+        pos = torch.arange(S, device=tokens.device)[None].expand(B, S)
+        if self.mla:
+            kv_nope, k_rot = torch.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank, attn.qk_rope_head_dim], -1)
+            a = attn.kv_a_layernorm(kv_nope).view(B, 1, S, attn.kv_lora_rank)
+            b = k_rot.view(B, 1, S, attn.qk_rope_head_dim)
+        else:
+            shape = (B, S, -1, attn.head_dim)
+            a = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
+            b = attn.v_proj(x).view(shape).transpose(1, 2)
+            a, _ = sys.modules[type(attn).__module__].apply_rotary_pos_emb(a, a, *self.target_rotary(x, pos))
+        keys, values = self._expand(a, b)
+        causal = torch.ones(S, S, dtype=torch.bool, device=tokens.device).tril()[None]  # [1, S, S]
+        return self._context(keys, values, causal, x, pos)
+
+    # ---- the head ----------------------------------------------------------------------------------
+    def step(self, tokens: torch.Tensor, h: torch.Tensor, ctx: KVContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens `[B, T]`, h `[B, T, d]` -> (logits `[B, T, V]`, block output `[B, T, d]`: the next step's h)."""
+        x = self.fc(torch.cat([self.embed_norm(self.embed(tokens)), self.hidden_norm(h.to(self.dtype))], -1))
+        for block in self.layers:
+            x = block(x, ctx)
+        return self.lm_head(self.norm(x)), x
+
+    @torch.no_grad()
+    def draft(self, anchors: torch.Tensor, h: torch.Tensor, ctx: KVContext, gamma: int, *, sampling=None,
+              generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`gamma` chained drafts after `anchors [B]` from `h [B, d]` -> (tokens `[B, gamma]`, probs
+        `[B, gamma, V]` when sampling, else None: greedy argmax)."""
+        from specdec.verify import probs_from_logits
+        sample = sampling is not None and sampling.do_sample
+        tok, h = anchors[:, None], h[:, None]
+        toks, qs = [], []
+        for _ in range(gamma):
+            logits, h = self.step(tok, h, ctx)
+            logits = logits[:, 0]
+            if sample:
+                q = probs_from_logits(logits, sampling)
+                nxt = torch.multinomial(q.to(torch.float64), 1, generator=generator)[:, 0]
+                qs.append(q)
+            else:
+                nxt = logits.argmax(-1)
+            toks.append(nxt)
+            tok = nxt[:, None]
+        return torch.stack(toks, 1), (torch.stack(qs, 1) if sample else None)
+
+    # ---- training ----------------------------------------------------------------------------------
+    def _chain(self, batch, depth: int):
+        """Steps 0..depth-1 at every position t of the window: step k reads h from step k-1 (the target's
+        hidden[t] for k = 0) and the window's token t+1+k (teacher forcing). -> list of logits [B, S, V]."""
+        tokens = batch.tokens.to(self.fc.weight.device)
+        ctx = self.context_from_batch(tokens, {i: f.to(tokens.device) for i, f in batch.features.items()})
+        S = tokens.shape[1]
+        h = batch.hidden.to(device=tokens.device, dtype=self.dtype)
+        idx = torch.arange(S, device=tokens.device)
+        tok = tokens[:, (idx + 1).clamp(max=S - 1)]
+        out = []
+        for k in range(depth):
+            logits, h = self.step(tok, h, ctx)
+            out.append(logits)
+            tok = tokens[:, (idx + 2 + k).clamp(max=S - 1)]
+        return out
+
+    def loss(self, batch) -> torch.Tensor:
+        """Weighted soft cross-entropy against the target's distributions, over chained steps."""
+        S = batch.tokens.shape[1]
+        depth = min(self.config.train_depth, S - 1)
+        if depth < 1:
+            raise ValueError(f"batch: windows of {S} tokens are too short for the mtp drafter (need >= 2)")
+        target_logits = batch.logits.to(self.fc.weight.device)
+        total, weight = 0.0, 0.0
+        for k, logits in enumerate(self._chain(batch, depth)):
+            n = S - 1 - k  # positions t with a target at t + 1 + k
+            w = self.config.depth_decay ** k
+            total = total + w * soft_ce(logits[:, :n], target_logits[:, 1 + k:])
+            weight += w
+        return total / weight
+
+    @torch.no_grad()
+    def evaluate(self, batch) -> dict:
+        """`loss` (as in training) and greedy `per_position[i]`: how often draft i equals the target's argmax,
+        given drafts < i did, with the window's tokens as the context of both (teacher forcing)."""
+        S = batch.tokens.shape[1]
+        depth = min(max(self.config.eval_depth, self.config.train_depth), S - 1)
+        target_logits = batch.logits.to(self.fc.weight.device)
+        target_argmax = target_logits.argmax(-1)
+        reached, per_position, total, weight = None, [], 0.0, 0.0
+        for k, logits in enumerate(self._chain(batch, depth)):
+            n = S - 1 - k
+            if k < self.config.train_depth:
+                w = self.config.depth_decay ** k
+                total, weight = total + w * float(soft_ce(logits[:, :n], target_logits[:, 1 + k:])), weight + w
+            hit = logits[:, :n].argmax(-1) == target_argmax[:, 1 + k:]
+            reached = torch.ones_like(hit) if reached is None else reached[:, :n]
+            per_position.append(float((hit & reached).sum()) / max(int(reached.sum()), 1))
+            reached = reached & hit
+        return {"loss": total / weight, "per_position": per_position}
+
+
+# ---- drafter -----------------------------------------------------------------------------------------
+class MTPDrafter(Drafter):
+    """Drafts with a `Net` from the target's committed KV cache and the final hidden state of each request's
+    last committed token (kept from `observe`). Holds no cache of its own, so there is nothing to roll back."""
+
+    name = "mtp"
+
+    def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8):
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            raise ValueError(f"num_draft_tokens: expected an int >= 1, got {gamma!r}")
+        self.net, self.gamma, self.max_batch_size = net.eval(), gamma, max_batch_size
+        self.h: dict[int, torch.Tensor] = {}
+
+    def bind(self, engine) -> None:
+        runner = engine.runner
+        if getattr(runner, "kv", None) is None:
+            raise ValueError(f"drafter: mtp reads the target's KV cache, which {type(runner).__name__} does not "
+                             f"expose (hybrid targets only: {', '.join(FAMILIES[:3])})")
+        super().bind(engine)
+
+    def begin(self, rows, prompts):
+        for r in rows:
+            self.h.pop(r, None)
+
+    def observe(self, rows, tokens, hidden, features):
+        for r, hs in zip(rows, hidden):
+            if hs.shape[0]:
+                self.h[r] = hs[-1]
+
+    def release(self, rows):
+        for r in rows:
+            self.h.pop(r, None)
+
+    @torch.no_grad()
+    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        device = contexts[0].device if contexts else "cpu"
+        gamma = min(gamma, self.gamma)
+        if not rows or gamma < 1:
+            return DraftBlock.empty(len(rows), device)
+        runner = self.engine.runner
+        ctx = self.net.context_from_cache(runner.kv, [self.engine.slots[r] for r in rows])
+        anchors = torch.stack([c[-1] for c in contexts]).to(device)
+        h = torch.stack([self.h[r] for r in rows])
+        tokens, probs = self.net.draft(anchors, h, ctx, gamma, sampling=sampling, generator=generator)
+        return DraftBlock(tokens, torch.full((len(rows),), gamma, dtype=torch.long, device=device), probs)
+
+
+def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, **kwargs) -> MTPDrafter:
+    if kwargs:
+        raise ValueError(f"drafter: unknown option(s) for mtp: {sorted(kwargs)}")
+    return MTPDrafter(net, gamma=gamma, max_batch_size=max_batch_size)

@@ -1,0 +1,356 @@
+"""Frozen-KV MTP drafter (`drafter="mtp"`): a query-only head over the target's own KV cache.
+
+1. The drafter's inference path (keys/values read from the target's cache, one query at seq_len - 1) equals
+   its training path (keys/values recomputed from the captured layer input, causal) and never writes the cache.
+2. Greedy identity: untrained and trained mtp drafters on float64 tiny Kimi-Linear (MLA) and Qwen3-Next
+   (GQA + RoPE) targets give transformers' own greedy `generate`, for every state strategy / commit mode.
+3. Sampling: the first tokens of speculative sampling with mtp drafts follow the target's exact joint
+   distribution (chi-square), and the same test rejects a drafter that misreports its draft distribution.
+4. Training: a short distillation run lowers the validation loss and raises tau; save / load round-trips.
+5. Errors: another target, a directory that is not a drafter, gamma < 1, a target without a hybrid adapter.
+
+The targets' logits are scaled up (`LOGIT_SCALE`) so that their distributions are far from uniform; training
+data are the target's own samples (a random tiny model has no language to learn from a text file).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import pytest
+import torch
+from tiny_models import float64_everywhere, tiny_config, tiny_model, torch_fallbacks
+
+import specdec
+from specdec.draft import mtp
+from specdec.draft.common import build_drafter_net, load_drafter, own_state_dict, save_drafter, target_batch
+from specdec.draft.train import train
+from specdec.runner import make_runner
+from specdec.testing import chi2_critical, chi2_gof
+from specdec.verify import SamplingParams, probs_from_logits
+
+FAMILIES = ("kimi_linear", "qwen3_next")
+MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
+LOGIT_SCALE = 4.0
+GAMMA = 5
+N = 17
+PROMPTS = [[3, 41, 17, 88, 9, 60, 23], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]]  # one batch, different lengths
+TRAIN = dict(steps=60, lr=1e-2, seq_len=64, batch_size=8, val_every=60, seed=0)
+
+
+def sharpened(family: str, seed: int = 0, **kw):
+    model = tiny_model(family, seed=seed, **kw)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LOGIT_SCALE)
+    return model
+
+
+def self_samples(model, n_seq: int = 16, length: int = 128, seed: int = 0) -> torch.Tensor:
+    """Training tokens: the target's own sampled continuations of short random prompts, concatenated."""
+    vocab = model.config.vocab_size
+    prompts = torch.randint(3, vocab, (n_seq, 4), generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    with torch.no_grad(), torch_fallbacks(), float64_everywhere():
+        out = model.generate(prompts, do_sample=True, max_new_tokens=length, eos_token_id=None, pad_token_id=0)
+    return out.flatten()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy machine they cost a lot (spinning)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {f: sharpened(f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def trained(targets, tmp_path_factory):
+    """family -> (net, saved directory, training history)."""
+    out = {}
+    for family, target in targets.items():
+        ids = self_samples(target)
+        net, hist = train(target, ids, "mtp", progress=False, **TRAIN)
+        path = str(tmp_path_factory.mktemp(f"mtp_{family}"))
+        save_drafter(net, path)
+        out[family] = (net, path, hist)
+    return out
+
+
+@pytest.fixture(scope="module")
+def refs(targets):
+    cache = {}
+
+    def ref(family, prompt, max_new_tokens=N):
+        key = (family, tuple(prompt), max_new_tokens)
+        if key not in cache:
+            with torch_fallbacks(), float64_everywhere():
+                out = targets[family].generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                                               eos_token_id=None)
+            cache[key] = out[0].tolist()
+        return cache[key]
+    return ref
+
+
+def generate(engine, prompts, **kw):
+    with torch_fallbacks(), float64_everywhere():
+        return engine.generate([torch.tensor(p) for p in prompts], eos_token_id=None, **kw)
+
+
+# ---- 1. inference path == training path --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES + ("qwen3_5",))
+def test_cache_reads_match_training_path(targets, family):
+    """Two requests of different lengths in one batch: drafting from the target's cache (padded, masked) gives
+    the logits the training path computes at the same positions, for two chained steps; the cache is untouched.
+    (Kimi: MLA latents expanded by the target's kv_b_proj; Qwen3-Next / Qwen3.5: roped GQA keys, their own
+    rotary embeddings.)"""
+    target = targets[family] if family in targets else sharpened(family)
+    torch.manual_seed(1)
+    net = build_drafter_net("mtp", target)
+    assert net.config.attn_layer == 3 and net.config.feature_layers == [2]
+    assert not any(k.startswith("target_") for k in own_state_dict(net))
+    seq = torch.tensor([[7, 30, 2, 55, 61, 9, 14, 88, 23, 5, 40, 71, 12, 3]])
+    runner = make_runner(target, max_batch_size=2, max_length=32, num_verify_tokens=4)
+    batch = target_batch(runner, seq, net.config.feature_layers)
+    S = seq.shape[1]
+    idx = torch.arange(S)
+    ctx = net.context_from_batch(batch.tokens, batch.features)
+    logits0, h1 = net.step(seq[:, (idx + 1).clamp(max=S - 1)], batch.hidden, ctx)
+    logits1, _ = net.step(seq[:, (idx + 2).clamp(max=S - 1)], h1, ctx)
+
+    lengths = [5, 9]  # committed tokens per request; the anchor is token `length`
+    slots = runner.alloc(2)
+    hs = [runner.prefill(s, seq[0, :n]).hidden[0, -1] for s, n in zip(slots, lengths)]
+    before = [b.clone() for bufs in runner.kv.store.values() for b in bufs] + [runner.kv.lengths.clone()]
+    ctx_c = net.context_from_cache(runner.kv, slots)
+    with torch.no_grad():
+        anchors = torch.tensor([[seq[0, n]] for n in lengths])
+        c0, g1 = net.step(anchors, torch.stack(hs)[:, None], ctx_c)
+        c1, _ = net.step(torch.tensor([[seq[0, n + 1]] for n in lengths]), g1, ctx_c)
+        tokens, probs = net.draft(anchors[:, 0], torch.stack(hs), ctx_c, 3)
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(c0[b, 0], logits0[0, n - 1], rtol=0, atol=1e-10)
+        torch.testing.assert_close(c1[b, 0], logits1[0, n - 1], rtol=0, atol=1e-10)
+        assert int(tokens[b, 0]) == int(c0[b, 0].argmax())
+    assert probs is None and tokens.shape == (2, 3)
+    after = [b for bufs in runner.kv.store.values() for b in bufs] + [runner.kv.lengths]
+    assert all(torch.equal(x, y) for x, y in zip(before, after)), "the drafter wrote the target's cache"
+    runner.release(slots)
+
+
+# ---- 2. greedy identity -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", ["untrained", "trained"])
+@pytest.mark.parametrize("strategy, commit", MODES, ids=[f"{s}-{c}" for s, c in MODES])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity(targets, trained, refs, family, strategy, commit, weights):
+    target = targets[family]
+    torch.manual_seed(0)
+    drafter = "mtp" if weights == "untrained" else trained[family][1]
+    engine = specdec.wrap(target, drafter=drafter, num_draft_tokens=GAMMA, strategy=strategy, commit=commit,
+                          max_batch_size=2)
+    assert type(engine.drafter).__name__ == "MTPDrafter"
+    out = generate(engine, PROMPTS, max_new_tokens=N)
+    for b, p in enumerate(PROMPTS):
+        ref = refs(family, p)
+        row = out.sequences[b].tolist()
+        assert row[:len(ref)] == ref, f"row {b} differs from transformers' greedy generate"
+        assert all(x == engine.pad_token_id for x in row[len(ref):])
+    s = out.stats
+    assert s.drafter_failures == 0 and s.proposed > 0
+    if weights == "trained":
+        assert 0 < s.accepted < s.proposed, s.as_dict()
+    assert engine.runner.num_free == 2 and not engine.drafter.h
+
+
+# ---- 3. sampling follows the target -------------------------------------------------------------------------
+
+SAMPLE_V = 8
+SAMPLE_PROMPT = [1, 3, 5, 7, 2, 4, 6, 0, 5, 3]
+NEW = 3  # the first token comes from prefill, the next two from a round with 2 mtp drafts
+BATCH = 100
+
+
+def exact_joint(model, params: SamplingParams) -> torch.Tensor:
+    """`[V] * NEW`: probability of each continuation of SAMPLE_PROMPT, from the target's own forward."""
+    V = SAMPLE_V
+    tails = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)), dtype=torch.long)
+    ids = torch.cat([torch.tensor(SAMPLE_PROMPT).expand(tails.shape[0], -1), tails], 1)
+    with torch.no_grad(), torch_fallbacks(), float64_everywhere():
+        logits = model(ids).logits[:, -NEW:].double()
+    probs = probs_from_logits(logits, params).view(*([V] * (NEW - 1)), NEW, V)
+    joint = probs[(0,) * (NEW - 1) + (0,)]
+    for i in range(1, NEW):
+        cond = probs[(slice(None),) * i + (0,) * (NEW - 1 - i) + (i,)]
+        joint = joint.unsqueeze(-1) * cond
+    assert joint.sum().item() == pytest.approx(1.0, abs=1e-9)
+    return joint
+
+
+def sample_counts(engine, n: int, seed: int, **params):
+    counts = torch.zeros(SAMPLE_V ** NEW, dtype=torch.long)
+    place = SAMPLE_V ** torch.arange(NEW - 1, -1, -1)
+    totals = dict(proposed=0, accepted=0, drafter_failures=0)
+    for call in range(n // BATCH):
+        out = engine.generate(torch.tensor(SAMPLE_PROMPT).expand(BATCH, -1), max_new_tokens=NEW, do_sample=True,
+                              seed=seed + call, eos_token_id=None, **params)
+        new = out.sequences[:, len(SAMPLE_PROMPT):]
+        counts += torch.bincount((new * place).sum(1), minlength=SAMPLE_V ** NEW)
+        for k in totals:
+            totals[k] += getattr(out.stats, k)
+    return counts, totals
+
+
+@pytest.fixture(scope="module")
+def sampling_engine():
+    target = sharpened("qwen3_next", vocab_size=SAMPLE_V, num_layers=2)
+    torch.manual_seed(3)
+    return target, specdec.wrap(target, drafter="mtp", num_draft_tokens=2, max_batch_size=BATCH, max_length=32)
+
+
+SAMPLE_PARAMS = dict(temperature=0.7)
+
+
+def test_sampling_follows_target(sampling_engine):
+    target, engine = sampling_engine
+    joint = exact_joint(target, SamplingParams(do_sample=True, **SAMPLE_PARAMS))
+    n = 2000
+    counts, totals = sample_counts(engine, n, seed=0, **SAMPLE_PARAMS)
+    assert totals["drafter_failures"] == 0 and totals["proposed"] >= 2 * n, totals
+    assert 0.2 * totals["proposed"] < totals["accepted"] < 0.8 * totals["proposed"], totals
+    stat, df = chi2_gof(counts, joint)
+    print(f"mtp sampling: chi2 {stat:.1f} df {df} critical {chi2_critical(df):.1f} "
+          f"alpha {totals['accepted'] / totals['proposed']:.3f}")
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} >= critical {chi2_critical(df):.1f} (df {df})"
+
+
+def test_sampling_detects_wrong_draft_distribution(sampling_engine, monkeypatch):
+    """Teeth: drafts sampled from q_1, q_2 but returned with q_2, q_1 (a chaining bug) bias the output.
+    (Returning no q at all would not: one-hot acceptance of a drawn token is lossless, only slower.)"""
+    target, engine = sampling_engine
+    joint = exact_joint(target, SamplingParams(do_sample=True, **SAMPLE_PARAMS))
+    inner = engine.drafter.propose
+
+    def swapped_probs(*a, **kw):
+        block = inner(*a, **kw)
+        block.probs = block.probs.flip(1)
+        return block
+
+    monkeypatch.setattr(engine.drafter, "propose", swapped_probs)
+    counts, _ = sample_counts(engine, 2000, seed=50, **SAMPLE_PARAMS)
+    stat, df = chi2_gof(counts, joint)
+    print(f"mtp swapped q: chi2 {stat:.1f} df {df} critical {chi2_critical(df):.1f}")
+    assert stat > chi2_critical(df), f"wrong q not detected: chi2 {stat:.1f} <= {chi2_critical(df):.1f}"
+
+
+# ---- 4. training, save / load -------------------------------------------------------------------------------
+
+
+def test_training_lowers_loss_and_raises_tau(targets, trained):
+    family = "qwen3_next"
+    target = targets[family]
+    _, path, hist = trained[family]
+    first, last = hist["val"][0], hist["val"][-1]
+    assert len(hist["train_loss"]) == TRAIN["steps"]
+    taus = {}
+    for name, drafter in (("untrained", "mtp"), ("trained", path)):
+        torch.manual_seed(0)
+        engine = specdec.wrap(target, drafter=drafter, num_draft_tokens=4, max_batch_size=2)
+        out = generate(engine, PROMPTS, max_new_tokens=40)
+        assert out.stats.drafter_failures == 0
+        taus[name] = out.stats.tau
+    print(f"mtp {family}: val loss {first['loss']:.4f} -> {last['loss']:.4f}, per_position "
+          f"{[round(x, 3) for x in first['per_position']]} -> {[round(x, 3) for x in last['per_position']]}, "
+          f"tau {taus['untrained']:.3f} -> {taus['trained']:.3f}")
+    assert last["loss"] < first["loss"] - 0.1
+    assert last["per_position"][0] > first["per_position"][0] + 0.3
+    assert taus["trained"] > taus["untrained"] + 0.4
+
+
+def test_save_load_round_trip(targets, trained):
+    family = "qwen3_next"
+    target = targets[family]
+    net, path, _ = trained[family]
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["kind"] == "mtp"
+    from safetensors.torch import load_file
+    assert not any(k.startswith("target_") for k in load_file(os.path.join(path, "model.safetensors")))
+    engine = specdec.wrap(target, drafter=path, num_draft_tokens=4, max_batch_size=2)
+    loaded = engine.drafter
+    assert loaded.net is not net and loaded.net.target_embed is target.model.embed_tokens
+    mine = mtp.make_drafter(net, gamma=4)
+    mine.bind(engine)
+    slots = engine.runner.alloc(2)
+    engine.slots = slots
+    try:
+        contexts = []
+        for b, (s, p) in enumerate(zip(slots, PROMPTS)):
+            out = engine.runner.prefill(s, torch.tensor(p))
+            anchor = int(out.logits[0, -1].argmax())
+            for d in (loaded, mine):
+                d.begin([b], [torch.tensor(p)])
+                d.observe([b], [torch.tensor(p)], [out.hidden[0]], {})
+            contexts.append(torch.tensor(p + [anchor]))
+        a = loaded.propose([0, 1], contexts, 4)
+        b = mine.propose([0, 1], contexts, 4)
+        assert a.probs is None and torch.equal(a.tokens, b.tokens) and torch.equal(a.num_drafts, b.num_drafts)
+        sampling = SamplingParams(do_sample=True, temperature=0.9, top_p=0.95)
+        a = loaded.propose([0, 1], contexts, 4, sampling=sampling, generator=torch.Generator().manual_seed(5))
+        b = mine.propose([0, 1], contexts, 4, sampling=sampling, generator=torch.Generator().manual_seed(5))
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs)
+        assert a.probs.shape == (2, 4, target.config.vocab_size)
+        assert torch.allclose(a.probs.sum(-1), torch.ones(2, 4, dtype=a.probs.dtype))
+    finally:
+        engine.runner.release(slots)
+
+
+# ---- 5. errors ----------------------------------------------------------------------------------------------
+
+
+def _model_from(cfg):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float64, experts_implementation="eager",
+                                            attn_implementation="eager").eval()
+
+
+def test_errors(targets, trained, tmp_path):
+    target = targets["qwen3_next"]
+    _, path, _ = trained["qwen3_next"]
+    wider = tiny_config("qwen3_next")
+    wider.hidden_size = 96
+    other_targets = [_model_from(wider), tiny_model("qwen3_next", vocab_size=128)]
+    for other in other_targets:
+        with pytest.raises(ValueError, match="drafter") as err:
+            specdec.wrap(other, drafter=path)
+        assert "hidden size" in str(err.value)
+    with pytest.raises(ValueError, match="drafter.*full-attention"):  # same sizes, other layer layout
+        load_drafter(path, tiny_model("qwen3_next", num_layers=2))
+    with pytest.raises(ValueError, match="drafter.*config.json"):
+        specdec.wrap(target, drafter=str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="drafter.*not a drafter config"):
+        specdec.wrap(target, drafter=str(tmp_path))
+    for gamma in (0, -2):
+        with pytest.raises(ValueError, match="num_draft_tokens"):
+            specdec.wrap(target, drafter="mtp", num_draft_tokens=gamma)
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        mtp.make_drafter(trained["qwen3_next"][0], gamma=0)
+    with pytest.raises(ValueError, match="drafter"):
+        mtp.make_drafter(trained["qwen3_next"][0], gamma=2, bogus=1)
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="drafter.*hybrid"):
+        specdec.wrap(llama, drafter="mtp")
