@@ -67,6 +67,17 @@ def own_state_dict(net: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in net.state_dict().items() if not k.split(".")[0].startswith("target_")}
 
 
+def to_target(net: nn.Module, target) -> nn.Module:
+    """Move/cast the net's own weights to the target's device and dtype; shared `target_*` modules untouched."""
+    ref = next(target.parameters())
+    for name, mod in net.named_children():
+        if not name.startswith("target_"):
+            mod.to(device=ref.device, dtype=ref.dtype)
+    for name, p in list(net.named_parameters(recurse=False)):
+        p.data = p.data.to(device=ref.device, dtype=ref.dtype)
+    return net
+
+
 def save_drafter(net: nn.Module, out_dir: str) -> None:
     """`config.json` + `model.safetensors` (own weights only)."""
     from safetensors.torch import save_file
@@ -103,15 +114,16 @@ def load_drafter(path: str, target) -> nn.Module:
     if missing or unexpected:
         raise ValueError(f"drafter: {weights_path} does not match a {kind} drafter "
                          f"(missing {sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]})")
+    to_target(net, target)  # before loading, so fp64 weights stay exact
     net.load_state_dict(state, strict=False)
-    return net.to(device=target.device, dtype=next(target.parameters()).dtype)
+    return net
 
 
 def build_drafter_net(kind: str, target, **overrides) -> nn.Module:
     """An untrained net of `kind` sized for `target` (seed torch for reproducible weights)."""
     mod = kind_module(kind)
     net = mod.Net.from_target(target, mod.Config.for_target(target, kind=kind, **overrides))
-    return net.to(device=target.device, dtype=next(target.parameters()).dtype)
+    return to_target(net, target)
 
 
 # ---- target batches ----------------------------------------------------------------------------------
