@@ -1,0 +1,438 @@
+"""EAGLE-3 style drafter: fused low / mid / high target features, one decoder layer with its own KV cache,
+the target's embedding and lm_head (shared), and a dynamic draft tree verified as a tree.
+
+Net. The target's decoder-layer outputs at `feature_layers` are fused, `fuse(concat(f_low, f_mid, f_high))`
+(`[3d] -> [d]`). The drafter's input at committed position t pairs the fused feature at t with the next
+token: `x_t = fc(concat(emb_norm(emb(x_{t+1})), feat_norm(fused_t)))`, runs through `num_layers` decoder
+blocks (`common.Block`, rotary positions t) and `norm`, and the target's `lm_head` scores token t+2.
+Past the last committed position there are no target features: a draft step feeds the drafter's own
+hidden output (the last block's output, before `norm`) of its parent step in place of the fused feature
+(EAGLE-3), and training unrolls that "training-time test" for `ttt_steps` extra steps.
+
+Cache. Only committed positions (pairs of a target feature and the token after it) are ever kept in the
+drafter's KV cache. `observe` queues the target features of newly committed positions; `propose` runs
+the queued positions together with the root pair (the last committed feature and the anchor, both final)
+in one batched forward and appends their K/V. Tree nodes live in a per-round scratch K/V and see the
+committed cache plus their own ancestors (ancestor mask), at positions `root + depth`; nothing of a
+round survives it, so rollback is free.
+
+Tree (EAGLE-2 dynamic tree). Depth 1: the `topk` most likely tokens after the anchor. At every further
+depth the `topk` candidates of the newest depth with the highest cumulative draft log-probability are
+expanded, each into its `topk` most likely children. Finally all candidates are reranked by cumulative
+log-probability and the best `num_nodes` kept (a child never scores above its parent, so the kept set is
+closed under ancestors), in topological order. The drafts are deterministic functions of the committed
+history, so the block carries `probs=None` (one-hot q): recursive rejection over distinct siblings with
+one-hot q is exactly sampling from the target, so this is lossless for sampling as well as greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .base import DraftBlock, Drafter
+from .common import Block, DraftConfig, RMSNorm, TargetBatch, check_target, soft_ce
+
+
+@dataclass
+class Config(DraftConfig):
+    kind: str = "eagle"
+    ttt_steps: int = 2  # extra training steps that feed the drafter's own hidden state (training-time test)
+    ttt_decay: float = 0.8  # loss weight of step k is ttt_decay ** k
+
+    @classmethod
+    def for_target(cls, target, **overrides) -> "Config":
+        """Sized like one of the target's layers; features from its first, middle and last decoder layer."""
+        tc = target.config.get_text_config()
+        L, d = tc.num_hidden_layers, tc.hidden_size
+        heads = int(getattr(tc, "num_attention_heads", 0) or 0)
+        if heads < 1 or d % heads:
+            heads = 4 if d % 4 == 0 else 1
+        rope = getattr(tc, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        base = dict(feature_layers=sorted({0, L // 2, L - 1}), num_heads=heads, head_dim=d // heads,
+                    intermediate_size=int(getattr(tc, "intermediate_size", 0) or 4 * d),
+                    rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6) or 1e-6),
+                    rope_theta=float(theta or getattr(tc, "rope_theta", None) or 10000.0))
+        base.update(overrides)
+        return super().for_target(target, **base)
+
+
+def _additive(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool visibility `[..., T, S]` -> additive mask `[B, 1, T, S]`."""
+    mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
+    return mask if mask.dim() == 4 else mask[:, None]
+
+
+class Net(nn.Module):
+    """The EAGLE-3 head. Shared target modules are attributes named `target_*` (not saved, not trained)."""
+
+    def __init__(self, config: Config, target):
+        super().__init__()
+        self.config = config
+        d = config.target_hidden_size
+        if not config.feature_layers:
+            raise ValueError("feature_layers: the eagle drafter needs at least one target layer")
+        self.target_embed = target.get_input_embeddings()
+        self.target_lm_head = target.get_output_embeddings()
+        self.fuse = nn.Linear(len(config.feature_layers) * d, d, bias=False)
+        self.emb_norm = RMSNorm(d, config.rms_norm_eps)
+        self.feat_norm = RMSNorm(d, config.rms_norm_eps)
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.layers = nn.ModuleList([Block(config, d) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+
+    @classmethod
+    def from_target(cls, target, config: Config) -> "Net":
+        return cls(config, target)
+
+    # ---- pieces --------------------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        emb = self.target_embed
+        if type(emb) is nn.Embedding:  # the target's weights, never trained through the drafter
+            return F.embedding(ids, emb.weight.detach(), emb.padding_idx)
+        with torch.no_grad():
+            return emb(ids)
+
+    def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft scores `[..., V]` of the drafter's hidden output `h [..., d]`."""
+        head = self.target_lm_head
+        x = self.norm(h)
+        if type(head) is nn.Linear:
+            return F.linear(x, head.weight.detach(), None if head.bias is None else head.bias.detach())
+        return head(x)
+
+    def fused(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features `[..., len(feature_layers) * d]` (concatenated in layer order) -> `[..., d]`."""
+        return self.fuse(features)
+
+    def inputs(self, tokens: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
+        """Layer input from the next tokens `[B, T]` and a fused target feature or own hidden `[B, T, d]`."""
+        return self.fc(torch.cat([self.emb_norm(self.embed(tokens)), self.feat_norm(feat)], -1))
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, past=None):
+        """Decoder blocks over `x [B, T, d]`; `past` per layer `(k, v) [B, H, S, D]` or None ->
+        (hidden `[B, T, d]`, new (k, v) per layer)."""
+        kvs = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, positions, mask, None if past is None else past[i])
+            kvs.append(kv)
+        return x, kvs
+
+    # ---- training ------------------------------------------------------------------------------------
+    def _unroll(self, batch: TargetBatch):
+        """Teacher-forced steps 1..1+ttt_steps over a batch. Step 1 at position t sees the fused target
+        feature at t and token t+1; step k sees its own step k-1 hidden at t-1 (valid for t >= k-1), the
+        step-1 keys at positions <= t-k+1 and the step-i keys at t-k+i, as a depth k-1 tree node does.
+        -> per step (draft logits `[B, S-1, V]`, valid positions `[S-1]` bool); targets `[B, S-1, V]`."""
+        cfg = self.config
+        tokens = batch.tokens
+        B, S = tokens.shape
+        if S < 2:
+            raise ValueError(f"batch: need windows of >= 2 tokens, got {S}")
+        T = S - 1
+        feats = torch.cat([batch.features[i][:, :-1] for i in cfg.feature_layers], -1)
+        nxt = tokens[:, 1:]
+        dev, dt = feats.device, feats.dtype
+        positions = torch.arange(T, device=dev).expand(B, T)
+        t = torch.arange(T, device=dev)
+        outs, past, feat = [], None, self.fused(feats)
+        for k in range(1, cfg.ttt_steps + 2):
+            x = self.inputs(nxt, feat)
+            # visibility of query t over keys [step 1 | step 2 | ... | step k], each T long
+            blocks = [t[None, :] <= (t[:, None] - (k - 1))]
+            blocks += [t[None, :] == (t[:, None] - (k - i)) for i in range(2, k + 1)]
+            mask = _additive(torch.cat(blocks, 1)[None].expand(B, T, k * T), dt)
+            h, kvs = self.run(x, positions, mask, past)
+            past = kvs if past is None else [(torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2))
+                                             for p, n in zip(past, kvs)]
+            outs.append((self.lm_logits(h), t >= (k - 1)))
+            feat = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)  # own hidden at t-1 feeds step k+1 at t
+        return outs, batch.logits[:, 1:]
+
+    def _weighted(self, outs, target, fn) -> torch.Tensor:
+        """Weighted mean of `fn(draft logits, target logits)` over the steps (valid positions only)."""
+        terms = [(self.config.ttt_decay ** k, fn(logits[:, valid], target[:, valid]))
+                 for k, (logits, valid) in enumerate(outs) if bool(valid.any())]
+        return sum(w * x for w, x in terms) / sum(w for w, _ in terms)
+
+    def loss(self, batch: TargetBatch) -> torch.Tensor:
+        """Soft cross-entropy against the target's next-token distribution, steps weighted by ttt_decay**k."""
+        outs, target = self._unroll(batch)
+        return self._weighted(outs, target, soft_ce)
+
+    @torch.no_grad()
+    def evaluate(self, batch: TargetBatch) -> dict:
+        """`loss` as in training and `kl` (the same minus the target's entropy); `per_position[i]`: greedy
+        acceptance of chain draft i given drafts < i were accepted (teacher forced: a chain started at t
+        drafts with step i+1 at position t+i, a hit when its argmax is the target's argmax); `tau` = 1 +
+        expected accepted chain length; `accuracy`: hit rate per step."""
+        outs, target = self._unroll(batch)
+        loss = float(self._weighted(outs, target, soft_ce))
+        kl = loss - float(self._weighted(outs, target, lambda _, t: soft_ce(t, t)))
+        best = target.argmax(-1)  # [B, T]
+        T = best.shape[1]
+        K = len(outs)
+        hits = [(logits.argmax(-1) == best) for logits, _ in outs]  # step k hit at each position
+        starts = T - (K - 1)
+        per_position, accuracy = [], []
+        alive = torch.ones(best.shape[0], max(starts, 0), dtype=torch.bool, device=best.device)
+        tau = 1.0
+        for k in range(K):
+            valid = outs[k][1]
+            accuracy.append(float(hits[k][:, valid].double().mean()) if bool(valid.any()) else 0.0)
+            if starts <= 0:
+                per_position.append(0.0)
+                continue
+            h = hits[k][:, k:k + starts]  # chain from start s: step k+1 at position s+k
+            reached = int(alive.sum())
+            ok = alive & h
+            per_position.append(int(ok.sum()) / reached if reached else 0.0)
+            alive = ok
+            tau += float(alive.double().mean())
+        return {"loss": loss, "kl": kl, "per_position": per_position, "tau": tau, "accuracy": accuracy}
+
+
+# ---- drafter ---------------------------------------------------------------------------------------------
+class _Row:
+    __slots__ = ("length", "pending")
+
+    def __init__(self):
+        self.length = 0  # committed positions in the drafter's KV cache
+        self.pending: list[torch.Tensor] = []  # target features `[n, F]` of committed positions not yet run
+
+
+class EagleDrafter(Drafter):
+    """Dynamic-tree drafts from an EAGLE-3 `Net`; see the module docstring."""
+
+    name = "eagle"
+
+    def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int = 8, depth: int | None = None,
+                 num_nodes: int | None = None):
+        for arg, val in (("gamma", gamma), ("max_batch_size", max_batch_size), ("topk", topk)):
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{arg}: expected an int >= 1, got {val!r}")
+        depth = gamma if depth is None else depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth: expected an int >= 1, got {depth!r}")
+        num_nodes = max(48, depth) if num_nodes is None else num_nodes
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"num_nodes: expected an int >= 1 (draft nodes besides the anchor), got {num_nodes!r}")
+        if num_nodes < depth:
+            raise ValueError(f"num_nodes: a node budget of {num_nodes} cannot hold a tree of depth {depth} "
+                             f"(need num_nodes >= depth)")
+        if not isinstance(net, Net):
+            raise ValueError(f"drafter: expected an eagle Net, got {type(net).__name__}")
+        self.net = net.eval()
+        self.gamma, self.topk, self.depth, self.num_nodes = gamma, topk, depth, num_nodes
+        self.max_batch_size = max_batch_size
+        self.feature_layers = tuple(net.config.feature_layers)
+        self.tree = True
+        p = next(net.layers.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cfg = net.config
+        empty = dict(size=(max_batch_size, cfg.num_heads, 0, cfg.head_dim), dtype=self.dtype, device=self.device)
+        self.cache = [(torch.zeros(**empty), torch.zeros(**empty)) for _ in net.layers]  # per layer K, V
+        self.rows: dict[int, _Row] = {}
+
+    def bind(self, engine) -> None:
+        super().bind(engine)
+        model = engine.model
+        check_target(self.net.config, model)
+        L = model.config.get_text_config().num_hidden_layers
+        bad = [i for i in self.feature_layers if not 0 <= i < L]
+        if bad:
+            raise ValueError(f"drafter: feature_layers {bad} do not exist in a target with {L} layers")
+        if self.net.target_embed is not model.get_input_embeddings() and not torch.equal(
+                self.net.target_embed.weight, model.get_input_embeddings().weight):
+            raise ValueError("drafter: this eagle net shares the embedding of another target model")
+        # the generic runner verifies chains only: draft the single most likely path there
+        self.tree = hasattr(engine.runner, "state")
+
+    def max_verify_tokens(self, gamma: int) -> int:
+        return self.num_nodes + 1
+
+    # ---- request lifecycle ---------------------------------------------------------------------------
+    def begin(self, rows, prompts) -> None:
+        for r in rows:
+            if not 0 <= r < self.max_batch_size:
+                raise ValueError(f"rows: row {r} outside max_batch_size {self.max_batch_size}")
+            self.rows[r] = _Row()
+
+    def release(self, rows) -> None:
+        for r in rows:
+            self.rows.pop(r, None)
+
+    def observe(self, rows, tokens, hidden, features) -> None:
+        for i, r in enumerate(rows):
+            f = torch.cat([features[layer][i] for layer in self.feature_layers], -1)
+            self.rows.setdefault(r, _Row()).pending.append(f.detach().to(self.dtype))
+
+    def committed_length(self, row: int) -> int:
+        """Positions in the drafter's KV cache for `row` (committed pairs already run)."""
+        return self.rows[row].length
+
+    def _reserve(self, need: int) -> None:
+        cap = self.cache[0][0].shape[2]
+        if need <= cap:
+            return
+        new = max(need, 2 * cap, 64)
+        grown = []
+        for k, v in self.cache:
+            k2 = k.new_zeros(k.shape[0], k.shape[1], new, k.shape[3])
+            v2 = v.new_zeros(v.shape[0], v.shape[1], new, v.shape[3])
+            k2[:, :, :cap], v2[:, :, :cap] = k, v
+            grown.append((k2, v2))
+        self.cache = grown
+
+    # ---- drafting ------------------------------------------------------------------------------------
+    def _catch_up(self, rows, contexts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the queued committed positions and the root pair (last committed feature, anchor) of every row
+        and append their K/V. -> (root hidden `[B, d]`, root logits `[B, V]`, committed lengths `[B]`)."""
+        net, dev = self.net, self.device
+        B = len(rows)
+        feats, toks, counts = [], [], []
+        for r, ctx in zip(rows, contexts):
+            st = self.rows.get(r)
+            if st is None or not st.pending:
+                raise RuntimeError(f"eagle: no target features observed for row {r}")
+            f = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
+            tk = ctx[st.length + 1:].to(dev)
+            if tk.shape[0] != f.shape[0]:
+                raise RuntimeError(f"eagle: row {r} is out of step ({st.length} cached + {f.shape[0]} queued "
+                                   f"positions for a context of {ctx.shape[0]} tokens)")
+            feats.append(f)
+            toks.append(tk)
+            counts.append(f.shape[0])
+        M = max(counts)
+        lens = torch.tensor([self.rows[r].length for r in rows], dtype=torch.long, device=dev)
+        n = torch.tensor(counts, dtype=torch.long, device=dev)
+        Fdim = feats[0].shape[1]
+        fpad = torch.zeros(B, M, Fdim, dtype=self.dtype, device=dev)
+        tpad = torch.zeros(B, M, dtype=torch.long, device=dev)
+        for b in range(B):
+            fpad[b, :counts[b]] = feats[b]
+            tpad[b, :counts[b]] = toks[b]
+        S0 = int(lens.max())
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        past = [(k[rows_t, :, :S0], v[rows_t, :, :S0]) for k, v in self.cache]
+        j = torch.arange(S0 + M, device=dev)
+        i = torch.arange(M, device=dev)
+        ok = torch.where(j[None, None, :] < S0, j[None, None, :] < lens[:, None, None],
+                         (j[None, None, :] - S0) <= i[None, :, None])  # [B, M, S0 + M]
+        positions = lens[:, None] + i[None]
+        h, kvs = net.run(net.inputs(tpad, net.fused(fpad)), positions, _additive(ok, self.dtype), past)
+        root_h = h[torch.arange(B, device=dev), n - 1]
+        root_logits = net.lm_logits(root_h)
+        self._reserve(int((lens + n).max()))
+        for (ck, cv), (k, v) in zip(self.cache, kvs):
+            for b, r in enumerate(rows):
+                s, c = int(lens[b]), counts[b]
+                ck[r, :, s:s + c] = k[b, :, :c]
+                cv[r, :, s:s + c] = v[b, :, :c]
+        for b, r in enumerate(rows):  # committed only once everything above succeeded
+            st = self.rows[r]
+            st.length += counts[b]
+            st.pending = []
+        return root_h, root_logits, lens + n
+
+    @staticmethod
+    def _scores(logits: torch.Tensor, sampling) -> torch.Tensor:
+        if sampling is not None and sampling.do_sample and sampling.temperature != 1.0:
+            logits = logits / sampling.temperature
+        return logits.log_softmax(-1).clamp(max=0.0)  # a child never scores above its parent
+
+    @torch.no_grad()
+    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        net, dev = self.net, self.device
+        B = len(rows)
+        if B == 0:
+            return DraftBlock.empty(0, dev)
+        root_h, root_logits, lens = self._catch_up(rows, contexts)
+        depth = max(1, min(self.depth, int(gamma)))
+        V = root_logits.shape[-1]
+        k = min(self.topk if self.tree else 1, V)
+        # candidates (global index order = creation order: by depth, parents first)
+        lp = self._scores(root_logits, sampling)
+        s0, t0 = lp.topk(k, -1)
+        c_score, c_tok = [s0], [t0]
+        c_parent = [torch.full((B, k), -1, dtype=torch.long, device=dev)]  # parent candidate (-1: the anchor)
+        c_src = [torch.full((B, k), -1, dtype=torch.long, device=dev)]  # expanded node whose step scored it
+        level = (0, k)
+        S0 = int(lens.max())
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        committed = [(ck[rows_t, :, :S0], cv[rows_t, :, :S0]) for ck, cv in self.cache]
+        seen = torch.arange(S0, device=dev)[None] < lens[:, None]  # [B, S0]
+        root_pos = lens - 1
+        exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])
+        exp_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)
+        scratch = [(ck.new_zeros(B, ck.shape[1], 0, ck.shape[3]), cv.new_zeros(B, cv.shape[1], 0, cv.shape[3]))
+                   for ck, cv in committed]
+        for d in range(1, depth):
+            score = torch.cat(c_score, 1)
+            lo, hi = level
+            w = min(k, hi - lo)
+            sel = score[:, lo:hi].topk(w, -1).indices + lo  # [B, w] global candidate ids to expand
+            src = torch.cat(c_src, 1).gather(1, sel)
+            tok = torch.cat(c_tok, 1).gather(1, sel)
+            n_exp = exp_h.shape[1]
+            par_h = torch.where((src < 0)[..., None], root_h[:, None],
+                                exp_h.gather(1, src.clamp(min=0)[..., None].expand(B, w, exp_h.shape[-1]))
+                                if n_exp else root_h[:, None].expand(B, w, -1))
+            # ancestors among expanded nodes: the parent's ancestors and the parent itself
+            if n_exp:
+                anc = exp_anc.gather(1, src.clamp(min=0)[..., None].expand(B, w, n_exp))
+                anc = anc | F.one_hot(src.clamp(min=0), n_exp).bool()
+                anc = anc & (src >= 0)[..., None]
+            else:
+                anc = torch.zeros(B, w, 0, dtype=torch.bool, device=dev)
+            ok = torch.cat([seen[:, None].expand(B, w, S0), anc,
+                            torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)], 2)
+            past = [(torch.cat([ck, sk], 2), torch.cat([cv, sv], 2)) for (ck, cv), (sk, sv) in zip(committed, scratch)]
+            positions = (root_pos + d)[:, None].expand(B, w)
+            h, kvs = net.run(net.inputs(tok, par_h), positions, _additive(ok, self.dtype), past)
+            scratch = [(torch.cat([sk, k_], 2), torch.cat([sv, v_], 2)) for (sk, sv), (k_, v_) in zip(scratch, kvs)]
+            grown = torch.zeros(B, n_exp + w, n_exp + w, dtype=torch.bool, device=dev)
+            grown[:, :n_exp, :n_exp] = exp_anc
+            grown[:, n_exp:, :n_exp] = anc
+            exp_anc = grown
+            exp_h = torch.cat([exp_h, h], 1)
+            lpc = self._scores(net.lm_logits(h), sampling)  # [B, w, V]
+            cs, ct = lpc.topk(k, -1)  # [B, w, k]
+            c_score.append((score.gather(1, sel)[..., None] + cs).reshape(B, w * k))
+            c_tok.append(ct.reshape(B, w * k))
+            c_parent.append(sel[..., None].expand(B, w, k).reshape(B, w * k))
+            c_src.append((n_exp + torch.arange(w, device=dev))[None, :, None].expand(B, w, k).reshape(B, w * k))
+            level = (hi, hi + w * k)
+        score, tok, parent_c = torch.cat(c_score, 1), torch.cat(c_tok, 1), torch.cat(c_parent, 1)
+        Nc = score.shape[1]
+        G = min(self.num_nodes, Nc) if self.tree else Nc
+        order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :G]
+        keep = order.sort(1).values  # [B, G] candidate ids, topological (parents have smaller ids)
+        where = torch.full((B, Nc), -1, dtype=torch.long, device=dev)
+        where.scatter_(1, keep, torch.arange(1, G + 1, device=dev).expand(B, G))
+        pc = parent_c.gather(1, keep)
+        parent = torch.where(pc < 0, 0, where.gather(1, pc.clamp(min=0)))
+        if bool((parent < 0).any()):
+            raise RuntimeError("eagle: reranked tree is not closed under ancestors")
+        tokens = tok.gather(1, keep)
+        num = torch.full((B,), G, dtype=torch.long, device=dev)
+        if not self.tree:
+            return DraftBlock(tokens, num)
+        parent = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), parent], 1)
+        return DraftBlock(tokens, num, None, parent)
+
+
+def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int = 8, depth: int | None = None,
+                 num_nodes: int | None = None, **kwargs) -> EagleDrafter:
+    """`specdec.wrap(model, drafter="eagle" or DIR, topk=8, depth=gamma, num_nodes=max(48, depth))`:
+    `topk` children per expanded node and nodes expanded per depth, `depth` tree depth (capped by the
+    round's gamma), `num_nodes` drafts kept after reranking (the verify window is num_nodes + 1)."""
+    if kwargs:
+        raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the eagle drafter "
+                         "(expected topk, depth, num_nodes)")
+    return EagleDrafter(net, gamma=gamma, max_batch_size=max_batch_size, topk=topk, depth=depth,
+                        num_nodes=num_nodes)
