@@ -9,6 +9,8 @@ slot as it was; a drafter that fails mid-generation costs a plain decode round, 
 
 from __future__ import annotations
 
+import itertools
+
 import math
 
 import pytest
@@ -22,11 +24,6 @@ GAMMA = 7
 N = 17  # 1 token from prefill + 2 full rounds of GAMMA + 1: with everything accepted tau == GAMMA + 1 exactly
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
 DRAFTERS = ("ngram", "noisy", "self")
-FULL = "qwen3_5"  # the full strategy x commit x drafter matrix; the other families get a rotation of it
-SUBSET = {
-    "kimi_linear": [("replay", "eager", "ngram"), ("replay", "lazy", "noisy"), ("snapshot", "eager", "self")],
-    "qwen3_next": [("replay", "eager", "noisy"), ("replay", "lazy", "self"), ("snapshot", "eager", "ngram")],
-}
 PROMPTS = {  # repetitive prompts give the ngram drafter something to propose
     "rep4": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
     "rep3": [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12, 13, 11],
@@ -39,10 +36,13 @@ CASE_PROMPTS = {  # a list = one batched generate call with prompts of different
 }
 
 
+FAMILY = "qwen3_5"  # the family of the single-family tests below
+
+
 def _cases():
+    """The full strategy x commit x drafter matrix for every family."""
     for family in FAMILIES:
-        combos = ([(s, c, d) for s, c in MODES for d in DRAFTERS] if family == FULL else SUBSET[family])
-        for s, c, d in combos:
+        for (s, c), d in itertools.product(MODES, DRAFTERS):
             yield pytest.param(family, s, c, d, id=f"{family}-{s}-{c}-{d}")
 
 
@@ -157,7 +157,7 @@ def test_greedy_identity_hybrid(models, family, strategy, commit, drafter):
 def test_batch_model_drafter_and_eos_cut(models):
     """A batch under the model drafter, stopped by an EOS id that greedy decode reaches in row 0: each row ends
     exactly where transformers' generate on that prompt alone would end."""
-    family = FULL
+    family = FAMILY
     target = models.target(family)
     names = ["rep3", "plain"]
     full = [models.ref(target, PROMPTS[n], eos=None) for n in names]
@@ -271,7 +271,7 @@ def _bad_generate_calls(target, family):
 
 @pytest.mark.parametrize("drafter", ["ngram", "noisy"])
 def test_bad_input_raises_and_leaves_slots_untouched(models, drafter):
-    family = FULL
+    family = FAMILY
     target = models.target(family)
     kw = dict(drafter="ngram") if drafter == "ngram" else dict(drafter="model", draft_model=models.noisy_draft(family))
     engine = specdec.wrap(target, num_draft_tokens=GAMMA, max_batch_size=2, max_length=40, **kw)
@@ -331,7 +331,7 @@ class FlakyDrafter(Drafter):
 @pytest.mark.parametrize("where", ["hybrid", "generic"])
 def test_failing_drafter_falls_back_to_plain_decode(models, where):
     if where == "hybrid":
-        target, hybrid = models.target(FULL), True
+        target, hybrid = models.target(FAMILY), True
         engine = specdec.wrap(target, drafter=FlakyDrafter(), strategy="replay", commit="lazy", max_batch_size=2)
     else:
         target, hybrid = _llama(), False
