@@ -1,0 +1,427 @@
+"""DSpark: a block drafter (DFlash backbone + low-rank Markov head + confidence head).
+
+One round drafts the whole block `[anchor, MASK x (G-1)]` in ONE non-causal forward of a few small layers:
+- the anchor is embedded with the target's own embedding, the other slots with a learned MASK embedding;
+- every layer's attention sees (a) context K/V computed from the target's features at all committed
+  positions (outputs of several target decoder layers, concatenated, `fc` to the drafter width, normed,
+  then each layer's own K/V projections; cached per request, grown only by `observe`, so only committed
+  positions ever enter it) and (b) the block itself, bidirectionally;
+- output norm + the target's own lm_head (shared by reference, never saved) give base logits for all G
+  slots at once: slot i (position anchor + i) scores the token at anchor + i + 1.
+The Markov head then adds `(E[prev_i] @ U) @ W` (rank `markov_rank`, E the target's embedding) where
+prev_i is the anchor for i = 0 and draft i-1 after that, so drafts are chosen sequentially after the single
+forward (greedy: argmax; sampling: drawn from `q_i = probs_from_logits(logits_i, sampling)`, returned).
+The confidence head `sigmoid(w . h_i)` estimates the probability that draft i is accepted given that the
+drafts before it were; with `confidence_threshold > 0` the block is cut after the last draft whose
+cumulative estimate `prod_{j<=i} c_j` is still >= the threshold (at least one draft is kept). That only
+decides how many drafts are verified, so the output stays lossless.
+
+Training (`net.loss`): several random anchors a per window; context = target features at positions
+<= a-1, block = positions a .. a+G-1 (G = `block_size`), soft cross-entropy of slot i against the target's
+logits at a+i (its distribution for token a+i+1), the Markov head teacher-forced with the true tokens
+(prev_i = token a+i), plus `confidence_weight` x BCE of the confidence head (detached hidden state) on
+whether the drafter's argmax equals the target's argmax.
+
+Use: `specdec.wrap(model, drafter="dspark")` (untrained, sized for the target) or `drafter=DIR` (trained with
+`python -m specdec.draft.train --drafter dspark`); option `confidence_threshold` (default 0: never truncate).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .base import DraftBlock, Drafter
+from .common import Block, DraftConfig, RMSNorm, soft_ce
+
+
+def default_feature_layers(num_layers: int, count: int = 3) -> list[int]:
+    """`count` decoder layers spread evenly over depth (first and last included), e.g. 36 -> [0, 17, 35]."""
+    k = max(1, min(count, num_layers))
+    if k == 1:
+        return [num_layers - 1]
+    return sorted({i * (num_layers - 1) // (k - 1) for i in range(k)})
+
+
+def target_fingerprint(target, n: int = 8) -> list[float]:
+    """RMS of `n` evenly spaced rows of the target's input embedding: tells one target's weights from
+    another's (a drafter only fits the target it was distilled from), stable across dtypes."""
+    w = target.get_input_embeddings().weight.detach()
+    idx = torch.linspace(0, w.shape[0] - 1, min(n, w.shape[0])).round().long()
+    return [round(float(x), 6) for x in w[idx].double().pow(2).mean(-1).sqrt().cpu()]
+
+
+def _fingerprint_matches(a: list[float], b: list[float], rtol: float = 3e-2) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rtol * max(abs(x), abs(y), 1e-12) for x, y in zip(a, b))
+
+
+@dataclass
+class Config(DraftConfig):
+    kind: str = "dspark"
+    num_layers: int = 2
+    block_size: int = 7  # G: slots per block = drafts per forward (anchor + G-1 MASK slots)
+    markov_rank: int = 32
+    anchors_per_window: int = 8  # training blocks per target window
+    confidence_weight: float = 1.0
+    target_num_layers: int = 0
+    target_fingerprint: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        def positive_int(name, minimum=1):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ValueError(f"drafter: {name} expected an int >= {minimum}, got {v!r}")
+        for name in ("num_layers", "block_size", "markov_rank", "anchors_per_window", "num_heads", "head_dim",
+                     "intermediate_size"):
+            positive_int(name)
+        for name in ("target_hidden_size", "target_vocab_size", "target_num_layers"):
+            positive_int(name, 0)
+        if (not isinstance(self.feature_layers, (list, tuple))
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.feature_layers)):
+            raise ValueError(f"drafter: feature_layers expected a list of layer indices >= 0, "
+                             f"got {self.feature_layers!r}")
+        self.feature_layers = list(self.feature_layers)
+        if not isinstance(self.confidence_weight, (int, float)) or not self.confidence_weight >= 0:
+            raise ValueError(f"drafter: confidence_weight expected a number >= 0, got {self.confidence_weight!r}")
+        if not isinstance(self.target_fingerprint, (list, tuple)):
+            raise ValueError(f"drafter: target_fingerprint expected a list, got {self.target_fingerprint!r}")
+        self.target_fingerprint = [float(x) for x in self.target_fingerprint]
+
+    @classmethod
+    def for_target(cls, target, **overrides) -> "Config":
+        tc = target.config.get_text_config()
+        base = dict(target_model_type=target.config.model_type, target_hidden_size=tc.hidden_size,
+                    target_vocab_size=tc.vocab_size, target_num_layers=tc.num_hidden_layers,
+                    feature_layers=default_feature_layers(tc.num_hidden_layers),
+                    target_fingerprint=target_fingerprint(target))
+        base.update(overrides)
+        return cls(**base)
+
+
+class Net(nn.Module):
+    """The DSpark network. Shared target modules: `target_embed`, `target_lm_head` (not trained, not saved)."""
+
+    def __init__(self, config: Config, target_embed: nn.Module, target_lm_head: nn.Module):
+        super().__init__()
+        self.config = config
+        d = config.target_hidden_size
+        self.target_embed = target_embed
+        self.target_lm_head = target_lm_head
+        self.mask_embed = nn.Parameter(torch.randn(d) * 0.02)
+        self.fc = nn.Linear(len(config.feature_layers) * d, d, bias=False)
+        self.ctx_norm = RMSNorm(d, config.rms_norm_eps)
+        self.layers = nn.ModuleList([Block(config, d) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(d, config.rms_norm_eps)
+        self.markov_u = nn.Linear(d, config.markov_rank, bias=False)
+        self.markov_w = nn.Linear(config.markov_rank, config.target_vocab_size, bias=False)
+        self.confidence = nn.Linear(d, 1)
+        with torch.no_grad():
+            for name, m in self.named_modules():
+                if isinstance(m, nn.Linear) and not name.startswith("target_"):
+                    m.weight.normal_(0.0, 1.0 / math.sqrt(m.in_features))
+            self.markov_w.weight.normal_(0.0, 0.02)
+            self.confidence.weight.zero_()
+            self.confidence.bias.zero_()
+
+    @classmethod
+    def from_target(cls, target, config: Config) -> "Net":
+        tc = target.config.get_text_config()
+        if config.target_model_type and config.target_model_type != target.config.model_type:
+            raise ValueError(f"drafter: trained for a {config.target_model_type!r} target, but this target is "
+                             f"{target.config.model_type!r}")
+        fp = config.target_fingerprint
+        if fp and not _fingerprint_matches(fp, target_fingerprint(target)):
+            raise ValueError("drafter: trained for another target (its embedding fingerprint does not match this "
+                             "target's weights)")
+        if not config.feature_layers:
+            raise ValueError("drafter: feature_layers is empty (dspark needs target features)")
+        bad = [i for i in config.feature_layers if i >= tc.num_hidden_layers]
+        if bad:
+            raise ValueError(f"drafter: feature_layers {bad} out of range for a target with "
+                             f"{tc.num_hidden_layers} layers")
+        emb, head = target.get_input_embeddings(), target.get_output_embeddings()
+        if emb is None or head is None:
+            raise ValueError("drafter: dspark needs a target with input embeddings and an lm_head")
+        return cls(config, emb, head)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as e:  # shape mismatches: the weights belong to another config
+            raise ValueError(f"drafter: weights do not match the dspark config ({e})") from None
+
+    # ---- pieces ------------------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.target_embed.weight.detach())
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.target_lm_head
+        if isinstance(head, nn.Linear):
+            b = None if head.bias is None else head.bias.detach()
+            return F.linear(h, head.weight.detach(), b)
+        return head(h)
+
+    def context(self, features: list[torch.Tensor]) -> torch.Tensor:
+        """Target features (one `[..., S, d]` per feature layer, in config order) -> context states `[..., S, d]`."""
+        return self.ctx_norm(self.fc(torch.cat(features, -1)))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer K, V `[B, H, S, D]` of context states `[B, S, d]` at `positions [B, S]`."""
+        return [layer.attn.kv(ctx, positions) for layer in self.layers]
+
+    def block_hidden(self, anchors: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
+        """Blocks `[B, N*G]` (N blocks of G slots; `anchors [B, N]`) -> normed hidden states `[B, N*G, d]`.
+        `mask` additive `[B, 1, N*G, S + N*G]` over [context keys, block keys]."""
+        B, N = anchors.shape
+        G = positions.shape[1] // N
+        x = self.mask_embed.expand(B, N, G, -1).clone()
+        x[:, :, 0] = self.embed(anchors)
+        x = x.reshape(B, N * G, -1)
+        for layer, kv in zip(self.layers, ctx_kv):
+            x, _ = layer(x, positions, mask, past=kv)
+        return self.norm(x)
+
+    def markov(self, prev: torch.Tensor) -> torch.Tensor:
+        """Low-rank bigram logits `[..., V]` for previous tokens `prev [...]`."""
+        return self.markov_w(self.markov_u(self.embed(prev)))
+
+    def confidence_prob(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.confidence(h).squeeze(-1))
+
+    # ---- training --------------------------------------------------------------------------------------
+    def _blocks(self, batch, anchors: torch.Tensor):
+        """Blocks at `anchors [B, N]` of `batch` -> (hidden [B, N, G, d], base logits [B, N, G, V] (no Markov
+        term), true previous tokens [B, N, G], target logits [B, N, G, V])."""
+        G = self.config.block_size
+        tokens = batch.tokens
+        B, S = tokens.shape
+        N = anchors.shape[1]
+        dev = tokens.device
+        ctx = self.context([batch.features[i] for i in self.config.feature_layers])
+        ctx_pos = torch.arange(S, device=dev).expand(B, S)
+        kv = self.context_kv(ctx, ctx_pos)
+        slot = torch.arange(G, device=dev)
+        pos = (anchors[:, :, None] + slot).reshape(B, N * G)  # [B, N*G]
+        # context key j visible to block n iff j < anchor_n; block keys only within the same block
+        ctx_ok = torch.arange(S, device=dev)[None, None, :] < anchors[:, :, None]  # [B, N, S]
+        ctx_ok = ctx_ok[:, :, None, :].expand(B, N, G, S).reshape(B, N * G, S)
+        blk = torch.arange(N, device=dev).repeat_interleave(G)
+        blk_ok = (blk[:, None] == blk[None, :]).expand(B, N * G, N * G)
+        ok = torch.cat([ctx_ok, blk_ok], -1)[:, None]
+        dtype = ctx.dtype
+        mask = torch.zeros(ok.shape, dtype=dtype, device=dev).masked_fill(~ok, torch.finfo(dtype).min)
+        anchor_tok = tokens.gather(1, anchors)
+        h = self.block_hidden(anchor_tok, pos, kv, mask).view(B, N, G, -1)
+        prev = tokens.gather(1, pos).view(B, N, G)  # teacher forcing: prev_i = token a+i
+        tgt = batch.logits.gather(1, pos[..., None].expand(B, N * G, batch.logits.shape[-1]))
+        return h, self.lm_head(h), prev, tgt.view(B, N, G, -1)
+
+    def _check_batch(self, batch):
+        S = batch.tokens.shape[1]
+        if S < self.config.block_size + 1:
+            raise ValueError(f"seq_len: windows of {S} tokens are too short for dspark block_size "
+                             f"{self.config.block_size} (need >= {self.config.block_size + 1})")
+        return S - self.config.block_size  # anchors 1 .. S-G
+
+    def loss(self, batch) -> torch.Tensor:
+        n_anchor = self._check_batch(batch)
+        B = batch.tokens.shape[0]
+        N = min(self.config.anchors_per_window, n_anchor)
+        dev = batch.tokens.device
+        anchors = torch.rand(B, n_anchor).argsort(-1)[:, :N].to(dev) + 1
+        h, base, prev, tgt = self._blocks(batch, anchors)
+        logits = base + self.markov(prev)
+        loss = soft_ce(logits, tgt)
+        if self.config.confidence_weight > 0:
+            hit = (logits.argmax(-1) == tgt.argmax(-1)).to(h.dtype)
+            conf_logit = self.confidence(h.detach()).squeeze(-1)
+            loss = loss + self.config.confidence_weight * F.binary_cross_entropy_with_logits(conf_logit, hit)
+        return loss
+
+    @torch.no_grad()
+    def evaluate(self, batch, max_anchors: int = 32) -> dict:
+        """Soft CE over evenly spaced anchors, and per-position greedy acceptance: draft i (chosen greedily,
+        Markov head fed the drafter's own previous draft) equals the target's argmax, given drafts < i did.
+        `tau` = 1 + sum_i prod_{j<=i} per_position[j] (expected tokens per verify with greedy acceptance). The
+        context stays the window's own tokens, so this is exact when the windows are the target's greedy text."""
+        n_anchor = self._check_batch(batch)
+        B = batch.tokens.shape[0]
+        N = min(max_anchors, n_anchor)
+        dev = batch.tokens.device
+        anchors = (torch.linspace(1, n_anchor, N, device=dev).round().long()).expand(B, N)
+        h, base, true_prev, tgt = self._blocks(batch, anchors)
+        logits = base + self.markov(true_prev)
+        loss = float(soft_ce(logits, tgt))
+        best = tgt.argmax(-1)  # [B, N, G]
+        prev = batch.tokens.gather(1, anchors)
+        alive = torch.ones(B, N, dtype=torch.bool, device=dev)
+        reached, hits = [], []
+        for i in range(self.config.block_size):
+            d = (base[:, :, i] + self.markov(prev)).argmax(-1)
+            ok = d == best[:, :, i]
+            reached.append(int(alive.sum()))
+            alive = alive & ok
+            hits.append(int(alive.sum()))
+            prev = d
+        per_position = [hh / r if r else 0.0 for hh, r in zip(hits, reached)]
+        tau, run = 1.0, 1.0
+        for a in per_position:
+            run *= a
+            tau += run
+        conf = self.confidence_prob(h)
+        hit = (logits.argmax(-1) == best).to(conf.dtype)
+        return {"loss": loss, "per_position": per_position, "tau": tau,
+                "confidence_bce": float(F.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), hit))}
+
+
+# ---- inference ---------------------------------------------------------------------------------------
+class _Context:
+    """One request's context cache: per drafter layer K, V `[H, cap, D]`; `length` committed positions."""
+
+    def __init__(self):
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.length = 0
+
+    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        n = kv[0][0].shape[1]
+        if not self.k:
+            self.k = [k.new_empty(k.shape[0], max(64, n), k.shape[2]) for k, _ in kv]
+            self.v = [v.new_empty(v.shape[0], max(64, n), v.shape[2]) for _, v in kv]
+        if self.length + n > self.k[0].shape[1]:
+            cap = max(2 * self.k[0].shape[1], self.length + n)
+            for lst in (self.k, self.v):
+                for j, t in enumerate(lst):
+                    grown = t.new_empty(t.shape[0], cap, t.shape[2])
+                    grown[:, :self.length] = t[:, :self.length]
+                    lst[j] = grown
+        for j, (k, v) in enumerate(kv):
+            self.k[j][:, self.length:self.length + n] = k
+            self.v[j][:, self.length:self.length + n] = v
+        self.length += n
+
+    def rollback(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class DSparkDrafter(Drafter):
+    name = "dspark"
+
+    def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, confidence_threshold: float = 0.0):
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
+            raise ValueError(f"gamma: expected an int >= 1, got {gamma!r}")
+        if (isinstance(confidence_threshold, bool) or not isinstance(confidence_threshold, (int, float))
+                or not 0.0 <= confidence_threshold <= 1.0):
+            raise ValueError(f"confidence_threshold: expected a number in [0, 1] (0 never truncates), got "
+                             f"{confidence_threshold!r}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size: expected an int >= 1, got {max_batch_size!r}")
+        self.net = net.eval()
+        self.gamma = gamma
+        self.max_batch_size = max_batch_size
+        self.confidence_threshold = float(confidence_threshold)
+        self.feature_layers = tuple(net.config.feature_layers)
+        self.ctx: dict[int, _Context] = {}
+        self.last_confidence: torch.Tensor | None = None  # [B, G] of the last propose (diagnostics)
+
+    def begin(self, rows, prompts):
+        for r in rows:
+            self.ctx[r] = _Context()
+
+    def release(self, rows):
+        for r in rows:
+            self.ctx.pop(r, None)
+
+    def rollback(self, row: int, length: int) -> None:
+        """Forget cached context positions >= `length` of `row`."""
+        self.ctx[row].rollback(length)
+
+    @torch.no_grad()
+    def observe(self, rows, tokens, hidden, features):
+        net = self.net
+        for i, r in enumerate(rows):
+            n = tokens[i].shape[0]
+            if n == 0:
+                continue
+            c = self.ctx.setdefault(r, _Context())
+            feats = [features[l][i].to(net.mask_embed.dtype) for l in self.feature_layers]
+            pos = torch.arange(c.length, c.length + n, device=feats[0].device)[None]
+            kv = net.context_kv(net.context([f[None] for f in feats]), pos)
+            c.append([(k[0], v[0]) for k, v in kv])
+
+    @torch.no_grad()
+    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        from specdec.verify import probs_from_logits
+        net = self.net
+        B = len(rows)
+        dev = net.mask_embed.device
+        if B == 0 or gamma < 1:
+            return DraftBlock.empty(B, dev)
+        G = max(gamma, net.config.block_size)
+        lengths = []
+        for r, ctx in zip(rows, contexts):
+            c = self.ctx.get(r)
+            if c is None or c.length == 0:
+                raise ValueError(f"dspark: no target features observed for row {r}")
+            want = ctx.shape[0] - 1  # every committed position; the last context token is the anchor
+            if c.length > want:
+                c.rollback(want)
+            if c.length != want:
+                raise ValueError(f"dspark: row {r} has {c.length} observed positions, expected {want}")
+            lengths.append(want)
+        n_max = max(lengths)
+        lengths_t = torch.tensor(lengths, device=dev)
+        kv = []
+        for j in range(len(net.layers)):
+            ks, vs = [], []
+            for r, n in zip(rows, lengths):
+                k, v = self.ctx[r].k[j][:, :n], self.ctx[r].v[j][:, :n]
+                if n < n_max:
+                    k, v = F.pad(k, (0, 0, 0, n_max - n)), F.pad(v, (0, 0, 0, n_max - n))
+                ks.append(k)
+                vs.append(v)
+            kv.append((torch.stack(ks), torch.stack(vs)))
+        dtype = net.mask_embed.dtype
+        ok = torch.cat([torch.arange(n_max, device=dev)[None] < lengths_t[:, None],
+                        torch.ones(B, G, dtype=torch.bool, device=dev)], 1)  # [B, n_max + G]
+        mask = torch.zeros(B, 1, G, n_max + G, dtype=dtype, device=dev).masked_fill(~ok[:, None, None],
+                                                                                      torch.finfo(dtype).min)
+        anchors = torch.stack([ctx[-1] for ctx in contexts]).to(dev)
+        pos = lengths_t[:, None] + torch.arange(G, device=dev)
+        h = net.block_hidden(anchors[:, None], pos, kv, mask)[:, :gamma]  # [B, gamma, d]
+        base = net.lm_head(h)
+        sample = sampling is not None and sampling.do_sample
+        prev = anchors
+        toks, probs = [], []
+        for i in range(gamma):
+            logits = base[:, i] + net.markov(prev)
+            if sample:
+                q = probs_from_logits(logits, sampling)
+                prev = torch.multinomial(q.to(torch.float64), 1, generator=generator).squeeze(1)
+                probs.append(q)
+            else:
+                prev = logits.argmax(-1)
+            toks.append(prev)
+        conf = net.confidence_prob(h)  # [B, gamma]
+        self.last_confidence = conf
+        num = torch.full((B,), gamma, dtype=torch.long, device=dev)
+        if self.confidence_threshold > 0:
+            keep = conf.cumprod(-1) >= self.confidence_threshold
+            num = keep.long().cumprod(-1).sum(-1).clamp(min=1)
+        return DraftBlock(torch.stack(toks, 1), num, torch.stack(probs, 1) if sample else None)
+
+
+def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, confidence_threshold: float = 0.0,
+                 **unknown) -> DSparkDrafter:
+    """The `drafter="dspark"` drafter around `net` (untrained from `build_drafter_net("dspark", target)`, or
+    loaded from a trained directory). Options: confidence_threshold (0 never truncates the block)."""
+    if unknown:
+        raise ValueError(f"{sorted(unknown)[0]}: not an option of the dspark drafter (options: "
+                         f"confidence_threshold)")
+    if not isinstance(net, Net):
+        raise ValueError(f"drafter: expected a dspark Net, got {type(net).__name__}")
+    return DSparkDrafter(net, gamma=gamma, max_batch_size=max_batch_size, confidence_threshold=confidence_threshold)

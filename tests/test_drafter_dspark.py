@@ -1,0 +1,445 @@
+"""The DSpark block drafter (`drafter="dspark"`): lossless in every strategy, trainable, saved and loaded.
+
+1. Greedy identity: untrained and trained dspark drafters on float64 tiny kimi_linear and qwen3_next targets
+   produce exactly transformers' `model.generate(do_sample=False)` (replay-eager, replay-lazy, snapshot), also
+   when the confidence head truncates blocks (num_drafts varies between rounds).
+2. Sampling: speculative sampling with dspark drafts (sampled from the drafter's own q, the Markov head making
+   q of draft 1 depend on draft 0) follows the target's exact joint distribution of the first tokens
+   (chi-square test), and the same test rejects drafts whose q is misreported.
+3. Training: a few dozen distillation steps lower the validation loss and raise tau over the untrained net;
+   a save / load round trip through `specdec.wrap(model, drafter=DIR)` gives identical drafts.
+4. Errors: bad gamma / options, a drafter trained for another target, corrupt or mismatched files ->
+   ValueError naming the argument.
+
+The targets' lm_heads are scaled up (argmax, hence greedy decoding, is unchanged): a random tiny model's
+near-uniform distributions carry almost no signal to distil from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from tiny_models import float64_everywhere, tiny_model, torch_fallbacks
+
+import specdec
+from specdec.draft import dspark
+from specdec.draft.common import build_drafter_net, load_drafter, save_drafter
+from specdec.draft.train import train
+from specdec.testing import chi2_critical, chi2_gof
+from specdec.verify import SamplingParams, probs_from_logits
+
+FAMILIES = ("kimi_linear", "qwen3_next")
+MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
+GAMMA = 7
+N = 24
+LOGIT_SCALE = 30.0
+PROMPTS = [[3, 41, 17, 88, 9, 60, 23], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 70]]
+TRAIN = dict(steps=80, lr=4e-2, seq_len=48, batch_size=4, val_every=80, seed=0, progress=False)
+
+
+def _target(family: str, seed: int = 0):
+    model = tiny_model(family, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(LOGIT_SCALE)
+    return model
+
+
+def _corpus(target, n_seq: int = 32, length: int = 64) -> torch.Tensor:
+    """The target's own greedy continuations of random prompts, as one token stream."""
+    prompts = torch.randint(3, target.config.vocab_size, (n_seq, 6), generator=torch.Generator().manual_seed(5))
+    out = specdec.wrap(target, drafter="ngram", max_batch_size=n_seq).generate(
+        prompts, max_new_tokens=length - 6, eos_token_id=None)
+    return out.sequences.reshape(-1)
+
+
+class _Setup:
+    """Module-wide targets, trained drafters (saved) and transformers' reference outputs, built on first use."""
+
+    def __init__(self, root):
+        self.root = root
+        self.targets, self.trained, self.refs = {}, {}, {}
+
+    def target(self, family):
+        if family not in self.targets:
+            self.targets[family] = _target(family)
+        return self.targets[family]
+
+    def train(self, family):
+        """-> (saved directory, trained net, history)."""
+        if family not in self.trained:
+            target = self.target(family)
+            net, hist = train(target, _corpus(target), "dspark", **TRAIN)
+            path = os.path.join(self.root, family)
+            save_drafter(net, path)
+            self.trained[family] = (path, net, hist)
+        return self.trained[family]
+
+    def ref(self, family, prompt):
+        key = (family, tuple(prompt))
+        if key not in self.refs:
+            with torch_fallbacks(), float64_everywhere():
+                out = self.target(family).generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=N,
+                                                   eos_token_id=None)
+            self.refs[key] = out[0].tolist()
+        return self.refs[key]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return _Setup(str(tmp_path_factory.mktemp("dspark")))
+
+
+def _engine(setup, family, which, **kw):
+    torch.manual_seed(0)  # untrained weights are reproducible
+    drafter = "dspark" if which == "untrained" else setup.train(family)[0]
+    return specdec.wrap(setup.target(family), drafter=drafter, num_draft_tokens=GAMMA, max_batch_size=2, **kw)
+
+
+def _generate(engine, prompts, **kw):
+    with torch_fallbacks(), float64_everywhere():
+        return engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=N, eos_token_id=None, **kw)
+
+
+def _record_num_drafts(engine) -> list[int]:
+    seen, propose = [], engine.drafter.propose
+
+    def recording(*a, **k):
+        block = propose(*a, **k)
+        seen.extend(block.num_drafts.tolist())
+        return block
+    engine.drafter.propose = recording
+    return seen
+
+
+def _assert_identity(setup, family, out, engine):
+    for b, p in enumerate(PROMPTS):
+        ref = setup.ref(family, p)
+        row = out.sequences[b]
+        assert row[:len(ref)].tolist() == ref, f"row {b} differs from transformers' greedy"
+        assert bool((row[len(ref):] == engine.pad_token_id).all())
+    assert out.stats.drafter_failures == 0
+    assert engine.runner.num_free == 2
+
+
+# ---- 1. greedy identity ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["untrained", "trained"])
+@pytest.mark.parametrize("strategy, commit", MODES, ids=[f"{s}-{c}" for s, c in MODES])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity(setup, family, strategy, commit, which):
+    engine = _engine(setup, family, which, strategy=strategy, commit=commit)
+    assert type(engine.drafter).__name__ == "DSparkDrafter"
+    num = _record_num_drafts(engine)
+    out = _generate(engine, PROMPTS)
+    _assert_identity(setup, family, out, engine)
+    stats = out.stats
+    assert set(num) <= set(range(1, GAMMA + 1)) and max(num) == GAMMA  # threshold 0: never truncated
+    if which == "trained":
+        assert 0.0 < stats.alpha < 1.0 and stats.tau > 1.5, stats.as_dict()
+
+
+@pytest.mark.parametrize("family, strategy, commit", [("qwen3_next", "replay", "eager"),
+                                                      ("kimi_linear", "snapshot", "eager")])
+def test_greedy_identity_confidence_truncation(setup, family, strategy, commit):
+    """A threshold inside the range of the trained confidence head's cumulative estimates cuts blocks at
+    different lengths; the output is still transformers' greedy decode."""
+    probe = _engine(setup, family, "trained", strategy=strategy, commit=commit)
+    cum = []
+    propose = probe.drafter.propose
+
+    def recording(*a, **k):
+        block = propose(*a, **k)
+        cum.append(probe.drafter.last_confidence.cumprod(-1)[:, 1:3].flatten())
+        return block
+    probe.drafter.propose = recording
+    _generate(probe, PROMPTS)
+    threshold = float(torch.cat(cum).median())
+    engine = _engine(setup, family, "trained", strategy=strategy, commit=commit, confidence_threshold=threshold)
+    num = _record_num_drafts(engine)
+    out = _generate(engine, PROMPTS)
+    _assert_identity(setup, family, out, engine)
+    assert len(set(num)) > 1 and max(num) < GAMMA, (threshold, num)
+    assert out.stats.proposed == sum(num)
+
+
+# ---- 2. sampling ---------------------------------------------------------------------------------------------
+
+V = 10
+SAMPLE_PROMPT = [1, 3, 5, 7, 2, 4, 6, 0, 5, 3]
+NEW = 3  # the first token comes from prefill, the next two from the first verify round (drafts 0 and 1)
+BATCH = 100
+SAMPLES = 2000
+SAMPLING = dict(temperature=1.0, top_p=0.95)
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A small-vocab target and an untrained dspark engine with a strong Markov head (q_1 depends on draft 0)."""
+    target = tiny_model("qwen3_next", seed=0, vocab_size=V, num_layers=2)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)
+    engine = _small_engine(target)
+    return target, engine
+
+
+def _small_engine(target):
+    torch.manual_seed(1)
+    engine = specdec.wrap(target, drafter="dspark", num_draft_tokens=2, max_batch_size=BATCH, max_length=64)
+    net = engine.drafter.net
+    with torch.no_grad():
+        net.markov_w.weight.normal_(0.0, 3.0, generator=torch.Generator().manual_seed(2))
+    return engine
+
+
+def _exact_joint(model, params: SamplingParams) -> torch.Tensor:
+    import itertools
+    tails = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)), dtype=torch.long)
+    ids = torch.cat([torch.tensor(SAMPLE_PROMPT).expand(tails.shape[0], -1), tails], 1)
+    with torch.no_grad(), torch_fallbacks("qwen3_next"), float64_everywhere():
+        logits = model(ids).logits[:, -NEW:].double()
+    probs = probs_from_logits(logits, params).view(V, V, NEW, V)
+    joint = probs[0, 0, 0][:, None, None] * probs[:, 0, 1][:, :, None] * probs[:, :, 2]
+    assert joint.sum().item() == pytest.approx(1.0, abs=1e-9)
+    return joint
+
+
+def _sample_counts(engine, n: int, seed: int):
+    counts = torch.zeros(V ** NEW, dtype=torch.long)
+    place = V ** torch.arange(NEW - 1, -1, -1)
+    totals = dict(proposed=0, accepted=0, drafter_failures=0)
+    prompts = torch.tensor(SAMPLE_PROMPT).expand(BATCH, -1)
+    for call in range(n // BATCH):
+        out = engine.generate(prompts, max_new_tokens=NEW, do_sample=True, seed=seed + call, eos_token_id=None,
+                              **SAMPLING)
+        new = out.sequences[:, len(SAMPLE_PROMPT):]
+        counts += torch.bincount((new * place).sum(1), minlength=V ** NEW)
+        for k in totals:
+            totals[k] += getattr(out.stats, k)
+    return counts, totals
+
+
+def test_sampled_tokens_follow_target(small):
+    target, engine = small
+    joint = _exact_joint(target, SamplingParams(do_sample=True, **SAMPLING))
+    counts, totals = _sample_counts(engine, SAMPLES, seed=0)
+    assert totals["drafter_failures"] == 0
+    assert totals["proposed"] >= 2 * SAMPLES, totals  # gamma 2 in every first round
+    assert 0.1 * totals["proposed"] < totals["accepted"] < 0.9 * totals["proposed"], totals
+    stat, df = chi2_gof(counts, joint.flatten())
+    crit = chi2_critical(df)
+    print(f"dspark sampling: chi2 {stat:.1f} df {df} critical {crit:.1f} "
+          f"alpha {totals['accepted'] / totals['proposed']:.3f}")
+    assert stat < crit, f"chi2 {stat:.1f} >= critical {crit:.1f} (df {df})"
+
+
+def test_misreported_q_is_detected(small):
+    """Teeth: drafts sampled from q but reported as drawn from the uniform distribution bias the output."""
+    target, engine = small
+    joint = _exact_joint(target, SamplingParams(do_sample=True, **SAMPLING))
+    propose = engine.drafter.propose
+
+    def lying(*a, **k):
+        block = propose(*a, **k)
+        block.probs = torch.full_like(block.probs, 1.0 / V)
+        return block
+    engine.drafter.propose = lying
+    try:
+        counts, _ = _sample_counts(engine, SAMPLES // 2, seed=5000)
+    finally:
+        del engine.drafter.propose
+    stat, df = chi2_gof(counts, joint.flatten())
+    print(f"dspark misreported q: chi2 {stat:.1f} df {df} critical {chi2_critical(df):.1f}")
+    assert stat > chi2_critical(df), f"chi2 {stat:.1f} <= critical {chi2_critical(df):.1f}"
+
+
+def test_sampling_probs_are_the_sampled_distribution(small):
+    """Each draft is drawn from the q it reports; q of draft 1 is `probs_from_logits(base_1 + markov(draft 0))`:
+    across draws, `T * log q_1 - markov(draft 0)` is the same up to a constant (the block forward is shared)."""
+    target, engine = small
+    d = engine.drafter
+    net = d.net
+    ctxs = [torch.tensor(SAMPLE_PROMPT[:6]), torch.tensor(SAMPLE_PROMPT)]
+    d.begin([0, 1], ctxs)
+    for r, c in enumerate(ctxs):
+        feats = {l: [torch.randn(c.numel() - 1, net.config.target_hidden_size, dtype=torch.float64,
+                                 generator=torch.Generator().manual_seed(r))] for l in d.feature_layers}
+        d.observe([r], [c[:-1]], [None], feats)
+    T = 0.8
+    params = SamplingParams(do_sample=True, temperature=T)
+    blocks = [d.propose([0, 1], ctxs, 2, sampling=params, generator=torch.Generator().manual_seed(s))
+              for s in range(12)]
+    top_k = d.propose([0, 1], ctxs, 2, sampling=SamplingParams(do_sample=True, top_k=3),
+                      generator=torch.Generator().manual_seed(0))
+    greedy = d.propose([0, 1], ctxs, 2)
+    d.release([0, 1])
+    assert greedy.probs is None and greedy.tokens.shape == (2, 2)
+    assert bool(((top_k.probs > 0).sum(-1) <= 3).all())
+    for b in blocks:
+        assert b.tokens.shape == (2, 2) and b.probs.shape == (2, 2, V)
+        assert torch.allclose(b.probs.sum(-1), torch.ones(2, 2, dtype=b.probs.dtype))
+        assert bool((b.probs.gather(-1, b.tokens[..., None]) > 0).all())
+        assert torch.equal(b.probs[:, 0], blocks[0].probs[:, 0])  # q_0 depends on the anchor only
+    first_drafts = {tuple(b.tokens[:, 0].tolist()) for b in blocks}
+    assert len(first_drafts) > 1  # draft 0 varied, so q_1 was conditioned on different tokens
+    with torch.no_grad():
+        resid = torch.stack([T * b.probs[:, 1].log() - net.markov(b.tokens[:, 0]) for b in blocks])  # [S, 2, V]
+    resid = resid - resid.mean(-1, keepdim=True)
+    assert torch.allclose(resid, resid[:1].expand_as(resid), atol=1e-9)
+    q1 = torch.stack([b.probs[:, 1] for b in blocks])
+    assert not torch.allclose(q1, q1[:1].expand_as(q1))
+
+
+# ---- 3. training, save / load ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_improves_and_round_trips(setup, family):
+    path, net, hist = setup.train(family)
+    first, last = hist["val"][0], hist["val"][-1]
+    print(f"{family}: val loss {first['loss']:.3f} -> {last['loss']:.3f}, per_position {last['per_position']}")
+    assert last["loss"] < 0.5 * first["loss"], (first, last)
+    assert sum(last["per_position"]) > sum(first["per_position"]) + 1.0, (first, last)
+    taus = {}
+    for which in ("untrained", "trained"):
+        out = _generate(_engine(setup, family, which), PROMPTS)
+        taus[which] = out.stats.tau
+    print(f"{family}: tau untrained {taus['untrained']:.2f} trained {taus['trained']:.2f}")
+    assert taus["trained"] > taus["untrained"] + 0.5, taus
+
+    # save / load: the loaded drafter proposes exactly what the trained one does
+    target = setup.target(family)
+    loaded = specdec.wrap(target, drafter=path, num_draft_tokens=GAMMA, max_batch_size=2).drafter
+    assert isinstance(loaded, dspark.DSparkDrafter) and loaded.net is not net
+    assert loaded.net.target_embed is target.get_input_embeddings()  # shared, not copied
+    fresh = dspark.make_drafter(net, gamma=GAMMA)
+    files = set(os.listdir(path))
+    assert files == {"config.json", "model.safetensors"}
+    from safetensors.torch import load_file
+    assert not any(k.startswith("target_") for k in load_file(os.path.join(path, "model.safetensors")))
+    gen = torch.Generator().manual_seed(3)
+    ctx = torch.randint(3, 96, (20,), generator=gen)
+    feats = {l: [torch.randn(19, 64, dtype=torch.float64, generator=gen)] for l in fresh.feature_layers}
+    blocks = []
+    for d in (fresh, loaded):
+        d.begin([0], [ctx])
+        d.observe([0], [ctx[:-1]], [None], feats)
+        greedy = d.propose([0], [ctx], GAMMA)
+        sampled = d.propose([0], [ctx], GAMMA, sampling=SamplingParams(do_sample=True),
+                            generator=torch.Generator().manual_seed(0))
+        blocks.append((greedy, sampled, d.last_confidence.clone()))
+        d.release([0])
+    (g0, s0, c0), (g1, s1, c1) = blocks
+    assert torch.equal(g0.tokens, g1.tokens) and torch.equal(s0.tokens, s1.tokens)
+    assert torch.equal(s0.probs, s1.probs) and torch.equal(c0, c1)
+
+
+def test_evaluate_reports_per_position_acceptance(setup):
+    path, net, hist = setup.train("qwen3_next")
+    last = hist["val"][-1]
+    assert len(last["per_position"]) == net.config.block_size
+    assert all(0.0 <= a <= 1.0 for a in last["per_position"])
+
+
+def test_observe_caches_only_committed_positions(setup):
+    """The context cache grows by exactly what `observe` receives; a longer cache than the context rolls back."""
+    engine = _engine(setup, "qwen3_next", "untrained")
+    d = engine.drafter
+    ctx = torch.tensor(PROMPTS[0])
+    d.begin([0], [ctx])
+    feats = lambda n: {l: [torch.zeros(n, 64, dtype=torch.float64)] for l in d.feature_layers}  # noqa: E731
+    d.observe([0], [ctx[:4]], [None], feats(4))
+    d.observe([0], [ctx[4:6]], [None], feats(2))
+    assert d.ctx[0].length == 6
+    d.propose([0], [ctx], GAMMA)  # 6 committed + anchor: consistent
+    d.observe([0], [torch.tensor([1, 2, 3])], [None], feats(3))
+    assert d.ctx[0].length == 9
+    d.propose([0], [ctx], GAMMA)  # context says 6 committed: the 3 extra positions are dropped
+    assert d.ctx[0].length == 6
+    with pytest.raises(ValueError, match="observed positions"):
+        d.propose([0], [torch.cat([ctx, ctx])], GAMMA)
+    d.release([0])
+    assert 0 not in d.ctx
+
+
+# ---- 4. errors ---------------------------------------------------------------------------------------------
+
+
+def test_bad_options_raise(setup):
+    target = setup.target("qwen3_next")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        specdec.wrap(target, drafter="dspark", num_draft_tokens=0)
+    net = build_drafter_net("dspark", target)
+    for gamma in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="gamma"):
+            dspark.make_drafter(net, gamma=gamma)
+    for thr in (-0.1, 1.5, "high"):
+        with pytest.raises(ValueError, match="confidence_threshold"):
+            specdec.wrap(target, drafter="dspark", confidence_threshold=thr)
+    with pytest.raises(ValueError, match="confidence_treshold"):
+        specdec.wrap(target, drafter="dspark", confidence_treshold=0.5)
+    with pytest.raises(ValueError, match="markov_rank"):
+        build_drafter_net("dspark", target, markov_rank=0)
+    with pytest.raises(ValueError, match="feature_layers"):
+        build_drafter_net("dspark", target, feature_layers=[0, 9])
+    with pytest.raises(ValueError, match="seq_len"):
+        train(target, torch.arange(400) % 90 + 3, "dspark", steps=1, seq_len=6, batch_size=1, progress=False)
+
+
+def test_drafter_for_another_target_raises(setup):
+    path = setup.train("qwen3_next")[0]
+    kimi = setup.target("kimi_linear")  # same hidden size and vocab, another model type
+    with pytest.raises(ValueError, match="drafter: trained for a 'qwen3_next' target"):
+        specdec.wrap(kimi, drafter=path)
+    other = _target("qwen3_next", seed=7)  # same architecture, other weights
+    with pytest.raises(ValueError, match="drafter: trained for another target"):
+        specdec.wrap(other, drafter=path)
+    bigger_vocab = tiny_model("qwen3_next", seed=0, vocab_size=128)
+    with pytest.raises(ValueError, match="drafter: trained for a target with hidden size"):
+        specdec.wrap(bigger_vocab, drafter=path)
+
+
+def _copy(path, dst):
+    os.makedirs(dst)
+    for f in os.listdir(path):
+        with open(os.path.join(path, f), "rb") as src, open(os.path.join(dst, f), "wb") as out:
+            out.write(src.read())
+    return dst
+
+
+def test_bad_drafter_files_raise(setup, tmp_path):
+    path = setup.train("qwen3_next")[0]
+    target = setup.target("qwen3_next")
+    bad_json = _copy(path, str(tmp_path / "bad_json"))
+    with open(os.path.join(bad_json, "config.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="drafter"):
+        specdec.wrap(target, drafter=bad_json)
+    bad_field = _copy(path, str(tmp_path / "bad_field"))
+    cfg = json.load(open(os.path.join(bad_field, "config.json")))
+    with open(os.path.join(bad_field, "config.json"), "w") as f:
+        json.dump({**cfg, "block_size": "seven"}, f)
+    with pytest.raises(ValueError, match="drafter: block_size"):
+        specdec.wrap(target, drafter=bad_field)
+    wrong_shape = _copy(path, str(tmp_path / "wrong_shape"))
+    with open(os.path.join(wrong_shape, "config.json"), "w") as f:
+        json.dump({**cfg, "markov_rank": 16}, f)
+    with pytest.raises(ValueError, match="drafter: weights do not match"):
+        specdec.wrap(target, drafter=wrong_shape)
+    no_weights = _copy(path, str(tmp_path / "no_weights"))
+    os.remove(os.path.join(no_weights, "model.safetensors"))
+    with pytest.raises(ValueError, match="drafter"):
+        specdec.wrap(target, drafter=no_weights)
+    assert isinstance(load_drafter(path, target), dspark.Net)  # the intact directory still loads
+
+
+def test_corrupt_weights_file_raises_value_error(setup, tmp_path):
+    path = setup.train("qwen3_next")[0]
+    corrupt = _copy(path, str(tmp_path / "corrupt"))
+    with open(os.path.join(corrupt, "model.safetensors"), "wb") as f:
+        f.write(b"not a safetensors file")
+    with pytest.raises(ValueError, match="drafter"):
+        specdec.wrap(setup.target("qwen3_next"), drafter=corrupt)
