@@ -108,7 +108,10 @@ def load_drafter(path: str, target) -> nn.Module:
     weights_path = os.path.join(path, "model.safetensors")
     if not os.path.isfile(weights_path):
         raise ValueError(f"drafter: {path!r} has no model.safetensors")
-    state = load_file(weights_path)
+    try:
+        state = load_file(weights_path)
+    except Exception as e:  # safetensors raises its own error type for a corrupt file
+        raise ValueError(f"drafter: cannot read {weights_path} ({type(e).__name__}: {e})") from None
     missing = set(own_state_dict(net)) - set(state)
     unexpected = set(state) - set(own_state_dict(net))
     if missing or unexpected:
