@@ -80,10 +80,10 @@ def train(target, ids: torch.Tensor, kind: str, *, steps: int = 300, lr: float =
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        history["train_loss"].append(float(loss))
+        history["train_loss"].append(loss.item())
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            bar.set_postfix(loss=f"{loss.item():.3f}")
         if step % val_every == 0 or step == steps:
             validate(step)
     if bar is not None:
