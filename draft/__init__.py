@@ -1,4 +1,5 @@
-"""Drafters: ngram (prompt lookup), model (a small causal LM)."""
+"""Drafters: ngram (prompt lookup), model (a small causal LM), and the trained kinds `mtp`, `eagle`, `dspark`
+(`specdec.draft.mtp` / `.eagle` / `.dspark`, built or loaded through `specdec.draft.common`)."""
 
 from .base import DraftBlock, Drafter
 from .model import ModelDrafter
