@@ -22,14 +22,14 @@ import os
 
 import pytest
 import torch
-from tiny_models import float64_everywhere, tiny_model, torch_fallbacks
+from tiny_models import exact_joint, float64_everywhere, tiny_model, torch_fallbacks
 
 import specdec
 from specdec.draft import dspark
 from specdec.draft.common import build_drafter_net, load_drafter, save_drafter
 from specdec.draft.train import train
 from specdec.testing import chi2_critical, chi2_gof
-from specdec.verify import SamplingParams, probs_from_logits
+from specdec.verify import SamplingParams
 
 FAMILIES = ("kimi_linear", "qwen3_next")
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
@@ -195,18 +195,6 @@ def _small_engine(target):
     return engine
 
 
-def _exact_joint(model, params: SamplingParams) -> torch.Tensor:
-    import itertools
-    tails = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)), dtype=torch.long)
-    ids = torch.cat([torch.tensor(SAMPLE_PROMPT).expand(tails.shape[0], -1), tails], 1)
-    with torch.no_grad(), torch_fallbacks("qwen3_next"), float64_everywhere():
-        logits = model(ids).logits[:, -NEW:].double()
-    probs = probs_from_logits(logits, params).view(V, V, NEW, V)
-    joint = probs[0, 0, 0][:, None, None] * probs[:, 0, 1][:, :, None] * probs[:, :, 2]
-    assert joint.sum().item() == pytest.approx(1.0, abs=1e-9)
-    return joint
-
-
 def _sample_counts(engine, n: int, seed: int):
     counts = torch.zeros(V ** NEW, dtype=torch.long)
     place = V ** torch.arange(NEW - 1, -1, -1)
@@ -224,7 +212,7 @@ def _sample_counts(engine, n: int, seed: int):
 
 def test_sampled_tokens_follow_target(small):
     target, engine = small
-    joint = _exact_joint(target, SamplingParams(do_sample=True, **SAMPLING))
+    joint = exact_joint(target, SAMPLE_PROMPT, SamplingParams(do_sample=True, **SAMPLING), NEW)
     counts, totals = _sample_counts(engine, SAMPLES, seed=0)
     assert totals["drafter_failures"] == 0
     assert totals["proposed"] >= 2 * SAMPLES, totals  # gamma 2 in every first round
@@ -239,7 +227,7 @@ def test_sampled_tokens_follow_target(small):
 def test_misreported_q_is_detected(small):
     """Teeth: drafts sampled from q but reported as drawn from the uniform distribution bias the output."""
     target, engine = small
-    joint = _exact_joint(target, SamplingParams(do_sample=True, **SAMPLING))
+    joint = exact_joint(target, SAMPLE_PROMPT, SamplingParams(do_sample=True, **SAMPLING), NEW)
     propose = engine.drafter.propose
 
     def lying(*a, **k):

@@ -15,12 +15,11 @@ Tiny ops gain nothing from threads and oversubscribed threads cost a lot, so the
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
-from test_sampling_generate import chi2_critical, chi2_gof
-from tiny_models import float64_everywhere, tiny_model, torch_fallbacks
+from specdec.testing import chi2_critical, chi2_gof
+from tiny_models import exact_joint, float64_everywhere, tiny_model, torch_fallbacks
 
 import specdec
 import specdec.engine as engine_mod
@@ -28,7 +27,7 @@ from specdec.draft.common import build_drafter_net, save_drafter
 from specdec.draft.eagle import EagleDrafter, Net, make_drafter
 from specdec.runner import HybridRunner
 from specdec.testing import max_rel_err
-from specdec.verify import SamplingParams, accept_tree_sampling, probs_from_logits
+from specdec.verify import SamplingParams, accept_tree_sampling
 
 FAMILIES = ("kimi_linear", "qwen3_next")
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
@@ -207,20 +206,6 @@ def small():
     return target, engine
 
 
-def _exact_joint(model, params: SamplingParams) -> torch.Tensor:
-    tails = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)), dtype=torch.long)
-    ids = torch.cat([torch.tensor(SPROMPT).expand(tails.shape[0], -1), tails], 1)
-    with torch.no_grad(), torch_fallbacks("qwen3_next"), float64_everywhere():
-        logits = model(ids).logits[:, -NEW:].double()
-    probs = probs_from_logits(logits, params).view(*([V] * (NEW - 1)), NEW, V)
-    joint = probs[(0,) * (NEW - 1) + (0,)]
-    for i in range(1, NEW):
-        cond = probs[(slice(None),) * i + (0,) * (NEW - 1 - i) + (i,)]
-        joint = joint.unsqueeze(-1) * cond
-    assert joint.sum().item() == pytest.approx(1.0, abs=1e-9)
-    return joint
-
-
 def _sample_counts(engine, params: dict, n: int, seed: int):
     counts = torch.zeros(V ** NEW, dtype=torch.long)
     place = V ** torch.arange(NEW - 1, -1, -1)
@@ -246,7 +231,7 @@ def _sample_counts(engine, params: dict, n: int, seed: int):
                          ids=["temperature=1", "temperature=0.7,top_p=0.9"])
 def test_sampling_follows_target(small, setting):
     target, engine = small
-    joint = _exact_joint(target, SamplingParams(do_sample=True, **setting))
+    joint = exact_joint(target, SPROMPT, SamplingParams(do_sample=True, **setting), NEW)
     counts, totals = _sample_counts(engine, setting, NSAMP, seed=100 if setting["temperature"] == 1.0 else 300)
     assert totals["drafter_failures"] == 0 and totals["branching"] >= 1
     assert 0.1 * totals["rounds"] < totals["accepted"] < 0.9 * totals["rounds"], totals  # drafts accepted and rejected
@@ -269,7 +254,7 @@ def _bonus_from_p(tokens, parent, draft_probs, target_probs, *, generator=None):
 def test_wrong_tree_rule_is_detected(small, monkeypatch):
     target, engine = small
     setting = dict(temperature=1.0)
-    joint = _exact_joint(target, SamplingParams(do_sample=True, **setting))
+    joint = exact_joint(target, SPROMPT, SamplingParams(do_sample=True, **setting), NEW)
     monkeypatch.setattr(engine_mod, "accept_tree_sampling", _bonus_from_p)
     counts, _ = _sample_counts(engine, setting, NSAMP, seed=100)
     stat, df = chi2_gof(counts, joint)

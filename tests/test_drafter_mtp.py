@@ -15,13 +15,12 @@ data are the target's own samples (a random tiny model has no language to learn 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 
 import pytest
 import torch
-from tiny_models import float64_everywhere, tiny_config, tiny_model, torch_fallbacks
+from tiny_models import exact_joint, float64_everywhere, tiny_config, tiny_model, torch_fallbacks
 
 import specdec
 from specdec.draft import mtp
@@ -29,7 +28,7 @@ from specdec.draft.common import build_drafter_net, load_drafter, own_state_dict
 from specdec.draft.train import train
 from specdec.runner import make_runner
 from specdec.testing import chi2_critical, chi2_gof
-from specdec.verify import SamplingParams, probs_from_logits
+from specdec.verify import SamplingParams
 
 FAMILIES = ("kimi_linear", "qwen3_next")
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
@@ -181,22 +180,6 @@ NEW = 3  # the first token comes from prefill, the next two from a round with 2 
 BATCH = 100
 
 
-def exact_joint(model, params: SamplingParams) -> torch.Tensor:
-    """`[V] * NEW`: probability of each continuation of SAMPLE_PROMPT, from the target's own forward."""
-    V = SAMPLE_V
-    tails = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)), dtype=torch.long)
-    ids = torch.cat([torch.tensor(SAMPLE_PROMPT).expand(tails.shape[0], -1), tails], 1)
-    with torch.no_grad(), torch_fallbacks(), float64_everywhere():
-        logits = model(ids).logits[:, -NEW:].double()
-    probs = probs_from_logits(logits, params).view(*([V] * (NEW - 1)), NEW, V)
-    joint = probs[(0,) * (NEW - 1) + (0,)]
-    for i in range(1, NEW):
-        cond = probs[(slice(None),) * i + (0,) * (NEW - 1 - i) + (i,)]
-        joint = joint.unsqueeze(-1) * cond
-    assert joint.sum().item() == pytest.approx(1.0, abs=1e-9)
-    return joint
-
-
 def sample_counts(engine, n: int, seed: int, **params):
     counts = torch.zeros(SAMPLE_V ** NEW, dtype=torch.long)
     place = SAMPLE_V ** torch.arange(NEW - 1, -1, -1)
@@ -223,7 +206,7 @@ SAMPLE_PARAMS = dict(temperature=0.7)
 
 def test_sampling_follows_target(sampling_engine):
     target, engine = sampling_engine
-    joint = exact_joint(target, SamplingParams(do_sample=True, **SAMPLE_PARAMS))
+    joint = exact_joint(target, SAMPLE_PROMPT, SamplingParams(do_sample=True, **SAMPLE_PARAMS), NEW)
     n = 2000
     counts, totals = sample_counts(engine, n, seed=0, **SAMPLE_PARAMS)
     assert totals["drafter_failures"] == 0 and totals["proposed"] >= 2 * n, totals
@@ -238,7 +221,7 @@ def test_sampling_detects_wrong_draft_distribution(sampling_engine, monkeypatch)
     """Teeth: drafts sampled from q_1, q_2 but returned with q_2, q_1 (a chaining bug) bias the output.
     (Returning no q at all would not: one-hot acceptance of a drawn token is lossless, only slower.)"""
     target, engine = sampling_engine
-    joint = exact_joint(target, SamplingParams(do_sample=True, **SAMPLE_PARAMS))
+    joint = exact_joint(target, SAMPLE_PROMPT, SamplingParams(do_sample=True, **SAMPLE_PARAMS), NEW)
     inner = engine.drafter.propose
 
     def swapped_probs(*a, **kw):

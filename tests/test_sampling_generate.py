@@ -13,16 +13,15 @@ the drafts are rejected, so the residual distribution decides much of the output
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
-from tiny_models import float64_everywhere, tiny_model, torch_fallbacks
+from tiny_models import exact_joint, tiny_model
 
 import specdec
 import specdec.engine as engine_mod
 from specdec.testing import chi2_critical, chi2_gof
-from specdec.verify import SamplingParams, accept_chain_sampling, probs_from_logits
+from specdec.verify import SamplingParams, accept_chain_sampling
 
 FAMILY = "qwen3_5"
 V = 8
@@ -96,23 +95,6 @@ def engines(target, draft):
             "ngram": specdec.wrap(target, drafter="ngram", **kw)}
 
 
-def exact_joint(model, params: SamplingParams, new: int = NEW) -> torch.Tensor:
-    """`[V] * new`: probability of each continuation of PROMPT, from the model's own forward over every prefix."""
-    tails = torch.tensor(list(itertools.product(range(V), repeat=new - 1)), dtype=torch.long).view(V ** (new - 1),
-                                                                                                    new - 1)
-    ids = torch.cat([torch.tensor(PROMPT).expand(tails.shape[0], -1), tails], 1)
-    with torch.no_grad(), torch_fallbacks(FAMILY), float64_everywhere():
-        logits = model(ids).logits[:, -new:].double()
-    probs = probs_from_logits(logits, params).view(*([V] * (new - 1)), new, V)
-    joint = probs[(0,) * (new - 1) + (0,)]  # p(t1)
-    for i in range(1, new):
-        # p(t_{i+1} | t_1..t_i): rows whose first i tail tokens are the prefix (later ones are irrelevant)
-        cond = probs[(slice(None),) * i + (0,) * (new - 1 - i) + (i,)]  # [V] * i + [V]
-        joint = joint.unsqueeze(-1) * cond
-    assert joint.sum().item() == pytest.approx(1.0, abs=1e-9)
-    return joint
-
-
 def sample_counts(engine, params: dict, n: int, seed: int) -> tuple[torch.Tensor, dict]:
     """Counts `[V ** NEW]` of the first NEW tokens over `n` sampled continuations, and summed draft stats."""
     counts = torch.zeros(V ** NEW, dtype=torch.long)
@@ -143,7 +125,7 @@ def gof(counts: torch.Tensor, joint: torch.Tensor) -> tuple[float, int, float]:
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_sampled_tokens_follow_target(engines, target, drafter, setting):
     params = SETTINGS[setting]
-    joint = exact_joint(target, SamplingParams(do_sample=True, **params))
+    joint = exact_joint(target, PROMPT, SamplingParams(do_sample=True, **params), NEW)
     seed = 1000 * list(SETTINGS).index(setting) + (0 if drafter == "model" else 500)
     counts, totals = sample_counts(engines[drafter], params, N, seed)
     # drafts matter at the tested positions: proposed in every first round, both accepted and rejected often
@@ -186,7 +168,7 @@ def bonus_without_residual(draft_tokens, draft_probs, target_probs, *, generator
 ])
 def test_wrong_acceptance_is_detected(engines, target, monkeypatch, drafter, wrong, n):
     params = SETTINGS["temperature=1"]
-    joint = exact_joint(target, SamplingParams(do_sample=True, **params))
+    joint = exact_joint(target, PROMPT, SamplingParams(do_sample=True, **params), NEW)
     monkeypatch.setattr(engine_mod, "accept_chain_sampling", wrong)
     counts, _ = sample_counts(engines[drafter], params, n, seed=7000)
     stat, df, crit = gof(counts, joint)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 
@@ -68,3 +69,23 @@ def float64_everywhere():
     float64 model (and keeps the recurrent state in float32), so float64 comparisons run both sides under this."""
     with _Float64Mode():
         yield
+
+
+def exact_joint(model, prompt: list[int], params, new: int, *, families=()) -> torch.Tensor:
+    """`[V] * new`: the model's own probability of every continuation of `prompt` by `new` tokens, under the
+    sampling transform `params` (verify.probs_from_logits) — the oracle of the statistical tests.
+
+    One forward over all `V ** (new - 1)` prefixes, in float64 with transformers' pure-torch layers."""
+    from specdec.verify import probs_from_logits
+    V = model.config.get_text_config().vocab_size
+    tails = torch.tensor(list(itertools.product(range(V), repeat=new - 1)), dtype=torch.long).view(-1, new - 1)
+    ids = torch.cat([torch.tensor(prompt).expand(tails.shape[0], -1), tails], 1)
+    with torch.no_grad(), torch_fallbacks(*families), float64_everywhere():
+        logits = model(ids).logits[:, -new:].double()
+    probs = probs_from_logits(logits, params).view(*([V] * (new - 1)), new, V)
+    joint = probs[(0,) * (new - 1) + (0,)]  # p(t1)
+    for i in range(1, new):
+        # p(t_{i+1} | t_1..t_i): rows whose first i tail tokens are the prefix (later ones are irrelevant)
+        joint = joint.unsqueeze(-1) * probs[(slice(None),) * i + (0,) * (new - 1 - i) + (i,)]
+    assert abs(joint.sum().item() - 1.0) < 1e-9
+    return joint
