@@ -1,0 +1,223 @@
+"""Train the embedded default model: a small Kimi-Linear (KDA + MLA, 3:1) on the CPython standard library.
+
+    python -m specdec.train_embedded --out specdec/embedded --minutes 45
+
+Data: the stdlib `.py` sources (test folders excluded) plus the prose of `pydoc_data/topics.py`. A fixed
+set of files and topics (chosen by a hash of their name) is held out for validation and for the
+benchmark prompts (`bench/data/prompts.jsonl`). A byte-level BPE tokenizer is trained with `tokenizers`.
+Runs on CPU with transformers' own pure-torch layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+
+import torch
+
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "unittest", "lib2to3"}
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+
+
+def held_out(name: str, every: int) -> bool:
+    return int(hashlib.sha1(name.encode()).hexdigest(), 16) % every == 0
+
+
+def corpus(root: str | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """-> (train docs, held-out docs), name -> text. Names: stdlib-relative paths, or `topic:<key>`."""
+    root = root or sysconfig.get_paths()["stdlib"]
+    train, held = {}, {}
+    for dp, dns, fns in os.walk(root):
+        dns[:] = sorted(d for d in dns if d not in SKIP_DIRS and not d.startswith("test"))
+        for f in sorted(fns):
+            if not f.endswith(".py") or f.startswith("test_"):
+                continue
+            rel = os.path.relpath(os.path.join(dp, f), root)
+            if rel == os.path.join("pydoc_data", "topics.py"):
+                continue
+            try:
+                with open(os.path.join(dp, f), encoding="utf-8") as fh:
+                    text = fh.read()
+            except (UnicodeDecodeError, OSError):
+                continue
+            (held if held_out(rel, 25) else train)[rel] = text
+    ns: dict = {}
+    with open(os.path.join(root, "pydoc_data", "topics.py"), encoding="utf-8") as fh:
+        exec(compile(fh.read(), "topics.py", "exec"), ns)  # a plain dict literal of prose
+    for key, text in sorted(ns["topics"].items()):
+        (held if held_out("topic:" + key, 10) else train)["topic:" + key] = text
+    return train, held
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD],
+                            show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tok._tokenizer, eos_token=EOS, pad_token=PAD, bos_token=EOS)
+
+
+def model_config(vocab_size: int, eos_id: int, pad_id: int):
+    """~8M parameters: 8 layers, KDA on 6, MLA on 2 (layers 3 and 7: the published 3:1 pattern)."""
+    from transformers import KimiLinearConfig
+    layers = 8
+    return KimiLinearConfig(
+        vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=None, qk_rope_head_dim=16,
+        qk_nope_head_dim=48, v_head_dim=64, linear_num_heads=4, linear_head_dim=64, linear_conv_kernel_dim=4,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+        mlp_layer_types=["dense"] * layers, num_experts=1, num_experts_per_token=1, num_shared_experts=0,
+        rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False,
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+
+
+def make_prompts(held: dict[str, str], tok, n_code: int = 30, n_prose: int = 10, seed: int = 0) -> list[dict]:
+    """Code continuations (the lines before a `def` in a held-out file, plus its first line) and prose
+    openings of held-out topics."""
+    rng = random.Random(seed)
+    code = [(k, v) for k, v in held.items() if not k.startswith("topic:")]
+    prose = [(k, v) for k, v in held.items() if k.startswith("topic:") and len(v) > 400]
+    out = []
+    for name, text in rng.sample(code, min(n_code, len(code))):
+        lines = text.splitlines()
+        defs = [i for i, ln in enumerate(lines) if ln.lstrip().startswith("def ") and i >= 8]
+        if not defs:
+            continue
+        i = rng.choice(defs)
+        out.append({"id": f"code-{len(out)}", "kind": "code", "source": name,
+                    "prompt": "\n".join(lines[max(0, i - 24):i + 2]) + "\n"})
+    for name, text in rng.sample(prose, min(n_prose, len(prose))):
+        out.append({"id": f"prose-{len(out)}", "kind": "prose", "source": name, "prompt": text.strip()[:400]})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specdec.train_embedded", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "embedded"))
+    p.add_argument("--prompts", default="bench/data/prompts.jsonl")
+    p.add_argument("--minutes", type=float, default=45.0, help="training time budget")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--val-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--dump-corpus", metavar="FILE", default=None,
+                   help="write the training text (the drafters' distillation data) to FILE and exit")
+    p.add_argument("--corpus-mb", type=float, default=2.0, help="with --dump-corpus: megabytes of text to write")
+    args = p.parse_args(argv)
+    if args.dump_corpus:
+        train_docs, _ = corpus()
+        text, budget = [], int(args.corpus_mb * 2 ** 20)
+        for name in sorted(train_docs, key=lambda n: hashlib.sha1(n.encode()).hexdigest()):  # a mixed sample
+            text.append(train_docs[name])
+            budget -= len(train_docs[name])
+            if budget <= 0:
+                break
+        with open(args.dump_corpus, "w", encoding="utf-8") as f:
+            f.write("\n\n".join(text))
+        return 0
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from transformers import KimiLinearForCausalLM
+
+    from specdec.hf_compat import torch_fallbacks
+
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+    train_docs, held_docs = corpus()
+    tok = train_tokenizer(list(train_docs.values()), args.vocab_size)
+    eos = tok.convert_tokens_to_ids(EOS)
+
+    def stream(docs):
+        ids = []
+        for enc in tok(list(docs.values()))["input_ids"]:
+            ids.extend(enc + [eos])
+        return torch.tensor(ids, dtype=torch.long)
+
+    train_ids, val_ids = stream(train_docs), stream(held_docs)
+    print(json.dumps({"train_docs": len(train_docs), "held_docs": len(held_docs), "train_tokens": train_ids.numel(),
+                      "val_tokens": val_ids.numel(), "prep_s": round(time.time() - t0, 1)}), flush=True)
+    model = KimiLinearForCausalLM(model_config(len(tok), eos, tok.convert_tokens_to_ids(PAD)))
+    model.config._experts_implementation = "eager"
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(args.seed)
+    S, B = args.seq_len, args.batch_size
+    budget = args.minutes * 60
+    val_gen = torch.Generator().manual_seed(args.seed + 1)
+    val_batches = [torch.stack([val_ids[s:s + S + 1] for s in torch.randint(0, val_ids.numel() - S - 1, (B,),
+                                                                              generator=val_gen).tolist()])
+                   for _ in range(4)]
+
+    def loss_of(batch):
+        out = model(input_ids=batch[:, :-1])
+        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    def validate():
+        model.eval()
+        with torch.no_grad():
+            v = sum(float(loss_of(b)) for b in val_batches) / len(val_batches)
+        model.train()
+        return v
+
+    log = []
+    step, t_train, est_steps = 0, time.time(), None
+    with torch_fallbacks("kimi_linear"):
+        model.train()
+        while True:
+            elapsed = time.time() - t_train
+            if elapsed > budget:
+                break
+            if step == 20:  # the schedule's length follows the measured speed
+                est_steps = max(40, int(budget / (elapsed / 20)))
+            total = est_steps or 10 ** 6
+            lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(step / total, 1))))
+            for gp in opt.param_groups:
+                gp["lr"] = lr
+            starts = torch.randint(0, train_ids.numel() - S - 1, (B,), generator=gen).tolist()
+            batch = torch.stack([train_ids[s:s + S + 1] for s in starts])
+            loss = loss_of(batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            entry = {"step": step, "loss": round(loss.item(), 4), "lr": round(lr, 6), "s": round(time.time() - t_train)}
+            if step % args.val_every == 0:
+                entry["val_loss"] = round(validate(), 4)
+            if step % 10 == 0 or "val_loss" in entry:
+                print(json.dumps(entry), flush=True)
+            log.append(entry)
+        final_val = validate()
+    summary = {"params": n_params, "steps": step, "tokens_seen": step * B * S, "train_seconds": round(time.time() - t_train),
+               "final_train_loss": sum(e["loss"] for e in log[-20:]) / max(1, len(log[-20:])),
+               "final_val_loss": round(final_val, 4), "seq_len": S, "batch_size": B, "vocab_size": len(tok)}
+    print(json.dumps(summary), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    model.config._experts_implementation = None
+    model.to(torch.bfloat16).save_pretrained(args.out)
+    tok.save_pretrained(args.out)
+    with open(os.path.join(args.out, "training.json"), "w") as f:
+        json.dump({"summary": summary, "log": log[::10]}, f)
+    prompts = make_prompts(held_docs, tok)
+    if args.prompts:
+        os.makedirs(os.path.dirname(args.prompts) or ".", exist_ok=True)
+        with open(args.prompts, "w") as f:
+            for rec in prompts:
+                f.write(json.dumps(rec) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
