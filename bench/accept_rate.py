@@ -1,0 +1,448 @@
+"""Acceptance benchmark: tau, alpha, per-position acceptance and speedup of each drafter on real prompts.
+
+    python bench/accept_rate.py --model embedded --drafters ngram,mtp,eagle,dspark --json accept.json --plot accept.png
+    python bench/accept_rate.py --model DIR --device cuda --dtype bfloat16 --max-prompts 20 --kinds code
+
+`--model embedded` is the package's own small Kimi-Linear (`specdec/embedded`, made by
+`python -m specdec.train_embedded`). `ngram` is prompt lookup; any other drafter name is a trained drafter
+loaded from `MODEL/drafters/NAME` and reported as skipped (with the reason) when that directory is
+missing or does not load: an untrained drafter is never used in its place.
+
+For each drafter and prompt the same generation runs twice, interleaved: once with the drafter
+(`specdec.wrap(model, drafter=..., num_draft_tokens=gamma)`) and once with a drafter that proposes nothing
+(plain decoding through the same runner), so `speedup = tokens/s spec / tokens/s plain` compares like with
+like on this machine. Greedy runs (`--temperature 0`) are also checked for losslessness: the speculative
+output must equal the plain output token for token (`identical`). The counts behind tau, alpha and the
+per-position acceptance (`per_position[i]`: draft i accepted given drafts < i were; for trees, depth i)
+are pooled over all prompts. Spec-state memory is the memory plan of the run's own state config
+(`specdec.replayssm.plan.plan_json`): the replay strategy's spec state (rings + conv windows, plus one
+layer's tree node states for tree drafters) vs full per-token snapshots for the same settings.
+
+Prompts: a JSONL file of `{"id", "kind", "source", "prompt"}`; `--kinds` filters them and `--max-prompts`
+takes that many, round-robin over the kinds in `--kinds` order (file order within a kind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+try:
+    import specdec.engine  # noqa: F401  (installed: pip install -e .)
+except ImportError:  # a bare checkout: the top-level folders are subpackages of `specdec` (see pyproject.toml);
+    import importlib.util  # never put the repo root on sys.path: its `kernels` and `verify` would shadow packages
+
+    _spec = importlib.util.spec_from_file_location("specdec", ROOT / "specdec" / "__init__.py",
+                                                   submodule_search_locations=[str(ROOT / "specdec"), str(ROOT)])
+    _mod = importlib.util.module_from_spec(_spec)
+    sys.modules["specdec"] = _mod
+    _spec.loader.exec_module(_mod)
+
+import specdec  # noqa: E402
+from specdec.draft import DraftBlock, Drafter  # noqa: E402
+
+KEYS = ("tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
+        "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical")
+EMBEDDED = Path(specdec.__file__).resolve().parent / "embedded"
+
+
+class NoDraft(Drafter):
+    """Proposes nothing: every round verifies the anchor alone, i.e. plain decoding through the same runner."""
+
+    name = "none"
+
+    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        return DraftBlock.empty(len(rows), self.engine.runner.device)
+
+
+class NoBar:
+    """Stands in for a tqdm bar when tqdm is missing."""
+
+    def update(self, n=1):
+        pass
+
+    def set_description(self, desc):
+        pass
+
+    def write(self, s, file=None):
+        print(s, file=file)
+
+    def close(self):
+        pass
+
+
+# ---- inputs ------------------------------------------------------------------------------------------
+def resolve_model_dir(model: str) -> Path:
+    if model == "embedded":
+        if not (EMBEDDED / "config.json").is_file():
+            raise FileNotFoundError(f"the embedded model is not at {EMBEDDED} (no config.json); train it with "
+                                    f"`python -m specdec.train_embedded`")
+        return EMBEDDED
+    path = Path(model)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no such model directory: {model}")
+    return path
+
+
+def resolve_drafter(model_dir: Path, name: str) -> tuple[str | None, str | None]:
+    """-> (the `drafter=` argument for `specdec.wrap`, None) or (None, why it is skipped)."""
+    if name == "ngram":
+        return "ngram", None
+    path = model_dir / "drafters" / name
+    if not path.is_dir():
+        return None, f"no trained drafter at {path}"
+    if not (path / "config.json").is_file():
+        return None, f"{path} has no config.json (not a trained drafter)"
+    return str(path), None
+
+
+def load_prompts(path: str, kinds: list[str], limit: int | None) -> list[dict]:
+    """Prompts of `kinds`, at most `limit`, round-robin over the kinds (file order within a kind)."""
+    by_kind: dict[str, list[dict]] = {k: [] for k in kinds}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                raise ValueError(f"{path}:{n}: expected an object with a string 'prompt'")
+            rec.setdefault("id", f"line-{n}")
+            if rec.get("kind") in by_kind:
+                by_kind[rec["kind"]].append(rec)
+    out: list[dict] = []
+    queues = [list(v) for v in by_kind.values()]
+    while any(queues) and (limit is None or len(out) < limit):
+        for q in queues:
+            if q and (limit is None or len(out) < limit):
+                out.append(q.pop(0))
+    return out
+
+
+# ---- facts about the run --------------------------------------------------------------------------
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str) -> dict:
+    import transformers
+    info = {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": device, "gpu": None, "cuda": torch.version.cuda}
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        try:
+            import triton
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+    return info
+
+
+def spec_state_bytes(engine) -> tuple[int | None, int | None]:
+    """(replay, snapshot) spec-state bytes of this engine's state config; (None, None) without recurrent state."""
+    state = getattr(engine.runner, "state", None)
+    if state is None:
+        return None, None
+    from specdec.replayssm.plan import plan_json
+    plan = plan_json(state.cfg)
+    tree = bool(getattr(engine.drafter, "tree", False))
+    return int(plan["spec_state_replay_tree" if tree else "spec_state_replay"]), int(plan["spec_state_snapshot"])
+
+
+# ---- measurement ----------------------------------------------------------------------------------
+class Pool:
+    """Acceptance counts and timings pooled over prompts."""
+
+    def __init__(self):
+        self.rounds = self.tokens = self.proposed = self.accepted = self.failures = 0
+        self.reached: list[int] = []
+        self.accepted_at: list[int] = []
+        self.new_spec = self.new_plain = 0
+        self.time_spec = self.time_plain = 0.0
+        self.mismatches: list[str] = []
+
+    def add(self, stats) -> None:
+        self.rounds += stats.rounds
+        self.tokens += stats.tokens
+        self.proposed += stats.proposed
+        self.accepted += stats.accepted
+        self.failures += stats.drafter_failures
+        for i, (r, a) in enumerate(zip(stats.reached, stats.accepted_at)):
+            if i == len(self.reached):
+                self.reached.append(0)
+                self.accepted_at.append(0)
+            self.reached[i] += r
+            self.accepted_at[i] += a
+
+    def result(self) -> dict:
+        depth = sum(1 for r in self.reached if r)  # positions never reached (beyond a tree's depth) are dropped
+        spec = self.new_spec / self.time_spec if self.time_spec > 0 else 0.0
+        plain = self.new_plain / self.time_plain if self.time_plain > 0 else 0.0
+        return {"tau": self.tokens / self.rounds if self.rounds else 0.0,
+                "alpha": self.accepted / self.proposed if self.proposed else 0.0,
+                "per_position": [a / r for a, r in zip(self.accepted_at[:depth], self.reached[:depth])],
+                "tokens_per_s_spec": spec, "tokens_per_s_plain": plain,
+                "speedup": spec / plain if plain > 0 else 0.0}
+
+
+def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos, bar) -> dict:
+    engine = specdec.wrap(model, drafter=drafter_arg, num_draft_tokens=args.gamma, max_batch_size=1)
+    replay, snapshot = spec_state_bytes(engine)
+    kw = dict(eos_token_id=eos, **sampling)
+    warm = min(args.max_new_tokens, 8)
+    for e in (plain, engine):  # first-call costs (allocation, kernel compilation) stay out of the timings
+        e.generate(prompts[0]["ids"], max_new_tokens=warm, seed=args.seed, **kw)
+    pool = Pool()
+    for i, p in enumerate(prompts):
+        seed = args.seed + i
+        ref = plain.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed, **kw)
+        out = engine.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed, **kw)
+        n = p["ids"].numel()  # one prompt per call: no right padding
+        ref_new, out_new = ref.sequences[0, n:].tolist(), out.sequences[0, n:].tolist()
+        pool.add(out.stats)
+        pool.new_plain += len(ref_new)
+        pool.new_spec += len(out_new)
+        pool.time_plain += ref.stats.timings["total"]
+        pool.time_spec += out.stats.timings["total"]
+        if not sampling["do_sample"] and out_new != ref_new:
+            at = next((j for j, (a, b) in enumerate(zip(out_new, ref_new)) if a != b), min(len(out_new), len(ref_new)))
+            pool.mismatches.append(f"{p['id']} (first difference at new token {at})")
+        bar.update(1)
+    res = pool.result()
+    res["spec_state_bytes_replay"], res["spec_state_bytes_snapshot"] = replay, snapshot
+    res["identical"] = None if sampling["do_sample"] else not pool.mismatches
+    if pool.mismatches:
+        bar.write(f"WARNING: drafter {name}: speculative output differs from plain greedy decoding on "
+                  f"{len(pool.mismatches)}/{len(prompts)} prompts: {', '.join(pool.mismatches[:5])}", file=sys.stderr)
+    if pool.failures:
+        bar.write(f"WARNING: drafter {name}: failed in {pool.failures} rounds (plain decode there)", file=sys.stderr)
+    del engine
+    return res
+
+
+# ---- output ---------------------------------------------------------------------------------------
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def format_table(results: dict) -> str:
+    head = (f"{'drafter':10s} {'tau':>6s} {'alpha':>6s} {'tok/s spec':>11s} {'tok/s plain':>11s} {'speedup':>8s} "
+            f"{'replay state':>13s} {'snapshot state':>15s} {'identical':>9s}  per-position acceptance")
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        if r.get("skipped"):
+            lines.append(f"{name:10s} skipped: {r['skipped']}")
+            continue
+        ident = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        pos = " ".join(f"{a:.2f}" for a in r["per_position"]) or "-"
+        lines.append(f"{name:10s} {r['tau']:6.2f} {r['alpha']:6.3f} {r['tokens_per_s_spec']:11.1f} "
+                     f"{r['tokens_per_s_plain']:11.1f} {r['speedup']:7.2f}x {fmt_bytes(r['spec_state_bytes_replay']):>13s} "
+                     f"{fmt_bytes(r['spec_state_bytes_snapshot']):>15s} {ident:>9s}  {pos}")
+    return "\n".join(lines)
+
+
+def write_plot(results: dict, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = {k: v for k, v in results.items() if not v.get("skipped")}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, r in ran.items():
+        pos = r["per_position"]
+        ax1.plot(range(1, len(pos) + 1), pos, marker="o", label=name)
+    from matplotlib.ticker import MaxNLocator
+    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax1.set_xlabel("draft position / tree depth (given all earlier drafts accepted)")
+    ax1.set_ylabel("conditional acceptance")
+    ax1.set_ylim(0, 1.02)
+    ax1.set_title("acceptance by position")
+    if ran:
+        ax1.legend()
+    names = list(ran)
+    taus = [ran[n]["tau"] for n in names]
+    bars = ax2.bar(names, taus, color=[f"C{i}" for i in range(len(names))])
+    for b, t in zip(bars, taus):
+        ax2.annotate(f"{t:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
+    ax2.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax2.set_ylim(0, max(taus + [1.0]) * 1.15)
+    ax2.set_ylabel("tau (tokens per verify forward)")
+    ax2.set_title("tau by drafter")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- main -----------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="embedded", help="save_pretrained directory (model + tokenizer) or 'embedded'")
+    p.add_argument("--drafters", default="ngram,mtp,eagle,dspark",
+                   help="comma-separated: ngram, or names of trained drafters under MODEL/drafters/")
+    p.add_argument("--prompts", default=str(ROOT / "bench" / "data" / "prompts.jsonl"), help="JSONL prompt file")
+    p.add_argument("--gamma", type=int, default=7, help="draft tokens per round (num_draft_tokens)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (checked lossless); > 0: sampling")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-prompts", type=int, default=None, help="at most this many prompts (round-robin over kinds)")
+    p.add_argument("--kinds", default="code,prose", help="comma-separated prompt kinds to use")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="model dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i: seed + i)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="acceptance plot (needs matplotlib)")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    drafters = [d.strip() for d in a.drafters.split(",") if d.strip()]
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    if not drafters:
+        parser.error("--drafters: no drafter named")
+    if len(set(drafters)) != len(drafters):
+        parser.error(f"--drafters: a drafter is named twice: {a.drafters}")
+    if not kinds:
+        parser.error("--kinds: no kind named")
+    for flag, val in (("--gamma", a.gamma), ("--max-new-tokens", a.max_new_tokens)):
+        if val < 1:
+            parser.error(f"{flag}: expected >= 1, got {val}")
+    if a.max_prompts is not None and a.max_prompts < 1:
+        parser.error(f"--max-prompts: expected >= 1, got {a.max_prompts}")
+    if a.temperature < 0:
+        parser.error(f"--temperature: expected >= 0, got {a.temperature}")
+    if a.threads is not None and a.threads < 1:
+        parser.error(f"--threads: expected >= 1, got {a.threads}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device")
+    if a.plot:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("--plot needs matplotlib, which is not installed: pip install 'specdec[bench]' "
+                         "(or pip install matplotlib), or leave out --plot")
+    try:
+        model_dir = resolve_model_dir(a.model)
+    except FileNotFoundError as e:
+        parser.error(f"--model: {e}")
+    if not os.path.isfile(a.prompts):
+        parser.error(f"--prompts: no such file: {a.prompts}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype = getattr(torch, a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
+
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # no progress bar
+        tqdm = None
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(a.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        prompts = load_prompts(a.prompts, kinds, a.max_prompts)
+    except ValueError as e:
+        parser.error(f"--prompts: {e}")
+    plain = specdec.wrap(model, drafter=NoDraft(), num_draft_tokens=a.gamma, max_batch_size=1)
+    budget = plain.max_length - a.max_new_tokens
+    if budget < 1:
+        parser.error(f"--max-new-tokens: {a.max_new_tokens} leaves no room for a prompt (max length "
+                     f"{plain.max_length})")
+    truncated = 0
+    for p in prompts:
+        ids = tokenizer(p["prompt"], return_tensors="pt").input_ids[0]
+        if ids.numel() > budget:  # keep the end: the continuation point
+            ids, truncated = ids[-budget:], truncated + 1
+        p["ids"] = ids
+    prompts = [p for p in prompts if p["ids"].numel() > 0]
+    if not prompts:
+        parser.error(f"--prompts: no non-empty prompt of kinds {kinds} in {a.prompts}")
+    eos = plain.eos_token_id if plain.eos_token_id is not None else tokenizer.eos_token_id
+    sampling = ({"do_sample": True, "temperature": a.temperature} if a.temperature > 0 else {"do_sample": False})
+
+    plan = [(name, *resolve_drafter(model_dir, name)) for name in drafters]
+    results: dict[str, dict] = {}
+    runnable = sum(1 for _, arg, _ in plan if arg is not None)
+    bar = (tqdm(total=runnable * len(prompts), file=sys.stderr, unit="prompt", dynamic_ncols=True)
+           if tqdm is not None else NoBar())
+    for name, arg, reason in plan:
+        if arg is None:
+            print(f"# {name}: skipped ({reason})", file=sys.stderr)
+    t0 = time.perf_counter()
+    for name, arg, reason in plan:
+        if arg is None:
+            results[name] = {**dict.fromkeys(KEYS), "skipped": reason}
+            continue
+        bar.set_description(name)
+        try:
+            results[name] = bench_drafter(name, arg, model, prompts, plain, a, sampling, eos, bar)
+        except Exception as e:  # noqa: BLE001 - a drafter that does not load or run is reported, the rest go on
+            first = (str(e).strip().splitlines() or [""])[0]
+            results[name] = {**dict.fromkeys(KEYS), "skipped": f"failed: {type(e).__name__}: {first}"}
+            bar.write(f"# {name}: skipped ({results[name]['skipped']})", file=sys.stderr)
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+    bar.close()
+    elapsed = time.perf_counter() - t0
+
+    n_params = sum(p.numel() for p in model.parameters())
+    tc = model.config.get_text_config()
+    out = {
+        "machine": machine_info(a.device),
+        "model": {"path": str(model_dir), "name": "embedded" if a.model == "embedded" else model_dir.name,
+                  "architecture": type(model).__name__, "model_type": model.config.model_type, "params": n_params,
+                  "dtype": str(dtype).removeprefix("torch."), "device": a.device, "vocab_size": tc.vocab_size,
+                  "num_layers": tc.num_hidden_layers},
+        "settings": {"drafters": drafters, "prompts_file": str(a.prompts), "num_prompts": len(prompts),
+                     "prompt_ids": [p["id"] for p in prompts], "kinds": kinds,
+                     "prompt_tokens_mean": sum(p["ids"].numel() for p in prompts) / len(prompts),
+                     "prompts_truncated": truncated, "gamma": a.gamma, "temperature": a.temperature,
+                     "greedy": not sampling["do_sample"], "max_new_tokens": a.max_new_tokens, "seed": a.seed,
+                     "strategy": "replay", "commit": "eager", "max_batch_size": 1, "device": a.device,
+                     "dtype": str(dtype).removeprefix("torch."), "elapsed_s": elapsed},
+        "drafters": results,
+    }
+    title = (f"{out['model']['name']} ({n_params / 1e6:.1f}M params, {out['model']['dtype']}, {a.device}): "
+             f"{len(prompts)} prompts [{','.join(kinds)}], gamma={a.gamma}, T={a.temperature}, "
+             f"{a.max_new_tokens} new tokens")
+    print(f"# {title}")
+    print(format_table(results))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    if a.plot:
+        write_plot(results, a.plot, title)
+    return 0 if any(not r.get("skipped") for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""`bench/accept_rate.py` on a tiny saved Kimi-Linear: run as a user would (subprocess), JSON shape, the
+on-the-fly losslessness check, and a missing trained drafter reported as skipped."""
+
+import importlib.util
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "accept_rate.py"
+NEW = 12
+PROMPTS = [
+    {"id": "code-0", "kind": "code", "source": "textwrap.py",
+     "prompt": "def wrap(text, width=70, **kwargs):\n    w = TextWrapper(width=width, **kwargs)\n    return w.wrap(text)\n\n"
+               "def fill(text, width=70, **kwargs):\n    w = TextWrapper(width=width, **kwargs)\n"},
+    {"id": "code-1", "kind": "code", "source": "textwrap.py", "prompt": "    def _split(self, text):\n        if self."},
+    {"id": "prose-2", "kind": "prose", "source": "topic:wrap",
+     "prompt": "Wrap a single paragraph of text, returning a list of wrapped lines. The text is wrapped so"},
+]
+DRAFTER_KEYS = {"tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
+                "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical"}
+
+
+def build_tokenizer():
+    """A byte-level BPE (320 tokens: <pad>=0, <bos>=1, <eos>=2, the 256 bytes, merges) trained on stdlib code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([inspect.getsource(textwrap)[:8000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """-> (model directory, prompts.jsonl) in a temporary folder."""
+    tokenizer = build_tokenizer()
+    model = tiny_model("kimi_linear", dtype=torch.float32, vocab_size=len(tokenizer))
+    root = tmp_path_factory.mktemp("accept_rate")
+    model.save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return root / "model", prompts
+
+
+def has_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def test_ngram_json_shape_and_lossless(saved, tmp_path):
+    model, prompts = saved
+    out = tmp_path / "out.json"
+    args = [sys.executable, SCRIPT, "--model", model, "--prompts", prompts, "--drafters", "ngram",
+            "--max-new-tokens", NEW, "--device", "cpu", "--threads", 1, "--json", out]
+    if has_matplotlib():
+        args += ["--plot", tmp_path / "out.png"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(list(map(str, args)), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ngram" in proc.stdout and "tau" in proc.stdout  # the printed table
+    assert "WARNING" not in proc.stderr
+
+    res = json.loads(out.read_text())
+    assert set(res) == {"machine", "model", "settings", "drafters"}
+    assert res["machine"]["torch"] == torch.__version__ and res["machine"]["threads"] == 1
+    assert res["model"]["params"] > 0 and res["model"]["dtype"] == "float32"
+    s = res["settings"]
+    assert (s["gamma"], s["temperature"], s["max_new_tokens"], s["num_prompts"]) == (7, 0.0, NEW, 3)
+    assert set(res["drafters"]) == {"ngram"}
+    r = res["drafters"]["ngram"]
+    assert set(r) == DRAFTER_KEYS
+    assert r["identical"] is True
+    assert r["tau"] >= 1 and 0 <= r["alpha"] <= 1
+    assert all(0 <= a <= 1 for a in r["per_position"]) and len(r["per_position"]) <= 7
+    assert r["tokens_per_s_spec"] > 0 and r["tokens_per_s_plain"] > 0
+    assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_plain"])
+    assert 0 < r["spec_state_bytes_replay"] < r["spec_state_bytes_snapshot"]
+    if has_matplotlib():
+        assert (tmp_path / "out.png").stat().st_size > 0
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_accept_rate", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_missing_trained_drafter_is_skipped(saved, tmp_path, capsys):
+    model, prompts = saved
+    bench = load_script()
+    out = tmp_path / "out.json"
+    threads = torch.get_num_threads()
+    try:
+        rc = bench.main(["--model", str(model), "--prompts", str(prompts), "--drafters", "ngram,mtp",
+                         "--max-new-tokens", "4", "--max-prompts", "1", "--device", "cpu", "--threads", "1",
+                         "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    res = json.loads(out.read_text())["drafters"]
+    assert list(res) == ["ngram", "mtp"]
+    assert res["ngram"]["identical"] is True and "skipped" not in res["ngram"]
+    reason = res["mtp"]["skipped"]
+    assert "no trained drafter" in reason and str(Path(model) / "drafters" / "mtp") in reason
+    assert all(res["mtp"][k] is None for k in DRAFTER_KEYS)
+    printed = capsys.readouterr().out
+    assert "mtp" in printed and "skipped: no trained drafter" in printed
+
+
+def test_prompt_selection_round_robin_over_kinds(tmp_path):
+    bench = load_script()
+    f = tmp_path / "p.jsonl"
+    recs = [{"id": f"c{i}", "kind": "code", "prompt": "x"} for i in range(3)]
+    recs += [{"id": f"p{i}", "kind": "prose", "prompt": "y"} for i in range(2)]
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert [p["id"] for p in bench.load_prompts(str(f), ["code", "prose"], 3)] == ["c0", "p0", "c1"]
+    assert [p["id"] for p in bench.load_prompts(str(f), ["prose"], None)] == ["p0", "p1"]
+    assert len(bench.load_prompts(str(f), ["code", "prose"], None)) == 5
