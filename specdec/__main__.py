@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -223,7 +224,252 @@ def add_generate_parser(subparsers) -> None:
     p.set_defaults(func=_generate, parser=p)
 
 
-COMMANDS: list[Callable] = [add_memory_parser, add_generate_parser]
+# ---- demo ------------------------------------------------------------------------------------------
+DEMO_KINDS = ("dspark", "eagle", "mtp")  # trained drafters, best first: what `--drafter auto` picks
+DEMO_PROMPTS = os.path.join("bench", "data", "prompts.jsonl")
+# the style of the held-out benchmark code prompts: the lines before a `def`, the `def` and its first line
+DEMO_PROMPT = '''    def _read_header(self, fp):
+        magic = fp.read(4)
+        if magic != self.MAGIC:
+            raise ValueError(f"bad magic number: {magic!r}")
+        version = int.from_bytes(fp.read(2), "little")
+        if version > self.VERSION:
+            raise ValueError(f"unsupported version: {version}")
+        return version
+
+    def read_names(self, fp):
+        count = int.from_bytes(fp.read(4), "little")
+        names = []
+        for _ in range(count):
+            size = int.from_bytes(fp.read(2), "little")
+            names.append(fp.read(size).decode("utf-8"))
+        return names
+
+    def read_sizes(self, fp):
+        count = int.from_bytes(fp.read(4), "little")
+        sizes = []
+        for _ in range(count):
+            size = int.from_bytes(fp.read(4), "little")
+            sizes.append(size)
+        return sizes
+
+    def read_offsets(self, fp):
+        count = int.from_bytes(fp.read(4), "little")
+'''
+
+
+def _embedded_dir() -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "embedded")
+
+
+def _prompts_file() -> str | None:
+    """bench/data/prompts.jsonl under the working directory or the source checkout, if present."""
+    for root in (os.getcwd(), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
+        path = os.path.join(root, DEMO_PROMPTS)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _demo_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str]:
+    """-> (prompt id, text): --prompt, --prompt-id, else the benchmark's first code prompt (or the built-in one)."""
+    if args.prompt is not None:
+        if not args.prompt:
+            parser.error("argument --prompt: empty prompt")
+        return "custom", args.prompt
+    path = _prompts_file()
+    if path is None:
+        if args.prompt_id is not None:
+            parser.error(f"argument --prompt-id: no {DEMO_PROMPTS} in this checkout; pass --prompt TEXT")
+        return "built-in", DEMO_PROMPT
+    try:
+        with open(path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        records = [r for r in records if isinstance(r.get("id"), str) and isinstance(r.get("prompt"), str)]
+    except (OSError, ValueError, AttributeError) as exc:
+        parser.error(f"argument --prompt-id: cannot read {path}: {type(exc).__name__}: {exc}")
+    if args.prompt_id is None:
+        code = [r for r in records if r.get("kind") == "code"] or records
+        return (code[0]["id"], code[0]["prompt"]) if code else ("built-in", DEMO_PROMPT)
+    for r in records:
+        if r["id"] == args.prompt_id:
+            return r["id"], r["prompt"]
+    ids = ", ".join(r["id"] for r in records[:6]) + (", ..." if len(records) > 6 else "")
+    parser.error(f"argument --prompt-id: no prompt {args.prompt_id!r} in {path} (ids: {ids or 'none'})")
+
+
+def _demo_drafter(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str | None]:
+    """-> (kind, trained drafter directory or None); trained drafters ship in `<model>/drafters/<kind>/`."""
+    def shipped(kind: str) -> str | None:
+        path = os.path.join(args.model, "drafters", kind)
+        files = ("config.json", "model.safetensors")
+        return path if all(os.path.isfile(os.path.join(path, f)) for f in files) else None
+
+    if args.drafter == "auto":
+        for kind in DEMO_KINDS:
+            if shipped(kind):
+                return kind, shipped(kind)
+        return "ngram", None
+    if args.drafter == "ngram":
+        return "ngram", None
+    path = shipped(args.drafter)
+    if path is None:
+        parser.error(f"argument --drafter: no trained {args.drafter} drafter is shipped with the model (no "
+                     f"config.json + model.safetensors in {os.path.join(args.model, 'drafters', args.drafter)})")
+    return args.drafter, path
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    embedded = args.model is None
+    if embedded:
+        args.model = _embedded_dir()
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        if embedded:
+            parser.error(f"argument --model: the embedded model is not shipped in this install (nothing at "
+                         f"{args.model}); pass --model DIR")
+        what = "no model (config.json) in" if os.path.isdir(args.model) else "no such directory:"
+        parser.error(f"argument --model: {what} {args.model}")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--num-draft-tokens", args.num_draft_tokens)):
+        if value < 1:
+            parser.error(f"argument {flag}: expected >= 1, got {value}")
+    prompt_id, prompt = _demo_prompt(args, parser)
+    kind, drafter_dir = _demo_drafter(args, parser)
+
+    import time
+    import warnings
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
+    import torch
+    from transformers import TextStreamer
+    from transformers.utils import logging as hf_logging
+
+    import specdec
+    from specdec.draft import DraftBlock, Drafter
+    from specdec.hf_compat import torch_fallbacks
+
+    class NoDrafts(Drafter):
+        """Proposes nothing: every round verifies the anchor alone, i.e. specdec's own plain decode."""
+
+        name = "none"
+
+        def propose(self, rows, contexts, gamma, *, sampling=None, generator=None):
+            return DraftBlock.empty(len(rows), contexts[0].device)
+
+    hf_logging.disable_progress_bar()
+    model, tokenizer = _load(args.model, "--model", torch.float32, "cpu", parser, tokenizer=True)
+    input_ids = tokenizer(prompt, return_tensors="pt").input_ids[0]
+    if input_ids.numel() == 0:
+        parser.error("argument --prompt: the prompt tokenizes to no tokens")
+    P, N = input_ids.numel(), args.max_new_tokens
+    try:
+        spec = specdec.wrap(model, drafter=drafter_dir or kind, num_draft_tokens=args.num_draft_tokens,
+                            max_batch_size=1, max_length=P + N + 1)
+        plain = specdec.wrap(model, drafter=NoDrafts(), num_draft_tokens=1, max_batch_size=1, max_length=P + N + 1)
+    except ValueError as exc:
+        parser.error(_argument_message(str(exc)))
+    eos = spec.eos_token_id if spec.eos_token_id is not None else tokenizer.eos_token_id
+
+    def hf_generate(n: int) -> list[int]:  # the model's own greedy decode, on transformers' pure-torch layers
+        with torch_fallbacks(), torch.no_grad():
+            out = model.generate(input_ids[None], do_sample=False, max_new_tokens=n, eos_token_id=eos,
+                                 pad_token_id=spec.pad_token_id)
+        return out[0, P:].tolist()
+
+    def specdec_generate(engine, n: int, streamer=None):
+        out = engine.generate(input_ids, max_new_tokens=n, eos_token_id=eos, streamer=streamer)
+        return out.sequences[0, P:].tolist(), out.stats.as_dict()  # one prompt: no right padding
+
+    def timed(fn, *a, **kw):
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        return out, time.perf_counter() - t
+
+    warm = min(N, 8)  # a short warmup of each path keeps first-call costs out of the timings
+    specdec_generate(spec, warm)
+    specdec_generate(plain, warm)
+    hf_generate(warm)
+
+    streamer = None if args.json or args.no_stream else TextStreamer(tokenizer, skip_prompt=False,
+                                                                          skip_special_tokens=True)
+    (spec_new, stats), t_spec = timed(specdec_generate, spec, N, streamer)
+    hf_new, t_hf = timed(hf_generate, N)
+    (plain_new, _), t_plain = timed(specdec_generate, plain, N)
+
+    def ratio(a, b):
+        return a / b if b > 0 else 0.0
+
+    tps_spec, tps_hf, tps_plain = ratio(len(spec_new), t_spec), ratio(len(hf_new), t_hf), ratio(len(plain_new), t_plain)
+    diff = _first_difference(spec_new, hf_new)
+    result = {
+        "model": os.path.abspath(args.model), "drafter": kind, "drafter_dir": drafter_dir,
+        "num_draft_tokens": args.num_draft_tokens, "prompt_id": prompt_id, "prompt_tokens": P,
+        "new_tokens": len(spec_new), "text": tokenizer.decode(spec_new, skip_special_tokens=True), "tokens": spec_new,
+        "tau": stats["tau"], "alpha": stats["alpha"], "per_position": stats["per_position"], "rounds": stats["rounds"],
+        "proposed": stats["proposed"], "accepted": stats["accepted"],
+        "tokens_per_s_spec": tps_spec, "tokens_per_s_plain": tps_hf, "tokens_per_s_plain_specdec": tps_plain,
+        "speedup": ratio(tps_spec, tps_hf), "speedup_vs_plain_specdec": ratio(tps_spec, tps_plain),
+        "identical": diff is None, "first_difference": diff, "identical_plain_specdec": plain_new == hf_new,
+        "seconds": {"spec": t_spec, "plain": t_hf, "plain_specdec": t_plain},
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        if streamer is None:
+            print(tokenizer.decode(input_ids.tolist() + spec_new, skip_special_tokens=True))
+        per_pos = " ".join(f"{a:.2f}" for a in stats["per_position"]) or "-"
+        n_params = sum(p.numel() for p in model.parameters())
+        lossless = f"yes, all {len(spec_new)} tokens" if diff is None else f"NO, first difference at new token {diff}"
+        print(f"[demo] {model.config.model_type} model, {n_params / 1e6:.1f}M parameters, from {args.model}\n"
+              f"[demo] prompt {prompt_id} ({P} tokens), greedy, {len(spec_new)} new tokens, drafter {kind}"
+              f"{f' ({drafter_dir})' if drafter_dir else ''}, gamma {args.num_draft_tokens}\n"
+              f"[demo] tau {stats['tau']:.2f} tokens/round, alpha {stats['alpha']:.3f} "
+              f"({stats['accepted']}/{stats['proposed']} drafts accepted, {stats['rounds']} rounds)\n"
+              f"[demo] acceptance per draft position: {per_pos}\n"
+              f"[demo] speculative decode ({kind}):    {tps_spec:7.1f} tokens/s ({t_spec:.2f} s)\n"
+              f"[demo] plain, transformers generate:  {tps_hf:7.1f} tokens/s ({t_hf:.2f} s), "
+              f"speedup {result['speedup']:.2f}x\n"
+              f"[demo] plain, specdec without drafts: {tps_plain:7.1f} tokens/s ({t_plain:.2f} s), "
+              f"speedup {result['speedup_vs_plain_specdec']:.2f}x\n"
+              f"[demo] identical to transformers' greedy output, token for token: {lossless}")
+    if diff is not None:
+        print(f"{parser.prog}: error: the speculative output differs from transformers' greedy output at new "
+              f"token {diff}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_demo_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "demo", help="speculative vs plain decode on the embedded model",
+        description="Greedy generation with a drafter on the embedded model (or --model DIR), streamed as tokens "
+                    "are committed; then, in the same run, plain decode with transformers' own generate and with "
+                    "specdec without drafts. Prints tau, alpha, per-position acceptance, the tokens/s of all three "
+                    "(after one short warmup of each), the speedups, and whether the output equals transformers' "
+                    "greedy output token for token (exit status 1 if not).")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="save_pretrained directory: model and tokenizer (default: the embedded model); its trained "
+                        "drafters are DIR/drafters/{dspark,eagle,mtp}/")
+    p.add_argument("--drafter", choices=("auto", "ngram") + DEMO_KINDS[::-1], default="auto",
+                   help="auto (default): the best shipped trained drafter (dspark, then eagle, then mtp), else "
+                        "ngram (prompt lookup)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="prompt text")
+    prompt.add_argument("--prompt-id", metavar="ID", default=None,
+                        help=f"a prompt of {DEMO_PROMPTS} (default: its first code prompt, or a built-in one)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens to generate (stops early at EOS)")
+    p.add_argument("--num-draft-tokens", type=int, default=7, help="draft tokens per round (gamma)")
+    p.add_argument("--no-stream", action="store_true", help="print the text once at the end")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, acceptance and speeds")
+    p.set_defaults(func=_demo, parser=p)
+
+
+COMMANDS: list[Callable] = [add_memory_parser, add_generate_parser, add_demo_parser]
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,149 @@
+"""`python -m specdec demo`: a tiny saved Kimi-Linear model and tokenizer, run in a subprocess as a user would.
+
+The demo checks its speculative output against transformers' own greedy `generate` itself; the JSON test also
+compares it with that oracle computed here, in-process, independently of the command.
+"""
+
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_models import tiny_model, torch_fallbacks
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "def wrap(text, width=70):\n    lines = []\n    for line in text.splitlines():\n"
+NEW = 16
+SEED = 0  # model weights; a greedy near-tie between the two sides would be fixed here, not by a looser check
+
+
+def build_tokenizer():
+    """A byte-level BPE (320 tokens: <pad>=0, <bos>=1, <eos>=2, the 256 bytes, merges) trained on stdlib code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([inspect.getsource(textwrap)[:8000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """-> (directory, the model, the tokenizer)."""
+    tokenizer = build_tokenizer()
+    model = tiny_model("kimi_linear", seed=SEED, dtype=torch.float32, vocab_size=len(tokenizer))
+    path = tmp_path_factory.mktemp("tiny_kimi")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model, tokenizer
+
+
+def run_demo(*args, timeout=120, cwd=ROOT):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([sys.executable, "-m", "specdec", "demo", *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=env, timeout=timeout)
+
+
+@pytest.fixture
+def prompts_dir(tmp_path):
+    """A working directory with its own bench/data/prompts.jsonl (looked up there before the checkout's)."""
+    data = tmp_path / "cwd" / "bench" / "data"
+    data.mkdir(parents=True)
+    records = [{"id": "prose-0", "kind": "prose", "source": "topic:x", "prompt": "The wrap function returns a list"},
+               {"id": "code-0", "kind": "code", "source": "a.py", "prompt": PROMPT}]
+    (data / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return tmp_path / "cwd"
+
+
+def test_json_is_lossless_and_has_the_numbers(saved):
+    path, model, tokenizer = saved
+    proc = run_demo("--model", path, "--drafter", "ngram", "--prompt", PROMPT, "--max-new-tokens", NEW, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)  # one JSON object, nothing else on stdout (no streamed text)
+    assert out["identical"] is True and out["first_difference"] is None
+    assert out["identical_plain_specdec"] is True
+    assert out["drafter"] == "ngram" and out["drafter_dir"] is None and out["prompt_id"] == "custom"
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch_fallbacks(), torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out["tokens"] == ref[0, ids.shape[1]:].tolist()
+    assert out["new_tokens"] == len(out["tokens"]) > 0 and out["prompt_tokens"] == ids.shape[1]
+    assert out["tau"] >= 1 and 0 <= out["alpha"] <= 1 and len(out["per_position"]) <= 7
+    assert out["rounds"] >= 1 and out["accepted"] <= out["proposed"]
+    for key in ("tokens_per_s_spec", "tokens_per_s_plain", "tokens_per_s_plain_specdec", "speedup",
+                "speedup_vs_plain_specdec"):
+        assert out[key] > 0, key
+    assert out["speedup"] == pytest.approx(out["tokens_per_s_spec"] / out["tokens_per_s_plain"])
+
+
+def test_auto_picks_the_shipped_drafter_and_streams(saved, tmp_path, prompts_dir):
+    from specdec.draft.common import build_drafter_net, save_drafter
+
+    path, model, _ = saved
+    shipped = tmp_path / "model"
+    shutil.copytree(path, shipped)
+    torch.manual_seed(0)
+    for kind in ("eagle", "mtp"):  # untrained: no speedup, still lossless
+        save_drafter(build_drafter_net(kind, model), shipped / "drafters" / kind)
+    (shipped / "drafters" / "dspark").mkdir()  # no weights: not shipped, so auto prefers eagle, then mtp
+    proc = run_demo("--model", shipped, "--max-new-tokens", 12, cwd=prompts_dir)  # auto, the default prompt
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    assert text.startswith(PROMPT)  # the first code prompt of the benchmark, streamed with its continuation
+    assert "prompt code-0" in text and "drafter eagle" in text
+    assert "tau" in text and "alpha" in text and "acceptance per draft position" in text
+    assert "transformers generate" in text and "specdec without drafts" in text and "speedup" in text
+    assert "identical to transformers' greedy output, token for token: yes" in text
+
+
+def test_prompt_id(saved, prompts_dir):
+    path, _, tokenizer = saved
+    proc = run_demo("--model", path, "--drafter", "ngram", "--prompt-id", "prose-0", "--max-new-tokens", 4,
+                    "--no-stream", "--json", cwd=prompts_dir)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_id"] == "prose-0" and out["identical"] is True
+    assert out["prompt_tokens"] == len(tokenizer("The wrap function returns a list").input_ids)
+    proc = run_demo("--model", path, "--prompt-id", "code-9", cwd=prompts_dir, timeout=60)
+    assert proc.returncode == 2 and "--prompt-id" in proc.stderr and "code-9" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--model", "{missing}"], "--model"),
+    (["--model", "{empty}"], "--model"),  # a directory without a model
+    (["--model", "{model}", "--drafter", "dspark"], "--drafter"),  # none shipped
+    (["--model", "{model}", "--drafter", "medusa"], "--drafter"),
+    (["--model", "{model}", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--model", "{model}", "--prompt", "x", "--prompt-id", "code-0"], "--prompt-id"),
+    (["--model", "{model}", "--prompt", ""], "--prompt"),
+])
+def test_bad_arguments_exit_2(saved, tmp_path, args, flag):
+    (tmp_path / "empty").mkdir()
+    names = {"model": saved[0], "missing": tmp_path / "missing", "empty": tmp_path / "empty"}
+    proc = run_demo(*[a.format(**names) for a in args], timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("specdec demo: error: ") and flag in lines[0], proc.stderr
+
+
+def test_embedded_model_missing_names_model(tmp_path):
+    """Without --model the embedded directory is used; where it is not shipped, the error says so."""
+    from specdec.__main__ import _embedded_dir
+    if os.path.isfile(os.path.join(_embedded_dir(), "config.json")):
+        pytest.skip("the embedded model is shipped in this install")
+    proc = run_demo(timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "--model" in proc.stderr and "embedded model is not shipped" in proc.stderr
