@@ -8,6 +8,7 @@ mixers through the state strategies of `specdec.replayssm`, attention through `K
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -218,6 +219,9 @@ class GenericRunner:
         self._cache: dict[int, object] = {}
         self._len: dict[int, int] = {}
         self._round = None
+        # transformers renamed `past_key_values` to `cache` (the old name is deprecated from 5.x on)
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
 
     @property
     def num_free(self) -> int:
@@ -243,10 +247,10 @@ class GenericRunner:
     def _run(self, slot: int, ids: torch.Tensor, cache, capture=()):
         from transformers import DynamicCache
         cache = cache if cache is not None else DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids[None], past_key_values=cache, use_cache=True,
-                         output_hidden_states=True)
-        hs = out.hidden_states
-        return out, (out.past_key_values if out.past_key_values is not None else cache), hs
+        out = self.model(input_ids=ids[None], **{self._cache_arg: cache}, use_cache=True, output_hidden_states=True)
+        new = getattr(out, "cache", None)
+        new = getattr(out, "past_key_values", None) if new is None else new
+        return out, (new if new is not None else cache), out.hidden_states
 
     @torch.no_grad()
     def prefill(self, slot: int, ids: torch.Tensor, *, capture=()) -> RunnerOutput:
