@@ -9,6 +9,14 @@ from ..common import (check_delta_inputs, check_shape, conv_step, delta_step, ma
 from ..rebuild.naive import fast_rebuild
 
 
+def _pick_parents(root: torch.Tensor, done: list[torch.Tensor], p: torch.Tensor, chain: bool) -> torch.Tensor:
+    """Per row, the state (or window) a node starts from: `root` for parent -1, else the parent's output
+    (`done[parent]`); a chain just continues from the previous token."""
+    if chain:
+        return done[-1] if done else root
+    return torch.stack([root[i] if p[i] < 0 else done[p[i]][i] for i in range(root.shape[0])])
+
+
 def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor:
     """`None` (chain) / `[T]` / `[B, T]` -> `[B, T]` long, checked: -1 <= parent[i] < i."""
     if parent is None:
@@ -45,6 +53,7 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if window_states is not None and (window_states.dim() != 4 or window_states.shape[0] < B
                                       or window_states.shape[1] < T or window_states.shape[2:] != (C, Kc - 1)):
         raise ValueError(f"window_states: expected [>={B}, >={T}, {C}, {Kc - 1}], got {list(window_states.shape)}")
+    chain = parent is None
     parent = _parents(parent, B, T, x.device)
     rows = valid_slots(conv_state_indices, null_slot).nonzero().flatten()
     y = x.new_zeros(B, T, C)
@@ -54,7 +63,7 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     windows: list[torch.Tensor] = []
     for t in range(T):
         p = parent[rows, t]
-        prev = torch.stack([root[i] if p[i] < 0 else windows[p[i]][i] for i in range(rows.numel())])
+        prev = _pick_parents(root, windows, p, chain)
         yt, wt = conv_step(prev, x[rows, t], weight, bias, activation)
         windows.append(wt)
         y[rows, t] = yt.to(x.dtype)
@@ -100,6 +109,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
             raise ValueError(f"q: {T} verify tokens do not fit a ring of depth L={L}")
         if ring_start is None:
             raise ValueError("ring_start: required with ring")
+    chain = parent is None
     parent = _parents(parent, B, T, k.device)
     rows = valid_slots(ssm_state_indices, null_slot).nonzero().flatten()
     o = v.new_zeros(B, T, H, V)
@@ -121,7 +131,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     states: list[torch.Tensor] = []
     for t in range(T):
         p = parent[rows, t]
-        prev = torch.stack([root[i] if p[i] < 0 else states[p[i]][i] for i in range(rows.numel())])
+        prev = _pick_parents(root, states, p, chain)
         S, ot, d = delta_step(prev, qn[:, t], kn[:, t], vv[:, t], gg[:, t], bb[:, t])
         states.append(S)
         o[rows, t] = ot.to(o.dtype)
