@@ -11,7 +11,7 @@ corpus=$(mktemp --suffix=.txt)
 python -m specdec.train_embedded --dump-corpus "$corpus" --corpus-mb 1
 for d in mtp eagle dspark; do
     OMP_NUM_THREADS=1 python -m specdec.draft.train --target "$out" --drafter "$d" --data "$corpus" --out "$out/drafters/$d" \
-        --steps 250 --lr 3e-3 --seq-len 128 --batch-size 8 --val-every 50 > "$out/drafters/$d.log" 2>&1 &
+        --steps 150 --lr 3e-3 --seq-len 128 --batch-size 8 --val-every 50 > "$out/drafters/$d.log" 2>&1 &
 done
 wait
 tail -n 1 "$out"/drafters/*.log
