@@ -306,6 +306,12 @@ def _demo_drafter(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return path if all(os.path.isfile(os.path.join(path, f)) for f in files) else None
 
     if args.drafter == "auto":
+        best = os.path.join(args.model, "drafters", "best.txt")  # the measured best, written from bench results
+        if os.path.isfile(best):
+            with open(best) as f:
+                kind = f.read().split()[0] if os.path.getsize(best) else ""
+            if kind == "ngram" or (kind in DEMO_KINDS and shipped(kind)):
+                return kind, shipped(kind) if kind != "ngram" else None
         for kind in DEMO_KINDS:
             if shipped(kind):
                 return kind, shipped(kind)
@@ -456,7 +462,8 @@ def add_demo_parser(subparsers) -> None:
                    help="save_pretrained directory: model and tokenizer (default: the embedded model); its trained "
                         "drafters are DIR/drafters/{dspark,eagle,mtp}/")
     p.add_argument("--drafter", choices=("auto", "ngram") + DEMO_KINDS[::-1], default="auto",
-                   help="auto (default): the best shipped trained drafter (dspark, then eagle, then mtp), else "
+                   help="auto (default): the drafter named in <model>/drafters/best.txt (the measured best), else the "
+                        "best shipped trained drafter (dspark, then eagle, then mtp), else "
                         "ngram (prompt lookup)")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None, help="prompt text")
