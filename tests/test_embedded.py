@@ -1,0 +1,41 @@
+"""The embedded model and its shipped drafters: greedy spec output == the model's own greedy decode."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import specdec
+from specdec.hf_compat import torch_fallbacks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = os.path.join(ROOT, "specdec", "embedded")
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    with open(os.path.join(ROOT, "bench", "data", "prompts.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    prompts = [tok(r["prompt"])["input_ids"][-96:] for r in (records[0], records[-1])]  # a code and a prose prompt
+    refs = []
+    with torch_fallbacks("kimi_linear"):
+        for p in prompts:
+            refs.append(model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24, eos_token_id=None)[0])
+    return model, prompts, refs
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "mtp", "eagle", "dspark"])
+def test_greedy_equals_plain_greedy(embedded, drafter):
+    model, prompts, refs = embedded
+    name = drafter if drafter == "ngram" else os.path.join(MODEL, "drafters", drafter)
+    engine = specdec.wrap(model, drafter=name, num_draft_tokens=5, max_batch_size=2)
+    out = engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=24, eos_token_id=None)
+    for b, ref in enumerate(refs):
+        assert out.sequences[b, :ref.numel()].tolist() == ref.tolist(), f"{drafter}: prompt {b} differs"
+    assert out.stats.accepted > 0, f"{drafter}: the trained drafter never had a draft accepted"
