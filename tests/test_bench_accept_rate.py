@@ -2,18 +2,16 @@
 on-the-fly losslessness check, and a missing trained drafter reported as skipped."""
 
 import importlib.util
-import inspect
 import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from tiny_models import tiny_model
+from tiny_models import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "accept_rate.py"
@@ -30,24 +28,12 @@ DRAFTER_KEYS = {"tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per
                 "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical"}
 
 
-def build_tokenizer():
-    """A byte-level BPE (320 tokens: <pad>=0, <bos>=1, <eos>=2, the 256 bytes, merges) trained on stdlib code."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([inspect.getsource(textwrap)[:8000]], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """-> (model directory, prompts.jsonl) in a temporary folder."""
-    tokenizer = build_tokenizer()
+    tokenizer = tiny_tokenizer()
     model = tiny_model("kimi_linear", dtype=torch.float32, vocab_size=len(tokenizer))
     root = tmp_path_factory.mktemp("accept_rate")
     model.save_pretrained(root / "model")

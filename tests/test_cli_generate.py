@@ -5,18 +5,16 @@ linear-attention path. The subprocess gets no such help (and no TRITON_INTERPRET
 send its linear-attention layers to fla's Triton kernels, which specdec must never call, prefill included.
 """
 
-import inspect
 import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from tiny_models import tiny_model, torch_fallbacks
+from tiny_models import tiny_model, tiny_tokenizer, torch_fallbacks
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def foo("
@@ -24,24 +22,12 @@ NEW = 12
 SEED = 0  # model weights; a greedy near-tie between the two sides would be fixed here, not by a looser check
 
 
-def build_tokenizer():
-    """A byte-level BPE (320 tokens: <pad>=0, <bos>=1, <eos>=2, the 256 bytes, merges) trained on stdlib code."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([inspect.getsource(textwrap)[:8000]], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """-> (directory, tokenizer, prompt ids, the oracle's new token ids)."""
-    tokenizer = build_tokenizer()
+    tokenizer = tiny_tokenizer()
     model = tiny_model("qwen3_5", seed=SEED, dtype=torch.float32, vocab_size=len(tokenizer))
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (model.config.pad_token_id, model.config.eos_token_id)
     path = tmp_path_factory.mktemp("tiny_qwen3_5")

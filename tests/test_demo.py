@@ -4,19 +4,17 @@ The demo checks its speculative output against transformers' own greedy `generat
 compares it with that oracle computed here, in-process, independently of the command.
 """
 
-import inspect
 import json
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from tiny_models import tiny_model, torch_fallbacks
+from tiny_models import tiny_model, tiny_tokenizer, torch_fallbacks
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def wrap(text, width=70):\n    lines = []\n    for line in text.splitlines():\n"
@@ -24,24 +22,12 @@ NEW = 16
 SEED = 0  # model weights; a greedy near-tie between the two sides would be fixed here, not by a looser check
 
 
-def build_tokenizer():
-    """A byte-level BPE (320 tokens: <pad>=0, <bos>=1, <eos>=2, the 256 bytes, merges) trained on stdlib code."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([inspect.getsource(textwrap)[:8000]], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """-> (directory, the model, the tokenizer)."""
-    tokenizer = build_tokenizer()
+    tokenizer = tiny_tokenizer()
     model = tiny_model("kimi_linear", seed=SEED, dtype=torch.float32, vocab_size=len(tokenizer))
     path = tmp_path_factory.mktemp("tiny_kimi")
     model.save_pretrained(path)
@@ -139,11 +125,3 @@ def test_bad_arguments_exit_2(saved, tmp_path, args, flag):
     assert len(lines) == 1 and lines[0].startswith("specdec demo: error: ") and flag in lines[0], proc.stderr
 
 
-def test_embedded_model_missing_names_model(tmp_path):
-    """Without --model the embedded directory is used; where it is not shipped, the error says so."""
-    from specdec.__main__ import _embedded_dir
-    if os.path.isfile(os.path.join(_embedded_dir(), "config.json")):
-        pytest.skip("the embedded model is shipped in this install")
-    proc = run_demo(timeout=60)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert "--model" in proc.stderr and "embedded model is not shipped" in proc.stderr

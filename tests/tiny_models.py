@@ -89,3 +89,20 @@ def exact_joint(model, prompt: list[int], params, new: int, *, families=()) -> t
         joint = joint.unsqueeze(-1) * probs[(slice(None),) * i + (0,) * (new - 1 - i) + (i,)]
     assert abs(joint.sum().item() - 1.0) < 1e-9
     return joint
+
+
+def tiny_tokenizer():
+    """A byte-level BPE (320 tokens: <pad>=0, <bos>=1, <eos>=2, the 256 bytes, merges) trained on stdlib code."""
+    import inspect
+    import textwrap
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([inspect.getsource(textwrap)[:8000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
