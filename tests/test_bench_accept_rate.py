@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import tiny_model, tiny_tokenizer
+from tiny_models import save_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "accept_rate.py"
@@ -28,16 +28,11 @@ DRAFTER_KEYS = {"tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per
                 "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical"}
 
 
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """-> (model directory, prompts.jsonl) in a temporary folder."""
-    tokenizer = tiny_tokenizer()
-    model = tiny_model("kimi_linear", dtype=torch.float32, vocab_size=len(tokenizer))
     root = tmp_path_factory.mktemp("accept_rate")
-    model.save_pretrained(root / "model")
-    tokenizer.save_pretrained(root / "model")
+    save_tiny(root / "model", "kimi_linear")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     return root / "model", prompts

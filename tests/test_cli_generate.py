@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import tiny_model, tiny_tokenizer, torch_fallbacks
+from tiny_models import save_tiny, torch_fallbacks
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def foo("
@@ -22,17 +22,12 @@ NEW = 12
 SEED = 0  # model weights; a greedy near-tie between the two sides would be fixed here, not by a looser check
 
 
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """-> (directory, tokenizer, prompt ids, the oracle's new token ids)."""
-    tokenizer = tiny_tokenizer()
-    model = tiny_model("qwen3_5", seed=SEED, dtype=torch.float32, vocab_size=len(tokenizer))
-    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (model.config.pad_token_id, model.config.eos_token_id)
     path = tmp_path_factory.mktemp("tiny_qwen3_5")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    model, tokenizer = save_tiny(path, "qwen3_5", seed=SEED)
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (model.config.pad_token_id, model.config.eos_token_id)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch_fallbacks(), torch.no_grad():
         ref = model.generate(ids, max_new_tokens=NEW, do_sample=False, pad_token_id=tokenizer.pad_token_id)

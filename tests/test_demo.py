@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import tiny_model, tiny_tokenizer, torch_fallbacks
+from tiny_models import save_tiny, torch_fallbacks
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def wrap(text, width=70):\n    lines = []\n    for line in text.splitlines():\n"
@@ -22,16 +22,11 @@ NEW = 16
 SEED = 0  # model weights; a greedy near-tie between the two sides would be fixed here, not by a looser check
 
 
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """-> (directory, the model, the tokenizer)."""
-    tokenizer = tiny_tokenizer()
-    model = tiny_model("kimi_linear", seed=SEED, dtype=torch.float32, vocab_size=len(tokenizer))
     path = tmp_path_factory.mktemp("tiny_kimi")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    model, tokenizer = save_tiny(path, "kimi_linear", seed=SEED)
     return path, model, tokenizer
 
 

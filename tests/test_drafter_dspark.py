@@ -22,7 +22,7 @@ import os
 
 import pytest
 import torch
-from tiny_models import exact_joint, float64_everywhere, tiny_model, torch_fallbacks
+from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_model, torch_fallbacks
 
 import specdec
 from specdec.draft import dspark
@@ -80,10 +80,7 @@ class _Setup:
     def ref(self, family, prompt):
         key = (family, tuple(prompt))
         if key not in self.refs:
-            with torch_fallbacks(), float64_everywhere():
-                out = self.target(family).generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=N,
-                                                   eos_token_id=None)
-            self.refs[key] = out[0].tolist()
+            self.refs[key] = greedy_reference(self.target(family), prompt, N)
         return self.refs[key]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specdec.testing import chi2_critical, chi2_gof
-from tiny_models import exact_joint, float64_everywhere, tiny_model, torch_fallbacks
+from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_model, torch_fallbacks
 
 import specdec
 import specdec.engine as engine_mod
@@ -83,10 +83,7 @@ class _Setup:
     def ref(self, family, prompt):
         key = (family, tuple(prompt))
         if key not in self.refs:
-            with torch_fallbacks(), float64_everywhere():
-                out = self.target(family).generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=N,
-                                                   eos_token_id=None)
-            self.refs[key] = out[0].tolist()
+            self.refs[key] = greedy_reference(self.target(family), prompt, N)
         return self.refs[key]
 
 

@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from tiny_models import exact_joint, float64_everywhere, tiny_config, tiny_model, torch_fallbacks
+from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_config, tiny_model, torch_fallbacks
 
 import specdec
 from specdec.draft import mtp
@@ -90,10 +90,7 @@ def refs(targets):
     def ref(family, prompt, max_new_tokens=N):
         key = (family, tuple(prompt), max_new_tokens)
         if key not in cache:
-            with torch_fallbacks(), float64_everywhere():
-                out = targets[family].generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
-                                               eos_token_id=None)
-            cache[key] = out[0].tolist()
+            cache[key] = greedy_reference(targets[family], prompt, max_new_tokens)
         return cache[key]
     return ref
 

@@ -41,7 +41,7 @@ FP32_REL = 1e-5
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 # CPU tensors only run in the interpreter; compiled kernels need CUDA tensors.
 DEVICES = ["cpu"] if INTERPRET else (["cuda"] if torch.cuda.is_available() else [])
-if not DEVICES:
+if not DEVICES:  # guards a real missing device: CI sets TRITON_INTERPRET=1 (conftest), a GPU run has CUDA
     pytest.skip("Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device", allow_module_level=True)
 
 NAN = float("nan")
@@ -534,7 +534,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     (chain / tree, fp32 / bf16 variants) for an H100/H200 target, which needs no GPU."""
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
     r = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode == 77:
+    if r.returncode == 77:  # guards a real missing toolchain: triton wheels ship ptxas, so CI does compile
         pytest.skip("no ptxas in this triton install")
     assert r.returncode == 0, r.stderr[-4000:]
     assert int(r.stdout.split()[-1]) == 10

@@ -106,3 +106,20 @@ def tiny_tokenizer():
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([inspect.getsource(textwrap)[:8000]], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
+
+
+def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate of `prompt` (float64 throughout, pure-torch layers, no EOS stop):
+    the oracle of the greedy-identity tests."""
+    with torch_fallbacks(), float64_everywhere():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
+    return out[0].tolist()
+
+
+def save_tiny(path, family: str, *, seed: int = 0):
+    """A tiny float32 model of `family` with `tiny_tokenizer()` saved to `path`; -> (model, tokenizer)."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(family, seed=seed, dtype=torch.float32, vocab_size=len(tokenizer))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
