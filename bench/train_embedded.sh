@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 minutes=${1:-55}
 out=specdec/embedded
 python -m specdec.train_embedded --out "$out" --prompts bench/data/prompts.jsonl --minutes "$minutes" \
-    --batch-size 8 --threads 1 --val-every 50
+    --batch-size 8 --threads 2 --val-every 200
 mkdir -p "$out/drafters"
 corpus=$(mktemp --suffix=.txt)
 python -m specdec.train_embedded --dump-corpus "$corpus" --corpus-mb 1

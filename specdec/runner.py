@@ -38,7 +38,7 @@ def path_and_count(num_accepted, path, B: int, T: int, device) -> tuple[torch.Te
 
 
 class _PrefillOps:
-    """Plain recurrence from the slot's state, written straight back (prefill has nothing to roll back)."""
+    """Prefill from the slot's state, written straight back (prefill has nothing to roll back)."""
 
     def __init__(self, runner: "HybridRunner", li: int, slots: torch.Tensor):
         self.r, self.li, self.slots = runner, li, slots
@@ -68,8 +68,8 @@ class _VerifyOps:
 
 
 def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig):
-    """Prefill of one chunk: fla's chunk kernels on CUDA, the plain recurrence elsewhere.
-    q, k `[B, T, H, K]` raw; -> (o `[B, T, H, V]`, S `[B, H, K, V]`)."""
+    """Prefill of one chunk: fla's chunk kernels on CUDA, `kernels.chunk_delta_rule` elsewhere (the same
+    recurrence in chunked form). q, k `[B, T, H, K]` raw; -> (o `[B, T, H, V]`, S `[B, H, K, V]`)."""
     if q.is_cuda:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -81,8 +81,8 @@ def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig):
             o, S = fn(q, k, v, g.float(), beta, scale=cfg.scale, initial_state=state.float(),
                       output_final_state=True, use_qk_l2norm_in_kernel=True)
             return o, S
-    return kernels.recurrent_delta_rule(q, k, v, g, beta, initial_state=state, scale=cfg.scale, eps=cfg.norm_eps,
-                                        norm=cfg.norm)
+    return kernels.chunk_delta_rule(q, k, v, g, beta, initial_state=state, scale=cfg.scale, eps=cfg.norm_eps,
+                                    norm=cfg.norm)
 
 
 class HybridRunner:

@@ -1,0 +1,3 @@
+from .naive import chunk_delta_rule
+
+__all__ = ["chunk_delta_rule"]

@@ -1,0 +1,68 @@
+"""Chunked gated delta rule (KDA / GDN) in pure torch: the same recurrence as `recurrent_delta_rule`, computed
+chunk by chunk in WY form, differentiable. Used to train and prefill on CPU, where fla's chunk kernels do not run.
+
+Within a chunk starting from state S0 (log-gates cumulated in the chunk, `G_t = g_1 + ... + g_t`):
+    u = (I + A)^-1 (beta v - beta (k * exp(G)) S0),   A[i, j] = beta_i sum_c k_i k_j exp(G_i - G_j)  (j < i)
+    o = (q * exp(G)) S0 + P u,                        P[i, j] = sum_c q_i k_j exp(G_i - G_j)          (j <= i)
+    S = exp(G_C) S0 + (k * exp(G_C - G))^T u
+Every exponent is a decay (<= 0), so nothing overflows however strong the gate; only the S0 hand-off between
+chunks is sequential.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..common import check_delta_inputs, math_dtype, prepare_qk
+
+
+def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     *, initial_state: torch.Tensor | None = None, scale: float | None = None,
+                     eps: float = 1e-6, norm: str = "rsqrt", chunk_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule over `T` tokens, chunked; same arguments and results as `recurrent_delta_rule`.
+
+    Args:
+        q, k: raw (pre-L2-norm) `[B, T, H, K]`;  v: `[B, T, H, V]`.
+        g: log-decay `[B, T, H, K]` (KDA) or `[B, T, H]` (GDN);  beta: `[B, T, H]`.
+        initial_state: `[B, H, K, V]` (None: zeros).
+        chunk_size: tokens per chunk; the intra-chunk decay tensor is `[B, H, T, chunk_size, K]`.
+    Returns:
+        `(o [B, T, H, V] in v.dtype, S [B, H, K, V])`; math and S in fp32 (fp64 if any input is fp64).
+    """
+    B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
+    dt = math_dtype(q, k, v, g, beta, initial_state)
+    scale = K ** -0.5 if scale is None else scale
+    q, k = prepare_qk(q, k, scale=scale, eps=eps, norm=norm, dtype=dt)
+    C, out_dtype = chunk_size, v.dtype
+    pad = (-T) % C
+    N = (T + pad) // C
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, X] -> [B, H, N, C, X]; padding: k = beta = g = 0
+        x = F.pad(x.to(dt), (0, 0, 0, 0, 0, pad))
+        return x.reshape(B, N, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+
+    q, k, v = chunks(q), chunks(k), chunks(v)
+    # cumulated in fp64: G_i - G_j of two large cumulated gates would otherwise cancel to a few fp32 ulps of |G|
+    G = chunks(g.expand(B, T, H, K)).double().cumsum(-2)
+    b = chunks(beta[..., None])                                        # [B, H, N, C, 1]
+    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None, :] - G[..., None, :, :]).to(dt).masked_fill(~incl[..., None], float("-inf")).exp()
+    kd = k[..., None, :, :] * decay                                    # [B, H, N, C(i), C(j), K]: k_j exp(G_i - G_j)
+    A = (b * (k[..., :, None, :] * kd).sum(-1)).tril(-1)
+    P = (q[..., :, None, :] * kd).sum(-1)
+    eG = G.to(dt).exp()
+    W = torch.linalg.solve_triangular(A, b * v, upper=False, unitriangular=True)       # [B, H, N, C, V]
+    Y = torch.linalg.solve_triangular(A, b * k * eG, upper=False, unitriangular=True)  # [B, H, N, C, K]
+    qG = q * eG
+    kG = k * (G[..., -1:, :] - G).to(dt).exp()
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    outs = []
+    for n in range(N):
+        u = W[:, :, n] - Y[:, :, n] @ S
+        outs.append(qG[:, :, n] @ S + P[:, :, n] @ u)
+        S = eG[:, :, n, -1, :, None] * S + kG[:, :, n].transpose(-1, -2) @ u
+    o = torch.stack(outs, 2).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
+    return o.to(out_dtype), S
