@@ -94,6 +94,28 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
+def parse_drafter(spec: str) -> tuple[str, dict]:
+    """`NAME[:key=value...]` -> (NAME, options for `specdec.wrap`), e.g. `eagle:num_nodes=16:topk=4`.
+    Values are ints or floats where they parse as such. Raises ValueError naming the bad part."""
+    name, *parts = spec.split(":")
+    opts: dict = {}
+    for part in parts:
+        key, eq, val = part.partition("=")
+        if not eq or not key.isidentifier() or not val:
+            raise ValueError(f"{spec!r}: expected NAME[:key=value...], got the part {part!r}")
+        for cast in (int, float):
+            try:
+                opts[key] = cast(val)
+                break
+            except ValueError:
+                continue
+        else:
+            opts[key] = val
+    if not name:
+        raise ValueError(f"{spec!r}: no drafter name before ':'")
+    return name, opts
+
+
 def resolve_drafter(model_dir: Path, name: str) -> tuple[str | None, str | None]:
     """-> (the `drafter=` argument for `specdec.wrap`, None) or (None, why it is skipped)."""
     if name == "ngram":
@@ -205,8 +227,8 @@ class Pool:
                 "speedup": spec / plain if plain > 0 else 0.0}
 
 
-def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos, bar) -> dict:
-    engine = specdec.wrap(model, drafter=drafter_arg, num_draft_tokens=args.gamma, max_batch_size=1)
+def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos, bar, options=None) -> dict:
+    engine = specdec.wrap(model, drafter=drafter_arg, num_draft_tokens=args.gamma, max_batch_size=1, **(options or {}))
     replay, snapshot = spec_state_bytes(engine)
     kw = dict(eos_token_id=eos, **sampling)
     warm = min(args.max_new_tokens, 8)
@@ -251,16 +273,17 @@ def fmt_bytes(n: int | None) -> str:
 
 
 def format_table(results: dict) -> str:
-    head = (f"{'drafter':10s} {'tau':>6s} {'alpha':>6s} {'tok/s spec':>11s} {'tok/s plain':>11s} {'speedup':>8s} "
+    w = max([10] + [len(n) for n in results])
+    head = (f"{'drafter':{w}s} {'tau':>6s} {'alpha':>6s} {'tok/s spec':>11s} {'tok/s plain':>11s} {'speedup':>8s} "
             f"{'replay state':>13s} {'snapshot state':>15s} {'identical':>9s}  per-position acceptance")
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         if r.get("skipped"):
-            lines.append(f"{name:10s} skipped: {r['skipped']}")
+            lines.append(f"{name:{w}s} skipped: {r['skipped']}")
             continue
         ident = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
         pos = " ".join(f"{a:.2f}" for a in r["per_position"]) or "-"
-        lines.append(f"{name:10s} {r['tau']:6.2f} {r['alpha']:6.3f} {r['tokens_per_s_spec']:11.1f} "
+        lines.append(f"{name:{w}s} {r['tau']:6.2f} {r['alpha']:6.3f} {r['tokens_per_s_spec']:11.1f} "
                      f"{r['tokens_per_s_plain']:11.1f} {r['speedup']:7.2f}x {fmt_bytes(r['spec_state_bytes_replay']):>13s} "
                      f"{fmt_bytes(r['spec_state_bytes_snapshot']):>15s} {ident:>9s}  {pos}")
     return "\n".join(lines)
@@ -304,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="embedded", help="save_pretrained directory (model + tokenizer) or 'embedded'")
     p.add_argument("--drafters", default="ngram,mtp,eagle,dspark",
-                   help="comma-separated: ngram, or names of trained drafters under MODEL/drafters/")
+                   help="comma-separated: ngram, or names of trained drafters under MODEL/drafters/; each may "
+                        "carry drafter options as NAME:key=value[:key=value], e.g. eagle:num_nodes=16:topk=4")
     p.add_argument("--prompts", default=str(ROOT / "bench" / "data" / "prompts.jsonl"), help="JSONL prompt file")
     p.add_argument("--gamma", type=int, default=7, help="draft tokens per round (num_draft_tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (checked lossless); > 0: sampling")
@@ -390,7 +414,11 @@ def main(argv=None) -> int:
     eos = plain.eos_token_id if plain.eos_token_id is not None else tokenizer.eos_token_id
     sampling = ({"do_sample": True, "temperature": a.temperature} if a.temperature > 0 else {"do_sample": False})
 
-    plan = [(name, *resolve_drafter(model_dir, name)) for name in drafters]
+    try:
+        specs = {name: parse_drafter(name) for name in drafters}
+    except ValueError as e:
+        parser.error(f"--drafters: {e}")
+    plan = [(name, *resolve_drafter(model_dir, specs[name][0])) for name in drafters]
     results: dict[str, dict] = {}
     runnable = sum(1 for _, arg, _ in plan if arg is not None)
     bar = (tqdm(total=runnable * len(prompts), file=sys.stderr, unit="prompt", dynamic_ncols=True)
@@ -405,7 +433,7 @@ def main(argv=None) -> int:
             continue
         bar.set_description(name)
         try:
-            results[name] = bench_drafter(name, arg, model, prompts, plain, a, sampling, eos, bar)
+            results[name] = bench_drafter(name, arg, model, prompts, plain, a, sampling, eos, bar, specs[name][1])
         except Exception as e:  # noqa: BLE001 - a drafter that does not load or run is reported, the rest go on
             first = (str(e).strip().splitlines() or [""])[0]
             results[name] = {**dict.fromkeys(KEYS), "skipped": f"failed: {type(e).__name__}: {first}"}

@@ -112,3 +112,30 @@ def test_prompt_selection_round_robin_over_kinds(tmp_path):
     assert [p["id"] for p in bench.load_prompts(str(f), ["code", "prose"], 3)] == ["c0", "p0", "c1"]
     assert [p["id"] for p in bench.load_prompts(str(f), ["prose"], None)] == ["p0", "p1"]
     assert len(bench.load_prompts(str(f), ["code", "prose"], None)) == 5
+
+
+def test_drafter_options_are_passed_and_checked(saved, tmp_path, capsys):
+    """`NAME:key=value` reaches the drafter: a different n-gram setting is a separate entry, an unknown
+    option is reported as skipped with the drafter's own error, and a malformed spec is a usage error."""
+    model, prompts = saved
+    bench = load_script()
+    assert bench.parse_drafter("eagle:num_nodes=16:topk=4") == ("eagle", {"num_nodes": 16, "topk": 4})
+    assert bench.parse_drafter("dspark:confidence_threshold=0.5") == ("dspark", {"confidence_threshold": 0.5})
+    out = tmp_path / "out.json"
+    threads = torch.get_num_threads()
+    try:
+        rc = bench.main(["--model", str(model), "--prompts", str(prompts), "--max-new-tokens", "6",
+                         "--drafters", "ngram,ngram:max_ngram=1,ngram:min_ngram=4,ngram:bogus=1",
+                         "--max-prompts", "1", "--device", "cpu", "--threads", "1", "--json", str(out)])
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--model", str(model), "--prompts", str(prompts), "--drafters", "ngram:max_ngram"])
+        assert e.value.code == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    res = json.loads(out.read_text())["drafters"]
+    assert list(res) == ["ngram", "ngram:max_ngram=1", "ngram:min_ngram=4", "ngram:bogus=1"]
+    assert res["ngram"]["identical"] is True and res["ngram:max_ngram=1"]["identical"] is True
+    assert "min_ngram" in res["ngram:min_ngram=4"]["skipped"]  # 4 > max_ngram 3: the drafter's own check
+    assert "ValueError: bogus: not an option of the ngram drafter" in res["ngram:bogus=1"]["skipped"]
+    assert "--drafters" in capsys.readouterr().err

@@ -258,6 +258,8 @@ def _bad_generate_calls(target, family):
         ("strategy", lambda e: specdec.wrap(target, strategy="bogus")),
         ("commit", lambda e: specdec.wrap(target, commit="bogus")),
         ("draft_model", lambda e: specdec.wrap(target, drafter="model", draft_model=wrong_vocab)),
+        ("max_ngrm", lambda e: specdec.wrap(target, drafter="ngram", max_ngrm=2)),
+        ("topk", lambda e: specdec.wrap(target, drafter="model", draft_model=target, topk=2)),
         ("input_ids", lambda e: e.generate([torch.tensor([], dtype=torch.long)], max_new_tokens=4)),
         ("input_ids", lambda e: e.generate([p, torch.tensor([], dtype=torch.long)], max_new_tokens=4)),
         ("input_ids", lambda e: e.generate([], max_new_tokens=4)),
