@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     model.to(torch.bfloat16).save_pretrained(args.out)
     tok.save_pretrained(args.out)
     with open(os.path.join(args.out, "training.json"), "w") as f:
-        json.dump({"summary": summary, "log": log[::10]}, f)
+        json.dump({"summary": summary, "log": [e for e in log if e["step"] % 10 == 0 or "val_loss" in e]}, f)
     prompts = make_prompts(held_docs, tok)
     if args.prompts:
         os.makedirs(os.path.dirname(args.prompts) or ".", exist_ok=True)
