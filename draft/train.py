@@ -1,7 +1,9 @@
 """Distil a drafter from a target's own outputs on a text corpus.
 
     python -m specdec.draft.train --target DIR --drafter {mtp,eagle,dspark} --data FILE --out DIR \\
-        [--steps 300 --lr 1e-3 --seq-len 128 --batch-size 8 --val-every 50 --seed 0]
+        [--steps 300 --lr 1e-3 --seq-len 128 --batch-size 8 --val-every 50 --seed 0 --init DIR]
+
+`--init DIR` continues from a trained drafter of the same kind (a fresh warmup + cosine schedule).
 
 Target features and next-token distributions come from specdec's own runner over the target (so this
 works on CPU for the hybrid families). Saved as `config.json` + `model.safetensors`, loadable with
@@ -18,7 +20,7 @@ import time
 
 import torch
 
-from .common import build_drafter_net, save_drafter, target_batch
+from .common import build_drafter_net, load_drafter, save_drafter, target_batch
 
 
 def windows(ids: torch.Tensor, seq_len: int, batch_size: int, gen: torch.Generator) -> torch.Tensor:
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
     p.add_argument("--val-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--init", default=None, metavar="DIR", help="continue from this trained drafter (same kind)")
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
@@ -117,11 +120,19 @@ def main(argv=None) -> int:
             text = f.read()
     except OSError as e:
         p.error(f"argument --data: {e}")
+    init = None
+    if args.init:
+        try:
+            init = load_drafter(args.init, target)
+        except ValueError as e:
+            p.error(f"argument --init: {e}")
+        if init.config.kind != args.drafter:
+            p.error(f"argument --init: {args.init!r} holds a {init.config.kind} drafter, not {args.drafter}")
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     t0 = time.time()
     try:
         net, hist = train(target, ids, args.drafter, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
-                          batch_size=args.batch_size, val_every=args.val_every, seed=args.seed, log=print)
+                          batch_size=args.batch_size, val_every=args.val_every, seed=args.seed, net=init, log=print)
     except ValueError as e:
         p.error(str(e))
     save_drafter(net, args.out)

@@ -1,0 +1,57 @@
+"""`python -m specdec.draft.train` as a user runs it: train, then continue from the result with `--init`."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import save_tiny
+
+from specdec.draft.train import main
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("draft_cli")
+    save_tiny(root / "target", "kimi_linear")
+    data = root / "data.txt"
+    data.write_text(inspect.getsource(textwrap) * 2)
+    return root
+
+
+def _run(root, capsys, *extra):
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["--target", str(root / "target"), "--data", str(root / "data.txt"), "--seq-len", "32",
+                   "--batch-size", "2", "--val-every", "100", *map(str, extra)])
+    finally:
+        torch.set_num_threads(threads)
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_init_continues_from_a_trained_drafter(setup, capsys):
+    root = setup
+    rc, first = _run(root, capsys, "--drafter", "mtp", "--steps", 4, "--lr", "3e-3", "--out", root / "a")
+    assert rc == 0 and first["val_loss_end"] < first["val_loss_start"]
+    # lr 0: the continued run starts where the first ended (same validation windows) and changes nothing
+    rc, second = _run(root, capsys, "--drafter", "mtp", "--steps", 2, "--lr", 0, "--init", root / "a",
+                      "--out", root / "b")
+    assert rc == 0
+    assert second["val_loss_start"] == pytest.approx(first["val_loss_end"], rel=1e-6)
+    a, b = load_file(root / "a" / "model.safetensors"), load_file(root / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_init_errors(setup, capsys):
+    root = setup
+    if not (root / "a").is_dir():
+        _run(root, capsys, "--drafter", "mtp", "--steps", 1, "--out", root / "a")
+    for init, msg in ((root / "missing", "--init"), (root / "a", "holds a mtp drafter, not eagle")):
+        with pytest.raises(SystemExit) as e:
+            _run(root, capsys, "--drafter", "eagle", "--steps", 1, "--init", init, "--out", root / "c")
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (root / "c").exists()
