@@ -61,14 +61,17 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         return y
     root = conv_state[conv_state_indices[rows]]
     windows: list[torch.Tensor] = []
+    ys: list[torch.Tensor] = []
     for t in range(T):
         p = parent[rows, t]
         prev = _pick_parents(root, windows, p, chain)
         yt, wt = conv_step(prev, x[rows, t], weight, bias, activation)
         windows.append(wt)
-        y[rows, t] = yt.to(x.dtype)
-        if window_states is not None:
-            window_states[rows, t] = wt.to(window_states.dtype)
+        ys.append(yt)
+    # one write per buffer after the loop (plain copies: the same values as writing token by token)
+    y[rows] = torch.stack(ys, 1).to(x.dtype)
+    if window_states is not None:
+        window_states[rows, :T] = torch.stack(windows, 1).to(window_states.dtype)
     return y
 
 
@@ -129,16 +132,22 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         L = ring[0].shape[2]
         base = ring_start[slots] + (num_pending[slots] if num_pending is not None else 0)
     states: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    ds: list[torch.Tensor] = []
     for t in range(T):
         p = parent[rows, t]
         prev = _pick_parents(root, states, p, chain)
         S, ot, d = delta_step(prev, qn[:, t], kn[:, t], vv[:, t], gg[:, t], bb[:, t])
         states.append(S)
-        o[rows, t] = ot.to(o.dtype)
-        if intermediate_states is not None:
-            intermediate_states[rows, t] = S.to(intermediate_states.dtype)
-        if ring is not None:
-            pos = (base + t) % L
-            for buf, rec in zip(ring, (d, kn[:, t], gg[:, t], v[rows, t], k[rows, t], beta[rows, t])):
-                buf[slots, :, pos] = rec.to(buf.dtype)
+        outs.append(ot)
+        ds.append(d)
+    # one write per buffer after the loop (plain copies: the same values as writing token by token)
+    o[rows] = torch.stack(outs, 1).to(o.dtype)
+    if intermediate_states is not None:
+        intermediate_states[rows, :T] = torch.stack(states, 1).to(intermediate_states.dtype)
+    if ring is not None:
+        pos = (base[:, None] + torch.arange(T, device=base.device)) % L  # [R, T]
+        recs = (torch.stack(ds, 1), kn, gg, v[rows], k[rows], beta[rows])  # [R, T, H, dim] / beta [R, T, H]
+        for buf, rec in zip(ring, recs):
+            buf[slots[:, None], :, pos] = rec.to(buf.dtype)
     return o
