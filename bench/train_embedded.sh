@@ -15,4 +15,11 @@ for d in mtp eagle dspark; do
         --steps "$drafter_steps" --lr 3e-3 --seq-len 128 --batch-size 8 --val-every 100 > "$out/drafters/$d.log" 2>&1 &
 done
 wait
+# mtp and dspark were still improving: continue them from their weights on other windows (--seed 1)
+for d in mtp dspark; do
+    OMP_NUM_THREADS=1 python -m specdec.draft.train --target "$out" --drafter "$d" --data "$corpus" --out "$out/drafters/$d" \
+        --init "$out/drafters/$d" --steps 800 --lr 2e-3 --seq-len 128 --batch-size 8 --val-every 200 --seed 1 \
+        > "$out/drafters/$d.2.log" 2>&1 &
+done
+wait
 tail -n 1 "$out"/drafters/*.log
