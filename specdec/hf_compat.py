@@ -12,15 +12,17 @@ CHUNK_FNS = {"kimi_linear": ("chunk_kimi_delta_attention", "sqrt_div"),
              "qwen3_5": ("torch_chunk_gated_delta_rule", "rsqrt")}
 
 
-def _chunk_adapter(norm: str, default_chunk: int):
+def _chunk_adapter(norm: str, default_chunk: int, torch_chunk):
     """transformers' chunk signature (q, k `[B, T, Hk, K]`, v `[B, T, H, V]`, g, beta `[B, T, H]`) on
-    `chunk_delta_rule`."""
+    `chunk_delta_rule`. `chunk_delta_rule` always L2-normalizes q and k (as every family's model asks); a call
+    without `use_qk_l2norm_in_kernel` goes to transformers' own pure-torch `torch_chunk`."""
     from specdec.kernels import chunk_delta_rule
 
     def fn(query, key, value, g, beta, chunk_size=None, initial_state=None, output_final_state=False,
            use_qk_l2norm_in_kernel=False, **kwargs):
         if not use_qk_l2norm_in_kernel:
-            raise NotImplementedError("use_qk_l2norm_in_kernel=False: the models normalize q/k inside the kernel")
+            return torch_chunk(query, key, value, g, beta, chunk_size=chunk_size or 64, initial_state=initial_state,
+                               output_final_state=output_final_state, use_qk_l2norm_in_kernel=False, **kwargs)
         if query.shape[2] != value.shape[2]:  # grouped value heads: each q/k head serves a group of value heads
             rep = value.shape[2] // query.shape[2]
             query, key = query.repeat_interleave(rep, dim=2), key.repeat_interleave(rep, dim=2)
@@ -50,7 +52,7 @@ def torch_fallbacks(*families: str, chunked: bool = False, chunk_size: int = 16)
         if chunked:
             name, norm = CHUNK_FNS[fam]
             swaps.append((mod, name, getattr(mod, name)))
-            setattr(mod, name, _chunk_adapter(norm, chunk_size))
+            setattr(mod, name, _chunk_adapter(norm, chunk_size, getattr(mod, name)))
     try:
         yield
     finally:

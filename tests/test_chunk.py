@@ -11,7 +11,8 @@ from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallback
 
 from specdec.kernels.chunk import chunk_delta_rule
 from specdec.kernels.recurrent import recurrent_delta_rule
-from specdec.testing import assert_close, max_rel_err, tolerance
+from specdec.hf_compat import CHUNK_FNS
+from specdec.testing import assert_close, max_rel_err
 
 F32, F64 = torch.float32, torch.float64
 
@@ -93,5 +94,21 @@ def test_transformers_forward_and_backward_with_chunked_path(family):
     assert ref_grads.keys() == out_grads.keys() and ref_grads
     for n in ref_grads:
         assert max_rel_err(out_grads[n], ref_grads[n]) < 1e-9, n
-    rtol, _ = tolerance(F64)
-    assert rtol < 1e-10  # the bound above is looser than the table only for 37-token accumulations
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "qwen3_next"])
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_swapped_function_matches_transformers_chunk(family, l2norm):
+    """The swapped module function == transformers' pure-torch chunk function, with and without the in-kernel
+    q/k L2 norm (without it the call goes to transformers' own code)."""
+    import importlib
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    name = CHUNK_FNS[family][0]
+    gdn = family != "kimi_linear"
+    q, k, v, g, beta, S0 = _inputs(5, 2, 21, 2, 8, 6, gdn=gdn, dtype=F64)
+    args = dict(initial_state=S0, output_final_state=True, use_qk_l2norm_in_kernel=l2norm)
+    with torch_fallbacks(family), float64_everywhere():
+        o_ref, S_ref = getattr(mod, name)(q, k, v, g, beta, **args)
+    with torch_fallbacks(family, chunked=True), float64_everywhere():
+        o, S = getattr(mod, name)(q, k, v, g, beta, **args)
+    assert max_rel_err(o, o_ref) < 1e-10 and max_rel_err(S, S_ref) < 1e-10
