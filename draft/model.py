@@ -14,7 +14,9 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, draft_model, *, max_batch_size: int = 8, max_length: int = 4096, gamma: int = 7):
+    def __init__(self, draft_model, *, max_batch_size: int = 8, max_length: int = 4096, gamma: int = 7, **unknown):
+        if unknown:
+            raise ValueError(f"{sorted(unknown)[0]}: not an option of the model drafter (it has none)")
         from specdec.runner import make_runner
         self.model = draft_model
         self.runner = make_runner(draft_model, max_batch_size=max_batch_size, max_length=max_length + gamma + 1,

@@ -11,7 +11,9 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1, **unknown):
+        if unknown:
+            raise ValueError(f"{sorted(unknown)[0]}: not an option of the ngram drafter (options: max_ngram, min_ngram)")
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"min_ngram/max_ngram: expected 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

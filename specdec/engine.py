@@ -110,9 +110,6 @@ class SpecEngine:
         if isinstance(drafter, Drafter):
             return drafter
         if drafter == "ngram":
-            unknown = sorted(set(kwargs) - {"max_ngram", "min_ngram"})
-            if unknown:
-                raise ValueError(f"{unknown[0]}: not an option of the ngram drafter (options: max_ngram, min_ngram)")
             return NgramDrafter(**kwargs)
         if drafter == "model":
             if draft_model is None:
@@ -121,8 +118,6 @@ class SpecEngine:
             dv = draft_model.config.get_text_config().vocab_size
             if tv != dv:
                 raise ValueError(f"draft_model: vocab size {dv} does not match the target's {tv}")
-            if kwargs:
-                raise ValueError(f"{sorted(kwargs)[0]}: not an option of the model drafter (it has none)")
             return ModelDrafter(draft_model, max_batch_size=max_batch_size, max_length=self.max_length,
                                 gamma=self.gamma, **kwargs)
         if isinstance(drafter, str) and drafter in KINDS:  # untrained net of that kind, sized for the target
