@@ -38,24 +38,16 @@ PROMPTS = [[3, 41, 17, 88, 9, 60, 23], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 50, 12]]
 TRAIN = dict(steps=60, lr=3e-3, seq_len=32, batch_size=4, val_every=30, progress=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _train_ids(vocab: int, n: int = 3000, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
 class _Setup:
-    """Module-wide targets, untrained / trained nets (saved to disk) and transformers' greedy references."""
+    """Module-wide targets and untrained / trained nets (saved to disk)."""
 
     def __init__(self, tmp):
         self.tmp = tmp
-        self.targets, self.untrained, self.trained, self.dirs, self.hist, self.refs = {}, {}, {}, {}, {}, {}
+        self.targets, self.untrained, self.trained, self.dirs, self.hist = {}, {}, {}, {}, {}
 
     def target(self, family):
         if family not in self.targets:
@@ -79,12 +71,6 @@ class _Setup:
             save_drafter(net, str(out))
             self.trained[family], self.hist[family], self.dirs[family] = net, hist, out
         return self.dirs[family]
-
-    def ref(self, family, prompt):
-        key = (family, tuple(prompt))
-        if key not in self.refs:
-            self.refs[key] = greedy_reference(self.target(family), prompt, N)
-        return self.refs[key]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +127,7 @@ def _generate(engine, prompts, **kw):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_identity(setup, family, trained):
     target = setup.target(family)
-    refs = [setup.ref(family, p) for p in PROMPTS]
+    refs = [greedy_reference(setup.target(family), p, N) for p in PROMPTS]
     for strategy, commit in MODES:
         kw = dict(num_draft_tokens=GAMMA, strategy=strategy, commit=commit, max_batch_size=2, **TREE)
         if trained:  # through the saved directory
@@ -290,7 +276,7 @@ def test_tree_rounds_commit_plain_decode_state(setup, strategy, commit):
 
     _Recorder(engine, after_round)
     out = _generate(engine, PROMPTS)
-    assert [out.sequences[b, :len(p) + N].tolist() for b, p in enumerate(PROMPTS)] == [setup.ref(family, p)
+    assert [out.sequences[b, :len(p) + N].tolist() for b, p in enumerate(PROMPTS)] == [greedy_reference(setup.target(family), p, N)
                                                                                       for p in PROMPTS]
     assert all(p is not None for p in paths), "every round commits a tree path"
     deep = sum(int(((p >= 0).sum(1) >= 3).sum()) for p in paths)  # a depth-2 node is never index 2 in these trees

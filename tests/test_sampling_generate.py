@@ -61,16 +61,6 @@ def test_chi2_gof_pools_small_cells():
 # models, oracle, sampling
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Thousands of forwards of a tiny model: intra-op threads only add synchronization (and stall badly
-    when the cores are shared), so this module runs on one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_model(seed: int):
     model = tiny_model(FAMILY, seed=seed, vocab_size=V, num_layers=2)
     with torch.no_grad():

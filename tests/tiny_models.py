@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 
 import torch
 
@@ -108,12 +109,20 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>")
 
 
+_GREEDY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {(prompt, new): tokens}
+
+
 def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generate of `prompt` (float64 throughout, pure-torch layers, no EOS stop):
-    the oracle of the greedy-identity tests."""
-    with torch_fallbacks(), float64_everywhere():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
-    return out[0].tolist()
+    the oracle of the greedy-identity tests. Memoized per model object (test targets are never modified)."""
+    cache = _GREEDY.setdefault(model, {})
+    key = (tuple(prompt), max_new_tokens)
+    if key not in cache:
+        with torch_fallbacks(), float64_everywhere():
+            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens,
+                                 eos_token_id=None)
+        cache[key] = out[0].tolist()
+    return list(cache[key])
 
 
 def save_tiny(path, family: str, *, seed: int = 0):
