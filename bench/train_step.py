@@ -1,7 +1,7 @@
 """Training-step benchmark on CPU: transformers' Kimi-Linear (the embedded model's shape) forward + backward
 with transformers' own pure-torch chunked KDA vs `kernels.chunk_delta_rule` at several chunk sizes.
 
-    python bench/train_step.py --batch-size 8 --seq-len 256 --threads 2 --json train_step.json
+    python bench/train_step.py --batch-size 8 --seq-len 256 --threads 2 --json train_step.json   # after pip install -e .
 
 Each path runs the same random model on the same random tokens; the table gives seconds per step
 (forward, backward, total, median of `--reps` after one warmup) and the loss difference to the first path.
@@ -15,24 +15,11 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    import specdec.hf_compat  # noqa: F401  (installed: pip install -e .)
-except ImportError:  # a bare checkout: the top-level folders are subpackages of `specdec` (see pyproject.toml)
-    import importlib.util
-
-    _spec = importlib.util.spec_from_file_location("specdec", ROOT / "specdec" / "__init__.py",
-                                                   submodule_search_locations=[str(ROOT / "specdec"), str(ROOT)])
-    _mod = importlib.util.module_from_spec(_spec)
-    sys.modules["specdec"] = _mod
-    _spec.loader.exec_module(_mod)
-
-from specdec.hf_compat import torch_fallbacks  # noqa: E402
-from specdec.train_embedded import model_config  # noqa: E402
+from specdec.hf_compat import torch_fallbacks
+from specdec.train_embedded import model_config
 
 
 def step_times(model, ids: torch.Tensor, reps: int) -> tuple[float, float, float]:
