@@ -204,6 +204,11 @@ class HybridRunner:
         return RunnerOutput(logits, hidden, captured)
 
 
+# transformers' Mamba-1 mixers start the selective scan from a zero state whenever more than one token comes in,
+# cached state or not: the generic runner feeds these models one token at a time after the prompt
+ONE_TOKEN_CONTINUATION = {"mamba", "falcon_mamba", "jamba", "zamba"}
+
+
 class GenericRunner:
     """Any causal LM: its own forward and cache. A round runs on a deep copy of the request's cache; commit
     adopts the copy when everything was accepted, else re-runs the accepted tokens on the original."""
@@ -222,6 +227,8 @@ class GenericRunner:
         # transformers renamed `past_key_values` to `cache` (the old name is deprecated from 5.x on)
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._position_args = [a for a in ("position_ids", "cache_position") if a in params]
+        self._one_token = model.config.get_text_config().model_type in ONE_TOKEN_CONTINUATION
 
     @property
     def num_free(self) -> int:
@@ -244,19 +251,35 @@ class GenericRunner:
     def length(self, slot: int) -> int:
         return self._len[slot]
 
-    def _run(self, slot: int, ids: torch.Tensor, cache, capture=()):
+    def _positions(self, start: int, n: int) -> dict:
+        """`position_ids` / `cache_position` (those the forward takes) of tokens `start .. start + n - 1`: some
+        models (Bamba) otherwise count positions from 0 in every call, whatever the cache holds."""
+        pos = torch.arange(start, start + n, device=self.device)
+        return {a: pos[None] if a == "position_ids" else pos for a in self._position_args}
+
+    def _run(self, slot: int, ids: torch.Tensor, cache):
+        """`ids [T]` right after the slot's committed tokens, on `cache` (None: a fresh one);
+        -> (logits `[1, T, V]`, cache, hidden states per layer `[1, T, hidden]`)."""
         from transformers import DynamicCache
         cache = cache if cache is not None else DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids[None], **{self._cache_arg: cache}, use_cache=True, output_hidden_states=True)
-        new = getattr(out, "cache", None)
-        new = getattr(out, "past_key_values", None) if new is None else new
-        return out, (new if new is not None else cache), out.hidden_states
+        start = self._len[slot]
+        parts = ids.split(1) if start and self._one_token else [ids]
+        outs = []
+        for part in parts:
+            out = self.model(input_ids=part[None], **{self._cache_arg: cache}, **self._positions(start, len(part)),
+                             use_cache=True, output_hidden_states=True)
+            new = getattr(out, "cache", None)
+            new = getattr(out, "past_key_values", None) if new is None else new
+            cache, start = (new if new is not None else cache), start + len(part)
+            outs.append(out)
+        return (torch.cat([o.logits for o in outs], 1), cache,
+                tuple(torch.cat(h, 1) for h in zip(*(o.hidden_states for o in outs))))
 
     @torch.no_grad()
     def prefill(self, slot: int, ids: torch.Tensor, *, capture=()) -> RunnerOutput:
-        out, cache, hs = self._run(slot, ids, self._cache[slot])
+        logits, cache, hs = self._run(slot, ids, self._cache[slot])
         self._cache[slot], self._len[slot] = cache, self._len[slot] + ids.shape[0]
-        return RunnerOutput(out.logits, hs[-1], {i: hs[i + 1] for i in capture})
+        return RunnerOutput(logits, hs[-1], {i: hs[i + 1] for i in capture})
 
     @torch.no_grad()
     def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=()) -> RunnerOutput:
@@ -266,8 +289,8 @@ class GenericRunner:
         for b, s in enumerate(slots):
             if self._len[s] + ids.shape[1] > self.max_length:
                 raise ValueError(f"max_length: {self._len[s] + ids.shape[1]} tokens exceed {self.max_length}")
-            out, cache, hs = self._run(s, ids[b], copy.deepcopy(self._cache[s]))
-            logits.append(out.logits[0])
+            lg, cache, hs = self._run(s, ids[b], copy.deepcopy(self._cache[s]))
+            logits.append(lg[0])
             hidden.append(hs[-1][0])
             for i in capture:
                 caps[i].append(hs[i + 1][0])
