@@ -1,6 +1,8 @@
 """Shared math of the references: the model's L2 norm, one delta-rule step, argument checks.
 
-Pure torch; never imports triton.
+Pure torch; never imports triton. The math runs in fp32 (fp64 when an input is fp64). Plain decode,
+verify and the exact fold all advance a state through `delta_step`, so on this backend a fold of n records
+is bit for bit the state of n decode steps (DESIGN §5).
 """
 
 from __future__ import annotations
@@ -14,19 +16,12 @@ def math_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def dot(S: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`S^T x` over the K axis: S `[..., K, V]`, x `[..., K]` -> `[..., V]`.
+    """`S^T x` over the K axis: S `[..., K, V]`, x `[..., K]` -> `[..., V]`, in S's dtype.
 
-    fp32 products are exact in fp64 and the fp64 sum is rounded once, so the result does not depend on
-    the reduction order: the torch reference and the Triton kernels (any backend) agree bit for bit.
+    Products then one sum over K: torch reduces each column in an order fixed by K and V alone (not by the
+    leading dims), so every caller of `delta_step` rounds a state the same way.
     """
-    if S.dtype == torch.float64:
-        return (S * x[..., None]).sum(-2)
-    return (S.double() * x.double()[..., None]).sum(-2).to(S.dtype)
-
-
-def exp(g: torch.Tensor) -> torch.Tensor:
-    """`exp` correctly rounded to the input dtype (computed in fp64), the same on every backend."""
-    return g.exp() if g.dtype == torch.float64 else g.double().exp().to(g.dtype)
+    return (S * x[..., None]).sum(-2)
 
 
 def l2norm(x: torch.Tensor, *, eps: float = 1e-6, norm: str = "rsqrt") -> torch.Tensor:
@@ -36,11 +31,7 @@ def l2norm(x: torch.Tensor, *, eps: float = 1e-6, norm: str = "rsqrt") -> torch.
     `norm="sqrt_div"`: `x / sqrt(sum(x^2) + eps)` (Kimi-Linear). The two differ in the last bit, and a
     state advanced with the wrong one drifts while outputs still look right.
     """
-    if x.dtype == torch.float64:
-        r = torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-    else:  # order-free sum as in `dot`; sqrt rounded from fp64 (torch's fp32 sqrt is not always correctly rounded)
-        ss = (x.double() * x.double()).sum(dim=-1, keepdim=True).to(x.dtype) + eps
-        r = torch.sqrt(ss.double()).to(x.dtype)
+    r = torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
     if norm == "rsqrt":
         return x * (1.0 / r)
     if norm == "sqrt_div":
@@ -65,7 +56,7 @@ def delta_step(S: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torc
         `(S_t [N, H, K, V], o_t [N, H, V], d_t [N, H, V])` with `S' = exp(g) S`,
         `d = beta (v - S'^T k)`, `S_t = S' + k d^T`, `o = S_t^T q`.
     """
-    S = S * exp(g)[..., None]
+    S = S * g.exp()[..., None]
     d = beta[..., None] * (v - dot(S, k))
     S = S + k[..., None] * d[..., None, :]
     o = None if q is None else dot(S, q)

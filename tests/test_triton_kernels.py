@@ -12,9 +12,11 @@ non-powers of two (the interpreter is slow); slot maps are reversed and hold -1 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,6 +198,28 @@ def test_verify_delta_rule(device, case):
             check_written(f"{case}: ring {name}", got, want)
 
 
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a non-contiguous view: every second element of a wider last dim (NaN between)."""
+    return torch.stack([t, torch.full_like(t, NAN)], -1).flatten(-2)[..., ::2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_verify_strided_inputs(device):
+    """q / k / v / g / beta are read at their own strides (views of fused projections, no copies): the same
+    outputs and ring records, bit for bit, as from contiguous inputs."""
+    kw = verify_case(4, K=5, V=6, gdn=False, tree=False, lazy=True, inter=True, ring=True)
+    o, kt = run_verify(kw, device)
+    ks = {n: to(t, device) for n, t in kw.items()}
+    for n in ("q", "k", "v", "g", "beta"):
+        ks[n] = strided(ks[n])
+        assert not ks[n].is_contiguous()
+    o2 = tverify.verify_delta_rule(**ks)
+    assert_close(o2.cpu(), o.cpu(), exact=True, msg="o")
+    assert_close(ks["intermediate_states"].cpu(), kt["intermediate_states"].cpu(), exact=True, msg="states")
+    for name, a, b in zip(("d", "k", "g", "rawv", "rawk", "beta"), ks["ring"], kt["ring"]):
+        assert_close(a.cpu(), b.cpu(), exact=True, msg=f"ring {name}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_verify_bf16_storage(device):
     """bf16 activations and bf16 d/k/rawv/rawk rings (lazy, wrapping) vs the all-fp32 reference."""
@@ -370,32 +394,19 @@ def test_masked_scatter(device, what):
 
 # ----------------------------------------------------------------------------------- fold vs decode
 
-@pytest.mark.parametrize("norm", ["rsqrt", "sqrt_div"])
-def test_exact_fold_op_order_bitwise(norm):
-    """Reductions are exact products summed in fp64 and rounded once, `exp` is rounded from fp64: the
-    kernel's fold equals the torch reference bit for bit, and the other norm formula does not."""
-    K, V, n = 6, 5, 6
-    S, rv, rk, rg, rb = fold_case(8, Lyr=1, K=K, V=V, gdn=False)
-    rs = torch.zeros(N, dtype=torch.long)
-    out = S.clone()
-    tfold.exact_fold(out, rv, rk, rg, rb, torch.tensor([0]), rs, torch.tensor([n]), norm=norm)
-    for nm in (norm, "sqrt_div" if norm == "rsqrt" else "rsqrt"):
-        ref = S.clone()
-        ref_exact_fold(ref, rv, rk, rg, rb, torch.tensor([0]), rs, torch.tensor([n]), norm=nm)
-        assert torch.equal(ref, out) == (nm == norm), f"norm {nm}: reference {'differs' if nm == norm else 'matches'}"
-
-
-# The bound of the issue: 2 eps of the state's max over 64 rounds. With order-free reductions the kernel
-# and plain decode round identically, so the drift measured here is 0; the bound still catches any
-# accumulated error (a state rounded through bf16, an open-loop rebuild from bf16 `d`, a misplaced gate).
-DRIFT_EPS = 2
+# Across backends the contract is fp32 tolerance (DESIGN §5): the kernel and the reference round differently
+# (reduction order, exp), so the state drifts like a random walk of a few eps per round. The bound grows by
+# 2 eps of the state's max per round; it still catches any systematic error (a state rounded through bf16,
+# ~4e-3, an open-loop rebuild from bf16 `d`, a misplaced gate). Within one backend the fold is bitwise equal
+# to single steps: tests/test_fold_exactness.py.
+DRIFT_EPS_PER_ROUND = 2
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gdn,norm", [(False, "rsqrt"), (True, "sqrt_div")], ids=["kda-rsqrt", "gdn-sqrtdiv"])
 def test_fold_matches_plain_decode_64_rounds(device, gdn, norm):
     """64 chained rounds: write D records per slot into the rings, fold a random accepted count with the
-    Triton fold, and compare every round with plain fp32 decode of the same tokens."""
+    Triton fold, and compare every round with the reference's plain fp32 decode of the same tokens."""
     g_ = gen(9)
     Bq, Hq, K, V, D, Lq = 2, 2, 6, 7, 8, 16
     slots = torch.tensor([1, 0])  # reversed
@@ -406,7 +417,7 @@ def test_fold_matches_plain_decode_64_rounds(device, gdn, norm):
     rg, rb = torch.zeros(1, Bq, Hq, Lq, 1 if gdn else K), torch.zeros(1, Bq, Hq, Lq)
     start = torch.zeros(Bq, dtype=torch.long)
     worst = 0.0
-    for _ in range(64):
+    for r in range(64):
         n = torch.randint(1, D + 1, (Bq,), generator=g_)
         k, v = randn(g_, Bq, D, Hq, K), randn(g_, Bq, D, Hq, V)
         gate = rand(g_, *((Bq, D, Hq) if gdn else (Bq, D, Hq, K)), lo=-0.3, hi=0.0)
@@ -425,9 +436,10 @@ def test_fold_matches_plain_decode_64_rounds(device, gdn, norm):
                                                    gate[b:b + 1, :m], beta[b:b + 1, :m],
                                                    initial_state=dec[s:s + 1], norm=norm)
             start[s] = (start[s] + m) % Lq
-        worst = max(worst, max_rel_err(state[0].cpu(), dec) / EPS32)
-    print(f"fold vs plain decode: worst {worst:.2f} eps over 64 rounds")
-    assert worst <= DRIFT_EPS, f"fold drifted {worst:.2f} eps from plain decode"
+        err = max_rel_err(state[0].cpu(), dec) / EPS32
+        assert err <= DRIFT_EPS_PER_ROUND * (r + 1), f"round {r}: fold drifted {err:.2f} eps from plain decode"
+        worst = max(worst, err / (r + 1))
+    print(f"fold vs plain decode: worst {worst:.2f} eps per round over 64 rounds")
 
 
 # ------------------------------------------------------------------------------------------- dispatch
@@ -471,70 +483,34 @@ def test_import_does_not_load_triton():
 
 # ------------------------------------------------------------------------------ compiled (no GPU needed)
 
-_COMPILE_SM90 = r'''
-import sys, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from specdec.kernels.fold import triton as tf
-from specdec.kernels.rebuild import triton as tr
-from specdec.kernels.scatter import triton as ts
-from specdec.kernels.verify import triton as tv
-
-calls = []
-for k in (tf._exact_fold_kernel, tr._fast_rebuild_kernel, tv._verify_kernel, tv._short_conv_verify_kernel,
-          ts._masked_scatter_kernel):
-    k.run = lambda *a, grid=None, warmup=False, _k=k, **kw: calls.append((_k, a, kw))
-bf, f = torch.bfloat16, torch.float32
-N, H, L, K, V, B, T = 4, 2, 8, 5, 6, 2, 3
-z = lambda *s, dt=f: torch.zeros(*s, dtype=dt)
-i = lambda *v: torch.tensor(v)
-ring = lambda dt: (z(N, H, L, V, dt=dt), z(N, H, L, K, dt=dt), z(N, H, L, K), z(N, H, L, V, dt=dt),
-                   z(N, H, L, K, dt=dt), z(N, H, L))
-for dt, tree in ((f, False), (bf, True)):
-    tv.verify_delta_rule(z(B, T, H, K, dt=dt), z(B, T, H, K, dt=dt), z(B, T, H, V, dt=dt), z(B, T, H, K), z(B, T, H),
-                         z(N, H, K, V), i(0, 2), parent=i(-1, 0, 0) if tree else None,
-                         intermediate_states=z(B, T, H, K, V, dt=dt), ring=ring(dt), ring_start=z(N, dt=torch.long),
-                         num_pending=z(N, dt=torch.long), norm="sqrt_div" if tree else "rsqrt")
-    tv.short_conv_verify(z(B, T, 10, dt=dt), z(10, 4, dt=dt), z(10, dt=dt), z(N, 10, 3, dt=dt), i(0, 2),
-                         parent=i(-1, 0, 0) if tree else None, window_states=z(B, T, 10, 3, dt=dt))
-    tf.exact_fold(z(2, N, H, K, V), z(2, N, H, L, V, dt=dt), z(2, N, H, L, K, dt=dt), z(2, N, H, L, 1 if tree else K),
-                  z(2, N, H, L), i(0, 2), z(N, dt=torch.long), i(3, 2),
-                  offsets=z(B, 4, dt=torch.long) if tree else None,
-                  seq_lens=z(N, dt=torch.long), track_interval=4, track_states=z(2, N, 2, H, K, V))
-    tr.fast_rebuild(z(N, H, K, V), i(0, 2), z(N, H, L, V, dt=dt), z(N, H, L, K, dt=dt), z(N, H, L, 1 if tree else K),
-                    z(N, dt=torch.long), i(3, 2))
-    ts.masked_scatter(z(2, B, T, H, K, V), z(2, N, H, K, V, dt=dt), i(0, 2), i(1, -1))
-types = {f: "fp32", bf: "bf16", torch.int64: "i64", torch.int32: "i32"}
-for k, args, kw in calls:
-    vals = {**dict(zip(k.arg_names, args)), **kw}
-    opts = {n: vals.pop(n) for n in ("num_warps", "num_stages", "enable_fp_fusion") if n in vals}
-    sig, consts = {}, {}
-    for p in k.params:
-        v = vals[p.name]
-        if p.is_constexpr:
-            sig[p.name], consts[(k.arg_names.index(p.name),)] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name] = "*" + types[v.dtype]
-        else:
-            sig[p.name] = "fp32" if isinstance(v, float) else "i32"
-    try:
-        triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options=opts)
-    except Exception as e:
-        if "ptxas" in str(e).lower():
-            sys.exit(77)
-        raise
-print(len(calls))
-'''
+SASS_REPORT = Path(__file__).resolve().parents[1] / "bench" / "sass_report.py"
 
 
-@pytest.mark.skipif(not INTERPRET, reason="on a GPU the other tests compile the kernels")
-def test_kernels_compile_for_sm90(tmp_path):
-    """The interpreter runs Python, so it accepts code the compiler rejects: compile every kernel
-    (chain / tree, fp32 / bf16 variants) for an H100/H200 target, which needs no GPU."""
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode == 77:  # guards a real missing toolchain: triton wheels ship ptxas, so CI does compile
-        pytest.skip("no ptxas in this triton install")
+SMALL = ["--heads", "2", "--head-dim", "16", "--draft-tokens", "3", "--requests", "2", "--layers", "2"]
+
+
+@pytest.mark.parametrize("shapes,act,gate", [("small", "bf16", "kda"), ("small", "fp32", "gdn"), ("kimi", "bf16", "kda")])
+def test_kernels_compile_for_sm90(tmp_path, shapes, act, gate):
+    """The interpreter runs Python, so it accepts code the compiler rejects: compile every kernel for an
+    H100/H200 target through bench/sass_report.py (no GPU needed) and read its SASS. The per-token (per
+    record) loops of verify, fold and rebuild hold no fp64 work and no f32<->f64 conversion; nothing spills.
+    At Kimi-Linear shapes (the script's defaults) the chain verify loop is at most 1.3x the instructions of
+    fla's fused_recurrent_kda loop, and tree verify fits 128 registers."""
+    out = tmp_path / "sass.json"
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    cmd = [sys.executable, str(SASS_REPORT), *(SMALL if shapes == "small" else []), "--act-dtype", act,
+           "--json", str(out)] + (["--gdn"] if gate == "gdn" else [])
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
-    assert int(r.stdout.split()[-1]) == 10
+    rep = json.loads(out.read_text())
+    assert set(rep["kernels"]) == {"verify_chain", "verify_tree", "exact_fold", "fast_rebuild", "short_conv_verify",
+                                   "masked_scatter"}
+    for name, k in rep["kernels"].items():
+        assert k["spill_bytes"] == 0, f"{name} spills {k['spill_bytes']} bytes"
+        assert k["loop_instructions"] > 0 and k["regs"] > 0, name
+        if name != "masked_scatter":  # a copy: the loop stat is the whole kernel, with no math to check
+            assert k["loop_fp64_ops"] == 0 and k["loop_f64_conversions"] == 0, (name, k)
+    assert rep["kernels"]["verify_tree"]["regs"] <= 128
+    if shapes == "kimi":
+        ratio = rep["kernels"]["verify_chain"]["loop_instructions"] / rep["fla_fused_recurrent_kda"]["loop_instructions"]
+        assert ratio <= 1.3, f"verify chain loop is {ratio:.2f}x fla's"

@@ -1,7 +1,8 @@
-"""Triton exact fold: all layers of all requests in one launch, plain-decode op order, fp32 math.
+"""Triton exact fold: all layers of all requests in one launch, fp32, the verify kernel's own step.
 
-Same signature and semantics as `kernels/fold/naive.py`. The jit helpers at the top (`_exp`, `_l2norm`,
-`_delta_update`, `_load_gate`) are shared with the verify kernel so both advance a state the same way.
+Same signature and semantics as `kernels/fold/naive.py`. The step, norm and gate come from
+`kernels/triton_utils.py`, shared with the verify kernel, so on one device the fold of n records gives
+bit for bit the state of n verify steps.
 """
 
 from __future__ import annotations
@@ -10,74 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-def check_float(name: str, *tensors: torch.Tensor | None) -> None:
-    """The kernels compute in fp32; fp64 inputs go to the references (the dispatcher does that)."""
-    for t in tensors:
-        if t is not None and t.dtype == torch.float64:
-            raise ValueError(f"{name}: the Triton kernel computes in fp32 and does not take fp64 tensors; "
-                             f"use the reference (specdec.kernels dispatches fp64 there)")
-
-
-def num_warps_for(block_elems: int) -> int:
-    return 1 if block_elems <= 1024 else (2 if block_elems <= 2048 else 4)
-
-
-@triton.jit
-def _cast_to(x, ptr):
-    """`x` in the element type of `ptr`; fp32 -> bf16 rounds to nearest even, like torch and the GPU
-    (the interpreter's own fp32 -> bf16 cast truncates)."""
-    y = x
-    if (ptr.dtype.element_ty == tl.bfloat16) and (x.dtype == tl.float32):
-        u = x.to(tl.uint32, bitcast=True)
-        r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
-        y = tl.where(x == x, r, 0x7FC0).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return y.to(ptr.dtype.element_ty)
-
-
-@triton.jit
-def _exp(x):
-    """fp32 `exp` rounded from fp64: correctly rounded on every backend, like torch's CPU `exp` (numpy's
-    fp32 `exp` in the interpreter and the GPU's fast `exp` are an ulp off often enough to drift a
-    state folded over many tokens)."""
-    return tl.exp(x.to(tl.float64)).to(tl.float32)
-
-
-@triton.jit
-def _l2norm(x, eps, SQRT_DIV: tl.constexpr):
-    """`x * rsqrt(sum(x^2) + eps)` or `x / sqrt(sum(x^2) + eps)`, correctly rounded like torch on CPU."""
-    ss = tl.sum(x.to(tl.float64) * x.to(tl.float64), axis=0).to(tl.float32)  # order-free, see _dot
-    r = tl.sqrt((ss + eps).to(tl.float64)).to(tl.float32)  # correctly rounded (kernels/common.py l2norm)
-    if SQRT_DIV:
-        return tl.math.div_rn(x, r)
-    else:
-        return x * tl.math.div_rn(1.0, r)
-
-
-@triton.jit
-def _load_gate(ptr, offs_k, mask_k, stride_k, BK: tl.constexpr, GDN: tl.constexpr):
-    """The log-decay of one token as a `[BK]` fp32 vector (GDN: one scalar broadcast over K)."""
-    if GDN:
-        g = tl.zeros([BK], dtype=tl.float32) + tl.load(ptr).to(tl.float32)
-    else:
-        g = tl.load(ptr + offs_k * stride_k, mask=mask_k, other=0.0).to(tl.float32)
-    return g
-
-
-@triton.jit
-def _dot(S, x):
-    """`S^T x` over K: exact fp32 products summed in fp64 and rounded once, so the result is the same
-    whatever order the backend reduces in (kernels/common.py `dot`)."""
-    return tl.sum(S.to(tl.float64) * x.to(tl.float64)[:, None], axis=0).to(tl.float32)
-
-
-@triton.jit
-def _delta_update(S, k, v, g, beta):
-    """`S' = exp(g) S`; `d = beta (v - S'^T k)`; `S = S' + k d^T` (kernels/common.py delta_step)."""
-    S = S * _exp(g)[:, None]
-    d = beta * (v - _dot(S, k))
-    S = S + k[:, None] * d[None, :]
-    return S, d
+from ..triton_utils import cast_to, check_float, delta_step, l2norm, load_gate, state_blocks
 
 
 @triton.jit
@@ -90,8 +24,8 @@ def _exact_fold_kernel(
         s_bl, s_bn, s_bh, s_bt,
         s_ob, s_om,
         s_tl, s_tn, s_tp, s_th, s_tk, s_tv,
-        B, L, null_slot, track_interval, eps,
-        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GDN: tl.constexpr,
+        B, null_slot, track_interval, eps,
+        L: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GDN: tl.constexpr,
         HAS_OFFSETS: tl.constexpr, HAS_TRACK: tl.constexpr, SQRT_DIV: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -116,27 +50,30 @@ def _exact_fold_kernel(
     g_base = rg + lyr * s_gl + s * s_gn + i_h * s_gh
     b_base = rbeta + lyr * s_bl + s * s_bn + i_h * s_bh
     if HAS_TRACK:
+        # the next token count that is a multiple of the interval, and its ping-pong parity: one division
+        # before the loop instead of a 64-bit modulo per record
         seq0 = tl.load(seq_lens + s).to(tl.int64)
-    for j in range(n):
+        nxt = (seq0 // track_interval + 1) * track_interval
+        par = (seq0 // track_interval + 1) % 2
+    for j in tl.range(0, n, num_stages=2):
         if HAS_OFFSETS:
             off = tl.load(offsets + b * s_ob + j * s_om).to(tl.int64)
         else:
             off = j
-        pos = (start + off) % L
+        pos = (start + off) & (L - 1)
         kr = tl.load(k_base + pos * s_kt + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
         vr = tl.load(v_base + pos * s_vt + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
-        gt = _load_gate(g_base + pos * s_gt, offs_k, mask_k, s_gk, BK, GDN)
+        _, alpha = load_gate(g_base + pos * s_gt, offs_k, mask_k, s_gk, BK, GDN)
         bt = tl.load(b_base + pos * s_bt).to(tl.float32)
-        kn = _l2norm(kr, eps, SQRT_DIV)
-        S, d = _delta_update(S, kn, vr, gt, bt)
+        S, _ = delta_step(S, l2norm(kr, eps, SQRT_DIV), vr, alpha, bt)
         if HAS_TRACK:
-            count = seq0 + j + 1
-            if count % track_interval == 0:
-                par = (count // track_interval) % 2
+            if seq0 + j + 1 == nxt:
                 t_off = lyr * s_tl + s * s_tn + par * s_tp + i_h * s_th
                 tl.store(track + t_off + offs_k[:, None] * s_tk + offs_v[None, :] * s_tv,
-                         _cast_to(S, track), mask=mask_kv)
-    tl.store(state + st_off + kv_off, _cast_to(S, state), mask=mask_kv)
+                         cast_to(S, track), mask=mask_kv)
+                nxt += track_interval
+                par = 1 - par
+    tl.store(state + st_off + kv_off, cast_to(S, state), mask=mask_kv)
 
 
 def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torch.Tensor, ring_g: torch.Tensor,
@@ -155,6 +92,8 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
         raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
     Lyr, N, H, K, V = ssm_state.shape
     L = ring_beta.shape[3]
+    if L & (L - 1):
+        raise ValueError(f"ring_beta: ring depth L={L} must be a power of two")
     if ring_beta.shape != (Lyr, N, H, L):
         raise ValueError(f"ring_beta: expected [{Lyr}, {N}, {H}, L], got {list(ring_beta.shape)}")
     if ring_rawv.shape != (Lyr, N, H, L, V) or ring_rawk.shape != (Lyr, N, H, L, K):
@@ -175,8 +114,7 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
     has_off = offsets is not None
     if has_off and (offsets.dim() != 2 or offsets.shape[0] < B):
         raise ValueError(f"offsets: expected [>={B}, M], got {list(offsets.shape)}")
-    BK = triton.next_power_of_2(K)
-    BV = min(triton.next_power_of_2(V), 32 if BK >= 128 else 64)
+    BK, BV, num_warps = state_blocks(K, V)
     off_t = offsets if has_off else num_tokens
     tr = track_states if has_track else ssm_state
     sl = seq_lens if has_track else ring_start
@@ -186,7 +124,7 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
         *ssm_state.stride(), *ring_rawv.stride(), *ring_rawk.stride(), *ring_g.stride(), *ring_beta.stride(),
         *(offsets.stride() if has_off else (0, 0)),
         *(track_states.stride() if has_track else (0,) * 6),
-        B, L, int(null_slot), int(track_interval) if has_track else 1, float(eps),
-        K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[4] == 1 and K != 1, HAS_OFFSETS=has_off, HAS_TRACK=has_track,
-        SQRT_DIV=norm == "sqrt_div", num_warps=num_warps_for(BK * BV),
+        B, int(null_slot), int(track_interval) if has_track else 1, float(eps),
+        L=L, K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[4] == 1 and K != 1, HAS_OFFSETS=has_off, HAS_TRACK=has_track,
+        SQRT_DIV=norm == "sqrt_div", num_warps=num_warps,
         enable_fp_fusion=False)

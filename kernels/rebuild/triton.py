@@ -1,6 +1,6 @@
 """Triton fast rebuild: the state after m pending records from the checkpoint and the (d, k, g) rings.
 
-Same signature and semantics as `kernels/rebuild/naive.py`. `_rebuild_tile` is also inlined at the
+Same signature and semantics as `kernels/rebuild/naive.py`. `rebuild_tile` is also inlined at the
 start of the lazy verify kernel, so verify does not need a separate launch (or a host sync).
 """
 
@@ -10,27 +10,35 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fold.triton import _exp, _load_gate, check_float, num_warps_for
+from ..triton_utils import check_float, state_blocks
 
 
 @triton.jit
-def _rebuild_tile(S0, d_base, k_base, g_base, start, m, L, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk,
-                  offs_k, offs_v, mask_k, mask_v, BK: tl.constexpr, BV: tl.constexpr, GDN: tl.constexpr):
-    """`exp(G_m) S0 + sum_j (k_j exp(G_m - G_j)) d_j^T`, `G_j = g_1 + .. + g_j` summed in order."""
+def rebuild_tile(S0, d_base, k_base, g_base, start, m, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk,
+                 offs_k, offs_v, mask_k, mask_v, L: tl.constexpr, BK: tl.constexpr, GDN: tl.constexpr):
+    """`exp(G_m) S0 + sum_j (k_j exp(G_m - G_j)) d_j^T`, `G_j = g_1 + .. + g_j` summed in order; fp32.
+
+    Pointers are the request's ring rows of one head; `start` / `m`: first pending position and count.
+    """
     Gm = tl.zeros([BK], dtype=tl.float32)
     for j in range(m):
-        pos = (start + j) % L
-        Gm += _load_gate(g_base + pos * s_gt, offs_k, mask_k, s_gk, BK, GDN)
-    acc = tl.zeros([BK, BV], dtype=tl.float32)
+        pos = (start + j) & (L - 1)
+        if GDN:
+            Gm += tl.load(g_base + pos * s_gt).to(tl.float32)
+        else:
+            Gm += tl.load(g_base + pos * s_gt + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
+    S = S0 * tl.exp(Gm)[:, None]
     G = tl.zeros([BK], dtype=tl.float32)
     for j in range(m):
-        pos = (start + j) % L
-        G += _load_gate(g_base + pos * s_gt, offs_k, mask_k, s_gk, BK, GDN)
+        pos = (start + j) & (L - 1)
+        if GDN:
+            G += tl.load(g_base + pos * s_gt).to(tl.float32)
+        else:
+            G += tl.load(g_base + pos * s_gt + offs_k * s_gk, mask=mask_k, other=0.0).to(tl.float32)
         kj = tl.load(k_base + pos * s_kt + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
         dj = tl.load(d_base + pos * s_dt + offs_v * s_dv, mask=mask_v, other=0.0).to(tl.float32)
-        kw = kj * _exp(Gm - G)
-        acc += kw[:, None] * dj[None, :]
-    return _exp(Gm)[:, None] * S0 + acc
+        S = tl.fma((kj * tl.exp(Gm - G))[:, None], dj[None, :], S)
+    return S
 
 
 @triton.jit
@@ -39,8 +47,8 @@ def _fast_rebuild_kernel(state, idx, rd, rk, rg, ring_start, num_tokens, out,
                          s_dn, s_dh, s_dt, s_dv,
                          s_kn, s_kh, s_kt, s_kk,
                          s_gn, s_gh, s_gt, s_gk,
-                         H, L,
-                         K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                         H,
+                         L: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                          GDN: tl.constexpr):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -59,14 +67,9 @@ def _fast_rebuild_kernel(state, idx, rd, rk, rg, ring_start, num_tokens, out,
     start = tl.load(ring_start + s).to(tl.int64)
     S0 = tl.load(state + s * s_sn + i_h * s_sh + offs_k[:, None] * s_sk + offs_v[None, :] * s_sv,
                  mask=mask_kv, other=0.0).to(tl.float32)
-    S = _rebuild_tile(S0, rd + s * s_dn + i_h * s_dh, rk + s * s_kn + i_h * s_kh, rg + s * s_gn + i_h * s_gh,
-                      start, m, L, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, BK, BV, GDN)
+    S = rebuild_tile(S0, rd + s * s_dn + i_h * s_dh, rk + s * s_kn + i_h * s_kh, rg + s * s_gn + i_h * s_gh,
+                     start, m, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, L, BK, GDN)
     tl.store(o_ptr, S, mask=mask_kv)
-
-
-def rebuild_blocks(K: int, V: int) -> tuple[int, int]:
-    BK = triton.next_power_of_2(K)
-    return BK, min(triton.next_power_of_2(V), 32 if BK >= 128 else 64)
 
 
 def fast_rebuild(ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, ring_d: torch.Tensor,
@@ -80,6 +83,8 @@ def fast_rebuild(ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, ring_
     N, H, K, V = ssm_state.shape
     L = ring_d.shape[2]
     B = ssm_state_indices.shape[0]
+    if L & (L - 1):
+        raise ValueError(f"ring_d: ring depth L={L} must be a power of two")
     if ring_d.shape[:3] != (N, H, L) or ring_d.shape[3] != V or ring_k.shape != (N, H, L, K):
         raise ValueError(f"ring_d / ring_k: expected [{N}, {H}, L, {V}] / [{N}, {H}, L, {K}], "
                          f"got {list(ring_d.shape)} / {list(ring_k.shape)}")
@@ -90,10 +95,10 @@ def fast_rebuild(ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, ring_
     out = torch.empty(B, H, K, V, dtype=torch.float32, device=ssm_state.device)
     if B == 0:
         return out
-    BK, BV = rebuild_blocks(K, V)
+    BK, BV, num_warps = state_blocks(K, V)
     _fast_rebuild_kernel[(B, H, triton.cdiv(V, BV))](
         ssm_state, ssm_state_indices, ring_d, ring_k, ring_g, ring_start, num_tokens, out,
-        *ssm_state.stride(), *ring_d.stride(), *ring_k.stride(), *ring_g.stride(), H, L,
-        K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[3] == 1 and K != 1, num_warps=num_warps_for(BK * BV),
+        *ssm_state.stride(), *ring_d.stride(), *ring_k.stride(), *ring_g.stride(), H,
+        L=L, K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[3] == 1 and K != 1, num_warps=num_warps,
         enable_fp_fusion=False)
     return out

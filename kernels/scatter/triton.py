@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fold.triton import _cast_to
+from ..triton_utils import cast_to
 
 
 @triton.jit
@@ -28,7 +28,7 @@ def _masked_scatter_kernel(src, dst, idx, step, B, E, null_slot,
     offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < E
     x = tl.load(src + lyr * s_sl + b * s_sr + t * s_st + offs, mask=mask)
-    tl.store(dst + lyr * s_dl + s * s_dn + offs, _cast_to(x, dst), mask=mask)
+    tl.store(dst + lyr * s_dl + s * s_dn + offs, cast_to(x, dst), mask=mask)
 
 
 def _flat(t: torch.Tensor, lead: int) -> torch.Tensor | None:

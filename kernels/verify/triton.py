@@ -4,12 +4,14 @@ Same signatures and semantics as `kernels/verify/naive.py`. One program per (req
 - chain: the state stays in registers across the tokens;
 - tree: each node's state is written to `intermediate_states` and a node whose parent is not the node
   just before it reloads its parent's state from there (so trees need `intermediate_states`, and an
-  fp32 one for parents taken bit for bit; a bf16 buffer rounds those parents);
+  fp32 one for parents taken bit for bit; a bf16 buffer rounds those parents); a second root (parent -1
+  after node 0) restarts from the checkpoint;
 - rings: `d`, `k` (normalized), `g`, `rawv`, `rawk`, `beta` of token t go to position
-  `(ring_start[s] + num_pending[s] + t) % L` of the request's slot s;
+  `(ring_start[s] + num_pending[s] + t) & (L - 1)` of the request's slot s;
 - lazy: with `num_pending`, the start state is the fast rebuild of the checkpoint and the pending
   `(d, k, g)` records, computed in the same program (no separate launch).
-The checkpoint is never written. Rows whose slot is -1 or `null_slot` write zero outputs and nothing else.
+The step is `triton_utils.delta_step`, the one the exact fold takes. The checkpoint is never written.
+Rows whose slot is -1 or `null_slot` write zero outputs and nothing else.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ..common import check_delta_inputs, check_shape
-from ..fold.triton import _cast_to, _delta_update, _dot, _exp, _l2norm, _load_gate, check_float, num_warps_for
-from ..rebuild.triton import _rebuild_tile, rebuild_blocks
+from ..rebuild.triton import rebuild_tile
+from ..triton_utils import cast_to, check_float, delta_step, l2norm, load_gate, num_warps_for, readout, state_blocks
 
 
 def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor | None:
@@ -37,30 +39,30 @@ def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tenso
 
 
 @triton.jit
-def _silu(y):
-    return tl.math.div_rn(y, 1.0 + _exp(-y))
-
-
-@triton.jit
 def _short_conv_verify_kernel(
         x, w, bias, conv_state, idx, parent, win, y,
         s_xb, s_xt, s_xc, s_wc, s_wk, s_cn, s_cc, s_ck, s_pb, s_pt,
         s_wb, s_wt, s_wcc, s_wkk,
         T, C, null_slot,
-        KC: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+        KC: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
         IS_TREE: tl.constexpr, HAS_WIN: tl.constexpr):
     i_b = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     offs_c = i_c * BC + tl.arange(0, BC)
+    offs_j = tl.arange(0, KP)
     mask_c = offs_c < C
     y_base = y + i_b * T * C + offs_c
     s = tl.load(idx + i_b).to(tl.int64)
     if (s < 0) | (s == null_slot):
         for t in range(T):
-            tl.store(y_base + t * C, _cast_to(tl.zeros([BC], dtype=tl.float32), y), mask=mask_c)
+            tl.store(y_base + t * C, cast_to(tl.zeros([BC], dtype=tl.float32), y), mask=mask_c)
         return
     x_base = x + i_b * s_xb + offs_c * s_xc
-    c_base = conv_state + s * s_cn + offs_c * s_cc
+    # the slot's window as one [BC, KP] tile (columns 0..KC-2, oldest first), read once
+    wt = tl.load(conv_state + s * s_cn + offs_c[:, None] * s_cc + offs_j[None, :] * s_ck,
+                 mask=mask_c[:, None] & (offs_j[None, :] < KC - 1), other=0.0).to(tl.float32)
+    wts = tl.load(w + offs_c[:, None] * s_wc + offs_j[None, :] * s_wk,
+                  mask=mask_c[:, None] & (offs_j[None, :] < KC), other=0.0).to(tl.float32)
     if HAS_BIAS:
         bv = tl.load(bias + offs_c, mask=mask_c, other=0.0).to(tl.float32)
     for t in range(T):
@@ -72,19 +74,16 @@ def _short_conv_verify_kernel(
         for jj in tl.static_range(KC):
             j = KC - 1 - jj
             in_seq = cur >= 0
-            # masks as [BC] vectors: the interpreter mishandles `vector & scalar-bool` masks
-            cur_v = tl.zeros([BC], dtype=tl.int32) + cur
-            wcol_v = tl.zeros([BC], dtype=tl.int32) + wcol
-            xv = tl.load(x_base + cur * s_xt, mask=mask_c & (cur_v >= 0), other=0.0).to(tl.float32)
-            wv = tl.load(c_base + wcol * s_ck, mask=mask_c & (cur_v < 0) & (wcol_v >= 0), other=0.0).to(tl.float32)
-            val = tl.where(cur_v >= 0, xv, wv)
-            acc += val * tl.load(w + offs_c * s_wc + j * s_wk, mask=mask_c, other=0.0).to(tl.float32)
+            xv = tl.load(x_base + tl.maximum(cur, 0) * s_xt, mask=mask_c, other=0.0).to(tl.float32)
+            wv = tl.sum(tl.where(offs_j[None, :] == wcol, wt, 0.0), axis=1)
+            val = tl.where(in_seq, xv, wv)
+            acc = tl.fma(val, tl.sum(tl.where(offs_j[None, :] == j, wts, 0.0), axis=1), acc)
             if HAS_WIN:
                 if j >= 1:
                     tl.store(win + i_b * s_wb + t * s_wt + offs_c * s_wcc + (j - 1) * s_wkk,
-                             _cast_to(val, win), mask=mask_c)
+                             cast_to(val, win), mask=mask_c)
             if IS_TREE:
-                nxt = tl.load(parent + i_b * s_pb + cur * s_pt, mask=in_seq, other=-1)
+                nxt = tl.load(parent + i_b * s_pb + tl.maximum(cur, 0) * s_pt)
             else:
                 nxt = cur - 1
             wcol = tl.where(in_seq, wcol, wcol - 1)
@@ -92,8 +91,8 @@ def _short_conv_verify_kernel(
         if HAS_BIAS:
             acc = acc + bv
         if SILU:
-            acc = _silu(acc)
-        tl.store(y_base + t * C, _cast_to(acc, y), mask=mask_c)
+            acc = acc / (1.0 + tl.exp(-acc))
+        tl.store(y_base + t * C, cast_to(acc, y), mask=mask_c)
 
 
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -120,6 +119,7 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if B == 0 or T == 0:
         return y
     BC = min(triton.next_power_of_2(C), 256)
+    KP = triton.next_power_of_2(Kc)
     win = window_states if window_states is not None else y
     _short_conv_verify_kernel[(B, triton.cdiv(C, BC))](
         x, weight, bias if bias is not None else weight, conv_state, conv_state_indices,
@@ -127,16 +127,30 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         *x.stride(), *weight.stride(), *conv_state.stride(), *(par.stride() if par is not None else (0, 0)),
         *(window_states.stride() if window_states is not None else (0,) * 4),
         T, C, int(null_slot),
-        KC=Kc, BC=BC, HAS_BIAS=bias is not None, SILU=activation == "silu", IS_TREE=par is not None,
+        KC=Kc, KP=KP, BC=BC, HAS_BIAS=bias is not None, SILU=activation == "silu", IS_TREE=par is not None,
         HAS_WIN=window_states is not None, num_warps=num_warps_for(BC * 8),
         enable_fp_fusion=False)
     return y
 
 
 @triton.jit
+def _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_base, start, m,
+                s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v,
+                L: tl.constexpr, BK: tl.constexpr, RING_GDN: tl.constexpr, HAS_PENDING: tl.constexpr):
+    """The state a request's verify starts from: its checkpoint, plus the pending records (lazy)."""
+    S = tl.load(state + s * s_sn + i_h * s_sh + kv_state, mask=mask_kv, other=0.0).to(tl.float32)
+    if HAS_PENDING:
+        S = rebuild_tile(S, d_base, k_base, g_base, start, m, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk,
+                         offs_k, offs_v, mask_k, mask_v, L, BK, RING_GDN)
+    return S
+
+
+@triton.jit
 def _verify_kernel(
         q, k, v, g, beta, state, idx, parent, inter, o,
         rd, rk, rg, rrv, rrk, rb, ring_start, num_pending,
+        sq_b, sq_t, sq_h, sq_k, sk_b, sk_t, sk_h, sk_k, sv_b, sv_t, sv_h, sv_v,
+        sg_b, sg_t, sg_h, sg_k, sb_b, sb_t, sb_h,
         s_sn, s_sh, s_sk, s_sv,
         s_ib, s_it, s_ih, s_ik, s_iv,
         s_dn, s_dh, s_dt, s_dv,
@@ -145,11 +159,11 @@ def _verify_kernel(
         s_vn, s_vh, s_vt, s_vv,
         s_rn, s_rh, s_rt, s_rk,
         s_bn, s_bh, s_bt,
-        T, H, L, null_slot, scale, eps,
-        K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+        T, H, null_slot, scale, eps,
+        L: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         GDN: tl.constexpr, RING_GDN: tl.constexpr, RGK, IS_TREE: tl.constexpr, HAS_INTER: tl.constexpr,
-        HAS_RING: tl.constexpr, HAS_PENDING: tl.constexpr, SQRT_DIV: tl.constexpr):
-    # q, k [B, T, H, K], v / o [B, T, H, V], g [B, T, H, K or 1], beta [B, T, H], parent [B, T]: contiguous.
+        HAS_RING: tl.constexpr, HAS_PENDING: tl.constexpr, SQRT_DIV: tl.constexpr, STAGES: tl.constexpr):
+    # inputs [B, T, H, *] at any strides; o [B, T, H, V] contiguous; parent [B, T] contiguous int32.
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2)
@@ -158,67 +172,75 @@ def _verify_kernel(
     mask_k = offs_k < K
     mask_v = offs_v < V
     mask_kv = mask_k[:, None] & mask_v[None, :]
-    o_base = o + (i_b * T * H + i_h) * V + offs_v
+    o_ptr = o + (i_b * T * H + i_h) * V + offs_v
     s = tl.load(idx + i_b).to(tl.int64)
     if (s < 0) | (s == null_slot):
         for t in range(T):
-            tl.store(o_base + t * H * V, _cast_to(tl.zeros([BV], dtype=tl.float32), o), mask=mask_v)
+            tl.store(o_ptr + t * H * V, cast_to(tl.zeros([BV], dtype=tl.float32), o), mask=mask_v)
         return
     kv_state = offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
-    S0 = tl.load(state + s * s_sn + i_h * s_sh + kv_state, mask=mask_kv, other=0.0).to(tl.float32)
     base = 0
+    m = 0
+    start = 0
+    d_base = rd + s * s_dn + i_h * s_dh
+    k_base = rk + s * s_kn + i_h * s_kh
+    g_base = rg + s * s_gn + i_h * s_gh
+    v_base = rrv + s * s_vn + i_h * s_vh
+    r_base = rrk + s * s_rn + i_h * s_rh
+    b_base = rb + s * s_bn + i_h * s_bh
     if HAS_RING:
         start = tl.load(ring_start + s).to(tl.int64)
         base = start
-        d_base = rd + s * s_dn + i_h * s_dh
-        k_base = rk + s * s_kn + i_h * s_kh
-        g_base = rg + s * s_gn + i_h * s_gh
         if HAS_PENDING:
             m = tl.load(num_pending + s).to(tl.int32)
-            S0 = _rebuild_tile(S0, d_base, k_base, g_base, start, m, L, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk,
-                               offs_k, offs_v, mask_k, mask_v, BK, BV, RING_GDN)
             base = start + m
+    S = _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_base, start, m,
+                    s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, L, BK, RING_GDN, HAS_PENDING)
     kv_inter = offs_k[:, None] * s_ik + offs_v[None, :] * s_iv
-    S = S0
-    for t in range(T):
+    p_q = q + i_b * sq_b + i_h * sq_h + offs_k * sq_k
+    p_k = k + i_b * sk_b + i_h * sk_h + offs_k * sk_k
+    p_v = v + i_b * sv_b + i_h * sv_h + offs_v * sv_v
+    p_g = g + i_b * sg_b + i_h * sg_h
+    p_b = beta + i_b * sb_b + i_h * sb_h
+    for t in tl.range(0, T, num_stages=STAGES):
         if IS_TREE:
             p = tl.load(parent + i_b * T + t)
             if p != t - 1:
                 if p < 0:
-                    S = S0
+                    S = _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_base, start, m,
+                                    s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, L, BK,
+                                    RING_GDN, HAS_PENDING)
                 else:
                     S = tl.load(inter + i_b * s_ib + p.to(tl.int64) * s_it + i_h * s_ih + kv_inter,
                                 mask=mask_kv, other=0.0).to(tl.float32)
-        tok = (i_b * T + t) * H + i_h
-        qt = tl.load(q + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        kt = tl.load(k + tok * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        vt = tl.load(v + tok * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        if GDN:
-            gt = _load_gate(g + tok, offs_k, mask_k, 1, BK, True)
-        else:
-            gt = _load_gate(g + tok * K, offs_k, mask_k, 1, BK, False)
-        bt = tl.load(beta + tok).to(tl.float32)
-        qn = _l2norm(qt, eps, SQRT_DIV) * scale
-        kn = _l2norm(kt, eps, SQRT_DIV)
-        S, d = _delta_update(S, kn, vt, gt, bt)
-        ot = _dot(S, qn)
-        tl.store(o_base + t * H * V, _cast_to(ot, o), mask=mask_v)
+        qt = tl.load(p_q, mask=mask_k, other=0.0).to(tl.float32)
+        kt = tl.load(p_k, mask=mask_k, other=0.0).to(tl.float32)
+        vt = tl.load(p_v, mask=mask_v, other=0.0).to(tl.float32)
+        gt, alpha = load_gate(p_g, offs_k, mask_k, sg_k, BK, GDN)
+        bt = tl.load(p_b).to(tl.float32)
+        kn = l2norm(kt, eps, SQRT_DIV)
+        S, d = delta_step(S, kn, vt, alpha, bt)
+        ot = readout(S, l2norm(qt, eps, SQRT_DIV) * scale)
+        tl.store(o_ptr, cast_to(ot, o), mask=mask_v)
         if HAS_INTER:
-            tl.store(inter + i_b * s_ib + t * s_it + i_h * s_ih + kv_inter, _cast_to(S, inter),
-                     mask=mask_kv)
+            tl.store(inter + i_b * s_ib + t * s_it + i_h * s_ih + kv_inter, cast_to(S, inter), mask=mask_kv)
             if IS_TREE:
                 tl.debug_barrier()
         if HAS_RING:
-            pos = (base + t) % L
-            tl.store(d_base + pos * s_dt + offs_v * s_dv, _cast_to(d, rd), mask=mask_v)
-            tl.store(rrv + s * s_vn + i_h * s_vh + pos * s_vt + offs_v * s_vv, _cast_to(vt, rrv),
-                     mask=mask_v)
+            pos = (base + t) & (L - 1)
+            tl.store(d_base + pos * s_dt + offs_v * s_dv, cast_to(d, rd), mask=mask_v)
+            tl.store(v_base + pos * s_vt + offs_v * s_vv, cast_to(vt, rrv), mask=mask_v)
             if i_v == 0:
-                tl.store(k_base + pos * s_kt + offs_k * s_kk, _cast_to(kn, rk), mask=mask_k)
-                tl.store(g_base + pos * s_gt + offs_k * s_gk, _cast_to(gt, rg), mask=offs_k < RGK)
-                tl.store(rrk + s * s_rn + i_h * s_rh + pos * s_rt + offs_k * s_rk, _cast_to(kt, rrk),
-                         mask=mask_k)
-                tl.store(rb + s * s_bn + i_h * s_bh + pos * s_bt, _cast_to(bt, rb))
+                tl.store(k_base + pos * s_kt + offs_k * s_kk, cast_to(kn, rk), mask=mask_k)
+                tl.store(g_base + pos * s_gt + offs_k * s_gk, cast_to(gt, rg), mask=offs_k < RGK)
+                tl.store(r_base + pos * s_rt + offs_k * s_rk, cast_to(kt, rrk), mask=mask_k)
+                tl.store(b_base + pos * s_bt, cast_to(bt, rb))
+        p_q += sq_t
+        p_k += sk_t
+        p_v += sv_t
+        p_g += sg_t
+        p_b += sb_t
+        o_ptr += H * V
 
 
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -269,15 +291,16 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     if B == 0 or T == 0:
         return o
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     scale = K ** -0.5 if scale is None else float(scale)
-    BK, BV = rebuild_blocks(K, V)
+    BK, BV, num_warps = state_blocks(K, V)
     has_ring = ring is not None
     has_inter = intermediate_states is not None
     if has_ring:
         ring_args = ring
         ring_strides = (*rd.stride(), *rk.stride(), *rg.stride(), *rrv.stride(), *rrk.stride(), *rb.stride())
         L, RGK = rd.shape[2], rg.shape[3]
+        if L & (L - 1):
+            raise ValueError(f"ring: ring depth L={L} must be a power of two")
     else:
         ring_args = (ssm_state,) * 6
         ring_strides = (0,) * 23
@@ -286,10 +309,11 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         q, k, v, g, beta, ssm_state, ssm_state_indices, par if par is not None else ssm_state_indices,
         intermediate_states if has_inter else o, o, *ring_args,
         ring_start if has_ring else ssm_state_indices, num_pending if num_pending is not None else ssm_state_indices,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *ssm_state.stride(), *(intermediate_states.stride() if has_inter else (0,) * 5), *ring_strides,
-        T, H, L, int(null_slot), scale, float(eps),
-        K=K, V=V, BK=BK, BV=BV, GDN=g.shape[-1] == 1 and K != 1, RING_GDN=has_ring and RGK == 1 and K != 1,
+        T, H, int(null_slot), scale, float(eps),
+        L=L, K=K, V=V, BK=BK, BV=BV, GDN=g.shape[-1] == 1 and K != 1, RING_GDN=has_ring and RGK == 1 and K != 1,
         RGK=RGK, IS_TREE=par is not None, HAS_INTER=has_inter, HAS_RING=has_ring,
-        HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", num_warps=num_warps_for(BK * BV),
-        enable_fp_fusion=False)
+        HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", STAGES=1 if par is not None else 2,
+        num_warps=num_warps, enable_fp_fusion=False, **({"maxnreg": 128} if par is not None else {}))
     return o

@@ -1,0 +1,95 @@
+"""Jit helpers shared by the Triton kernels: the one delta-rule step, the norm, the gate, casts.
+
+Every kernel that advances a state (verify, exact fold, fast rebuild's callers) calls `delta_step` from here,
+and every launch passes `enable_fp_fusion=False`: the step's fused multiply-adds are the explicit `tl.fma`
+below and nothing else is contracted, so each inlining compiles to the same fp32 arithmetic. That is what
+makes a fold of n records bitwise equal to n verify steps on one device (DESIGN §5). All math is fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# The interpreter's fp32 -> bf16 cast truncates; the GPU's rounds to nearest even (as torch does).
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on"))
+
+
+def check_float(name: str, *tensors: torch.Tensor | None) -> None:
+    """The kernels compute in fp32; fp64 inputs go to the references (the dispatcher does that)."""
+    for t in tensors:
+        if t is not None and t.dtype == torch.float64:
+            raise ValueError(f"{name}: the Triton kernel computes in fp32 and does not take fp64 tensors; "
+                             f"use the reference (specdec.kernels dispatches fp64 there)")
+
+
+def state_blocks(K: int, V: int) -> tuple[int, int, int]:
+    """`(BK, BV, num_warps)` of a `[K, V]` state tile, the same for every kernel that steps a state (the tile
+    shape fixes the reduction order of `S^T x`, so verify and fold must agree): fla's choice for K = 128."""
+    BK = triton.next_power_of_2(K)
+    BV = min(triton.next_power_of_2(V), 32 if BK >= 128 else 64)
+    return BK, BV, num_warps_for(BK * BV)
+
+
+def num_warps_for(block_elems: int) -> int:
+    return 1 if block_elems <= 1024 else (2 if block_elems <= 2048 else 4)
+
+
+@triton.jit
+def cast_to(x, ptr):
+    """`x` in the element type of `ptr`, rounded to nearest even (emulated in the interpreter, whose own
+    fp32 -> bf16 cast truncates)."""
+    if INTERPRET and (ptr.dtype.element_ty == tl.bfloat16) and (x.dtype == tl.float32):
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
+        y = tl.where(x == x, r, 0x7FC0).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(ptr.dtype.element_ty)
+    return y
+
+
+@triton.jit
+def l2norm(x, eps, SQRT_DIV: tl.constexpr):
+    """`x * rsqrt(sum(x^2) + eps)` (fla, Qwen3-Next) or `x / sqrt(sum(x^2) + eps)` (Kimi-Linear), `[BK]` fp32;
+    one square root per vector."""
+    ss = tl.sum(x * x, axis=0) + eps
+    if SQRT_DIV:
+        y = x / tl.sqrt(ss)
+    else:
+        y = x * tl.math.rsqrt(ss)
+    return y
+
+
+@triton.jit
+def load_gate(ptr, offs_k, mask_k, stride_k, BK: tl.constexpr, GDN: tl.constexpr):
+    """The log-decay of one token and its `exp`, as `[BK]` fp32 vectors `(g, alpha)`; GDN: one scalar and
+    one exp, broadcast over K."""
+    if GDN:
+        g0 = tl.load(ptr).to(tl.float32)
+        g = tl.zeros([BK], dtype=tl.float32) + g0
+        a = tl.zeros([BK], dtype=tl.float32) + tl.exp(g0)
+    else:
+        g = tl.load(ptr + offs_k * stride_k, mask=mask_k, other=0.0).to(tl.float32)
+        a = tl.exp(g)
+    return g, a
+
+
+@triton.jit
+def delta_step(S, k, v, alpha, beta):
+    """One token: `S' = alpha S`; `d = beta (v - S'^T k)`; `S = S' + k d^T` (kernels/common.py `delta_step`).
+
+    S `[BK, BV]`, k / alpha `[BK]`, v `[BV]`, beta scalar, all fp32. Returns `(S, d [BV])`.
+    """
+    S = S * alpha[:, None]
+    d = beta * (v - tl.sum(S * k[:, None], axis=0))
+    S = tl.fma(k[:, None], d[None, :], S)
+    return S, d
+
+
+@triton.jit
+def readout(S, q):
+    """`S^T q` over K: `[BK, BV]`, `[BK]` -> `[BV]`."""
+    return tl.sum(S * q[:, None], axis=0)

@@ -1,0 +1,133 @@
+"""The exactness contract (DESIGN §5): on one backend, the exact fold of n accepted records gives bit for bit
+the state of n single-token verify steps from the same checkpoint.
+
+Both backends are checked, each against itself: the torch reference, and the Triton kernels (in the
+interpreter on CPU, compiled on a GPU). Hypothesis draws shapes (K, V not powers of two), KDA and GDN gates,
+both norms, fp32 and bf16 activations, chains and trees (with second roots), and eager and lazy commit
+(lazy: records of an earlier verify still pending, the fold replays them first). The ring positions wrap.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.kernels import dispatch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
+BACKENDS = ["reference"] + (["triton"] if INTERPRET or torch.cuda.is_available() else [])
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def ops(backend: str):
+    get = dispatch.reference_impl if backend == "reference" else dispatch.triton_impl
+    return get("verify_delta_rule"), get("exact_fold")
+
+
+def device_of(backend: str) -> str:
+    return "cuda" if backend == "triton" and not INTERPRET else "cpu"
+
+
+@st.composite
+def cases(draw):
+    K, V, H = draw(st.integers(1, 9)), draw(st.integers(1, 9)), draw(st.integers(1, 3))
+    T = draw(st.integers(1, 6))
+    tree = draw(st.booleans())
+    parent = [-1] + [draw(st.integers(-1, i - 1)) for i in range(1, T)] if tree else None
+    pending = draw(st.integers(1, 4)) if draw(st.booleans()) else 0
+    L = 1 << max(1, (2 * (pending + T) - 1).bit_length())
+    if parent is None:
+        path = list(range(draw(st.integers(1, T))))
+    else:  # the accepted root-to-node path of a random node
+        node, path = draw(st.integers(0, T - 1)), []
+        while node >= 0:
+            path.insert(0, node)
+            node = parent[node]
+    return dict(K=K, V=V, H=H, T=T, parent=parent, pending=pending, L=L, path=path,
+                start=draw(st.integers(0, L - 1)), gdn=draw(st.booleans()),
+                norm=draw(st.sampled_from(["rsqrt", "sqrt_div"])), act=draw(st.sampled_from([F32, BF16])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def tokens(g, T, H, K, V, gdn, act, dev):
+    """Raw verify inputs of T tokens for one request: q, k `[1, T, H, K]`, v, gate, beta."""
+    r = lambda *s: torch.randn(*s, generator=g).to(dev)  # noqa: E731
+    q, k, v = r(1, T, H, K).to(act), r(1, T, H, K).to(act), r(1, T, H, V).to(act)
+    gate = -torch.rand(*((1, T, H) if gdn else (1, T, H, K)), generator=g).to(dev) * 0.7
+    beta = 0.05 + 0.9 * torch.rand(1, T, H, generator=g).to(dev)
+    return q, k, v, gate, beta
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=20 if INTERPRET else 60)
+@given(c=cases())
+def test_fold_equals_single_steps(backend, c):
+    verify, fold = ops(backend)
+    dev = device_of(backend)
+    K, V, H, T, L, act, norm = c["K"], c["V"], c["H"], c["T"], c["L"], c["act"], c["norm"]
+    g = torch.Generator().manual_seed(c["seed"])
+    N, slot = 3, 1
+    S0 = torch.randn(N, H, K, V, generator=g).to(dev)
+    gk = 1 if c["gdn"] else K
+    ring = tuple(torch.full((N, H, L, d), float("nan"), dtype=dt, device=dev)
+                 for d, dt in ((V, act), (K, act), (gk, F32), (V, act), (K, act)))
+    ring = ring + (torch.full((N, H, L), float("nan"), device=dev),)
+    start = torch.full((N,), c["start"], dtype=torch.long, device=dev)
+    idx = torch.tensor([slot], device=dev)
+    kw = dict(ring=ring, ring_start=start, norm=norm)
+    m = c["pending"]
+    pend = tokens(g, m, H, K, V, c["gdn"], act, dev) if m else None
+    if m:  # lazy: an earlier round's accepted records, written into the ring and not folded yet
+        verify(*pend, S0, idx, num_pending=torch.zeros(N, dtype=torch.long, device=dev), **kw)
+    new = tokens(g, T, H, K, V, c["gdn"], act, dev)
+    inter = torch.full((1, T, H, K, V), float("nan"), device=dev)
+    parent = None if c["parent"] is None else torch.tensor(c["parent"], device=dev)
+    verify(*new, S0, idx, parent=parent, intermediate_states=inter,
+           num_pending=torch.full((N,), m, dtype=torch.long, device=dev), **kw)
+
+    path = c["path"]
+    offsets = torch.tensor([list(range(m)) + [m + p for p in path]], device=dev)
+    state = S0.clone()[None]
+    fold(state, ring[3][None], ring[4][None], ring[2][None], ring[5][None], idx, start,
+         torch.tensor([m + len(path)], device=dev), offsets=offsets, norm=norm)
+
+    # the oracle: one verify step per token from the checkpoint, each step's state read back in fp32
+    steps = [tuple(t[:, j:j + 1] for t in pend) for j in range(m)] + [tuple(t[:, j:j + 1] for t in new) for j in path]
+    cur = S0[slot:slot + 1].clone()
+    for tok in steps:
+        out = torch.full((1, 1, H, K, V), float("nan"), device=dev)
+        verify(*tok, cur, torch.tensor([0], device=dev), intermediate_states=out, norm=norm)
+        cur = out[:, 0]
+    assert torch.equal(state[0, slot], cur[0]), (
+        f"fold differs from {len(steps)} single steps: max abs {(state[0, slot] - cur[0]).abs().max().item():.3e}")
+    if m == 0:  # eager: the node buffer of the round already holds that state
+        assert torch.equal(inter[0, path[-1]], cur[0]), "node state differs from single steps"
+    others = [s for s in range(N) if s != slot]
+    assert torch.equal(state[0, others], S0[others]), "a foreign slot was written"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_teeth_one_corrupted_record_breaks_equality(backend):
+    """The equality above is not vacuous: a few ulps in one element of one ring record (one ulp can vanish in
+    the key's normalization) and the fold no longer matches."""
+    verify, fold = ops(backend)
+    dev = device_of(backend)
+    g = torch.Generator().manual_seed(3)
+    H, K, V, T, L = 2, 5, 6, 4, 8
+    S0 = torch.randn(1, H, K, V, generator=g).to(dev)
+    ring = tuple(torch.zeros(1, H, L, d, device=dev) for d in (V, K, K, V, K)) + (torch.zeros(1, H, L, device=dev),)
+    idx, start = torch.tensor([0], device=dev), torch.zeros(1, dtype=torch.long, device=dev)
+    toks = tokens(g, T, H, K, V, False, F32, dev)
+    inter = torch.zeros(1, T, H, K, V, device=dev)
+    verify(*toks, S0, idx, intermediate_states=inter, ring=ring, ring_start=start)
+    for corrupt in (False, True):
+        if corrupt:
+            ring[4][0, 1, 2, 3] *= 1 + 2 ** -20
+        state = S0.clone()[None]
+        fold(state, ring[3][None], ring[4][None], ring[2][None], ring[5][None], idx, start,
+             torch.tensor([T], device=dev))
+        assert torch.equal(state[0, 0], inter[0, T - 1]) != corrupt
