@@ -39,6 +39,7 @@ from specdec.kernels import dispatch  # noqa: E402
 GB = 1e9
 CUDA_DEFAULTS = dict(heads=32, head_dim=128, draft_tokens=8, requests=64, layers=20)
 CPU_DEFAULTS = dict(heads=2, head_dim=16, draft_tokens=4, requests=2, layers=2)
+FOLD_N = (1, 2, 4, 8)  # accepted tokens folded per request
 
 
 def interpret() -> bool:
@@ -136,11 +137,11 @@ def byte_counts(s: Shapes) -> dict[str, int]:
         "verify_replay_eager": tokens_in + state + out + ring_rec,
         "verify_replay_lazy": tokens_in + state + out + ring_rec + pending,
         "verify_snapshot": tokens_in + state + out + D * state,
-        "fla_fused_recurrent_kda": tokens_in + state + out,
+        "fla_fused_recurrent_kda": tokens_in + state + out + state,  # reads the state, writes the final state
         "fla_fused_recurrent_kda_spec": tokens_in + state + out + D * state,
         "short_conv_verify": conv_io,
         "fast_rebuild": 2 * state + pending,
-        "exact_fold": Lyr * (2 * state + B * D * H * ((V + K) * ab + K * 4 + 4)),
+        **{f"exact_fold_n{n}": Lyr * (2 * state + B * n * H * ((V + K) * ab + K * 4 + 4)) for n in FOLD_N},
         "masked_scatter": 2 * Lyr * state,
     }
 
@@ -168,8 +169,9 @@ def build_cases(s: Shapes, device: str, impls: list[str]):
             ("fast_rebuild", impl, lambda rebuild=rebuild: rebuild(
                 x["ssm_state"], x["ssm_state_indices"], ring[0], ring[1], ring[2], ring_start,
                 torch.full((B,), D, device=device))),
-            ("exact_fold", impl, lambda fold_fn=fold_fn: fold_fn(**fold)),
         ]
+        cases += [(f"exact_fold_n{n}", impl, lambda fold_fn=fold_fn, n=n: fold_fn(
+            **{**fold, "num_tokens": torch.full((B,), n, device=device)})) for n in FOLD_N if n <= s.L]
         if snap is not None:
             cases.append(("masked_scatter", impl, lambda scatter=scatter: scatter(
                 snap, fold["ssm_state"], fold["ssm_state_indices"], step)))
@@ -239,7 +241,8 @@ def main(argv=None) -> int:
     for op, impl, fn in build_cases(s, a.device, impls):
         slow = impl == "reference" or (impl == "triton" and a.device == "cpu")
         try:
-            ms = timed(fn, a.device, warmup=1 if slow else 3, reps=2 if slow else reps, budget_s=5.0 if slow else 2.0)
+            ms = timed(fn, a.device, warmup=1 if slow else 3, reps=(a.reps or 2) if slow else reps,
+                       budget_s=5.0 if slow else 2.0)
         except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
             print(f"# {op} [{impl}] failed: {type(e).__name__}: {e}", file=sys.stderr)
             continue

@@ -262,6 +262,7 @@ CONV_CASES = {
     "chain-none-bf16": (10, 4, False, False, None, BF16),
     "tree-silu-bf16-kc3": (10, 3, True, True, "silu", BF16),
     "tree-none-fp32-multi-cblock": (300, 4, True, False, None, F32),
+    "chain-silu-fp32-kc2": (10, 2, False, True, "silu", F32),
 }
 
 
@@ -288,6 +289,14 @@ def test_short_conv_verify(device, case):
     assert bool((y.cpu()[[1, 3]] == 0).all())
     # windows are copies of inputs: bitwise, NaN where nothing may be written
     assert_close(win.cpu().float(), win_ref, exact=True, msg=f"{case}: window_states")
+
+
+def test_short_conv_verify_kernel_size_limit():
+    """The kernel keeps the window in registers for kernel sizes up to 4 (every hybrid's conv); larger ones
+    are one clear error before anything runs."""
+    with pytest.raises(ValueError, match="weight: the Triton short conv takes kernel sizes 2..4"):
+        tverify.short_conv_verify(torch.zeros(1, 2, 3), torch.zeros(3, 5), None, torch.zeros(2, 3, 4),
+                                  torch.tensor([0]))
 
 
 # ---------------------------------------------------------------------------------------------- fold

@@ -39,17 +39,42 @@ def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tenso
 
 
 @triton.jit
+def _pick(j: tl.constexpr, a, b, c, d):
+    """The j-th of four values (j known at compile time)."""
+    if j == 0:
+        r = a
+    elif j == 1:
+        r = b
+    elif j == 2:
+        r = c
+    else:
+        r = d
+    return r
+
+
+@triton.jit
+def _load_col(ptr, j: tl.constexpr, n: tl.constexpr, stride, mask, BC: tl.constexpr):
+    """Column j of a per-channel `[C, n]` table as a `[BC]` fp32 vector (zeros for j >= n)."""
+    if j < n:
+        r = tl.load(ptr + j * stride, mask=mask, other=0.0).to(tl.float32)
+    else:
+        r = tl.zeros([BC], dtype=tl.float32)
+    return r
+
+
+@triton.jit
 def _short_conv_verify_kernel(
         x, w, bias, conv_state, idx, parent, win, y,
         s_xb, s_xt, s_xc, s_wc, s_wk, s_cn, s_cc, s_ck, s_pb, s_pt,
         s_wb, s_wt, s_wcc, s_wkk,
         T, C, null_slot,
-        KC: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+        KC: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
         IS_TREE: tl.constexpr, HAS_WIN: tl.constexpr):
+    # KC <= 4: the weights and the slot's window live in registers as column vectors, read once per program;
+    # in the token loop every load is a contiguous [BC] vector of x.
     i_b = tl.program_id(0).to(tl.int64)
     i_c = tl.program_id(1)
     offs_c = i_c * BC + tl.arange(0, BC)
-    offs_j = tl.arange(0, KP)
     mask_c = offs_c < C
     y_base = y + i_b * T * C + offs_c
     s = tl.load(idx + i_b).to(tl.int64)
@@ -58,11 +83,15 @@ def _short_conv_verify_kernel(
             tl.store(y_base + t * C, cast_to(tl.zeros([BC], dtype=tl.float32), y), mask=mask_c)
         return
     x_base = x + i_b * s_xb + offs_c * s_xc
-    # the slot's window as one [BC, KP] tile (columns 0..KC-2, oldest first), read once
-    wt = tl.load(conv_state + s * s_cn + offs_c[:, None] * s_cc + offs_j[None, :] * s_ck,
-                 mask=mask_c[:, None] & (offs_j[None, :] < KC - 1), other=0.0).to(tl.float32)
-    wts = tl.load(w + offs_c[:, None] * s_wc + offs_j[None, :] * s_wk,
-                  mask=mask_c[:, None] & (offs_j[None, :] < KC), other=0.0).to(tl.float32)
+    w_base = w + offs_c * s_wc
+    w0 = _load_col(w_base, 0, KC, s_wk, mask_c, BC)
+    w1 = _load_col(w_base, 1, KC, s_wk, mask_c, BC)
+    w2 = _load_col(w_base, 2, KC, s_wk, mask_c, BC)
+    w3 = _load_col(w_base, 3, KC, s_wk, mask_c, BC)
+    c_base = conv_state + s * s_cn + offs_c * s_cc  # window columns, oldest first
+    c0 = _load_col(c_base, 0, KC - 1, s_ck, mask_c, BC)
+    c1 = _load_col(c_base, 1, KC - 1, s_ck, mask_c, BC)
+    c2 = _load_col(c_base, 2, KC - 1, s_ck, mask_c, BC)
     if HAS_BIAS:
         bv = tl.load(bias + offs_c, mask=mask_c, other=0.0).to(tl.float32)
     for t in range(T):
@@ -72,15 +101,14 @@ def _short_conv_verify_kernel(
         wcol = tl.zeros([], dtype=tl.int32) + (KC - 2)
         acc = tl.zeros([BC], dtype=tl.float32)
         for jj in tl.static_range(KC):
-            j = KC - 1 - jj
             in_seq = cur >= 0
             xv = tl.load(x_base + tl.maximum(cur, 0) * s_xt, mask=mask_c, other=0.0).to(tl.float32)
-            wv = tl.sum(tl.where(offs_j[None, :] == wcol, wt, 0.0), axis=1)
+            wv = tl.where(wcol == 0, c0, tl.where(wcol == 1, c1, c2))
             val = tl.where(in_seq, xv, wv)
-            acc = tl.fma(val, tl.sum(tl.where(offs_j[None, :] == j, wts, 0.0), axis=1), acc)
+            acc = tl.fma(val, _pick(KC - 1 - jj, w0, w1, w2, w3), acc)
             if HAS_WIN:
-                if j >= 1:
-                    tl.store(win + i_b * s_wb + t * s_wt + offs_c * s_wcc + (j - 1) * s_wkk,
+                if jj < KC - 1:
+                    tl.store(win + i_b * s_wb + t * s_wt + offs_c * s_wcc + (KC - 2 - jj) * s_wkk,
                              cast_to(val, win), mask=mask_c)
             if IS_TREE:
                 nxt = tl.load(parent + i_b * s_pb + tl.maximum(cur, 0) * s_pt)
@@ -118,8 +146,9 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     if B == 0 or T == 0:
         return y
+    if not 2 <= Kc <= 4:
+        raise ValueError(f"weight: the Triton short conv takes kernel sizes 2..4, got {Kc}")
     BC = min(triton.next_power_of_2(C), 256)
-    KP = triton.next_power_of_2(Kc)
     win = window_states if window_states is not None else y
     _short_conv_verify_kernel[(B, triton.cdiv(C, BC))](
         x, weight, bias if bias is not None else weight, conv_state, conv_state_indices,
@@ -127,7 +156,7 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         *x.stride(), *weight.stride(), *conv_state.stride(), *(par.stride() if par is not None else (0, 0)),
         *(window_states.stride() if window_states is not None else (0,) * 4),
         T, C, int(null_slot),
-        KC=Kc, KP=KP, BC=BC, HAS_BIAS=bias is not None, SILU=activation == "silu", IS_TREE=par is not None,
+        KC=Kc, BC=BC, HAS_BIAS=bias is not None, SILU=activation == "silu", IS_TREE=par is not None,
         HAS_WIN=window_states is not None, num_warps=num_warps_for(BC * 8),
         enable_fp_fusion=False)
     return y

@@ -1,0 +1,93 @@
+"""A/B of `bench/kernels.py` between an older revision and the working tree, in one run.
+
+    python bench/ab_kernels.py --old 7d2e787 --rounds 7 --json ab.json      # CPU references, tiny shapes
+    python bench/ab_kernels.py --old 7d2e787 -- --heads 4 --head-dim 64      # extra kernels.py arguments
+
+The benchmark script is the working tree's; only the package differs. The old revision is checked out into
+a temporary git worktree, and each side is imported through a folder that maps its top-level folders onto
+the `specdec` namespace (as pyproject's package-dir does), ahead of the installed package. Each round runs both sides as separate processes, in alternating order, with one torch thread;
+the table gives per op the median milliseconds of each side, new / old, and the spread (max / min over the
+rounds) so a noisy machine shows as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mapped(checkout: Path, into: Path) -> Path:
+    """A folder holding `specdec/` whose entries link to the checkout's package folders."""
+    pkg = into / "specdec"
+    pkg.mkdir(parents=True)
+    for f in (checkout / "specdec").iterdir():
+        (pkg / f.name).symlink_to(f)
+    for sub in ("kernels", "replayssm", "draft", "verify"):
+        if (checkout / sub).is_dir():
+            (pkg / sub).symlink_to(checkout / sub)
+    return into
+
+
+def run_side(pythonpath: str, extra: list[str], out: Path) -> dict[str, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    # run outside both checkouts, so neither tree's own folders shadow the mapping
+    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--device", "cpu", "--json", str(out),
+                    *extra], env=env, cwd=tempfile.gettempdir(), check=True, capture_output=True, text=True)
+    rows = json.loads(out.read_text())["results"]
+    return {r["op"]: r["ms"] for r in rows if r["impl"] == "reference"}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--old", required=True, help="git revision to compare against")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--reps", type=int, default=20, help="timed calls per op per round (kernels.py --reps)")
+    p.add_argument("--json", default=None)
+    p.add_argument("extra", nargs="*", help="more kernels.py arguments (after --)")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        old = tmp / "old"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), a.old], check=True,
+                       capture_output=True)
+        try:
+            old_path = str(mapped(old, tmp / "map"))
+            new_path = str(mapped(ROOT, tmp / "map_new"))
+            extra = ["--reps", str(a.reps), *a.extra]
+            times: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
+            for r in range(a.rounds):
+                order = [("old", old_path), ("new", new_path)]
+                for side, path in (order if r % 2 == 0 else order[::-1]):
+                    for op, ms in run_side(path, extra, tmp / f"{side}.json").items():
+                        times[side].setdefault(op, []).append(ms)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True)
+    ops = [op for op in times["new"] if op in times["old"]]
+    print(f"# bench/kernels.py --device cpu {' '.join(a.extra)}: torch references, old = {a.old}, new = working tree; "
+          f"{a.rounds} rounds x {a.reps} calls, 1 thread, medians")
+    print(f"{'op':24s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s} {'spread old':>10s} {'spread new':>10s}")
+    rows = []
+    for op in ops:
+        o, n = statistics.median(times["old"][op]), statistics.median(times["new"][op])
+        so = max(times["old"][op]) / min(times["old"][op])
+        sn = max(times["new"][op]) / min(times["new"][op])
+        rows.append(dict(op=op, old_ms=o, new_ms=n, ratio=n / o, spread_old=so, spread_new=sn))
+        print(f"{op:24s} {o:9.4f} {n:9.4f} {n / o:8.2f} {so:10.2f} {sn:10.2f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(old=a.old, rounds=a.rounds, reps=a.reps, extra=a.extra,
+                                                times=times, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
