@@ -68,5 +68,16 @@ class Drafter(ABC):
         anchor and accepted drafts after a round), `hidden [n, d]` (final normed hidden state) and
         `features[layer] [n, d]` (outputs of the `feature_layers`). The token following them is the next anchor."""
 
+    def abort(self, rows: list[int]) -> None:
+        """A round of `rows` failed part-way: `propose` raised or returned a malformed block (the next round
+        drafts again), or something raised after the target's verify opened (`release` follows). Drop whatever
+        is half-done so the drafter is back at its committed state. The default aborts an open round of the
+        drafter's own runner (`self.runner`, as `ModelDrafter` keeps one); drafters with other mid-round state
+        override it."""
+        runner = getattr(self, "runner", None)
+        if runner is not None and runner is not getattr(getattr(self, "engine", None), "runner", None) \
+                and callable(getattr(runner, "abort", None)):
+            runner.abort()
+
     def release(self, rows: list[int]) -> None:
         """Requests ended."""

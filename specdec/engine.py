@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -14,7 +14,7 @@ from specdec.draft.common import KINDS, build_drafter_net, kind_module, load_dra
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits)
 
-from .runner import make_runner
+from .runner import HybridRunner, make_runner
 
 STRATEGIES = ("replay", "snapshot")
 COMMITS = ("eager", "lazy")
@@ -190,7 +190,10 @@ class SpecEngine:
             capture = tuple(self.drafter.feature_layers)
             for b, p in enumerate(prompts):
                 out = self.runner.prefill(slots[b], p, capture=capture)
-                anchors[b] = self._sample(out.logits[0, -1], sampling, gen)
+                last = out.logits[0, -1]
+                if not bool(torch.isfinite(last).all()):
+                    raise self._nonfinite(last, b, p.numel() - 1)
+                anchors[b] = self._sample(last, sampling, gen)
                 self.drafter.observe([b], [p], [out.hidden[0]], {i: [out.captured[i][0]] for i in capture})
             stats.timings["prefill"] += time.perf_counter() - t
             if streamer is not None:
@@ -201,11 +204,19 @@ class SpecEngine:
                 self._round(active, slots, prompts, out_tokens, anchors, sampling, gen, stats, max_new_tokens,
                             eos_set, streamer)
                 active = [b for b in active if not self._done(out_tokens[b], max_new_tokens, eos_set)]
+        except BaseException:  # anything (KeyboardInterrupt included) after the slots were taken: drop the
+            self._abort(rows)  # open round everywhere; the finally clause returns the slots
+            raise
         finally:
-            self.drafter.release(rows)
-            self.runner.release(slots)
-            if streamer is not None:
-                streamer.end()
+            self.slots = []
+            try:
+                self.drafter.release(rows)
+            finally:
+                try:
+                    self.runner.release(slots)
+                finally:
+                    if streamer is not None:
+                        streamer.end()
         stats.timings["total"] = time.perf_counter() - t0
         width = max(p.numel() + len(o) for p, o in zip(prompts, out_tokens))
         seqs = torch.full((B, width), self.pad_token_id, dtype=torch.long)
@@ -221,19 +232,15 @@ class SpecEngine:
                     for b in active]
         gamma = min(self.gamma, max(max_new - len(out_tokens[b]) for b in active))
         t = time.perf_counter()
-        try:
-            block = self.drafter.propose(active, contexts, gamma, sampling=sampling, generator=gen)
-            block = self._check_block(block, B, gamma)
-        except Exception as e:  # a broken drafter costs speed, never correctness: plain decode this round
-            warnings.warn(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)} failed "
-                          f"({type(e).__name__}: {e}); plain decode for this round", RuntimeWarning, stacklevel=3)
-            stats.drafter_failures += 1
-            block = DraftBlock.empty(B, dev)
+        block = self._propose(active, contexts, gamma, sampling, gen, stats)
         stats.timings["draft"] += time.perf_counter() - t
         t = time.perf_counter()
         ids = torch.cat([anchors[active][:, None], block.tokens], dim=1)  # [B, 1 + G]: anchor, drafts
         capture = tuple(self.drafter.feature_layers)
         out = self.runner.forward([slots[b] for b in active], ids, parent=block.parent, capture=capture)
+        # the round is open from here on: whatever raises, generate's handler aborts it (nothing committed)
+        if not bool(torch.isfinite(out.logits).all()):
+            raise self._nonfinite_round(out.logits, active, contexts, block.parent)
         p = probs_from_logits(out.logits, sampling) if sampling.do_sample else None
         if block.parent is None:
             if sampling.do_sample:
@@ -263,18 +270,141 @@ class SpecEngine:
             anchors[b] = bonus[i]
             self._emit(out_tokens[b], new, max_new, eos_set, streamer)
 
+    # ---- failures ----------------------------------------------------------------------------------
+    def _propose(self, active, contexts, gamma, sampling, gen, stats) -> DraftBlock:
+        """The drafter's block, checked; a drafter that raises (any Exception) or returns a malformed block
+        costs speed, never correctness: plain decode this round (an empty block)."""
+        B = len(active)
+        try:
+            block = self.drafter.propose(active, contexts, gamma, sampling=sampling, generator=gen)
+            return self._check_block(block, B, gamma)
+        except Exception as e:
+            what = f"{type(e).__name__}: {e}"
+            try:  # drop whatever the drafter left half-done, so its next round starts from committed state
+                self.drafter.abort(active)
+            except Exception as e2:
+                what += f"; its abort failed too ({type(e2).__name__}: {e2})"
+            warnings.warn(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)} failed ({what}); "
+                          f"plain decode for this round", RuntimeWarning, stacklevel=4)
+            stats.drafter_failures += 1
+            return DraftBlock.empty(B, self.runner.device)
+
+    def _abort(self, rows: list[int]) -> None:
+        """Drop an open round in the target runner (state strategy and KV cache) and in the drafter."""
+        try:
+            self.runner.abort()
+        finally:
+            self.drafter.abort(rows)
+
+    @property
+    def _vocab(self) -> tuple[int, int]:
+        """(ids the target can read: embedding rows, scores it returns: the logits' last dim)."""
+        emb = self.model.get_input_embeddings()
+        head = self.model.get_output_embeddings()
+        logits_v = getattr(head, "out_features", None) or self.runner.vocab_size
+        return min(getattr(emb, "num_embeddings", None) or logits_v, logits_v), logits_v
+
+    def _check_block(self, block: DraftBlock, B: int, gamma: int) -> DraftBlock:
+        """Validate a drafter's block completely; -> the block to verify (a chain cut to `gamma` drafts).
+
+        Shapes, dtypes and devices are checked from metadata; the values (ids in [0, vocab), num_drafts in
+        [0, G], tree parents topological, probs finite, >= 0, summing to 1 and > 0 at the draft) with tensor
+        ops whose results are read back once, as one combined flag. Raises ValueError naming what is wrong."""
+        dev = self.runner.device
+        if not isinstance(block, DraftBlock):
+            raise ValueError(f"drafter returned {type(block).__name__}, expected a DraftBlock")
+        tokens, num, probs, parent = block.tokens, block.num_drafts, block.probs, block.parent
+
+        def tensor(name, t, dtype, shape):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+            if dtype is not None and t.dtype != dtype:
+                raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+            if dtype is None and not t.is_floating_point():
+                raise ValueError(f"{name}: expected a floating dtype, got {t.dtype}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+            if t.device != dev:
+                raise ValueError(f"{name}: expected a tensor on {dev}, got {t.device}")
+
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            got = list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"tokens: expected a tensor [B, G] = [{B}, G], got {got}")
+        G = tokens.shape[1]
+        tensor("tokens", tokens, torch.long, (B, G))
+        tensor("num_drafts", num, torch.long, (B,))
+        id_vocab, V = self._vocab
+        if parent is not None:
+            if not isinstance(self.runner, HybridRunner):
+                raise ValueError(f"parent: a tree block needs a hybrid target; {type(self.runner).__name__} "
+                                 f"verifies chains only")
+            budget = self.runner.num_verify_tokens
+            if 1 + G > budget:
+                raise ValueError(f"tokens: a tree of {G} drafts exceeds the node budget ({budget - 1} drafts)")
+            if isinstance(parent, torch.Tensor) and parent.dim() == 1:
+                tensor("parent", parent, torch.long, (1 + G,))
+                parent = parent.expand(B, 1 + G)
+            tensor("parent", parent, torch.long, (B, 1 + G))
+        if probs is not None:
+            tensor("probs", probs, None, (B, G, V))
+        # values: one flag per check, read back together
+        ar = torch.arange(G, device=dev)
+        checks = [("tokens: ids outside [0, vocab)", ((tokens < 0) | (tokens >= id_vocab)).any()),
+                  ("num_drafts: outside [0, G]", ((num < 0) | (num > G)).any())]
+        if parent is None:
+            live = ar[None] < num[:, None]  # [B, G]
+        else:
+            node = torch.arange(1 + G, device=dev)
+            checks += [("parent: root (node 0) is not -1", (parent[:, 0] != -1).any()),
+                       ("parent: not topological (expected -1 <= parent[i] < i)",
+                        ((parent < -1) | (parent >= node)).any())]
+            live = parent[:, 1:] >= 0
+        if probs is not None:
+            acc = torch.float64 if probs.dtype == torch.float64 else torch.float32
+            tol = max(1e-3, 4 * torch.finfo(probs.dtype).eps)
+            lv = live[..., None]
+            at = probs.gather(-1, tokens.clamp(0, V - 1)[..., None])[..., 0]
+            checks += [("probs: not finite", (lv & ~torch.isfinite(probs)).any()),
+                       ("probs: negative", (lv & (probs < 0)).any()),
+                       ("probs: rows do not sum to 1", (live & ((probs.sum(-1, dtype=acc) - 1).abs() > tol)).any()),
+                       ("probs: a draft token has probability 0 under its own distribution",
+                        (live & ~(at > 0)).any())]
+        bad = torch.stack([c for _, c in checks])
+        if bool(bad.any()):  # the one host read of a good block
+            failed = [name for (name, _), b in zip(checks, bad.tolist()) if b]
+            raise ValueError("malformed draft block: " + "; ".join(failed) + self._block_detail(block, id_vocab, G))
+        if parent is not None or G <= gamma:
+            return block if parent is None or parent is block.parent else replace(block, parent=parent)
+        return replace(block, tokens=tokens[:, :gamma], num_drafts=num.clamp(max=gamma),
+                       probs=None if probs is None else probs[:, :gamma])
+
     @staticmethod
-    def _check_block(block: DraftBlock, B: int, gamma: int) -> DraftBlock:
-        if not isinstance(block, DraftBlock) or block.tokens.dim() != 2 or block.tokens.shape[0] != B:
-            raise ValueError(f"drafter returned {type(block).__name__}, expected a DraftBlock with tokens [{B}, G]")
-        if block.parent is not None:  # trees carry their own node budget
-            return block
-        if block.tokens.shape[1] > gamma:
-            block.tokens = block.tokens[:, :gamma]
-            block.num_drafts = block.num_drafts.clamp(max=gamma)
-            if block.probs is not None:
-                block.probs = block.probs[:, :gamma]
-        return block
+    def _block_detail(block: DraftBlock, vocab: int, G: int) -> str:
+        t = block.tokens
+        detail = f" (vocab {vocab}, G {G}; token ids {int(t.min()) if t.numel() else '-'}.." \
+                 f"{int(t.max()) if t.numel() else '-'}, num_drafts {block.num_drafts.tolist()}"
+        if block.parent is not None:
+            detail += f", parent {block.parent.tolist()}"
+        return detail + ")"
+
+    def _nonfinite(self, logits: torch.Tensor, row: int, position: int, where: str = "prefill") -> FloatingPointError:
+        kinds = [k for k, m in (("nan", logits.isnan()), ("inf", logits.isinf())) if bool(m.any())]
+        return FloatingPointError(
+            f"target {type(self.model).__name__} returned non-finite logits ({'/'.join(kinds)}) for request row "
+            f"{row} at position {position} ({where}); generate stopped before committing anything of it")
+
+    def _nonfinite_round(self, logits, active, contexts, parent) -> FloatingPointError:
+        """The first non-finite logit of a verify window `[B, T, V]`: request row, and the sequence position of
+        the input token those logits follow (the anchor is at len(context) - 1; tree nodes add their depth)."""
+        i, t = (int(x) for x in (~torch.isfinite(logits)).any(-1).nonzero()[0])
+        depth = t
+        if parent is not None:
+            par = parent.expand(len(active), -1)
+            depth, j = 0, t
+            while j > 0 and int(par[i, j]) >= 0:
+                depth, j = depth + 1, int(par[i, j])
+        pos = contexts[i].shape[0] - 1 + depth
+        return self._nonfinite(logits[i, t], active[i], pos, f"verify window token {t} of {logits.shape[1]}")
 
     @staticmethod
     def _sample(logits: torch.Tensor, sampling: SamplingParams, gen) -> int:
