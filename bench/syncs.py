@@ -1,0 +1,268 @@
+"""Host syncs and aten ops per speculative round, by source line (CPU; what a GPU would see).
+
+    python bench/syncs.py                                   # embedded model, ngram + mtp, batch 1 / 16 / 64
+    python bench/syncs.py --batch-sizes 1,4 --drafters ngram --max-new-tokens 32 --json syncs.json
+
+A `TorchDispatchMode` sees every aten op `generate` runs. Ops that block the host on a CUDA device are
+counted as syncs: scalar reads (`item`, `bool`, `int`: `_local_scalar_dense`), `nonzero`, boolean-mask
+indexing, `masked_select`, `repeat_interleave` without an output size, tensors built from Python data
+(`torch.tensor(list)`: a host-to-device copy on CUDA), and `.tolist()` / `.numpy()` (patched: on CPU they
+bypass the dispatcher). Every other op that is not a view is counted as a launch. Each op is attributed to
+the innermost Python frame outside torch: the package's own code (`pkg`) or the model's modules (`model`).
+Counts are divided by the engine's rounds (one verify forward for the whole batch each); `all` includes
+prefill, `round` counts only inside rounds. With `--kernels gpu` (default) each kernel op counts as it would
+on a GPU: the Triton wrapper's host side (checks, copies) plus one launch, while the torch reference computes
+the values uncounted; `--kernels cpu` counts the references as they run here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import specdec
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG_DIR = Path(specdec.__file__).resolve().parent
+PKG_DIRS = tuple(str(p) for p in {PKG_DIR, *(ROOT / d for d in ("specdec", "kernels", "replayssm", "draft",
+                                                                  "verify"))})
+TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+HERE = str(Path(__file__).resolve())
+aten = torch.ops.aten
+SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+            aten.repeat_interleave.Tensor, aten.lift_fresh.default, aten.lift_fresh_copy.default,
+            aten.unique_consecutive.default, aten._unique2.default}
+
+
+ALLOC_OPS = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.new_empty.default,
+             aten.new_empty_strided.default}
+
+
+def _is_view(func) -> bool:
+    """Views and bare allocations launch nothing on a GPU."""
+    return bool(getattr(func, "is_view", False)) or func in (aten.detach.default, aten.alias.default) \
+        or func in ALLOC_OPS
+
+
+def where() -> tuple[str, str]:
+    """(`pkg` or `model`, `file:line`) of the innermost frame outside torch and this script."""
+    f = sys._getframe(2)
+    while f is not None:
+        fn = f.f_code.co_filename
+        if not fn.startswith(TORCH_DIR) and fn != HERE and "/contextlib.py" not in fn:
+            origin = "pkg" if fn.startswith(PKG_DIRS) else "model"
+            short = fn
+            for base in (*PKG_DIRS, str(ROOT)):
+                if fn.startswith(base):
+                    short = os.path.relpath(fn, str(ROOT) if base == str(ROOT) else str(Path(base).parent))
+                    break
+            if origin == "model":
+                short = "/".join(Path(fn).parts[-2:])
+            return origin, f"{short}:{f.f_lineno}"
+        f = f.f_back
+    return "model", "?"
+
+
+class Counter(TorchDispatchMode):
+    """Counts syncs and launches, split into prefill / round phases and by source line."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "prefill"
+        self.syncs = collections.Counter()      # (phase, origin) -> n
+        self.launches = collections.Counter()   # (phase, origin) -> n
+        self.sync_lines = collections.Counter()  # (phase, "origin file:line kind") -> n
+        self.launch_lines = collections.Counter()
+
+    def sync(self, kind: str) -> None:
+        origin, line = where()
+        self.syncs[(self.phase, origin)] += 1
+        self.sync_lines[(self.phase, f"{origin} {line} {kind}")] += 1
+
+    paused = False
+
+    def launch(self) -> None:
+        origin, line = where()
+        self.launches[(self.phase, origin)] += 1
+        self.launch_lines[(self.phase, f"{origin} {line}")] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
+        is_sync = func in SYNC_OPS or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)
+                                       and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                               for i in (args[1] or ()) if i is not None))
+        if is_sync:
+            self.sync(func.__name__)
+        elif not _is_view(func):
+            self.launch()
+        return func(*args, **kwargs)
+
+
+def patched(counter: Counter):
+    """Context: `Tensor.tolist` / `Tensor.numpy` count as syncs while `counter` is active."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def cm():
+        saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy")}
+
+        def wrap(name):
+            orig = saved[name]
+
+            def f(self, *a, **k):
+                if not counter.paused:
+                    counter.sync(name)
+                return orig(self, *a, **k)
+            return f
+        try:
+            for n in saved:
+                setattr(torch.Tensor, n, wrap(n))
+            yield
+        finally:
+            for n, f in saved.items():
+                setattr(torch.Tensor, n, f)
+    return cm()
+
+
+def gpu_view(counter: Counter):
+    """Context: each dispatched kernel op counts as a GPU would run it. The Triton wrapper's host side runs
+    (its argument checks and copies are counted) with its kernel launch counted once and skipped; the torch
+    reference then computes the values, uncounted."""
+    import contextlib
+
+    import triton
+
+    from specdec.kernels import dispatch
+
+    @contextlib.contextmanager
+    def cm():
+        mods = {importlib.import_module(m, dispatch.__package__) for _, m in dispatch.OPS.values()}
+        jits = [v for m in mods for v in vars(m).values() if isinstance(v, triton.runtime.jit.JITFunction)]
+        saved_pick, saved_run = dispatch.pick, {j: j.run for j in jits}
+
+        def pick(name, *tensors):
+            ref, tri = dispatch.reference_impl(name), dispatch.triton_impl(name)
+
+            def op(*args, **kwargs):
+                tri(*args, **kwargs)
+                counter.paused = True
+                try:
+                    return ref(*args, **kwargs)
+                finally:
+                    counter.paused = False
+            return op
+
+        def stub(*args, grid=None, warmup=False, **kwargs):
+            counter.launch()
+        try:
+            dispatch.pick = pick
+            for j in jits:
+                j.run = stub
+            yield
+        finally:
+            dispatch.pick = saved_pick
+            for j, r in saved_run.items():
+                j.run = r
+    return cm()
+
+
+def measure(engine, prompts, max_new_tokens: int, *, kernels: str = "gpu") -> dict:
+    """One greedy `generate` under the counter; per-round averages and the top source lines."""
+    counter = Counter()
+    rounds = 0
+    orig = engine._round
+
+    def counted(*a, **k):
+        nonlocal rounds
+        rounds += 1
+        counter.phase = "round"
+        try:
+            return orig(*a, **k)
+        finally:
+            counter.phase = "between"
+    engine._round = counted
+    try:
+        with counter, patched(counter), (gpu_view(counter) if kernels == "gpu" else contextlib.nullcontext()):
+            out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=None)
+    finally:
+        del engine._round
+    total_syncs = sum(counter.syncs.values())
+    round_syncs = sum(v for (ph, _), v in counter.syncs.items() if ph == "round")
+    pkg_launch = sum(v for (ph, o), v in counter.launches.items() if o == "pkg")
+    pkg_launch_round = sum(v for (ph, o), v in counter.launches.items() if o == "pkg" and ph == "round")
+    model_launch = sum(v for (ph, o), v in counter.launches.items() if o == "model")
+    return dict(rounds=rounds, tau=out.stats.tau, syncs_per_round=total_syncs / rounds,
+                round_syncs_per_round=round_syncs / rounds, pkg_launches_per_round=pkg_launch / rounds,
+                round_pkg_launches_per_round=pkg_launch_round / rounds, model_launches_per_round=model_launch / rounds,
+                top_syncs=[(k[1], v / rounds) for k, v in counter.sync_lines.most_common(12)],
+                top_launches=[(k[1], v / rounds) for k, v in counter.launch_lines.most_common(12) if "pkg" in k[1]])
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from accept_rate import load_prompts, resolve_drafter, resolve_model_dir  # noqa: E402
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="embedded")
+    p.add_argument("--drafters", default="ngram,mtp")
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompts are cut to their first N tokens")
+    p.add_argument("--strategy", default="replay")
+    p.add_argument("--commit", default="eager")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--kernels", choices=["gpu", "cpu"], default="gpu",
+                   help="gpu: kernel ops count as the Triton wrappers' host side + one launch each; "
+                        "cpu: the torch references as they run here")
+    p.add_argument("--top", type=int, default=8, help="source lines shown per row")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir(a.model)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = [r["prompt"] for r in load_prompts(str(ROOT / "bench" / "data" / "prompts.jsonl"), ["code", "prose"],
+                                               None)]
+    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    rows = []
+    print(f"# bench/syncs.py: {a.model}, {a.strategy}/{a.commit}, greedy, {a.max_new_tokens} new tokens, "
+          f"prompts cut to {a.prompt_tokens} tokens, kernels as on a {a.kernels.upper()}, torch threads {a.threads}")
+    print(f"{'drafter':8s} {'batch':>5s} {'rounds':>6s} {'tau':>5s} {'syncs/rd':>9s} {'in rd':>7s} "
+          f"{'pkg ops/rd':>10s} {'in rd':>7s} {'model ops/rd':>12s}")
+    for name in a.drafters.split(","):
+        drafter, why = resolve_drafter(model_dir, name)
+        if drafter is None:
+            print(f"# {name}: skipped ({why})")
+            continue
+        for B in sizes:
+            prompts = [tok(texts[i % len(texts)])["input_ids"][:a.prompt_tokens] for i in range(B)]
+            engine = specdec.wrap(model, drafter=drafter, strategy=a.strategy, commit=a.commit, max_batch_size=B)
+            r = measure(engine, prompts, a.max_new_tokens, kernels=a.kernels)
+            r.update(drafter=name, batch=B)
+            rows.append(r)
+            print(f"{name:8s} {B:5d} {r['rounds']:6d} {r['tau']:5.2f} {r['syncs_per_round']:9.1f} "
+                  f"{r['round_syncs_per_round']:7.1f} {r['pkg_launches_per_round']:10.1f} "
+                  f"{r['round_pkg_launches_per_round']:7.1f} {r['model_launches_per_round']:12.1f}")
+            for line, n in r["top_syncs"][:a.top]:
+                print(f"{'':14s} sync {n:7.2f}/rd  {line}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(model=a.model, strategy=a.strategy, commit=a.commit,
+                                                max_new_tokens=a.max_new_tokens, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
