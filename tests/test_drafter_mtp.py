@@ -99,24 +99,27 @@ def test_cache_reads_match_training_path(targets, family):
     assert net.config.attn_layer == 3 and net.config.feature_layers == [2]
     assert not any(k.startswith("target_") for k in own_state_dict(net))
     seq = torch.tensor([[7, 30, 2, 55, 61, 9, 14, 88, 23, 5, 40, 71, 12, 3]])
-    runner = make_runner(target, max_batch_size=2, max_length=32, num_verify_tokens=4)
-    batch = target_batch(runner, seq, net.config.feature_layers)
-    S = seq.shape[1]
-    idx = torch.arange(S)
-    ctx = net.context_from_batch(batch.tokens, batch.features)
-    logits0, h1 = net.step(seq[:, (idx + 1).clamp(max=S - 1)], batch.hidden, ctx)
-    logits1, _ = net.step(seq[:, (idx + 2).clamp(max=S - 1)], h1, ctx)
+    # float64 throughout: transformers' modules take some steps in float32 (Qwen3.5's eager attention its
+    # softmax, whose rounding depends on the row length: a 5-token and a 14-token prefill differ in the 7th digit)
+    with float64_everywhere():
+        runner = make_runner(target, max_batch_size=2, max_length=32, num_verify_tokens=4)
+        batch = target_batch(runner, seq, net.config.feature_layers)
+        S = seq.shape[1]
+        idx = torch.arange(S)
+        ctx = net.context_from_batch(batch.tokens, batch.features)
+        logits0, h1 = net.step(seq[:, (idx + 1).clamp(max=S - 1)], batch.hidden, ctx)
+        logits1, _ = net.step(seq[:, (idx + 2).clamp(max=S - 1)], h1, ctx)
 
-    lengths = [5, 9]  # committed tokens per request; the anchor is token `length`
-    slots = runner.alloc(2)
-    hs = [runner.prefill(s, seq[0, :n]).hidden[0, -1] for s, n in zip(slots, lengths)]
-    before = [b.clone() for bufs in runner.kv.store.values() for b in bufs] + [runner.kv.lengths.clone()]
-    ctx_c = net.context_from_cache(runner.kv, slots)
-    with torch.no_grad():
-        anchors = torch.tensor([[seq[0, n]] for n in lengths])
-        c0, g1 = net.step(anchors, torch.stack(hs)[:, None], ctx_c)
-        c1, _ = net.step(torch.tensor([[seq[0, n + 1]] for n in lengths]), g1, ctx_c)
-        tokens, probs = net.draft(anchors[:, 0], torch.stack(hs), ctx_c, 3)
+        lengths = [5, 9]  # committed tokens per request; the anchor is token `length`
+        slots = runner.alloc(2)
+        hs = [runner.prefill(s, seq[0, :n]).hidden[0, -1] for s, n in zip(slots, lengths)]
+        before = [b.clone() for bufs in runner.kv.store.values() for b in bufs] + [runner.kv.lengths.clone()]
+        ctx_c = net.context_from_cache(runner.kv, slots)
+        with torch.no_grad():
+            anchors = torch.tensor([[seq[0, n]] for n in lengths])
+            c0, g1 = net.step(anchors, torch.stack(hs)[:, None], ctx_c)
+            c1, _ = net.step(torch.tensor([[seq[0, n + 1]] for n in lengths]), g1, ctx_c)
+            tokens, probs = net.draft(anchors[:, 0], torch.stack(hs), ctx_c, 3)
     for b, n in enumerate(lengths):
         torch.testing.assert_close(c0[b, 0], logits0[0, n - 1], rtol=0, atol=1e-10)
         torch.testing.assert_close(c1[b, 0], logits1[0, n - 1], rtol=0, atol=1e-10)
