@@ -30,6 +30,16 @@ class ModelDrafter(Drafter):
         for r, s, p in zip(rows, slots, prompts):
             self.slot[r], self.seen[r] = s, 0
 
+    def abort(self, rows):
+        """Drop the open draft round and restart `rows` from scratch: a failure may have come between the
+        catch-up forward and its commit, so the next propose re-prefills the whole context."""
+        super().abort(rows)
+        rows = [r for r in rows if r in self.slot]
+        if rows:
+            self.runner.release([self.slot[r] for r in rows])
+            for r, s in zip(rows, self.runner.alloc(len(rows))):
+                self.slot[r], self.seen[r] = s, 0
+
     def release(self, rows):
         slots = [self.slot.pop(r) for r in rows if r in self.slot]
         for r in rows:

@@ -428,7 +428,7 @@ def test_model_drafter_left_mid_round(target, prompts, exc):
         if isinstance(exc, RuntimeError):
             with pytest.warns(RuntimeWarning, match="drafter model failed .*draft commit failed"):
                 out = _generate(engine, batch, max_new_tokens=N)
-            assert out.stats.drafter_failures >= 1
+            assert out.stats.drafter_failures == 1  # aborted and re-prefilled: the next rounds draft again
             _assert_greedy(out, batch, prompts, N, engine.pad_token_id)
         else:
             with pytest.raises(KeyboardInterrupt):
