@@ -1,0 +1,289 @@
+"""Aggregate CPU throughput at several batch sizes: speculative decoding vs plain decoding, in one run.
+
+    python bench/throughput.py                                  # embedded model, batch 1 / 8 / 32, mtp + ngram
+    python bench/throughput.py --batch-sizes 1,2 --drafters ngram --max-new-tokens 8 --repeats 1 --json out.json
+
+For each batch size B the first B prompts of `--prompts` (round-robin over `--kinds`, as in
+bench/accept_rate.py; cycling when B is larger) are cut to their first `--prompt-tokens` tokens and
+generated greedily for `--max-new-tokens` tokens (no early stop at EOS) in one `generate` call by:
+
+- each drafter of `--drafters`: `specdec.wrap(model, drafter=D, max_batch_size=B)` (`ngram` is prompt lookup;
+  other names are trained drafters in MODEL/drafters/NAME, reported as skipped when missing);
+- `plain`: the same engine with a drafter that proposes nothing (bench/accept_rate.py's `NoDraft`), so every
+  round verifies the anchor alone: plain decoding through the same runner, the baseline of `speedup`;
+- `hf`: transformers' own `model.generate` (greedy, left-padded batch with its attention mask, the model's
+  pure-torch layers), a second baseline; reported as not run, with the reason, when it fails.
+
+tokens/s = new tokens of the whole batch / wall time of the call. Every configuration is warmed up once, then
+the modes run `--repeats` times, interleaved (round-robin, the starting mode rotating per repeat); the table
+shows the median, the spread (max / min over the repeats), tau (tokens per verify round, from the engine's
+stats), the speedup over `plain` at the same batch and the scaling `xB1` (tokens/s at B over tokens/s at
+batch 1, same mode). Greedy speculative decoding is lossless: every spec run's output must equal the plain
+output token for token, or the script exits with status 1, as it does when a specdec mode fails to run (the
+`hf` output is compared too, and a difference or failure there is only reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from accept_rate import NoDraft, load_prompts, machine_info, resolve_drafter, resolve_model_dir  # noqa: E402
+
+import specdec  # noqa: E402  (accept_rate makes `specdec` importable from a bare checkout)
+
+PLAIN, HF = "plain", "hf"
+
+
+def digest(rows: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] | None:
+    """(row, new-token index) of the first difference between two batches of outputs, or None."""
+    for r, (x, y) in enumerate(zip(a, b)):
+        for i, (s, t) in enumerate(zip(x, y)):
+            if s != t:
+                return r, i
+        if len(x) != len(y):
+            return r, min(len(x), len(y))
+    return None if len(a) == len(b) else (min(len(a), len(b)), 0)
+
+
+class Runner:
+    """One mode at one batch size: `run()` -> (new tokens per row, seconds, tau or None)."""
+
+    def __init__(self, mode, model, prompts, max_new, drafter=None, pad_token_id=None):
+        self.mode, self.model, self.prompts, self.max_new = mode, model, prompts, max_new
+        if mode == HF:
+            from specdec.hf_compat import torch_fallbacks
+            self.fallbacks = torch_fallbacks
+            width = max(len(p) for p in prompts)
+            self.width = width
+            self.ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+            self.mask = torch.zeros(len(prompts), width, dtype=torch.long)
+            for i, p in enumerate(prompts):  # left padding: every row continues at the same position
+                self.ids[i, width - len(p):] = torch.tensor(p)
+                self.mask[i, width - len(p):] = 1
+            self.pad = pad_token_id
+        else:
+            self.engine = specdec.wrap(model, drafter=drafter, max_batch_size=len(prompts))
+
+    def run(self) -> tuple[list[list[int]], float, float | None]:
+        if self.mode == HF:
+            with self.fallbacks(), torch.no_grad():
+                t = time.perf_counter()
+                out = self.model.generate(self.ids, attention_mask=self.mask, do_sample=False,
+                                          max_new_tokens=self.max_new, min_new_tokens=self.max_new,
+                                          eos_token_id=None, pad_token_id=self.pad)
+                dt = time.perf_counter() - t
+            return out[:, self.width:].tolist(), dt, None
+        t = time.perf_counter()
+        out = self.engine.generate(self.prompts, max_new_tokens=self.max_new, eos_token_id=None)
+        dt = time.perf_counter() - t
+        new = [out.sequences[i, len(p):len(p) + self.max_new].tolist() for i, p in enumerate(self.prompts)]
+        return new, dt, out.stats.tau
+
+
+def bench_batch(B, modes, model, texts, tok, a, pad) -> tuple[dict, list[str]]:
+    """-> ({mode: result}, errors): warmup, then `a.repeats` interleaved timed runs of every mode."""
+    prompts = [tok(texts[i % len(texts)])["input_ids"][:a.prompt_tokens] for i in range(B)]
+    res: dict[str, dict] = {}
+    runners: dict[str, Runner] = {}
+    outputs: dict[str, list[list[int]]] = {}
+    errors: list[str] = []
+    for mode, drafter in modes.items():
+        try:
+            r = Runner(mode, model, prompts, a.max_new_tokens, drafter=drafter, pad_token_id=pad)
+            new, _, _ = r.run()  # warmup: first-call costs stay out of the timings
+        except Exception as e:  # noqa: BLE001 - a mode that does not run is reported, the rest go on
+            first = (str(e).strip().splitlines() or [""])[0]
+            res[mode] = {"skipped": f"failed: {type(e).__name__}: {first}"}
+            print(f"# batch {B}, {mode}: not run ({res[mode]['skipped']})", file=sys.stderr)
+            if mode != HF:  # only the transformers baseline may be missing
+                errors.append(f"batch {B}, {mode}: {res[mode]['skipped']}")
+            continue
+        runners[mode], outputs[mode] = r, new
+        res[mode] = {"tokens_per_s": [], "seconds": [], "new_tokens": sum(map(len, new)), "tau": None}
+    order = list(runners)
+    for rep in range(a.repeats):
+        k = rep % len(order) if order else 0
+        for mode in order[k:] + order[:k]:
+            new, dt, tau = runners[mode].run()
+            r = res[mode]
+            r["seconds"].append(dt)
+            r["tokens_per_s"].append(sum(map(len, new)) / dt)
+            r["tau"] = tau
+            if new != outputs[mode]:
+                errors.append(f"batch {B}, {mode}: repeat {rep} output differs from its warmup output")
+    for mode in runners:
+        r = res[mode]
+        tps = r["tokens_per_s"]
+        r["tokens_per_s_median"] = statistics.median(tps)
+        r["spread"] = max(tps) / min(tps)
+        r["output_sha256"] = digest(outputs[mode])
+        r["new_tokens_per_row"] = sorted({len(o) for o in outputs[mode]})
+    if PLAIN in outputs:
+        ref = outputs[PLAIN]
+        for mode in runners:
+            diff = first_difference(outputs[mode], ref)
+            res[mode]["identical_to_plain"] = diff is None
+            if diff is not None:
+                msg = (f"batch {B}, {mode}: output differs from plain decoding (row {diff[0]}, first difference "
+                       f"at new token {diff[1]})")
+                if mode == HF:
+                    print(f"WARNING: {msg}", file=sys.stderr)
+                else:
+                    errors.append(msg)
+    return res, errors
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'batch':>5s} {'mode':10s} {'tok/s':>9s} {'spread':>7s} {'tau':>5s} {'vs plain':>9s} {'xB1':>6s} "
+            f"{'same':>5s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"{r['batch']:5d} {r['mode']:10s} not run: {r['skipped']}")
+            continue
+
+        def f(v, spec, unit=""):
+            return "-" if v is None else format(v, spec) + unit
+        same = {True: "yes", False: "NO", None: "-"}[r.get("identical_to_plain")]
+        lines.append(f"{r['batch']:5d} {r['mode']:10s} {r['tokens_per_s_median']:9.1f} {r['spread']:7.3f} "
+                     f"{f(r['tau'], '5.2f'):>5s} {f(r['speedup_vs_plain'], '.2f', 'x'):>9s} "
+                     f"{f(r['scaling_vs_batch1'], '.2f', 'x'):>6s} {same:>5s}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="embedded", help="save_pretrained directory (model + tokenizer) or 'embedded'")
+    p.add_argument("--drafters", default="mtp,ngram",
+                   help="comma-separated: ngram, or names of trained drafters under MODEL/drafters/")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--prompts", default=str(ROOT / "bench" / "data" / "prompts.jsonl"), help="JSONL prompt file")
+    p.add_argument("--kinds", default="code,prose", help="comma-separated prompt kinds, taken round-robin")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompts are cut to their first N tokens")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of every configuration (after one warmup)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (torch.set_num_threads)")
+    p.add_argument("--no-hf", action="store_true", help="leave out transformers' generate baseline")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    drafters = [d.strip() for d in a.drafters.split(",") if d.strip()]
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    try:
+        sizes = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        parser.error(f"--batch-sizes: expected comma-separated integers, got {a.batch_sizes!r}")
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        parser.error(f"--batch-sizes: expected distinct integers >= 1, got {a.batch_sizes!r}")
+    if len(set(drafters)) != len(drafters) or {PLAIN, HF} & set(drafters):
+        parser.error(f"--drafters: a drafter is named twice or is named {PLAIN!r} / {HF!r}: {a.drafters}")
+    if not kinds:
+        parser.error("--kinds: no kind named")
+    for flag, val in (("--prompt-tokens", a.prompt_tokens), ("--max-new-tokens", a.max_new_tokens),
+                      ("--repeats", a.repeats), ("--threads", a.threads)):
+        if val < 1:
+            parser.error(f"{flag}: expected >= 1, got {val}")
+    try:
+        model_dir = resolve_model_dir(a.model)
+    except FileNotFoundError as e:
+        parser.error(f"--model: {e}")
+    if not os.path.isfile(a.prompts):
+        parser.error(f"--prompts: no such file: {a.prompts}")
+    torch.set_num_threads(a.threads)
+
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    try:
+        texts = [r["prompt"] for r in load_prompts(a.prompts, kinds, None)]
+    except ValueError as e:
+        parser.error(f"--prompts: {e}")
+    if not texts:
+        parser.error(f"--prompts: no prompt of kinds {kinds} in {a.prompts}")
+    pad = specdec.wrap(model, drafter=NoDraft(), max_batch_size=1).pad_token_id
+
+    modes: dict = {}
+    skipped: dict[str, str] = {}
+    for name in drafters:
+        arg, why = resolve_drafter(model_dir, name)
+        if arg is None:
+            skipped[name] = why
+        else:
+            modes[name] = arg
+    modes[PLAIN] = None  # filled per engine: a fresh NoDraft each (a drafter binds to one engine)
+    if not a.no_hf:
+        modes[HF] = None
+
+    print(f"# bench/throughput.py: {a.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
+          f"float32, cpu), greedy, prompts cut to {a.prompt_tokens} tokens, {a.max_new_tokens} new tokens, "
+          f"{a.repeats} repeats (medians), torch threads {torch.get_num_threads()}", flush=True)
+    rows: list[dict] = []
+    errors: list[str] = []
+    t0 = time.perf_counter()
+    for B in sizes:
+        batch_modes = {m: (NoDraft() if m == PLAIN else d) for m, d in modes.items()}
+        res, errs = bench_batch(B, batch_modes, model, texts, tok, a, pad)
+        errors += errs
+        for mode, r in res.items():
+            rows.append({"batch": B, "mode": mode, **r})
+        print(f"# batch {B} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    for r in rows:
+        if r.get("skipped"):
+            continue
+        base = next((x for x in rows if x["batch"] == r["batch"] and x["mode"] == PLAIN and not x.get("skipped")),
+                    None)
+        hf = next((x for x in rows if x["batch"] == r["batch"] and x["mode"] == HF and not x.get("skipped")), None)
+        one = next((x for x in rows if x["batch"] == 1 and x["mode"] == r["mode"] and not x.get("skipped")), None)
+        med = r["tokens_per_s_median"]
+        r["speedup_vs_plain"] = med / base["tokens_per_s_median"] if base else None
+        r["speedup_vs_hf"] = med / hf["tokens_per_s_median"] if hf else None
+        r["scaling_vs_batch1"] = med / one["tokens_per_s_median"] if one else None
+    elapsed = time.perf_counter() - t0
+
+    print(format_table(rows))
+    for name, why in skipped.items():
+        print(f"# {name}: skipped ({why})")
+    for r in rows:
+        if r["mode"] == HF and r.get("skipped"):
+            print(f"# transformers' generate does not run for this model on CPU (batch {r['batch']}): {r['skipped']}")
+    for e in errors:
+        print(f"ERROR: {e}", file=sys.stderr)
+    if a.json:
+        out = {"machine": machine_info("cpu"),
+               "settings": {"model": str(model_dir), "drafters": drafters, "skipped_drafters": skipped,
+                            "batch_sizes": sizes, "prompts_file": str(a.prompts), "kinds": kinds,
+                            "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens,
+                            "repeats": a.repeats, "threads": torch.get_num_threads(), "greedy": True,
+                            "hf_baseline": not a.no_hf, "elapsed_s": elapsed},
+               "rows": rows, "errors": errors, "lossless": not errors}
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
