@@ -37,21 +37,51 @@ def path_and_count(num_accepted, path, B: int, T: int, device) -> tuple[torch.Te
     return path, (path >= 0).sum(1)
 
 
-class _PrefillOps:
-    """Prefill from the slot's state, written straight back (prefill has nothing to roll back)."""
+@dataclass
+class _Chunk:
+    """One prefill chunk over a right-padded batch `[B, T]`: row b holds `n[b]` (1..T) real tokens first."""
+    n: torch.Tensor  # [B] long: real tokens per row
+    counts: list[int]  # the same on the host
+    padded: bool  # some row has fewer than T real tokens
+    last_logits: bool  # logits only at each row's last real token: `[B, 1, vocab]`
+    valid: torch.Tensor | None = None  # [B, T] bool (padded chunks only)
+    flat: torch.Tensor | None = None  # [sum n] long: the real tokens' indices in the flattened `[B * T]`
+    cu_seqlens: torch.Tensor | None = None  # [B + 1] long, cumulated n (fla varlen), on the device
+    cu_seqlens_cpu: torch.Tensor | None = None  # the same on the host
 
-    def __init__(self, runner: "HybridRunner", li: int, slots: torch.Tensor):
-        self.r, self.li, self.slots = runner, li, slots
+    @classmethod
+    def make(cls, n: list[int], T: int, device, last_logits: bool = False) -> "_Chunk":
+        n_t = torch.tensor(n, dtype=torch.long, device=device)
+        if all(m == T for m in n):
+            return cls(n_t, list(n), False, last_logits)
+        cu = torch.tensor([0] + n, dtype=torch.long).cumsum(0)
+        flat = torch.cat([torch.arange(m) + b * T for b, m in enumerate(n)])
+        valid = torch.arange(T, device=device)[None] < n_t[:, None]
+        return cls(n_t, list(n), True, last_logits, valid, flat.to(device), cu.to(device), cu)
+
+
+class _PrefillOps:
+    """Prefill from the slots' state, written straight back (prefill has nothing to roll back). Over a
+    right-padded chunk each row's state ends at its last real token: the conv window is gathered there and
+    the delta rule leaves the state unchanged at padded positions."""
+
+    def __init__(self, runner: "HybridRunner", li: int, slots: torch.Tensor, chunk: _Chunk | None = None):
+        self.r, self.li, self.slots, self.chunk = runner, li, slots, chunk
 
     def conv(self, x, weight, bias, activation):
         pool = self.r.state.pool
-        y, win = kernels.short_conv(x, weight, bias, conv_state=pool.conv[self.li, self.slots], activation=activation)
+        state = pool.conv[self.li, self.slots]
+        y, win = kernels.short_conv(x, weight, bias, conv_state=state, activation=activation)
+        if self.chunk is not None and self.chunk.padded:  # window at row b's end: columns n_b .. n_b+Kc-2
+            full = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, Kc-1+T]
+            idx = self.chunk.n[:, None] + torch.arange(state.shape[-1], device=x.device)
+            win = full.gather(2, idx[:, None, :].expand(-1, full.shape[1], -1))
         pool.conv[self.li, self.slots] = win.to(pool.conv.dtype)
         return y
 
     def mix(self, q, k, v, g, beta):
         pool, cfg = self.r.state.pool, self.r.state.cfg
-        o, S = prefill_delta_rule(q, k, v, g, beta, pool.ssm[self.li, self.slots], cfg)
+        o, S = prefill_delta_rule(q, k, v, g, beta, pool.ssm[self.li, self.slots], cfg, chunk=self.chunk)
         pool.ssm[self.li, self.slots] = S.to(pool.ssm.dtype)
         return o
 
@@ -67,9 +97,15 @@ class _VerifyOps:
         return self.r.state.mix(self.li, q, k, v, g, beta)
 
 
-def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig):
+def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig, *, chunk: _Chunk | None = None):
     """Prefill of one chunk: fla's chunk kernels on CUDA, `kernels.chunk_delta_rule` elsewhere (the same
-    recurrence in chunked form). q, k `[B, T, H, K]` raw; -> (o `[B, T, H, V]`, S `[B, H, K, V]`)."""
+    recurrence in chunked form). q, k `[B, T, H, K]` raw; -> (o `[B, T, H, V]`, S `[B, H, K, V]`).
+
+    A padded `chunk` (row b real at its first `n[b]` positions) runs on CUDA as fla varlen (`cu_seqlens`, the
+    real tokens packed, no padding); elsewhere the padded positions get q = k = v = g = beta = 0, the values
+    `chunk_delta_rule` pads its own chunks with, so the state passes them unchanged (no decay, no update) and
+    each row's S is its state after its last real token. o is 0 at padded positions."""
+    padded = chunk is not None and chunk.padded
     if q.is_cuda:
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -78,9 +114,25 @@ def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig):
             pass
         else:
             fn = chunk_kda if cfg.gate == "kda" else chunk_gated_delta_rule
-            o, S = fn(q, k, v, g.float(), beta, scale=cfg.scale, initial_state=state.float(),
-                      output_final_state=True, use_qk_l2norm_in_kernel=True)
-            return o, S
+            if not padded:
+                o, S = fn(q, k, v, g.float(), beta, scale=cfg.scale, initial_state=state.float(),
+                          output_final_state=True, use_qk_l2norm_in_kernel=True)
+                return o, S
+            B, T = q.shape[:2]
+
+            def pack(x):  # [B, T, ...] -> [1, sum n, ...]
+                return x.flatten(0, 1).index_select(0, chunk.flat)[None]
+
+            o, S = fn(pack(q), pack(k), pack(v), pack(g.float()), pack(beta), scale=cfg.scale,
+                      initial_state=state.float(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+                      cu_seqlens=chunk.cu_seqlens, cu_seqlens_cpu=chunk.cu_seqlens_cpu)
+            out = o.new_zeros(B * T, *o.shape[2:]).index_copy_(0, chunk.flat, o[0])
+            return out.view(B, T, *o.shape[2:]), S
+    if padded:
+        def real(x):  # 0 at padded positions
+            return torch.where(chunk.valid.view(*chunk.valid.shape, *[1] * (x.dim() - 2)), x, x.new_zeros(()))
+
+        q, k, v, g, beta = real(q), real(k), real(v), real(g), real(beta)
     return kernels.chunk_delta_rule(q, k, v, g, beta, initial_state=state, scale=cfg.scale, eps=cfg.norm_eps,
                                     norm=cfg.norm)
 
@@ -135,13 +187,62 @@ class HybridRunner:
 
     @torch.no_grad()
     def prefill(self, slot: int, ids: torch.Tensor, *, capture=()) -> RunnerOutput:
-        """Run a prompt `[P]` into a fresh slot in chunks; -> outputs over the whole prompt."""
-        outs = [self._forward([slot], ids[None, start:start + self.prefill_chunk], None, True, capture)
-                for start in range(0, ids.shape[0], self.prefill_chunk)]
-        if len(outs) == 1:
-            return outs[0]
-        return RunnerOutput(torch.cat([o.logits for o in outs], 1), torch.cat([o.hidden for o in outs], 1),
-                            {i: torch.cat([o.captured[i] for o in outs], 1) for i in capture})
+        """Run a prompt `[P]` into a fresh slot in chunks; -> outputs over the whole prompt `[1, P, ...]`."""
+        return self.prefill_batch([slot], [ids], capture=capture)
+
+    @torch.no_grad()
+    def prefill_batch(self, slots: list[int], prompts: list[torch.Tensor], *, capture=(),
+                      last_logits: bool = False) -> RunnerOutput:
+        """Run B prompts `[P_b]` into their slots together: one forward per chunk of `prefill_chunk` positions over
+        the right-padded batch (rows whose prompt has ended drop out). Each slot ends with the linear-attention
+        state, conv window, KV entries and length that `prefill(slot, prompt)` gives it.
+
+        Returns one padded `RunnerOutput`, rows in the order of `slots`, `P = max P_b`, 0 past each row's end:
+        `hidden [B, P, hidden]`, `captured[i] [B, P, hidden]`, and `logits [B, P, vocab]`, or with `last_logits`
+        `[B, 1, vocab]`: row b's logits at its last prompt token (the lm head then runs on those rows only).
+        """
+        B = len(slots)
+        if B == 0 or len(prompts) != B:
+            raise ValueError(f"prompts: expected one prompt per slot ({B} slots), got {len(prompts)}")
+        if len(set(slots)) != B:
+            raise ValueError(f"slots: expected distinct slots, got {list(slots)}")
+        for b, p in enumerate(prompts):
+            if p.dim() != 1 or p.shape[0] == 0:
+                raise ValueError(f"prompts[{b}]: expected a non-empty 1-D tensor of token ids, got shape "
+                                 f"{list(p.shape)}")
+        lens = [int(p.shape[0]) for p in prompts]
+        P, C = max(lens), self.prefill_chunk
+        ids = torch.zeros(B, P, dtype=torch.long, device=self.device)
+        for b, p in enumerate(prompts):
+            ids[b, :lens[b]] = p
+        hidden = logits = None
+        captured = {}
+        for start in range(0, P, C):
+            rows = [b for b in range(B) if lens[b] > start]
+            n = [min(lens[b] - start, C) for b in rows]
+            T = max(n)
+            rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+            chunk = _Chunk.make(n, T, self.device, last_logits)
+            out = self._forward([slots[b] for b in rows], ids[rows_t, start:start + T], None, True, capture,
+                                chunk)
+            if hidden is None:
+                hidden = out.hidden.new_zeros(B, P, out.hidden.shape[-1])
+                logits = out.logits.new_zeros(B, 1 if last_logits else P, out.logits.shape[-1])
+                captured = {i: out.captured[i].new_zeros(B, P, out.captured[i].shape[-1]) for i in capture}
+            hidden[rows_t, start:start + T] = out.hidden
+            for i in capture:
+                captured[i][rows_t, start:start + T] = out.captured[i]
+            if not last_logits:
+                logits[rows_t, start:start + T] = out.logits
+            else:  # rows whose prompt ends in this chunk
+                ends = [j for j, b in enumerate(rows) if lens[b] <= start + C]
+                ends_t = torch.tensor(ends, dtype=torch.long, device=self.device)
+                logits[rows_t[ends_t]] = out.logits[ends_t]
+        if any(m < P for m in lens):  # padded positions of the last chunks: 0
+            pad = torch.arange(P, device=self.device)[None] >= torch.tensor(lens, device=self.device)[:, None]
+            for x in (hidden, *captured.values(), *(() if last_logits else (logits,))):
+                x.masked_fill_(pad[..., None], 0)
+        return RunnerOutput(logits, hidden, captured)
 
     @torch.no_grad()
     def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=()) -> RunnerOutput:
@@ -160,7 +261,8 @@ class HybridRunner:
         self.kv.abort()
 
     # ---- forward -----------------------------------------------------------------------------------
-    def _forward(self, slots, ids, parent, prefill: bool, capture) -> RunnerOutput:
+    def _forward(self, slots, ids, parent, prefill: bool, capture, chunk: _Chunk | None = None) -> RunnerOutput:
+        """One forward over `ids [B, T]`; a prefill commits at once (with `chunk`: `chunk.n` tokens per row)."""
         slots_t = torch.as_tensor(slots, dtype=torch.long, device=self.device)
         B, T = ids.shape
         if parent is not None:
@@ -181,7 +283,7 @@ class HybridRunner:
                 x = layer.input_layernorm(h)
                 li = self.linear_index.get(i)
                 if li is not None:
-                    ops = _PrefillOps(self, li, slots_t) if prefill else _VerifyOps(self, li)
+                    ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)
                     x = self.mixer.run(self.mixer.module(layer), x, ops)
                 else:
                     kw = dict(position_embeddings=pos_emb) if pos_emb is not None else {}
@@ -194,13 +296,17 @@ class HybridRunner:
                 if i in capture:
                     captured[i] = h
             hidden = self.base.norm(h)
-            logits = self.model.lm_head(hidden)
+            if chunk is not None and chunk.last_logits:  # [B, 1, vocab] at each row's last real token
+                logits = self.model.lm_head(hidden[torch.arange(B, device=self.device), chunk.n - 1][:, None])
+            else:
+                logits = self.model.lm_head(hidden)
         except BaseException:
             self.abort()
             raise
-        if prefill:
-            self.kv.commit(torch.arange(T, device=self.device).expand(B, T), torch.full((B,), T, device=self.device))
-            self.state.pool.seq_len[slots_t] += T
+        if prefill:  # with `chunk`, keys past a row's real tokens stay beyond its length: never visible
+            n = torch.full((B,), T, device=self.device) if chunk is None else chunk.n
+            self.kv.commit(torch.arange(T, device=self.device).expand(B, T), n)
+            self.state.pool.seq_len[slots_t] += n
         return RunnerOutput(logits, hidden, captured)
 
 

@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from ..common import check_delta_inputs, check_shape, conv_step, delta_step, math_dtype, prepare_qk
+from ..common import check_delta_inputs, check_shape, delta_step, math_dtype, prepare_qk
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                conv_state: torch.Tensor | None = None,
                activation: str | None = "silu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal depthwise short conv over `T` tokens, continuing from a window.
+    """Causal depthwise short conv over `T` tokens, continuing from a window, with no per-token loop: the
+    `Kc` taps are `Kc` shifted multiply-adds over `[window, x]` (`2 Kc - 1` ops whatever `T`).
+
+    The taps are summed left to right, the order in which `common.conv_step` (the verify and decode path) sums
+    them on CPU: there y matches `T` steps of `conv_step` bitwise before the activation and within an ulp after
+    it (silu's vector and scalar CPU paths differ in the last bit), and one call equals `T` one-token calls
+    bitwise. `F.conv1d` would be one launch, but sums the taps in another order in fp32 (a few ulps off the
+    verify path, beyond the state tests' 2-ulp bound) and may use TF32 on GPUs.
 
     Args:
         x: pre-conv inputs `[B, T, C]`;  weight: `[C, Kc]`;  bias: `[C]` or None.
@@ -25,12 +33,34 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if conv_state is None:
         conv_state = x.new_zeros(B, C, Kc - 1)
     check_shape("conv_state", conv_state, (B, C, Kc - 1))
-    window, ys = conv_state, []
-    for t in range(T):
-        y, window = conv_step(window, x[:, t], weight, bias, activation)
-        ys.append(y)
-    y = torch.stack(ys, 1) if ys else x.new_zeros(B, 0, C)
-    return y.to(x.dtype), window.to(x.dtype)
+    if T == 0:
+        return x.new_zeros(B, 0, C), conv_state.to(x.dtype)
+    dt = math_dtype(conv_state, x, weight)
+    full = torch.cat([conv_state.to(dt), x.to(dt).transpose(1, 2)], dim=-1)  # [B, C, Kc-1+T]
+    w = weight.to(dt)
+    y = full[..., :T] * w[:, :1]  # [B, C, T]: tap j reads column t + j of full
+    for j in range(1, Kc):
+        y = y + full[..., j:j + T] * w[:, j:j + 1]
+    y = y.transpose(1, 2).contiguous()  # [B, T, C]
+    if bias is not None:  # added after the taps, as conv_step does
+        y = y + bias.to(dt)
+    if activation == "silu":
+        y = _silu(y)
+    elif activation is not None:
+        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
+    return y.to(x.dtype), full[..., T:].to(x.dtype)
+
+
+def _silu(y: torch.Tensor) -> torch.Tensor:
+    """`silu` whose every element rounds the same whatever the tensor's size. The CPU kernel runs whole SIMD
+    vectors and a scalar tail, which can differ in the last bit; padding the flat tensor to a multiple of 64
+    puts every element in a vector (below the kernel's parallel grain), so one call over T tokens matches T
+    calls of one token bitwise."""
+    if y.is_cuda or y.numel() == 0:
+        return F.silu(y)
+    flat = y.reshape(-1)
+    pad = (-flat.numel()) % 64
+    return F.silu(F.pad(flat, (0, pad)))[:flat.numel()].view_as(y)
 
 
 def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
