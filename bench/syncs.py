@@ -10,7 +10,9 @@ indexing, `masked_select`, `repeat_interleave` without an output size, tensors b
 bypass the dispatcher). Every other op that is not a view is counted as a launch. Each op is attributed to
 the innermost Python frame outside torch: the package's own code (`pkg`) or the model's modules (`model`).
 Counts are divided by the engine's rounds (one verify forward for the whole batch each); `all` includes
-prefill, `round` counts only inside rounds. With `--kernels gpu` (default) each kernel op counts as it would
+prefill, `round` counts only inside rounds. The checks of the caller's inputs (`_prompts`: host lists or CPU
+tensors) are host work and are reported apart (`input_reads`). A Python scalar stored into a tensor
+(`t[i] = 0`) passes by value and is not a copy. With `--kernels gpu` (default) each kernel op counts as it would
 on a GPU: the Triton wrapper's host side (checks, copies) plus one launch, while the torch reference computes
 the values uncounted; `--kernels cpu` counts the references as they run here.
 """
@@ -102,6 +104,8 @@ class Counter(TorchDispatchMode):
         is_sync = func in SYNC_OPS or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)
                                        and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
                                                for i in (args[1] or ()) if i is not None))
+        if func in (aten.lift_fresh.default, aten.lift_fresh_copy.default) and args[0].dim() == 0:
+            is_sync = False  # a Python scalar (`t[i] = 0`) goes to the kernel by value, not by a copy
         if is_sync:
             self.sync(func.__name__)
         elif not _is_view(func):
@@ -148,7 +152,10 @@ def gpu_view(counter: Counter):
     @contextlib.contextmanager
     def cm():
         mods = {importlib.import_module(m, dispatch.__package__) for _, m in dispatch.OPS.values()}
-        jits = [v for m in mods for v in vars(m).values() if isinstance(v, triton.runtime.jit.JITFunction)]
+        from triton.runtime.interpreter import InterpretedFunction  # what @triton.jit makes under TRITON_INTERPRET=1
+
+        kinds = (triton.runtime.jit.JITFunction, InterpretedFunction)
+        jits = [v for m in mods for v in vars(m).values() if isinstance(v, kinds) and hasattr(v, "arg_names")]
         saved_pick, saved_run = dispatch.pick, {j: j.run for j in jits}
 
         def pick(name, *tensors):
@@ -181,7 +188,15 @@ def measure(engine, prompts, max_new_tokens: int, *, kernels: str = "gpu") -> di
     """One greedy `generate` under the counter; per-round averages and the top source lines."""
     counter = Counter()
     rounds = 0
-    orig = engine._round
+    orig, orig_prompts = engine._round, engine._prompts
+
+    def prompts_phase(*a, **k):  # checks of the caller's host inputs: host work, not device syncs
+        counter.phase = "input"
+        try:
+            return orig_prompts(*a, **k)
+        finally:
+            counter.phase = "prefill"
+    engine._prompts = prompts_phase
 
     def counted(*a, **k):
         nonlocal rounds
@@ -196,16 +211,17 @@ def measure(engine, prompts, max_new_tokens: int, *, kernels: str = "gpu") -> di
         with counter, patched(counter), (gpu_view(counter) if kernels == "gpu" else contextlib.nullcontext()):
             out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=None)
     finally:
-        del engine._round
-    total_syncs = sum(counter.syncs.values())
+        del engine._round, engine._prompts
+    total_syncs = sum(v for (ph, _), v in counter.syncs.items() if ph != "input")
+    input_syncs = sum(v for (ph, _), v in counter.syncs.items() if ph == "input")
     round_syncs = sum(v for (ph, _), v in counter.syncs.items() if ph == "round")
     pkg_launch = sum(v for (ph, o), v in counter.launches.items() if o == "pkg")
     pkg_launch_round = sum(v for (ph, o), v in counter.launches.items() if o == "pkg" and ph == "round")
     model_launch = sum(v for (ph, o), v in counter.launches.items() if o == "model")
-    return dict(rounds=rounds, tau=out.stats.tau, syncs_per_round=total_syncs / rounds,
+    return dict(rounds=rounds, tau=out.stats.tau, syncs_per_round=total_syncs / rounds, input_reads=input_syncs,
                 round_syncs_per_round=round_syncs / rounds, pkg_launches_per_round=pkg_launch / rounds,
                 round_pkg_launches_per_round=pkg_launch_round / rounds, model_launches_per_round=model_launch / rounds,
-                top_syncs=[(k[1], v / rounds) for k, v in counter.sync_lines.most_common(12)],
+                top_syncs=[(k[1], v / rounds) for k, v in counter.sync_lines.most_common(12) if k[0] != "input"],
                 top_launches=[(k[1], v / rounds) for k, v in counter.launch_lines.most_common(12) if "pkg" in k[1]])
 
 

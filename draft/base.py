@@ -31,10 +31,10 @@ class DraftBlock:
     def from_lists(cls, drafts: list[list[int]], device) -> "DraftBlock":
         """Right-padded chain block from per-row token lists."""
         G = max((len(d) for d in drafts), default=0)
-        tokens = torch.zeros(len(drafts), G, dtype=torch.long, device=device)
-        for b, d in enumerate(drafts):
-            tokens[b, :len(d)] = torch.tensor(d, dtype=torch.long)
-        return cls(tokens, torch.tensor([len(d) for d in drafts], dtype=torch.long, device=device))
+        # one host-to-device copy: the padded tokens with each row's count in the last column
+        packed = torch.tensor([list(d) + [0] * (G - len(d)) + [len(d)] for d in drafts], dtype=torch.long,
+                              device=device).view(len(drafts), G + 1)
+        return cls(packed[:, :G], packed[:, G])
 
 
 class Drafter(ABC):

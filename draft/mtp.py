@@ -224,13 +224,15 @@ class Net(nn.Module):
         return KVContext(keys.to(dt), values.to(dt), mask[:, None], rope)
 
     @torch.no_grad()
-    def context_from_cache(self, kv, slots: list[int]) -> KVContext:
-        """The target's committed KV of `slots` (a `KVCache`), for one query per row at `length - 1`."""
+    def context_from_cache(self, kv, slots: list[int], slots_tensor=None) -> KVContext:
+        """The target's committed KV of `slots` (a `KVCache`), for one query per row at `length - 1`.
+        `slots_tensor`: the runner's cached list -> device tensor map (saves a host-to-device copy)."""
         if self.layer not in kv.store:
             raise RuntimeError(f"mtp: the target cache has no entries for layer {self.layer} yet")
-        slots_t = torch.as_tensor(slots, dtype=torch.long, device=kv.lengths.device)
+        slots_t = slots_tensor(slots) if slots_tensor is not None else torch.as_tensor(
+            slots, dtype=torch.long, device=kv.lengths.device)
         lens = kv.lengths[slots_t]
-        S = int(lens.max())
+        S = max(kv.bound[s] for s in slots)  # a host bound: keys past each row's length are masked below
         a, b = (buf[slots_t, :, :S] for buf in kv.store[self.layer])
         keys, values = self._expand(a, b)
         visible = (torch.arange(S, device=lens.device)[None, :] < lens[:, None])[:, None]  # [B, 1, S]
@@ -381,7 +383,8 @@ class MTPDrafter(Drafter):
         if not rows or gamma < 1:
             return DraftBlock.empty(len(rows), device)
         runner = self.engine.runner
-        ctx = self.net.context_from_cache(runner.kv, [self.engine.slots[r] for r in rows])
+        ctx = self.net.context_from_cache(runner.kv, [self.engine.slots[r] for r in rows],
+                                          getattr(runner, "slots_tensor", None))
         anchors = torch.stack([c[-1] for c in contexts]).to(device)
         h = torch.stack([self.h[r] for r in rows])
         tokens, probs = self.net.draft(anchors, h, ctx, gamma, sampling=sampling, generator=generator)

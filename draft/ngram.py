@@ -30,4 +30,7 @@ class NgramDrafter(Drafter):
 
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
         device = contexts[0].device if contexts else "cpu"
-        return DraftBlock.from_lists([self.lookup(c.tolist(), gamma) for c in contexts], device)
+        host = getattr(contexts, "host", None)  # the engine's host copies: no device read
+        if host is None:
+            host = [c.tolist() for c in contexts]
+        return DraftBlock.from_lists([self.lookup(h, gamma) for h in host], device)

@@ -33,12 +33,18 @@ class RingBuffers:
         self.start[slot] = 0
         self.pending[slot] = 0
 
-    def compact(self, slot: int, path: list[int]) -> None:
-        """Move the records of accepted tree nodes `path` (offsets after the pending ones) to consecutive
-        positions, so pending records stay contiguous. `path` is increasing, so no source is overwritten
-        before it is read."""
-        base = int(self.start[slot] + self.pending[slot])
-        src = torch.tensor([(base + p) % self.ring_len for p in path], device=self.start.device)
-        dst = torch.tensor([(base + j) % self.ring_len for j in range(len(path))], device=self.start.device)
-        for b in self.buffers:
-            b[:, slot, :, dst] = b[:, slot, :, src]
+    def compact(self, slots: torch.Tensor, path: torch.Tensor, n: torch.Tensor) -> None:
+        """Move the records of each row's accepted tree nodes `path [B, M]` (offsets after the pending ones;
+        the first `n [B]` entries count) to consecutive positions, so pending records stay contiguous.
+        `slots [B]`: null-slot rows have n = 0 and keep everything. All gathers happen before the writes,
+        so no source is overwritten before it is read. Device ops only."""
+        L = self.ring_len
+        j = torch.arange(path.shape[1], device=path.device)
+        keep = j[None, :] < n[:, None]  # [B, M]
+        base = self.start[slots] + self.pending[slots]
+        src = (base[:, None] + path) % L
+        dst = (base[:, None] + j[None, :]) % L
+        rows = slots[:, None]
+        for b in self.buffers:  # [Lyr, N, H, L, *]: indexed -> [B, M, Lyr, H, *]
+            new, old = b[:, rows, :, src], b[:, rows, :, dst]
+            b[:, rows, :, dst] = torch.where(keep.view(*keep.shape, *[1] * (new.dim() - 2)), new, old)

@@ -73,7 +73,15 @@ class StateStrategy(ABC):
             T = D if num_tokens is None else int(num_tokens)
         if not 1 <= T <= D:
             raise ValueError(f"num_tokens: expected 1 <= T <= D={D}, got {T}")
-        self._round = Round(slots=slots, num_tokens=T, parent=parent.contiguous() if parent is not None else None)
+        self._begin(slots, T, parent)
+
+    def _begin(self, slots: torch.Tensor, num_tokens: int, parent: torch.Tensor | None) -> None:
+        """`begin` without the checks, for callers that validated once at their own boundary (the runner):
+        `slots [B]` long on the device, `parent [B, T]` long or None. Reads nothing back to the host."""
+        if self._round is not None:
+            raise RuntimeError("begin: a round is open; call commit() or abort() first")
+        self._round = Round(slots=slots, num_tokens=num_tokens,
+                            parent=parent.contiguous() if parent is not None else None)
 
     def abort(self) -> None:
         """Drop the open round; persistent state is untouched."""
@@ -128,11 +136,21 @@ class StateStrategy(ABC):
         if missing:
             raise RuntimeError(f"commit: layers {missing} were not verified (conv and mix) in this round")
         path, n = self._accepted(r, num_accepted, path)
+        self._commit(path, n)
+
+    def _commit(self, path: torch.Tensor, n: torch.Tensor) -> None:
+        """`commit` without the checks: `path [B, M]` accepted node indices (root first; entries past n
+        ignored), `n [B]` tokens kept per row. Rows whose slot is -1 or the null slot keep nothing. Device
+        ops only: nothing is read back to the host."""
+        r = self._round
+        valid = (r.slots >= 0) & (r.slots != self.pool.null_slot)
+        n = torch.where(valid, n, 0)
+        path = path.clamp(min=0)
         before = self.committed_len(r.slots)
         self._commit_ssm(r, path, n, before)
         last = torch.where(n > 0, path.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0], -1)
         kernels.masked_scatter(self.conv_windows, self.pool.conv, r.slots, last, null_slot=self.pool.null_slot)
-        self._track_conv(r, path, n, before)
+        self._track(r, path, n, before, self.conv_windows, self.pool.track_conv, lengths=True)
         self._round = None
 
     def _accepted(self, r: Round, num_accepted, path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,36 +174,49 @@ class StateStrategy(ABC):
         if path.dim() != 2 or path.shape[0] != B or not 1 <= path.shape[1] <= T:
             raise ValueError(f"path: expected [{B}, M] with 1 <= M <= {T}, got {list(path.shape)}")
         parent = r.parent if r.parent is not None else torch.arange(-1, T - 1, device=self.device).expand(B, T)
-        n = torch.zeros(B, dtype=torch.long, device=self.device)
-        for b in valid.nonzero().flatten().tolist():
-            row = path[b].tolist()
-            m = row.index(-1) if -1 in row else len(row)
-            prev = -1
-            ok = m >= 1 and all(x == -1 for x in row[m:])
-            for x in row[:m]:
-                ok = ok and 0 <= x < T and int(parent[b, x]) == prev
-                prev = x
-            if not ok:
-                raise ValueError(f"path: row {b} = {row} is not a root-to-leaf path of the verified tree "
-                                 f"(parents {parent[b].tolist()})")
-            n[b] = m
-        return path.clamp(min=0), n
+        live = path >= 0
+        n = live.sum(1)
+        M = path.shape[1]
+        # a root-to-leaf path: live entries first, each in range and the child of the one before it
+        prefix = live.long().cumprod(1).sum(1) == n
+        idx = path.clamp(0, T - 1)
+        par = parent.gather(1, idx)
+        prev = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=self.device), path[:, :-1]], 1)
+        linked = ~live | ((path < T) & (par == prev))
+        ok = ~valid | ((n >= 1) & prefix & linked.all(1))
+        if not bool(ok.all()):
+            b = int((~ok).nonzero()[0])
+            raise ValueError(f"path: row {b} = {path[b].tolist()} is not a root-to-leaf path of the verified tree "
+                             f"(parents {parent[b].tolist()})")
+        return path.clamp(min=0), torch.where(valid, n, 0)
 
-    def _track_conv(self, r: Round, path: torch.Tensor, n: torch.Tensor, before: torch.Tensor) -> None:
-        """Copy the conv window right after every track-boundary token of this round; record its count."""
-        for b, s, node, count in self._crossings(r, path, n, before):
-            idx = (count // self.cfg.track_interval) % 2
-            self.pool.track_conv[:, s, idx] = self.conv_windows[:, b, node]
-            self.pool.track_len[s, idx] = count
-
-    def _crossings(self, r: Round, path: torch.Tensor, n: torch.Tensor, before: torch.Tensor):
-        """(row, slot, node, count) of every track-boundary token of this round."""
+    def _track(self, r: Round, path: torch.Tensor, n: torch.Tensor, before: torch.Tensor, src: torch.Tensor,
+               dst: torch.Tensor, *, lengths: bool = False) -> None:
+        """Copy `src[:, row, node]` (per-node buffers `[Lyr, R, T, ...]`) to `dst[:, slot, parity]` for the
+        token of this round that lands on a track boundary (token count a multiple of `track_interval`), and
+        with `lengths` record the count. Masked writes on the device: at most `T // interval + 1` of them."""
         iv = self.cfg.track_interval
         if iv is None:
-            return []
-        return [(b, s, int(path[b, j]), int(before[b]) + j + 1)
-                for b, s in enumerate(r.slots.tolist()) for j in range(int(n[b]))
-                if (int(before[b]) + j + 1) % iv == 0]
+            return
+        B, M = path.shape
+        valid = (r.slots >= 0) & (r.slots != self.pool.null_slot)
+        s = torch.where(valid, r.slots, self.pool.null_slot)
+        rows = torch.arange(B, device=self.device)
+        for k in range(r.num_tokens // iv + 1):
+            count = (before // iv + 1 + k) * iv
+            j = count - before - 1  # offset of the boundary token in the path
+            hit = valid & (j < n)
+            node = path.gather(1, j.clamp(0, M - 1)[:, None])[:, 0]
+            par = (count // iv) % 2
+            new, old = src[:, rows, node], dst[:, s, par]
+            dst[:, s, par] = torch.where(hit.view(1, B, *[1] * (new.dim() - 2)), new.to(dst.dtype), old)
+            if lengths:
+                self.pool.track_len[s, par] = torch.where(hit, count, self.pool.track_len[s, par])
+
+    def _add_len(self, r: Round, n: torch.Tensor) -> None:
+        """Committed length += n per row (n is 0 on skipped rows, which go to the null slot)."""
+        valid = (r.slots >= 0) & (r.slots != self.pool.null_slot)
+        self.pool.seq_len.index_add_(0, torch.where(valid, r.slots, self.pool.null_slot), n)
 
     # ---- state -------------------------------------------------------------------------------------
     def committed_len(self, slots: torch.Tensor) -> torch.Tensor:
@@ -233,11 +264,10 @@ class SnapshotStrategy(StateStrategy):
                                          intermediate_states=self.states[layer], **self._kw())
 
     def _commit_ssm(self, r, path, n, before):
-        for b, s, node, count in self._crossings(r, path, n, before):
-            self.pool.track_ssm[:, s, (count // self.cfg.track_interval) % 2] = self.states[:, b, node]
+        self._track(r, path, n, before, self.states, self.pool.track_ssm)
         last = torch.where(n > 0, path.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0], -1)
         kernels.masked_scatter(self.states, self.pool.ssm, r.slots, last, null_slot=self.pool.null_slot)
-        self.pool.seq_len[r.slots[n > 0]] += n[n > 0]
+        self._add_len(r, n)
 
 
 class ReplayStrategy(StateStrategy):
@@ -280,22 +310,20 @@ class ReplayStrategy(StateStrategy):
                            null_slot=self.pool.null_slot)
 
     def _commit_ssm(self, r, path, n, before):
-        valid = n > 0
         if self.commit_mode == "eager":
             self._fold(self.pool.ssm, r.slots, n, path)
-            self.pool.seq_len[r.slots[valid]] += n[valid]
+            self._add_len(r, n)
             return
-        for b, s in enumerate(r.slots.tolist()):
-            m = int(n[b])
-            if m and path[b, :m].tolist() != list(range(m)):
-                self.rings.compact(s, path[b, :m].tolist())
-        self.rings.pending[r.slots[valid]] += n[valid]
+        slots = torch.where(n > 0, r.slots, self.pool.null_slot)
+        if r.parent is not None:  # a tree's accepted path moves to consecutive ring positions
+            self.rings.compact(slots, path, n)
+        self.rings.pending.index_add_(0, slots, n)
+        # fold now where the ring would overflow next round or a track boundary was crossed
         iv, L, D = self.cfg.track_interval, self.cfg.ring_len, self.cfg.num_draft_tokens
-        due = [s for b, s in enumerate(r.slots.tolist()) if n[b] > 0 and (
-            int(self.rings.pending[s]) + D > L
-            or (iv is not None and (int(before[b]) + int(n[b])) // iv > int(before[b]) // iv))]
-        if due:
-            self.flush(due)
+        due = (n > 0) & (self.rings.pending[slots] + D > L)
+        if iv is not None:
+            due |= (n > 0) & ((before + n) // iv > before // iv)
+        self._flush(torch.where(due, slots, self.pool.null_slot))
 
     def committed_len(self, slots):
         valid = (slots >= 0) & (slots != self.pool.null_slot)
@@ -319,11 +347,16 @@ class ReplayStrategy(StateStrategy):
                                 device=self.device)
         if slots.numel() == 0:
             return
-        num = self.rings.pending[slots]
+        self._flush(slots)
+
+    def _flush(self, slots: torch.Tensor) -> None:
+        """Fold the pending records of `slots [S]` (distinct; null-slot entries are skipped) on the device."""
+        live = slots != self.pool.null_slot
+        num = torch.where(live, self.rings.pending[slots], 0)
         self._fold(self.pool.ssm, slots, num)
         self.rings.start[slots] = (self.rings.start[slots] + num) % self.cfg.ring_len
-        self.pool.seq_len[slots] += num
-        self.rings.pending[slots] = 0
+        self.pool.seq_len.index_add_(0, slots, num)
+        self.rings.pending[slots] = torch.where(live, 0, self.rings.pending[slots])
 
     def release(self, slots: list[int]) -> None:
         super().release(slots)

@@ -12,7 +12,7 @@ import torch
 from specdec.draft import Drafter, DraftBlock, ModelDrafter, NgramDrafter
 from specdec.draft.common import KINDS, build_drafter_net, kind_module, load_drafter
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
-                            accept_tree_sampling, probs_from_logits)
+                            accept_tree_sampling, probs_from_logits, sample_token)
 
 from .runner import HybridRunner, make_runner
 
@@ -47,8 +47,9 @@ class SpecStats:
     def per_position(self) -> list[float]:
         return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
 
-    def record(self, num_drafts: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        for g, n in zip(num_drafts.tolist(), num_accepted.tolist()):
+    def record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
+        """One round: drafts proposed and accepted per row (host lists)."""
+        for g, n in zip(num_drafts, num_accepted):
             self.rounds += 1
             self.tokens += n + 1
             self.proposed += g
@@ -64,6 +65,16 @@ class SpecStats:
         return dict(rounds=self.rounds, tokens=self.tokens, tau=self.tau, alpha=self.alpha, proposed=self.proposed,
                     accepted=self.accepted, per_position=self.per_position, drafter_failures=self.drafter_failures,
                     timings=dict(self.timings))
+
+
+class Contexts(list):
+    """The drafters' view of each row: a list of `[n]` token tensors (prompt, committed tokens, the anchor
+    last) that also carries the same tokens as host lists in `.host`, so a drafter that works on the host
+    (prompt lookup) needs no device read."""
+
+    def __init__(self, tensors, host: list[list[int]]):
+        super().__init__(tensors)
+        self.host = host
 
 
 @dataclass
@@ -95,6 +106,7 @@ class SpecEngine:
         self.runner = make_runner(model, strategy=strategy, commit=commit, max_batch_size=max_batch_size,
                                   max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens)
         self.slots: list[int] = []  # target slot of each request row of the running generate call
+        self._row_index: dict[tuple[int, ...], torch.Tensor] = {}
         self.drafter.bind(self)
         gen = getattr(model, "generation_config", None)
         self.eos_token_id = getattr(gen, "eos_token_id", None)
@@ -131,7 +143,8 @@ class SpecEngine:
                          f"or a Drafter instance, got {drafter!r}")
 
     # ---- generate ----------------------------------------------------------------------------------
-    def _prompts(self, input_ids) -> list[torch.Tensor]:
+    def _prompts(self, input_ids) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """The caller's prompts, checked: `[P]` tensors on the target's device, and the same as host lists."""
         if isinstance(input_ids, torch.Tensor):
             if input_ids.dim() == 1:
                 input_ids = input_ids[None]
@@ -150,7 +163,7 @@ class SpecEngine:
             if bool(((p < 0) | (p >= vocab)).any()):  # else the embedding fails after slots are taken
                 raise ValueError(f"input_ids: prompt {i} has token ids outside [0, {vocab}): "
                                  f"min {int(p.min())}, max {int(p.max())}")
-        return [p.to(self.runner.device, torch.long) for p in prompts]
+        return [p.to(self.runner.device, torch.long) for p in prompts], [p.tolist() for p in prompts]
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
@@ -159,7 +172,7 @@ class SpecEngine:
         """Generate up to `max_new_tokens` per prompt; greedy output equals the target's own greedy decode and
         sampled output follows the target's distribution. `eos_token_id=None` never stops early."""
         t0 = time.perf_counter()
-        prompts = self._prompts(input_ids)
+        prompts, host_prompts = self._prompts(input_ids)
         B = len(prompts)
         sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -185,23 +198,46 @@ class SpecEngine:
         try:
             self.drafter.begin(rows, prompts)
             out_tokens: list[list[int]] = [[] for _ in rows]
-            anchors = torch.zeros(B, dtype=torch.long, device=self.runner.device)
+            hist = [list(p) for p in host_prompts]  # host mirror of every row's tokens (prompt, committed, anchor)
+            dev = self.runner.device
+            # the device token buffer and lengths; rounds update both without a host round trip
+            tok = torch.full((B, longest + max_new_tokens + 1), self.pad_token_id, dtype=torch.long, device=dev)
+            for b, p in enumerate(prompts):
+                tok[b, :p.numel()] = p
+            lens = torch.tensor([p.numel() for p in prompts], dtype=torch.long, device=dev)
             t = time.perf_counter()
             capture = tuple(self.drafter.feature_layers)
-            for b, p in enumerate(prompts):
-                out = self.runner.prefill(slots[b], p, capture=capture)
-                last = out.logits[0, -1]
-                if not bool(torch.isfinite(last).all()):
-                    raise self._nonfinite(last, b, p.numel() - 1)
-                anchors[b] = self._sample(last, sampling, gen)
-                self.drafter.observe([b], [p], [out.hidden[0]], {i: [out.captured[i][0]] for i in capture})
+            if hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
+                out = self.runner.prefill_batch(slots, prompts, capture=capture, last_logits=True)
+                last = out.logits[:, 0]
+                sizes = [p.numel() for p in prompts]
+                self.drafter.observe(rows, prompts, [out.hidden[b, :n] for b, n in enumerate(sizes)],
+                                     {i: [out.captured[i][b, :n] for b, n in enumerate(sizes)] for i in capture})
+            else:
+                last = []
+                for b, p in enumerate(prompts):
+                    out = self.runner.prefill(slots[b], p, capture=capture)
+                    last.append(out.logits[0, -1])
+                    self.drafter.observe([b], [p], [out.hidden[0]], {i: [out.captured[i][0]] for i in capture})
+                last = torch.stack(last)  # [B, V]
+            finite = torch.isfinite(last).all(1)  # checked after the one readback (a draw from NaN would raise first)
+            anchors = sample_token(torch.where(finite[:, None], last, 0), sampling, gen)
+            back = torch.cat([anchors[:, None], finite[:, None].long()], 1).tolist()
+            for b, (_, ok) in enumerate(back):
+                if not ok:
+                    raise self._nonfinite(last[b], b, prompts[b].numel() - 1)
             stats.timings["prefill"] += time.perf_counter() - t
             if streamer is not None:
                 streamer.put(prompts[0].cpu())
-            active = [b for b in rows if not self._emit(out_tokens[b], [int(anchors[b])], max_new_tokens, eos_set,
-                                                        streamer)]
+            tok[torch.arange(B, device=dev), lens] = anchors
+            lens += 1
+            active = []
+            for b in rows:
+                if not self._emit(out_tokens[b], [back[b][0]], max_new_tokens, eos_set, streamer):
+                    active.append(b)
+                hist[b].extend(out_tokens[b])
             while active:
-                self._round(active, slots, prompts, out_tokens, anchors, sampling, gen, stats, max_new_tokens,
+                self._round(active, slots, hist, out_tokens, tok, lens, anchors, sampling, gen, stats, max_new_tokens,
                             eos_set, streamer)
                 active = [b for b in active if not self._done(out_tokens[b], max_new_tokens, eos_set)]
         except BaseException:  # anything (KeyboardInterrupt included) after the slots were taken: drop the
@@ -219,56 +255,89 @@ class SpecEngine:
                         streamer.end()
         stats.timings["total"] = time.perf_counter() - t0
         width = max(p.numel() + len(o) for p, o in zip(prompts, out_tokens))
-        seqs = torch.full((B, width), self.pad_token_id, dtype=torch.long)
-        for b, (p, o) in enumerate(zip(prompts, out_tokens)):
-            row = p.tolist() + o
-            seqs[b, :len(row)] = torch.tensor(row)
+        rows_out = [p + o for p, o in zip(host_prompts, out_tokens)]
+        seqs = torch.tensor([r + [self.pad_token_id] * (width - len(r)) for r in rows_out], dtype=torch.long)
         return GenerateOutput(seqs, stats)
 
-    def _round(self, active, slots, prompts, out_tokens, anchors, sampling, gen, stats, max_new, eos_set, streamer):
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        """`rows` as a device tensor, built once per distinct list (else a host-to-device copy per round)."""
+        key = tuple(rows)
+        t = self._row_index.get(key)
+        if t is None:
+            if len(self._row_index) > 256:
+                self._row_index.clear()
+            t = self._row_index[key] = torch.tensor(key, dtype=torch.long, device=self.runner.device)
+        return t
+
+    def _round(self, active, slots, hist, out_tokens, tok, lens, anchors, sampling, gen, stats, max_new, eos_set,
+               streamer):
+        """One speculative round of the `active` rows: draft, verify, accept, one readback, commit, observe.
+
+        Host state: `hist[b]` (prompt + committed tokens, the anchor last) and `out_tokens[b]`. Device state:
+        the token buffer `tok [B, W]` with lengths `lens [B]`, and `anchors [B]`. The drafter's block is
+        checked with one host read; everything the host needs of the round (accepted counts, new tokens,
+        path, finiteness of the logits) comes back in one more; nothing else in here reads back."""
         B = len(active)
-        dev = self.runner.device
-        contexts = [torch.cat([prompts[b], torch.tensor(out_tokens[b], dtype=torch.long, device=dev)])
-                    for b in active]
+        idx = self._index(active)
+        contexts = Contexts([tok[b, :len(hist[b])] for b in active], [hist[b] for b in active])
         gamma = min(self.gamma, max(max_new - len(out_tokens[b]) for b in active))
         t = time.perf_counter()
         block = self._propose(active, contexts, gamma, sampling, gen, stats)
         stats.timings["draft"] += time.perf_counter() - t
         t = time.perf_counter()
-        ids = torch.cat([anchors[active][:, None], block.tokens], dim=1)  # [B, 1 + G]: anchor, drafts
+        ids = torch.cat([anchors[idx][:, None], block.tokens], dim=1)  # [B, 1 + G]: anchor, drafts
         capture = tuple(self.drafter.feature_layers)
         out = self.runner.forward([slots[b] for b in active], ids, parent=block.parent, capture=capture)
         # the round is open from here on: whatever raises, generate's handler aborts it (nothing committed)
-        if not bool(torch.isfinite(out.logits).all()):
-            raise self._nonfinite_round(out.logits, active, contexts, block.parent)
-        p = probs_from_logits(out.logits, sampling) if sampling.do_sample else None
+        finite = torch.isfinite(out.logits).flatten(1).all(1)  # read back with the round; raised before commit
+        logits = torch.where(finite[:, None, None], out.logits, 0) if sampling.do_sample else out.logits
+        p = probs_from_logits(logits, sampling) if sampling.do_sample else None
         if block.parent is None:
             if sampling.do_sample:
                 n, bonus = accept_chain_sampling(block.tokens, block.probs, p, generator=gen,
-                                                 num_drafts=block.num_drafts)
+                                                 num_drafts=block.num_drafts, validate=False)
             else:
-                n, bonus = accept_chain_greedy(block.tokens, out.logits, num_drafts=block.num_drafts)
-            ar = torch.arange(ids.shape[1], device=dev)
+                n, bonus = accept_chain_greedy(block.tokens, out.logits, num_drafts=block.num_drafts, validate=False)
+            ar = torch.arange(ids.shape[1], device=ids.device)
             path = torch.where(ar[None] <= n[:, None], ar[None], -1)
-            self.runner.commit(n + 1)
         else:
             if sampling.do_sample:
                 q = None if block.probs is None else torch.cat([torch.zeros_like(block.probs[:, :1]), block.probs], 1)
-                path, bonus = accept_tree_sampling(ids, block.parent, q, p, generator=gen)
+                path, bonus = accept_tree_sampling(ids, block.parent, q, p, generator=gen, validate=False)
             else:
-                path, bonus = accept_tree_greedy(ids, block.parent, out.logits)
+                path, bonus = accept_tree_greedy(ids, block.parent, out.logits, validate=False)
             n = (path >= 0).sum(1) - 1
-            self.runner.commit(path=path)
+        M = path.shape[1]
+        j = torch.arange(M, device=ids.device)
+        at = path.clamp(min=0)
+        new = torch.cat([ids.gather(1, at[:, 1:]), bonus[:, None]], 1)  # accepted drafts, then the bonus at n
+        new = torch.where(j[None] == n[:, None], bonus[:, None], new)
+        back = torch.cat([n[:, None], finite[:, None].long(), block.num_drafts[:, None], new, path], 1).tolist()
+        if not all(r[1] for r in back):
+            raise self._nonfinite_round(out.logits, active, contexts, block.parent)
+        n_h = [r[0] for r in back]
+        self.runner.commit(path=path, host_counts=[m + 1 for m in n_h])
         stats.timings["verify"] += time.perf_counter() - t
         self.drafter.commit(active, n)
-        stats.record(block.num_drafts, n)
-        kept = [path[i, :int(n[i]) + 1] for i in range(B)]
-        self.drafter.observe(active, [ids[i, k] for i, k in enumerate(kept)], [out.hidden[i, k] for i, k in enumerate(kept)],
-                             {l: [out.captured[l][i, k] for i, k in enumerate(kept)] for l in capture})
+        stats.record([r[2] for r in back], n_h)
+        # the device copies follow without a host round trip: token buffer, lengths, anchors
+        pos = (lens[idx][:, None] + j[None]).clamp(max=tok.shape[1] - 1)
+        keep = j[None] <= n[:, None]
+        tok[idx[:, None], pos] = torch.where(keep, new, tok[idx[:, None], pos])
+        lens[idx] += n + 1
+        anchors[idx] = bonus
+        kept_ids = ids.gather(1, at)
+        kept_h = out.hidden.gather(1, at[..., None].expand(-1, -1, out.hidden.shape[-1]))
+        kept_f = {l: out.captured[l].gather(1, at[..., None].expand(-1, -1, out.captured[l].shape[-1]))
+                  for l in capture}
+        self.drafter.observe(active, [kept_ids[i, :m + 1] for i, m in enumerate(n_h)],
+                             [kept_h[i, :m + 1] for i, m in enumerate(n_h)],
+                             {l: [f[i, :m + 1] for i, m in enumerate(n_h)] for l, f in kept_f.items()})
         for i, b in enumerate(active):
-            new = ids[i, kept[i][1:]].tolist() + [int(bonus[i])]
-            anchors[b] = bonus[i]
-            self._emit(out_tokens[b], new, max_new, eos_set, streamer)
+            toks = back[i][3:3 + n_h[i] + 1]
+            before = len(out_tokens[b])
+            self._emit(out_tokens[b], toks, max_new, eos_set, streamer)
+            hist[b].extend(out_tokens[b][before:])
 
     # ---- failures ----------------------------------------------------------------------------------
     def _propose(self, active, contexts, gamma, sampling, gen, stats) -> DraftBlock:

@@ -12,6 +12,10 @@ class KVCache:
 
     A round writes its T new entries after each request's committed length; `commit` keeps the accepted
     ones (compacting a tree's accepted path) by moving the length, so rollback costs nothing.
+
+    Nothing here reads a value back to the host: the lengths live on the device, and `bound` keeps a host
+    upper bound of each slot's length (exact when commits pass their host counts), which sizes the key span
+    `S` of a round. Keys past a row's true length are masked, so a loose bound costs work, never correctness.
     """
 
     def __init__(self, num_slots: int, max_length: int, *, device: torch.device | str = "cpu"):
@@ -19,17 +23,24 @@ class KVCache:
         self.device = torch.device(device)
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.store: dict[int, list[torch.Tensor]] = {}
+        self.bound = [0] * num_slots  # host upper bound of `lengths`
         self.slots: torch.Tensor | None = None
+        self.host_slots: list[int] = []
         self.parent: torch.Tensor | None = None
         self.num_tokens = 0
+        self.span = 0  # S: keys a round's attention reads
 
     # ---- round -------------------------------------------------------------------------------------
-    def begin(self, slots: torch.Tensor, num_tokens: int, parent: torch.Tensor | None = None) -> None:
-        """Open a round: `slots [B]`, T tokens (a chain, or a tree with `parent [B, T]`)."""
-        need = self.lengths[slots] + num_tokens
-        if bool((need > self.max_length).any()):
-            raise ValueError(f"max_length: {int(need.max())} tokens would exceed the cache length {self.max_length}")
-        self.slots, self.num_tokens, self.parent = slots, num_tokens, parent
+    def begin(self, slots: torch.Tensor, num_tokens: int, parent: torch.Tensor | None = None, *,
+              host_slots: list[int] | None = None) -> None:
+        """Open a round: `slots [B]` (and the same as a host list), T tokens (a chain, or a tree with
+        `parent [B, T]`)."""
+        host_slots = slots.tolist() if host_slots is None else list(host_slots)
+        need = max(self.bound[s] for s in host_slots) + num_tokens
+        if need > self.max_length:
+            raise ValueError(f"max_length: {need} tokens would exceed the cache length {self.max_length}")
+        self.slots, self.host_slots, self.num_tokens, self.parent = slots, host_slots, num_tokens, parent
+        self.span = need
 
     def depth(self) -> torch.Tensor:
         """Depth of each round token `[B, T]` (chain: t; tree: ancestors counted)."""
@@ -63,7 +74,7 @@ class KVCache:
         own ancestors are visible; other round tokens and padding are not."""
         lens = self.lengths[self.slots]
         B, T = lens.shape[0], self.num_tokens
-        S = int(lens.max()) + T
+        S = self.span
         j = torch.arange(S, device=self.device)
         ok = (j[None, None, :] < lens[:, None, None]).expand(B, T, S).clone()
         rel = j[None, :] - lens[:, None]  # [B, S]: index of the round token stored at key j
@@ -83,7 +94,7 @@ class KVCache:
             self.store[layer_idx] = [torch.zeros(self.lengths.shape[0], x.shape[1], self.max_length, x.shape[3],
                                                  dtype=x.dtype, device=self.device) for x in new]
         lens = self.lengths[self.slots]
-        S = int(lens.max()) + self.num_tokens
+        S = self.span
         idx = lens[:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]
         out = []
         for buf, x in zip(self.store[layer_idx], new):
@@ -92,20 +103,27 @@ class KVCache:
         return tuple(out)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.lengths[self.slots].max()) if self.slots is not None else 0
+        return self.span - self.num_tokens if self.slots is not None else 0
 
     # ---- commit ------------------------------------------------------------------------------------
-    def commit(self, path: torch.Tensor, n: torch.Tensor) -> None:
-        """Keep `n [B]` accepted round tokens of each row, `path [B, M]` their node indices (root first)."""
-        lens = self.lengths[self.slots]
-        for b, s in enumerate(self.slots.tolist()):
-            m = int(n[b])
-            p = path[b, :m]
-            if m and p.tolist() != list(range(m)):  # tree: move the accepted path to consecutive positions
-                for bufs in self.store.values():
-                    for buf in bufs:
-                        buf[s, :, lens[b]:lens[b] + m] = buf[s, :, lens[b] + p]
+    def commit(self, path: torch.Tensor, n: torch.Tensor, *, host_counts: list[int] | None = None) -> None:
+        """Keep `n [B]` accepted round tokens of each row, `path [B, M]` their node indices (root first).
+        `host_counts`: the same n on the host, which keeps `bound` exact (else it grows by T)."""
+        if self.parent is not None:  # tree: move each accepted path to consecutive positions
+            lens = self.lengths[self.slots]
+            j = torch.arange(path.shape[1], device=self.device)
+            keep = (j[None, :] < n[:, None])[..., None, None]  # [B, M, 1, 1]
+            src = (lens[:, None] + path.clamp(min=0)).clamp(max=self.max_length - 1)
+            dst = (lens[:, None] + j[None, :]).clamp(max=self.max_length - 1)
+            rows = self.slots[:, None]
+            for bufs in self.store.values():
+                for buf in bufs:  # [N, h, max_length, d]: indexed -> [B, M, h, d]
+                    new, old = buf[rows, :, src], buf[rows, :, dst]
+                    buf[rows, :, dst] = torch.where(keep, new, old)
         self.lengths[self.slots] += n
+        counts = host_counts if host_counts is not None else [self.num_tokens] * len(self.host_slots)
+        for s, c in zip(self.host_slots, counts):
+            self.bound[s] += c
         self.slots = self.parent = None
 
     def abort(self) -> None:
@@ -113,3 +131,4 @@ class KVCache:
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
+        self.bound[slot] = 0

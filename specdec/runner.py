@@ -165,6 +165,7 @@ class HybridRunner:
         self.kv = KVCache(cfg.num_slots, max_length, device=self.device)
         self.max_length, self.prefill_chunk = max_length, prefill_chunk
         self.num_verify_tokens = num_verify_tokens
+        self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         self.vocab_size = model.config.vocab_size
         self.hidden_size = model.config.hidden_size
 
@@ -250,28 +251,43 @@ class HybridRunner:
         round stays open until `commit` / `abort`."""
         return self._forward(slots, ids, parent, False, capture)
 
-    def commit(self, num_accepted=None, *, path=None) -> None:
+    def commit(self, num_accepted=None, *, path=None, host_counts: list[int] | None = None) -> None:
+        """Keep the accepted tokens of the open round: `num_accepted [B]` (chain: tokens kept, anchor
+        included) or `path [B, M]` (node indices, -1 padded). Trusted (the engine validated the round's
+        inputs); device ops only. `host_counts`: the kept counts on the host where the caller has them."""
         B, T = self.kv.slots.shape[0], self.kv.num_tokens
+        if host_counts is None and isinstance(num_accepted, (list, tuple)):
+            host_counts = [int(x) for x in num_accepted]
         path, n = path_and_count(num_accepted, path, B, T, self.device)
-        self.state.commit(path=path)  # validates before anything changes
-        self.kv.commit(path.clamp(min=0), n)
+        self.state._commit(path, n)
+        self.kv.commit(path.clamp(min=0), n, host_counts=host_counts)
 
     def abort(self) -> None:
         self.state.abort()
         self.kv.abort()
 
     # ---- forward -----------------------------------------------------------------------------------
+    def slots_tensor(self, slots: list[int]) -> torch.Tensor:
+        """`slots` as a device tensor, built once per distinct list (a host-to-device copy otherwise)."""
+        key = tuple(slots)
+        t = self._slot_tensors.get(key)
+        if t is None:
+            if len(self._slot_tensors) > 256:
+                self._slot_tensors.clear()
+            t = self._slot_tensors[key] = torch.as_tensor(key, dtype=torch.long, device=self.device)
+        return t
+
     def _forward(self, slots, ids, parent, prefill: bool, capture, chunk: _Chunk | None = None) -> RunnerOutput:
         """One forward over `ids [B, T]`; a prefill commits at once (with `chunk`: `chunk.n` tokens per row)."""
-        slots_t = torch.as_tensor(slots, dtype=torch.long, device=self.device)
+        slots_t = self.slots_tensor(slots)
         B, T = ids.shape
         if parent is not None:
             parent = torch.as_tensor(parent, dtype=torch.long, device=self.device)
             parent = parent.expand(B, -1) if parent.dim() == 1 else parent
         if not prefill:
-            self.state.begin(slots_t, num_tokens=T, parent=parent)
+            self.state._begin(slots_t, T, parent)
         try:
-            self.kv.begin(slots_t, T, parent)
+            self.kv.begin(slots_t, T, parent, host_slots=list(slots))
             h = self.base.embed_tokens(ids)
             positions = self.kv.positions()
             mask = self.kv.attention_mask(h.dtype)
@@ -304,8 +320,8 @@ class HybridRunner:
             self.abort()
             raise
         if prefill:  # with `chunk`, keys past a row's real tokens stay beyond its length: never visible
-            n = torch.full((B,), T, device=self.device) if chunk is None else chunk.n
-            self.kv.commit(torch.arange(T, device=self.device).expand(B, T), n)
+            n, counts = (torch.full((B,), T, device=self.device), [T] * B) if chunk is None else (chunk.n, chunk.counts)
+            self.kv.commit(torch.arange(T, device=self.device).expand(B, T), n, host_counts=counts)
             self.state.pool.seq_len[slots_t] += n
         return RunnerOutput(logits, hidden, captured)
 
@@ -405,7 +421,7 @@ class GenericRunner:
         return RunnerOutput(torch.stack(logits), torch.stack(hidden), {i: torch.stack(v) for i, v in caps.items()})
 
     @torch.no_grad()
-    def commit(self, num_accepted=None, *, path=None) -> None:
+    def commit(self, num_accepted=None, *, path=None, host_counts: list[int] | None = None) -> None:
         slots, ids, clones = self._round
         _, n = path_and_count(num_accepted, path, len(slots), ids.shape[1], self.device)
         if bool(((n < 1) | (n > ids.shape[1])).any()):

@@ -225,10 +225,10 @@ def test_sampling_follows_target(small, setting):
     assert stat < crit, f"chi2 {stat:.1f} >= critical {crit:.1f} (df {df})"
 
 
-def _bonus_from_p(tokens, parent, draft_probs, target_probs, *, generator=None):
+def _bonus_from_p(tokens, parent, draft_probs, target_probs, *, generator=None, validate=True):
     """Wrong: the right walk down the tree, but the bonus is drawn from p at the last accepted node, ignoring
     the rejected siblings (no residual)."""
-    path, _ = accept_tree_sampling(tokens, parent, draft_probs, target_probs, generator=generator)
+    path, _ = accept_tree_sampling(tokens, parent, draft_probs, target_probs, generator=generator, validate=validate)
     last = path.gather(1, ((path >= 0).sum(1) - 1)[:, None])[:, 0]
     p = target_probs[torch.arange(tokens.shape[0]), last].double()
     return path, torch.multinomial(p, 1, generator=generator)[:, 0]
@@ -258,9 +258,9 @@ def test_tree_rounds_commit_plain_decode_state(setup, strategy, commit):
     paths, snaps, ptrs = [], [], set()
     commit_fn = engine.runner.commit
 
-    def record_commit(num_accepted=None, *, path=None):
+    def record_commit(num_accepted=None, *, path=None, **kw):
         paths.append(None if path is None else path.clone())
-        commit_fn(num_accepted, path=path)
+        commit_fn(num_accepted, path=path, **kw)
         if strategy == "replay":
             ptrs.add(engine.runner.state.node_states.data_ptr())
 

@@ -363,7 +363,7 @@ def _fault_site(engine, target, point, rng, B):
     if point == "accept":
         return specdec.engine, "accept_chain_greedy", 2
     if point == "state_commit":
-        return engine.runner.state, "commit", 2
+        return engine.runner.state, "_commit", 2  # the runner commits through the unchecked entry
     if point == "kv_commit":  # after the state strategy committed: a half-committed round
         return engine.runner.kv, "commit", B + 2
     if point == "drafter_commit":
@@ -424,7 +424,7 @@ def test_model_drafter_left_mid_round(target, prompts, exc):
     kw = dict(drafter="model", draft_model=target, max_batch_size=MAX_BATCH)
     engine = _wrap(target, ("replay", "lazy"), **kw)
     draft = engine.drafter.runner
-    with _fault(draft.state, "commit", 2, exc):
+    with _fault(draft.state, "_commit", 2, exc):
         if isinstance(exc, RuntimeError):
             with pytest.warns(RuntimeWarning, match="drafter model failed .*draft commit failed"):
                 out = _generate(engine, batch, max_new_tokens=N)
@@ -505,9 +505,13 @@ def test_nonfinite_prefill_logits(target, prompts):
     engine = _wrap(target, ("replay", "lazy"))
     batch = [list(p) for p in itertools.islice(prompts, 2)]
 
-    def hook(module, args, logits):
-        if logits.shape[1] == len(batch[1]):  # the second prompt's prefill
-            logits[0, -1, 0] = math.nan
+    calls = []
+
+    def hook(module, args, logits):  # the first head call is the prefill: the last logits of both prompts
+        calls.append(logits.shape)
+        if len(calls) == 1:
+            assert logits.shape[:2] == (2, 1), logits.shape
+            logits[1, -1, 0] = math.nan
 
     assert len(batch[0]) != len(batch[1])
     handle = target.lm_head.register_forward_hook(hook)

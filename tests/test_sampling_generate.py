@@ -137,17 +137,18 @@ def _p_at(target_probs: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return target_probs[torch.arange(n.shape[0]), n]
 
 
-def accept_every_draft(draft_tokens, draft_probs, target_probs, *, generator=None, num_drafts=None):
+def accept_every_draft(draft_tokens, draft_probs, target_probs, *, generator=None, num_drafts=None, validate=True):
     """Wrong: emits every draft (the draft model's own distribution), bonus from p after them."""
     n = torch.full((draft_tokens.shape[0],), draft_tokens.shape[1], dtype=torch.long) if num_drafts is None \
         else num_drafts.long()
     return n, torch.multinomial(_p_at(target_probs, n).double(), 1, generator=generator).squeeze(1)
 
 
-def bonus_without_residual(draft_tokens, draft_probs, target_probs, *, generator=None, num_drafts=None):
+def bonus_without_residual(draft_tokens, draft_probs, target_probs, *, generator=None, num_drafts=None,
+                           validate=True):
     """Wrong: the right accept test, but after a rejection the bonus is drawn from p, not norm(max(0, p - q))."""
     n, _ = accept_chain_sampling(draft_tokens, draft_probs, target_probs, generator=generator,
-                                 num_drafts=num_drafts)
+                                 num_drafts=num_drafts, validate=validate)
     return n, torch.multinomial(_p_at(target_probs, n).double(), 1, generator=generator).squeeze(1)
 
 

@@ -172,7 +172,8 @@ def _prefix_len(ok: Tensor, num_drafts: Tensor | None) -> Tensor:
     return ok.long().cumprod(1).sum(1)
 
 
-def _walk_tree(parent: Tensor, try_child: Callable[[int, Tensor, Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+def _walk_tree(parent: Tensor, try_child: Callable[[int, Tensor, Tensor], Tensor], *,
+               trim: bool = True) -> tuple[Tensor, Tensor]:
     """Walk every row of a tree from the root, trying children in index order.
 
     `parent` `[B, T]` (topological, -1 = root / padding). `try_child(j, m, cur)` gets node `j`, the
@@ -180,7 +181,7 @@ def _walk_tree(parent: Tensor, try_child: Callable[[int, Tensor, Tensor], Tensor
     the rows `[B]` (a subset of `m`) that accept `j`. Since `parent[j] < j`, a node's children all
     come after it, so one pass over `j` tries each current node's children in index order.
     Returns `path` `[B, M]` (node indices root..last accepted, -1 padded; `M` = tree depth + 1) and the
-    last accepted node `[B]`.
+    last accepted node `[B]`. `trim=False` keeps `M = T` (no host read of the depth).
     """
     b, t = parent.shape
     device = parent.device
@@ -197,6 +198,8 @@ def _walk_tree(parent: Tensor, try_child: Callable[[int, Tensor, Tensor], Tensor
         cur = torch.where(acc, j, cur)
         steps = steps + acc.long()
         path[rows, steps] = torch.where(acc, j, path[rows, steps])
+    if not trim:
+        return path, cur
     m = int(depth.max()) + 1 if b > 0 else 1
     return path[:, :m].contiguous(), cur
 
@@ -206,7 +209,7 @@ def _walk_tree(parent: Tensor, try_child: Callable[[int, Tensor, Tensor], Tensor
 
 
 def accept_chain_greedy(draft_tokens: Tensor, target_logits: Tensor, *,
-                        num_drafts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                        num_drafts: Tensor | None = None, validate: bool = True) -> tuple[Tensor, Tensor]:
     """Greedy acceptance of a draft chain.
 
     `draft_tokens` `[B, G]`; `target_logits` `[B, G+1, V]`, position `i` = the target's scores for the
@@ -214,8 +217,11 @@ def accept_chain_greedy(draft_tokens: Tensor, target_logits: Tensor, *,
     proposed only its first `num_drafts[b]` drafts (the rest is padding and never accepted).
     Returns `num_accepted` `[B]` int64 (drafts accepted, 0..G) and `bonus` `[B]` int64: the target's
     argmax at the first mismatch, or at the position after the last accepted draft.
+    `validate=False` skips the argument checks (a caller that validated the block once, like the engine:
+    then nothing here reads a value back to the host).
     """
-    _check_chain(draft_tokens, target_logits, "target_logits", None, num_drafts)
+    if validate:
+        _check_chain(draft_tokens, target_logits, "target_logits", None, num_drafts)
     best = target_logits.argmax(-1)
     n = _prefix_len(draft_tokens.long() == best[:, :-1], num_drafts)
     return n, best.gather(1, n[:, None]).squeeze(1)
@@ -223,7 +229,7 @@ def accept_chain_greedy(draft_tokens: Tensor, target_logits: Tensor, *,
 
 def accept_chain_sampling(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, *,
                           generator: torch.Generator | None = None,
-                          num_drafts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                          num_drafts: Tensor | None = None, validate: bool = True) -> tuple[Tensor, Tensor]:
     """Speculative-sampling acceptance of a draft chain (lossless: emitted tokens follow `p`).
 
     `draft_tokens` `[B, G]`, draft `i` drawn from `draft_probs[:, i]` `[B, G, V]` (None = deterministic
@@ -232,9 +238,13 @@ def accept_chain_sampling(draft_tokens: Tensor, draft_probs: Tensor | None, targ
     `num_drafts` `[B]` as in `accept_chain_greedy`. Every random draw uses `generator`.
     Returns `num_accepted` `[B]` int64 (0..G) and `bonus` `[B]` int64: drawn from the residual
     `norm(max(0, p - q))` at the first rejection, or from `p` after the last proposed draft.
+    `validate` as in `accept_chain_greedy`.
     """
-    b, g, v = _check_chain(draft_tokens, target_probs, "target_probs", draft_probs, num_drafts)
-    _check_generator(generator)
+    if validate:
+        b, g, v = _check_chain(draft_tokens, target_probs, "target_probs", draft_probs, num_drafts)
+        _check_generator(generator)
+    else:
+        (b, g), v = draft_tokens.shape, target_probs.shape[-1]
     dtype = _work_dtype(target_probs, draft_probs)
     p = target_probs.to(dtype)
     x = draft_tokens.long()
@@ -261,7 +271,8 @@ def accept_chain_sampling(draft_tokens: Tensor, draft_probs: Tensor | None, targ
 # trees
 
 
-def accept_tree_greedy(tokens: Tensor, parent: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
+def accept_tree_greedy(tokens: Tensor, parent: Tensor, target_logits: Tensor, *,
+                       validate: bool = True) -> tuple[Tensor, Tensor]:
     """Greedy acceptance of a draft tree.
 
     `tokens` `[B, T]` (node 0 = root / anchor); `parent` `[T]` or `[B, T]` int, `parent[0] = -1`,
@@ -270,21 +281,25 @@ def accept_tree_greedy(tokens: Tensor, parent: Tensor, target_logits: Tensor) ->
     From the root, move to the first child (in index order) whose token is the target's argmax at the
     current node; stop when there is none.
     Returns `path` `[B, M]` int64 (node indices root..last accepted, -1 padded, `M` = tree depth + 1)
-    and `bonus` `[B]` int64 (the argmax at the last accepted node).
+    and `bonus` `[B]` int64 (the argmax at the last accepted node). With `validate=False` (no argument
+    checks, nothing read back to the host) `M = T`.
     """
-    _, _, _, parent = _check_tree(tokens, parent, target_logits, "target_logits", None)
+    if validate:
+        _, _, _, parent = _check_tree(tokens, parent, target_logits, "target_logits", None)
+    else:
+        parent = parent.long().expand(tokens.shape[0], -1)
     best = target_logits.argmax(-1)
     tok = tokens.long()
 
     def try_child(j: int, m: Tensor, cur: Tensor) -> Tensor:
         return m & (tok[:, j] == best.gather(1, cur[:, None]).squeeze(1))
 
-    path, cur = _walk_tree(parent, try_child)
+    path, cur = _walk_tree(parent, try_child, trim=validate)
     return path, best.gather(1, cur[:, None]).squeeze(1)
 
 
 def accept_tree_sampling(tokens: Tensor, parent: Tensor, draft_probs: Tensor | None, target_probs: Tensor, *,
-                         generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                         generator: torch.Generator | None = None, validate: bool = True) -> tuple[Tensor, Tensor]:
     """Speculative-sampling acceptance of a draft tree by recursive rejection over siblings.
 
     `tokens` `[B, T]` and `parent` `[T]` or `[B, T]` as in `accept_tree_greedy`; node `j`'s token was
@@ -295,10 +310,14 @@ def accept_tree_sampling(tokens: Tensor, parent: Tensor, draft_probs: Tensor | N
     against that. An accepted child becomes the current node with `p` = its target distribution; when
     no child is left the bonus is drawn from the current `p` (the residual if children were rejected).
     Every random draw uses `generator`. Returns `path` `[B, M]` int64 (root..last accepted, -1 padded)
-    and `bonus` `[B]` int64.
+    and `bonus` `[B]` int64. `validate` as in `accept_tree_greedy`.
     """
-    b, t, v, parent = _check_tree(tokens, parent, target_probs, "target_probs", draft_probs)
-    _check_generator(generator)
+    if validate:
+        b, t, v, parent = _check_tree(tokens, parent, target_probs, "target_probs", draft_probs)
+        _check_generator(generator)
+    else:
+        (b, t), v = tokens.shape, target_probs.shape[-1]
+        parent = parent.long().expand(b, -1)
     dtype = _work_dtype(target_probs, draft_probs)
     p = target_probs.to(dtype)
     tok = tokens.long()
@@ -314,5 +333,5 @@ def accept_tree_sampling(tokens: Tensor, parent: Tensor, draft_probs: Tensor | N
         p_cur = torch.where(acc[:, None], p[:, j], torch.where(rej[:, None], _residual(p_cur, q_j), p_cur))
         return acc
 
-    path, _ = _walk_tree(parent, try_child)
+    path, _ = _walk_tree(parent, try_child, trim=validate)
     return path, _sample(p_cur, generator)

@@ -77,3 +77,12 @@ def probs_from_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, -math.inf)
     return scores.softmax(-1)
+
+
+def sample_token(logits: Tensor, params: SamplingParams, generator=None) -> Tensor:
+    """One token per row of `logits [B, V]` -> `[B]` int64: the argmax (greedy), or a draw from
+    `probs_from_logits` (in float64) with `generator`."""
+    if not params.do_sample:
+        return logits.argmax(-1)
+    probs = probs_from_logits(logits, params).to(torch.float64)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
