@@ -187,31 +187,27 @@ def gpu_view(counter: Counter):
 def measure(engine, prompts, max_new_tokens: int, *, kernels: str = "gpu") -> dict:
     """One greedy `generate` under the counter; per-round averages and the top source lines."""
     counter = Counter()
-    rounds = 0
-    orig, orig_prompts = engine._round, engine._prompts
+    rounds = [0]
 
-    def prompts_phase(*a, **k):  # checks of the caller's host inputs: host work, not device syncs
-        counter.phase = "input"
-        try:
-            return orig_prompts(*a, **k)
-        finally:
-            counter.phase = "prefill"
-    engine._prompts = prompts_phase
-
-    def counted(*a, **k):
-        nonlocal rounds
-        rounds += 1
-        counter.phase = "round"
-        try:
-            return orig(*a, **k)
-        finally:
-            counter.phase = "between"
-    engine._round = counted
+    def phased(fn, phase, after, calls=None):
+        def run(*a, **k):
+            if calls is not None:
+                calls[0] += 1
+            counter.phase = phase
+            try:
+                return fn(*a, **k)
+            finally:
+                counter.phase = after
+        return run
+    # checks of the caller's host inputs are host work, not device syncs: their own phase
+    engine._prompts = phased(engine._prompts, "input", "prefill")
+    engine._round = phased(engine._round, "round", "between", rounds)
     try:
         with counter, patched(counter), (gpu_view(counter) if kernels == "gpu" else contextlib.nullcontext()):
             out = engine.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=None)
     finally:
         del engine._round, engine._prompts
+    rounds = rounds[0]
     total_syncs = sum(v for (ph, _), v in counter.syncs.items() if ph != "input")
     input_syncs = sum(v for (ph, _), v in counter.syncs.items() if ph == "input")
     round_syncs = sum(v for (ph, _), v in counter.syncs.items() if ph == "round")

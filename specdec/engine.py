@@ -14,7 +14,7 @@ from specdec.draft.common import KINDS, build_drafter_net, kind_module, load_dra
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
 
-from .runner import HybridRunner, make_runner
+from .runner import HybridRunner, index_tensor, make_runner
 
 STRATEGIES = ("replay", "snapshot")
 COMMITS = ("eager", "lazy")
@@ -261,13 +261,7 @@ class SpecEngine:
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         """`rows` as a device tensor, built once per distinct list (else a host-to-device copy per round)."""
-        key = tuple(rows)
-        t = self._row_index.get(key)
-        if t is None:
-            if len(self._row_index) > 256:
-                self._row_index.clear()
-            t = self._row_index[key] = torch.tensor(key, dtype=torch.long, device=self.runner.device)
-        return t
+        return index_tensor(self._row_index, rows, self.runner.device)
 
     def _round(self, active, slots, hist, out_tokens, tok, lens, anchors, sampling, gen, stats, max_new, eos_set,
                streamer):

@@ -27,6 +27,18 @@ class RunnerOutput:
     captured: dict[int, torch.Tensor]  # layer index -> [B, T, hidden] output of that decoder layer
 
 
+def index_tensor(cache: dict, values: list[int], device) -> torch.Tensor:
+    """`values` as a long device tensor, kept in `cache` per distinct list: rounds reuse their row and slot
+    indices, so only a change of the batch costs a host-to-device copy."""
+    key = tuple(values)
+    t = cache.get(key)
+    if t is None:
+        if len(cache) > 256:
+            cache.clear()
+        t = cache[key] = torch.tensor(key, dtype=torch.long, device=device)
+    return t
+
+
 def path_and_count(num_accepted, path, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain `num_accepted [B]` or tree `path [B, M]` -> (path `[B, M]` -1 padded, n `[B]`)."""
     if path is None:
@@ -269,13 +281,7 @@ class HybridRunner:
     # ---- forward -----------------------------------------------------------------------------------
     def slots_tensor(self, slots: list[int]) -> torch.Tensor:
         """`slots` as a device tensor, built once per distinct list (a host-to-device copy otherwise)."""
-        key = tuple(slots)
-        t = self._slot_tensors.get(key)
-        if t is None:
-            if len(self._slot_tensors) > 256:
-                self._slot_tensors.clear()
-            t = self._slot_tensors[key] = torch.as_tensor(key, dtype=torch.long, device=self.device)
-        return t
+        return index_tensor(self._slot_tensors, slots, self.device)
 
     def _forward(self, slots, ids, parent, prefill: bool, capture, chunk: _Chunk | None = None) -> RunnerOutput:
         """One forward over `ids [B, T]`; a prefill commits at once (with `chunk`: `chunk.n` tokens per row)."""
