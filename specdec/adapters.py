@@ -1,8 +1,12 @@
 """Per-family linear-attention mixers: the model's own projections, gates and output norm around our
-short conv and delta rule. Each `run` mirrors the transformers module's forward op for op."""
+short conv and delta rule. Each `run` mirrors the transformers module's forward op for op.
+
+`HYBRID_FAMILIES` is the registry the hybrid runner dispatches on: per `config.model_type` the mixer and where
+the decoder layers put their norms."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -23,6 +27,8 @@ class KimiDeltaMixer:
     """`KimiLinearDeltaAttention`: KDA (per-channel decay), l2norm as x / sqrt(|x|^2 + eps)."""
 
     gate, norm = "kda", "sqrt_div"
+    requires = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
+                "o_proj")
 
     @staticmethod
     def module(layer):
@@ -33,8 +39,8 @@ class KimiDeltaMixer:
         return dict(num_heads=mod.num_heads, head_k_dim=mod.head_dim, head_v_dim=mod.head_dim,
                     conv_dim=mod.conv_dim, conv_kernel=mod.conv_kernel_size)
 
-    @staticmethod
-    def run(mod, x: torch.Tensor, ops: MixerOps) -> torch.Tensor:
+    @classmethod
+    def run(cls, mod, x: torch.Tensor, ops: MixerOps) -> torch.Tensor:
         """x `[B, T, hidden]` (after the input norm) -> `[B, T, hidden]`."""
         B, T, _ = x.shape
         mixed = torch.cat([mod.q_proj(x), mod.k_proj(x), mod.v_proj(x)], dim=-1)
@@ -43,8 +49,27 @@ class KimiDeltaMixer:
         g = mod.forget_gate(x)
         beta = torch.sigmoid(mod.b_proj(x))
         o = ops.mix(q, k, v, g, beta)
-        gate = mod.g_b_proj(mod.g_a_proj(x)).view(B, T, -1, mod.head_dim)
-        return mod.o_proj(mod.o_norm(o, gate).reshape(B, T, -1))
+        return mod.o_proj(mod.o_norm(o, cls.output_gate(mod, x)).reshape(B, T, -1))
+
+    @staticmethod
+    def output_gate(mod, x: torch.Tensor) -> torch.Tensor:
+        """The gate of the output norm, `[B, T, H, head_dim]`: low rank `g_b_proj(g_a_proj(x))`."""
+        return mod.g_b_proj(mod.g_a_proj(x)).view(*x.shape[:2], -1, mod.head_dim)
+
+
+class BailingDeltaMixer(KimiDeltaMixer):
+    """`BailingHybridDeltaAttention` (Ling): Kimi's KDA layer with a full-rank output gate `g_proj` (not
+    `g_b_proj(g_a_proj(x))`); the forget gate may be the bounded `lower_bound * sigmoid(A * (f + dt_bias))`
+    (`kda_safe_gate`), computed by the module's own `forget_gate`; the gated norm takes a sigmoid gate. Its
+    conv weight is kept in fp32 (`_keep_in_fp32_modules_strict`): the short conv runs in fp32 on low-precision
+    models, as transformers' conv does."""
+
+    requires = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_proj", "o_norm", "o_proj")
+
+    @staticmethod
+    def output_gate(mod, x: torch.Tensor) -> torch.Tensor:
+        """Full rank: `g_proj(x)`."""
+        return mod.g_proj(x).view(*x.shape[:2], -1, mod.head_dim)
 
 
 class GatedDeltaMixer:
@@ -52,6 +77,7 @@ class GatedDeltaMixer:
     `_a`): scalar decay per head, grouped value heads (q, k shared by `num_v_heads // num_k_heads`)."""
 
     gate, norm = "gdn", "rsqrt"
+    requires = ("conv1d", "A_log", "dt_bias", "norm", "out_proj")
 
     @staticmethod
     def module(layer):
@@ -85,5 +111,72 @@ class GatedDeltaMixer:
         return mod.out_proj(o.reshape(B, T, -1))
 
 
-MIXERS = {"kimi_linear": KimiDeltaMixer, "qwen3_next": GatedDeltaMixer, "qwen3_5": GatedDeltaMixer,
-          "qwen3_5_text": GatedDeltaMixer}
+class OlmoGatedDeltaMixer(GatedDeltaMixer):
+    """`OlmoHybridGatedDeltaNet`: Gated DeltaNet with separate `q_proj` / `k_proj` / `v_proj` / `a_proj` /
+    `b_proj`, an output gate `g_proj` (in place of Qwen's z), `o_norm` / `o_proj`, a bias-free conv, and
+    beta doubled when `allow_neg_eigval` (beta in (0, 2): negative eigenvalues of the transition)."""
+
+    requires = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "conv1d", "A_log", "dt_bias", "o_norm",
+                "o_proj")
+
+    @staticmethod
+    def run(mod, x: torch.Tensor, ops: MixerOps) -> torch.Tensor:
+        B, T, _ = x.shape
+        mixed = torch.cat([mod.q_proj(x), mod.k_proj(x), mod.v_proj(x)], dim=-1)
+        y = ops.conv(mixed, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, mod.activation)
+        q, k, v = torch.split(y, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
+        rep = mod.num_v_heads // mod.num_k_heads
+        q = q.reshape(B, T, -1, mod.head_k_dim).repeat_interleave(rep, dim=2)
+        k = k.reshape(B, T, -1, mod.head_k_dim).repeat_interleave(rep, dim=2)
+        v = v.reshape(B, T, -1, mod.head_v_dim)
+        beta = mod.b_proj(x).sigmoid()
+        if mod.allow_neg_eigval:
+            beta = beta * 2.0
+        g = -mod.A_log.float().exp() * F.softplus(mod.a_proj(x).float() + mod.dt_bias)
+        o = ops.mix(q, k, v, g, beta)
+        gate = mod.g_proj(x)
+        o = mod.o_norm(o.reshape(-1, mod.head_v_dim), gate.reshape(-1, mod.head_v_dim))
+        return mod.o_proj(o.reshape(B, T, -1))
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Where a decoder layer puts its norms (attribute names; None: none there):
+    `h += post_mixer(mixer(pre_mixer(h)))`, then `h += post_mlp(mlp(pre_mlp(h)))`."""
+
+    pre_mixer: str | None = "input_layernorm"
+    post_mixer: str | None = None
+    pre_mlp: str | None = "post_attention_layernorm"
+    post_mlp: str | None = None
+
+    def norms(self, layer) -> tuple:
+        """The layer's four norm modules (None where the layout has none)."""
+        return tuple(None if name is None else getattr(layer, name)
+                     for name in (self.pre_mixer, self.post_mixer, self.pre_mlp, self.post_mlp))
+
+
+PRE_NORM = LayerLayout()
+# OLMo 2/3 attention blocks: no input norm, the norms on the outputs of attention and MLP
+POST_NORM = LayerLayout(None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+
+
+@dataclass(frozen=True)
+class HybridFamily:
+    """One hybrid family: its linear-attention mixer and the layout of its linear / full-attention layers."""
+
+    mixer: type
+    linear: LayerLayout = PRE_NORM
+    attention: LayerLayout = PRE_NORM
+
+
+HYBRID_FAMILIES = {
+    "kimi_linear": HybridFamily(KimiDeltaMixer),
+    "qwen3_next": HybridFamily(GatedDeltaMixer),
+    "qwen3_5": HybridFamily(GatedDeltaMixer),
+    "qwen3_5_text": HybridFamily(GatedDeltaMixer),
+    "qwen3_5_moe": HybridFamily(GatedDeltaMixer),
+    "qwen3_5_moe_text": HybridFamily(GatedDeltaMixer),
+    "olmo_hybrid": HybridFamily(OlmoGatedDeltaMixer, attention=POST_NORM),
+    "bailing_hybrid": HybridFamily(BailingDeltaMixer),
+}
+MIXERS = {name: fam.mixer for name, fam in HYBRID_FAMILIES.items()}

@@ -5,11 +5,16 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5")
+FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5")  # the families the shared test matrix runs
+MORE_FAMILIES = ("qwen3_5_moe", "olmo_hybrid", "bailing_hybrid")  # tests/test_adapters_more.py
+ALL_FAMILIES = FAMILIES + MORE_FAMILIES  # every hybrid modeling module (transformers.models.<family>)
 # the module-level chunked delta rule of each family, and the L2 norm its model applies to q and k
 CHUNK_FNS = {"kimi_linear": ("chunk_kimi_delta_attention", "sqrt_div"),
              "qwen3_next": ("torch_chunk_gated_delta_rule", "rsqrt"),
-             "qwen3_5": ("torch_chunk_gated_delta_rule", "rsqrt")}
+             "qwen3_5": ("torch_chunk_gated_delta_rule", "rsqrt"),
+             "qwen3_5_moe": ("torch_chunk_gated_delta_rule", "rsqrt"),
+             "olmo_hybrid": ("torch_chunk_gated_delta_rule", "rsqrt"),
+             "bailing_hybrid": ("chunk_kimi_delta_attention", "sqrt_div")}
 
 
 def _chunk_adapter(norm: str, default_chunk: int, torch_chunk):
@@ -42,7 +47,7 @@ def torch_fallbacks(*families: str, chunked: bool = False, chunk_size: int = 16)
     the same recurrence vectorized across chunks; several times faster on CPU, forward and backward.
     """
     swaps = []
-    for fam in families or FAMILIES:
+    for fam in families or ALL_FAMILIES:
         mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
         for name, fn in list(vars(mod).items()):
             orig = getattr(fn, "__wrapped__", None)

@@ -16,7 +16,7 @@ import torch
 from specdec import kernels
 from specdec.replayssm import StateConfig, make_strategy
 
-from .adapters import MIXERS
+from .adapters import HYBRID_FAMILIES
 from .kv_cache import KVCache
 
 
@@ -149,22 +149,59 @@ def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig, 
                                     norm=cfg.norm)
 
 
+def _layer_plan(family: str, spec, layers, linear_index) -> tuple[list[tuple], dict[int, bool]]:
+    """Per decoder layer its four norms (`LayerLayout.norms`), and per attention layer whether its forward takes
+    `position_embeddings` (OLMo-Hybrid's does, None without RoPE). Every module the runner calls is looked up
+    here: a class transformers changed fails now, naming the family, layer and missing module."""
+    def missing(owner, name: str, what: str):
+        cls = type(owner).__name__
+        return ValueError(f"model: {family} layer {i} ({cls}) has no {what} {name!r}; the hybrid adapter expects "
+                          f"it (has transformers changed {cls}?)")
+
+    norms, rope = [], {}
+    for i, layer in enumerate(layers):
+        linear = i in linear_index
+        layout = spec.linear if linear else spec.attention
+        for name in (layout.pre_mixer, layout.post_mixer, layout.pre_mlp, layout.post_mlp, "mlp"):
+            if name is not None and not isinstance(getattr(layer, name, None), torch.nn.Module):
+                raise missing(layer, name, "module")
+        if linear:
+            try:
+                mod = spec.mixer.module(layer)
+            except AttributeError as e:
+                raise missing(layer, getattr(e, "name", None) or "linear-attention mixer", "module") from None
+            for name in spec.mixer.requires:
+                if not hasattr(mod, name):
+                    raise missing(mod, name, "attribute")
+        else:
+            attn = getattr(layer, "self_attn", None)
+            if not isinstance(attn, torch.nn.Module):
+                raise missing(layer, "self_attn", "module")
+            rope[i] = "position_embeddings" in inspect.signature(attn.forward).parameters
+        norms.append(layout.norms(layer))
+    return norms, rope
+
+
 class HybridRunner:
-    """Kimi-Linear / Qwen3-Next / Qwen3.5 with ReplaySSM (or snapshot) state and a rollback KV cache."""
+    """A hybrid family of `adapters.HYBRID_FAMILIES` (Kimi-Linear, Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid,
+    Bailing-Hybrid) with ReplaySSM (or snapshot) state and a rollback KV cache."""
 
     def __init__(self, model, *, strategy: str = "replay", commit: str = "eager", max_batch_size: int = 8,
                  max_length: int = 4096, num_verify_tokens: int = 8, track_interval: int | None = None,
                  prefill_chunk: int = 512):
         family = model.config.model_type
-        if family not in MIXERS:
-            raise ValueError(f"model: no hybrid adapter for model_type {family!r}; known: {sorted(MIXERS)}")
-        self.model, self.mixer = model, MIXERS[family]
+        if family not in HYBRID_FAMILIES:
+            raise ValueError(f"model: no hybrid adapter for model_type {family!r}; known: {sorted(HYBRID_FAMILIES)}")
+        spec = HYBRID_FAMILIES[family]
+        self.model, self.mixer = model, spec.mixer
         base = model.model
-        self.base, self.layers = base, list(base.layers)
+        # bailing_hybrid appends its MTP layers to `layers`: the decoder is the first num_hidden_layers
+        self.base, self.layers = base, list(base.layers)[:model.config.num_hidden_layers]
         types = model.config.layer_types
         self.linear_index = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "linear_attention")}
         if not self.linear_index:
             raise ValueError("model: no linear_attention layers")
+        self._norms, self._attn_rope = _layer_plan(family, spec, self.layers, self.linear_index)
         first = self.mixer.module(self.layers[next(iter(self.linear_index))])
         self.dtype = base.embed_tokens.weight.dtype
         self.device = base.embed_tokens.weight.device
@@ -301,20 +338,22 @@ class HybridRunner:
             pos_emb = rotary(h, positions) if rotary is not None else None
             captured = {}
             for i, layer in enumerate(self.layers):
+                pre, post, pre_mlp, post_mlp = self._norms[i]  # the family's layout; None: no norm there
                 residual = h
-                x = layer.input_layernorm(h)
+                x = pre(h) if pre is not None else h
                 li = self.linear_index.get(i)
                 if li is not None:
                     ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)
                     x = self.mixer.run(self.mixer.module(layer), x, ops)
                 else:
-                    kw = dict(position_embeddings=pos_emb) if pos_emb is not None else {}
+                    kw = dict(position_embeddings=pos_emb) if pos_emb is not None or self._attn_rope[i] else {}
                     x = layer.self_attn(hidden_states=x, attention_mask=mask, position_ids=positions, cache=self.kv,
                                         **kw)[0]
-                h = residual + x
+                h = residual + (post(x) if post is not None else x)
                 residual = h
-                x = layer.mlp(layer.post_attention_layernorm(h))
-                h = residual + (x[0] if isinstance(x, tuple) else x)
+                x = layer.mlp(pre_mlp(h) if pre_mlp is not None else h)
+                x = x[0] if isinstance(x, tuple) else x
+                h = residual + (post_mlp(x) if post_mlp is not None else x)
                 if i in capture:
                     captured[i] = h
             hidden = self.base.norm(h)
@@ -447,6 +486,6 @@ class GenericRunner:
 
 def make_runner(model, **kw):
     """A hybrid adapter for known families, the generic path for any other causal LM."""
-    if model.config.model_type in MIXERS:
+    if model.config.model_type in HYBRID_FAMILIES:
         return HybridRunner(model, **kw)
     return GenericRunner(model, **kw)

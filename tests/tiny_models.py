@@ -8,7 +8,7 @@ import weakref
 
 import torch
 
-from specdec.hf_compat import FAMILIES, torch_fallbacks  # noqa: F401  (re-exported for the tests)
+from specdec.hf_compat import FAMILIES, MORE_FAMILIES, torch_fallbacks  # noqa: F401  (re-exported for the tests)
 
 
 def tiny_config(family: str, *, vocab_size: int = 96, num_layers: int = 4):
@@ -38,6 +38,32 @@ def tiny_config(family: str, *, vocab_size: int = 96, num_layers: int = 4):
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8, layer_types=layer_types,
             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+        return Qwen3_5MoeTextConfig(
+            vocab_size=vocab_size, hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+            num_experts=4, num_experts_per_tok=2, layer_types=layer_types, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+    if family in ("olmo_hybrid", "olmo_hybrid_nope"):  # nope: no RoPE, as the released checkpoints
+        from transformers import OlmoHybridConfig
+        config = OlmoHybridConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+            num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=16, linear_value_head_dim=8, layer_types=layer_types, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2)
+        if family == "olmo_hybrid_nope":
+            config.rope_parameters = None
+        return config
+    if family == "bailing_hybrid":
+        from transformers import BailingHybridConfig
+        return BailingHybridConfig(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2, head_dim=16, kv_lora_rank=16,
+            q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, num_local_experts=4,
+            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, layer_types=layer_types,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
     raise ValueError(family)
 
 
@@ -46,6 +72,8 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float64
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kw), dtype=dtype,
                                              experts_implementation="eager", attn_implementation="eager")
+    if family == "bailing_hybrid" and dtype == torch.float64:
+        model.double()  # its conv weight stays fp32 (`_keep_in_fp32_modules_strict`): transformers' conv then fails
     return model.eval()
 
 
