@@ -1,0 +1,175 @@
+"""The hybrid adapters of qwen3_5_moe, olmo_hybrid and bailing_hybrid against transformers' own model (float64 tiny
+random models, transformers' pure-torch layers):
+
+- teacher-forced logits of `HybridRunner` (chunked prefill, chain rounds with partial accepts, a tree round then
+  chains) == the model's uncached forward, for every strategy and commit mode;
+- `specdec.wrap(model).generate` == transformers' greedy `generate`, ngram and model drafters, every mode;
+- a module the adapter expects but the model lacks fails at build, naming family, layer and module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import float64_everywhere, greedy_reference, tiny_model, torch_fallbacks
+
+import specdec
+from specdec.runner import HybridRunner, make_runner
+from specdec.testing import max_rel_err
+
+TOL = 1e-10
+MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
+# olmo_hybrid with RoPE (transformers' default config) and without (the released checkpoints: NoPE)
+LOGIT_FAMILIES = ("qwen3_5_moe", "olmo_hybrid", "olmo_hybrid_nope", "bailing_hybrid")
+GEN_FAMILIES = ("qwen3_5_moe", "olmo_hybrid", "bailing_hybrid")
+MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text", "olmo_hybrid": "olmo_hybrid", "olmo_hybrid_nope": "olmo_hybrid",
+               "bailing_hybrid": "bailing_hybrid"}
+GAMMA, N = 5, 14
+PROMPTS = {"rep4": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "rep3": [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12, 13, 11]}
+
+_MODELS: dict = {}
+
+
+def _model(family: str, seed: int = 1):
+    if (family, seed) not in _MODELS:
+        _MODELS[family, seed] = tiny_model(family, seed=seed)
+    return _MODELS[family, seed]
+
+
+def _noisy_copy(family: str, scale: float = 1e-3):
+    """The generation target's weights plus `scale * randn`: mostly the same argmax, not always (partial
+    acceptance)."""
+    if (family, "noisy") not in _MODELS:
+        target = _model(family, seed=0)
+        draft = tiny_model(family, seed=7)
+        draft.load_state_dict(target.state_dict())
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in draft.parameters():
+                p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        _MODELS[family, "noisy"] = draft
+    return _MODELS[family, "noisy"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _reference(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own uncached forward over `[P]` -> `[P, vocab]`."""
+    return model(ids[None]).logits[0]
+
+
+# ---- 1. teacher-forced logits ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", LOGIT_FAMILIES)
+def test_dispatch_and_model_type(family):
+    model = _model(family)
+    assert model.config.model_type == MODEL_TYPES[family]
+    assert type(make_runner(model, max_batch_size=1, max_length=16)).__name__ == "HybridRunner"
+
+
+@pytest.mark.parametrize("strategy, commit", MODES)
+@pytest.mark.parametrize("family", LOGIT_FAMILIES)
+def test_chain_and_tree_rounds_match_full_forward(family, strategy, commit):
+    """Chunked prefill, chain rounds with random partial accepts, then a tree round (every node == the full
+    forward of its root path), one path committed, and chain rounds after it."""
+    model = _model(family)
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, V, (34,), generator=gen)
+    parent = [-1, 0, 0, 1, 2, 3, 1]  # path 0-1-3-5 follows the true sequence
+    with torch.no_grad(), torch_fallbacks(), float64_everywhere():
+        ref = _reference(model, ids)
+        runner = HybridRunner(model, strategy=strategy, commit=commit, max_batch_size=2, max_length=64,
+                              num_verify_tokens=len(parent), prefill_chunk=4)
+        other = runner.alloc(1)[0]  # a foreign request whose state must not move
+        runner.prefill(other, ids[:5])
+        slot = runner.alloc(1)[0]
+        out = runner.prefill(slot, ids[:11])  # chunks of 4, 4, 3
+        assert max_rel_err(out.logits[0], ref[:11]) < TOL
+        before = (runner.state.pool.ssm[:, other].clone(), runner.state.pool.conv[:, other].clone(),
+                  int(runner.kv.lengths[other]))
+        pos = 11
+        for _ in range(3):  # chain rounds, partial accepts
+            logits = runner.forward([slot], ids[None, pos:pos + 5]).logits[0]
+            assert max_rel_err(logits, ref[pos:pos + 5]) < TOL, f"chain round at {pos}"
+            n = int(torch.randint(1, 5, (), generator=gen))
+            runner.commit([n])
+            pos += n
+        true_nodes = {0: 0, 1: 1, 3: 2, 5: 3}
+        tokens = torch.tensor([int(ids[pos + true_nodes[i]]) if i in true_nodes
+                               else int(torch.randint(3, V, (), generator=gen)) for i in range(len(parent))])
+        logits = runner.forward([slot], tokens[None], parent=parent).logits[0]
+        for node in range(len(parent)):
+            path, x = [], node
+            while x >= 0:
+                path.append(x)
+                x = parent[x]
+            seq = torch.cat([ids[:pos], tokens[path[::-1]]])
+            assert max_rel_err(logits[node], _reference(model, seq)[-1]) < TOL, f"tree node {node}"
+        runner.commit(path=[[0, 1, 3, 5]])
+        pos += 4
+        while pos < ids.numel():
+            T = min(4, ids.numel() - pos)
+            got = runner.forward([slot], ids[None, pos:pos + T]).logits[0]
+            assert max_rel_err(got, ref[pos:pos + T]) < TOL, f"chain round after the tree at {pos}"
+            n = T if pos + T == ids.numel() else int(torch.randint(1, T + 1, (), generator=gen))
+            runner.commit([n])
+            pos += n
+        assert torch.equal(runner.state.pool.ssm[:, other], before[0])
+        assert torch.equal(runner.state.pool.conv[:, other], before[1])
+        assert int(runner.kv.lengths[other]) == before[2]
+
+
+# ---- 2. greedy identity with transformers' generate --------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy, commit", MODES)
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("family", GEN_FAMILIES)
+def test_greedy_identity(family, drafter, strategy, commit):
+    target = _model(family, seed=0)  # its greedy output repeats itself: the ngram drafter finds matches
+    kw = dict(num_draft_tokens=GAMMA, strategy=strategy, commit=commit, max_batch_size=2)
+    if drafter == "ngram":
+        engine = specdec.wrap(target, drafter="ngram", **kw)
+        names = ["rep4", "rep3"]  # one batch, prompts of different lengths
+    else:
+        engine = specdec.wrap(target, drafter="model", draft_model=_noisy_copy(family), **kw)
+        names = ["rep4"]
+    assert type(engine.runner).__name__ == "HybridRunner"
+    refs = [greedy_reference(target, PROMPTS[n], N) for n in names]
+    with torch_fallbacks(), float64_everywhere():
+        out = engine.generate([torch.tensor(PROMPTS[n]) for n in names], max_new_tokens=N, eos_token_id=None)
+    for b, ref in enumerate(refs):
+        assert out.sequences[b, :len(ref)].tolist() == ref, f"row {b} differs from transformers' greedy generate"
+    stats = out.stats
+    assert stats.proposed > 0 and stats.accepted > 0 and stats.drafter_failures == 0, stats.as_dict()
+    if drafter == "model":  # the noisy copy: some drafts rejected, some accepted
+        assert 0.0 < stats.alpha < 1.0, stats.as_dict()
+    assert engine.runner.num_free == 2
+
+
+# ---- 3. a changed transformers class fails at build ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("family, path, name", [
+    ("olmo_hybrid", ("linear_attn",), "g_proj"),
+    ("olmo_hybrid", (), "post_feedforward_layernorm"),
+    ("bailing_hybrid", ("self_attn",), "forget_gate"),
+    ("qwen3_5_moe", (), "linear_attn"),
+])
+def test_missing_module_names_family_layer_and_module(family, path, name):
+    model = tiny_model(family, seed=3)
+    layer_idx = 3 if name == "post_feedforward_layernorm" else 0  # the full-attention layer / a linear one
+    owner = model.model.layers[layer_idx]
+    for attr in path:
+        owner = getattr(owner, attr)
+    delattr(owner, name)
+    with pytest.raises(ValueError, match=rf"{MODEL_TYPES[family]} layer {layer_idx} .*'{name}'"):
+        HybridRunner(model, max_batch_size=1, max_length=16)
