@@ -4,7 +4,8 @@ random models, transformers' pure-torch layers):
 - teacher-forced logits of `HybridRunner` (chunked prefill, chain rounds with partial accepts, a tree round then
   chains) == the model's uncached forward, for every strategy and commit mode;
 - `specdec.wrap(model).generate` == transformers' greedy `generate`, ngram and model drafters, every mode;
-- a module the adapter expects but the model lacks fails at build, naming family, layer and module.
+- a module the adapter expects but the model lacks fails at build, naming family, layer and module;
+- `torch_fallbacks(chunked=True)` leaves these models' forward unchanged.
 """
 
 from __future__ import annotations
@@ -173,3 +174,20 @@ def test_missing_module_names_family_layer_and_module(family, path, name):
     delattr(owner, name)
     with pytest.raises(ValueError, match=rf"{MODEL_TYPES[family]} layer {layer_idx} .*'{name}'"):
         HybridRunner(model, max_batch_size=1, max_length=16)
+
+
+# ---- 4. the chunked prefill swap of torch_fallbacks ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "olmo_hybrid", "bailing_hybrid"])
+def test_chunked_fallback_matches_transformers(family):
+    """`torch_fallbacks(chunked=True)` (training, reference outputs) replaces the family's chunked delta rule with
+    `kernels.chunk_delta_rule` under the family's l2norm: the model's forward is unchanged."""
+    model = _model(family)
+    ids = torch.randint(3, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), float64_everywhere():
+        with torch_fallbacks(family):
+            ref = model(ids).logits
+        with torch_fallbacks(family, chunked=True, chunk_size=8):
+            got = model(ids).logits
+    assert max_rel_err(got, ref) < TOL
