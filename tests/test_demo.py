@@ -38,14 +38,14 @@ def run_demo(*args, timeout=120, cwd=ROOT):
 
 
 @pytest.fixture
-def prompts_dir(tmp_path):
-    """A working directory with its own bench/data/prompts.jsonl (looked up there before the checkout's)."""
-    data = tmp_path / "cwd" / "bench" / "data"
-    data.mkdir(parents=True)
+def prompts_file(tmp_path):
+    """A prompt file for --prompts: two code prompts and a prose one."""
     records = [{"id": "prose-0", "kind": "prose", "source": "topic:x", "prompt": "The wrap function returns a list"},
-               {"id": "code-0", "kind": "code", "source": "a.py", "prompt": PROMPT}]
-    (data / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return tmp_path / "cwd"
+               {"id": "code-0", "kind": "code", "source": "a.py", "prompt": PROMPT},
+               {"id": "code-1", "kind": "code", "source": "b.py", "prompt": "def fill(text, width=70):\n    return"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
 
 
 def test_json_is_lossless_and_has_the_numbers(saved):
@@ -63,13 +63,19 @@ def test_json_is_lossless_and_has_the_numbers(saved):
     assert out["new_tokens"] == len(out["tokens"]) > 0 and out["prompt_tokens"] == ids.shape[1]
     assert out["tau"] >= 1 and 0 <= out["alpha"] <= 1 and len(out["per_position"]) <= 7
     assert out["rounds"] >= 1 and out["accepted"] <= out["proposed"]
-    for key in ("tokens_per_s_spec", "tokens_per_s_plain", "tokens_per_s_plain_specdec", "speedup",
-                "speedup_vs_plain_specdec"):
+    for key in ("tokens_per_s_spec", "tokens_per_s_plain", "tokens_per_s_transformers", "speedup",
+                "speedup_vs_transformers"):
         assert out[key] > 0, key
+    # one prompt: the median over prompts is that prompt's ratio of median tokens/s
     assert out["speedup"] == pytest.approx(out["tokens_per_s_spec"] / out["tokens_per_s_plain"])
+    assert out["threads"] == 1 and out["repeats"] == 3 and out["prompt_ids"] == ["custom"]
+    (p,) = out["prompts"]
+    assert len(p["seconds_spec"]) == len(p["seconds_plain"]) == len(p["seconds_transformers"]) == 3  # interleaved
+    assert len(out["speedup_per_repeat"]) == 3 and isinstance(out["noisy"], bool) and out["spread"] >= 0
+    assert list(out["drafters"]) == ["ngram"]  # no trained drafters shipped with this model
 
 
-def test_auto_picks_the_shipped_drafter_and_streams(saved, tmp_path, prompts_dir):
+def test_auto_picks_the_shipped_drafter_and_streams(saved, tmp_path, prompts_file):
     from specdec.draft.common import build_drafter_net, save_drafter
 
     path, model, _ = saved
@@ -79,25 +85,30 @@ def test_auto_picks_the_shipped_drafter_and_streams(saved, tmp_path, prompts_dir
     for kind in ("eagle", "mtp"):  # untrained: no speedup, still lossless
         save_drafter(build_drafter_net(kind, model), shipped / "drafters" / kind)
     (shipped / "drafters" / "dspark").mkdir()  # no weights: not shipped, so auto prefers eagle, then mtp
-    proc = run_demo("--model", shipped, "--max-new-tokens", 12, cwd=prompts_dir)  # auto, the default prompt
+    proc = run_demo("--model", shipped, "--max-new-tokens", 12, "--prompts", prompts_file)  # auto, code prompts
     assert proc.returncode == 0, proc.stderr
     text = proc.stdout
-    assert text.startswith(PROMPT)  # the first code prompt of the benchmark, streamed with its continuation
-    assert "prompt code-0" in text and "drafter eagle" in text
+    assert text.startswith(PROMPT)  # the first code prompt of the file, streamed with its continuation
+    assert "prompt code-0" in text and "drafter eagle" in text and "prompts: code-0 code-1," in text
+    assert "torch threads 1" in text  # a tiny model: one thread
     assert "tau" in text and "alpha" in text and "acceptance per draft position" in text
-    assert "transformers generate" in text and "specdec without drafts" in text and "speedup" in text
+    assert "transformers generate" in text and "specdec without drafts" in text
+    assert "speedup" in text and ("median over 2 held-out prompts" in text or "timing is noisy on this machine" in text)
     assert "identical to transformers' greedy output, token for token: yes" in text
+    table = text[text.index("drafters side by side"):].splitlines()[2:]  # after the header lines
+    assert [ln.split()[1] for ln in table] == ["eagle", "ngram", "mtp"]  # the chosen one first
+    assert all(ln.split()[6] == "yes" for ln in table), table  # each lossless vs plain decode
 
 
-def test_prompt_id(saved, prompts_dir):
+def test_prompt_id(saved, prompts_file):
     path, _, tokenizer = saved
     proc = run_demo("--model", path, "--drafter", "ngram", "--prompt-id", "prose-0", "--max-new-tokens", 4,
-                    "--no-stream", "--json", cwd=prompts_dir)
+                    "--no-stream", "--json", "--prompts", prompts_file)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["prompt_id"] == "prose-0" and out["identical"] is True
     assert out["prompt_tokens"] == len(tokenizer("The wrap function returns a list").input_ids)
-    proc = run_demo("--model", path, "--prompt-id", "code-9", cwd=prompts_dir, timeout=60)
+    proc = run_demo("--model", path, "--prompt-id", "code-9", "--prompts", prompts_file, timeout=60)
     assert proc.returncode == 2 and "--prompt-id" in proc.stderr and "code-9" in proc.stderr, proc.stderr
 
 
@@ -109,6 +120,10 @@ def test_prompt_id(saved, prompts_dir):
     (["--model", "{model}", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["--model", "{model}", "--prompt", "x", "--prompt-id", "code-0"], "--prompt-id"),
     (["--model", "{model}", "--prompt", ""], "--prompt"),
+    (["--model", "{model}", "--repeats", "2"], "--repeats"),  # a median needs at least 3
+    (["--model", "{model}", "--threads", "0"], "--threads"),
+    (["--model", "{model}", "--num-prompts", "0"], "--num-prompts"),
+    (["--model", "{model}", "--prompts", "{missing}"], "--prompts"),
 ])
 def test_bad_arguments_exit_2(saved, tmp_path, args, flag):
     (tmp_path / "empty").mkdir()
@@ -120,3 +135,26 @@ def test_bad_arguments_exit_2(saved, tmp_path, args, flag):
     assert len(lines) == 1 and lines[0].startswith("specdec demo: error: ") and flag in lines[0], proc.stderr
 
 
+
+
+def test_held_out_prompts_ship_with_the_package(tmp_path):
+    """The demo's prompts are package data (declared in pyproject, identical to the benchmark's), and the demo
+    finds them from any working directory: the same prompts and figures in a checkout and in an install."""
+    import fnmatch
+    import tomllib
+
+    import specdec
+
+    pkg = Path(specdec.__file__).resolve().parent
+    shipped = pkg / "embedded" / "prompts.jsonl"
+    assert shipped.read_bytes() == (ROOT / "bench" / "data" / "prompts.jsonl").read_bytes()
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]["specdec"]
+    assert any(fnmatch.fnmatch("embedded/prompts.jsonl", pat) for pat in patterns), patterns
+    # the embedded model from an empty working directory: tiny settings, no table
+    proc = run_demo("--max-new-tokens", 2, "--num-prompts", 3, "--no-compare", "--json", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert Path(out["prompts_file"]).resolve() == shipped.resolve()
+    assert out["prompt_ids"] == ["code-0", "code-1", "code-2"] and out["identical"] is True
+    assert out["threads"] == 1 and list(out["drafters"]) == [out["drafter"]]
