@@ -8,10 +8,15 @@
 loaded from `MODEL/drafters/NAME` and reported as skipped (with the reason) when that directory is
 missing or does not load: an untrained drafter is never used in its place.
 
-For each drafter and prompt the same generation runs twice, interleaved: once with the drafter
-(`specdec.wrap(model, drafter=..., num_draft_tokens=gamma)`) and once with a drafter that proposes nothing
-(plain decoding through the same runner), so `speedup = tokens/s spec / tokens/s plain` compares like with
-like on this machine. Greedy runs (`--temperature 0`) are also checked for losslessness: the speculative
+For each drafter and prompt the same generation runs `--repeats` times (default 3) in each of two ways,
+interleaved (spec, plain, spec, plain, ...), after a short warmup of both: with the drafter
+(`specdec.wrap(model, drafter=..., num_draft_tokens=gamma)`) and with a drafter that proposes nothing (plain
+decoding through the same runner). Each prompt's time is the median of its repeats, and
+`speedup = tokens/s spec / tokens/s plain` over the pooled medians compares like with like on this machine.
+`spread` is the median over prompts of (max - min) / median of a prompt's repeats (the larger of the two paths);
+above 25% the table shows the range of the per-repeat speedups instead of one figure and a line says that timing
+is noisy on this machine. Models under 50M parameters run on one torch thread unless `--threads` says otherwise.
+Greedy runs (`--temperature 0`) are also checked for losslessness: the speculative
 output must equal the plain output token for token (`identical`). The counts behind tau, alpha and the
 per-position acceptance (`per_position[i]`: draft i accepted given drafts < i were; for trees, depth i)
 are pooled over all prompts. Spec-state memory is the memory plan of the run's own state config
@@ -28,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -52,7 +58,9 @@ import specdec  # noqa: E402
 from specdec.draft import DraftBlock, Drafter  # noqa: E402
 
 KEYS = ("tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
-        "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical")
+        "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread", "noisy")
+SMALL_MODEL = 50e6  # parameters: below this one torch thread is fastest (and steadiest) on a CPU
+NOISY = 0.25  # spread between repeats above which one speedup figure would mislead
 EMBEDDED = Path(specdec.__file__).resolve().parent / "embedded"
 
 
@@ -202,6 +210,9 @@ class Pool:
         self.new_spec = self.new_plain = 0
         self.time_spec = self.time_plain = 0.0
         self.mismatches: list[str] = []
+        self.repeat_spec: list[float] = []  # pooled seconds of repeat r
+        self.repeat_plain: list[float] = []
+        self.spreads: list[float] = []
 
     def add(self, stats) -> None:
         self.rounds += stats.rounds
@@ -235,23 +246,38 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
     for e in (plain, engine):  # first-call costs (allocation, kernel compilation) stay out of the timings
         e.generate(prompts[0]["ids"], max_new_tokens=warm, seed=args.seed, **kw)
     pool = Pool()
+    R = args.repeats
+    pool.repeat_spec, pool.repeat_plain = [0.0] * R, [0.0] * R
     for i, p in enumerate(prompts):
         seed = args.seed + i
-        ref = plain.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed, **kw)
-        out = engine.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed, **kw)
+        t_spec, t_plain = [], []
+        for r in range(R):  # interleaved: spec, plain, spec, plain, ...
+            res = engine.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed, **kw)
+            t_spec.append(res.stats.timings["total"])
+            pres = plain.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed, **kw)
+            t_plain.append(pres.stats.timings["total"])
+            pool.repeat_spec[r] += t_spec[-1]
+            pool.repeat_plain[r] += t_plain[-1]
+            if r == 0:
+                out, ref = res, pres
         n = p["ids"].numel()  # one prompt per call: no right padding
         ref_new, out_new = ref.sequences[0, n:].tolist(), out.sequences[0, n:].tolist()
         pool.add(out.stats)
         pool.new_plain += len(ref_new)
         pool.new_spec += len(out_new)
-        pool.time_plain += ref.stats.timings["total"]
-        pool.time_spec += out.stats.timings["total"]
+        pool.time_plain += statistics.median(t_plain)
+        pool.time_spec += statistics.median(t_spec)
+        pool.spreads.append(max(spread(t_spec), spread(t_plain)))
         if not sampling["do_sample"] and out_new != ref_new:
             at = next((j for j, (a, b) in enumerate(zip(out_new, ref_new)) if a != b), min(len(out_new), len(ref_new)))
             pool.mismatches.append(f"{p['id']} (first difference at new token {at})")
         bar.update(1)
     res = pool.result()
     res["spec_state_bytes_replay"], res["spec_state_bytes_snapshot"] = replay, snapshot
+    res["speedup_per_repeat"] = [(pool.new_spec / s) / (pool.new_plain / q) if s > 0 and q > 0 else 0.0
+                                 for s, q in zip(pool.repeat_spec, pool.repeat_plain)]
+    res["spread"] = statistics.median(pool.spreads)
+    res["noisy"] = res["spread"] > NOISY
     res["identical"] = None if sampling["do_sample"] else not pool.mismatches
     if pool.mismatches:
         bar.write(f"WARNING: drafter {name}: speculative output differs from plain greedy decoding on "
@@ -260,6 +286,12 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
         bar.write(f"WARNING: drafter {name}: failed in {pool.failures} rounds (plain decode there)", file=sys.stderr)
     del engine
     return res
+
+
+def spread(times: list[float]) -> float:
+    """(max - min) / median of repeated timings of one run."""
+    med = statistics.median(times)
+    return (max(times) - min(times)) / med if med > 0 and len(times) > 1 else 0.0
 
 
 # ---- output ---------------------------------------------------------------------------------------
@@ -283,9 +315,17 @@ def format_table(results: dict) -> str:
             continue
         ident = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
         pos = " ".join(f"{a:.2f}" for a in r["per_position"]) or "-"
+        speed = f"{r['speedup']:.2f}x"
+        if r.get("noisy"):  # a range, not one misleading figure
+            speed = f"{min(r['speedup_per_repeat']):.1f}-{max(r['speedup_per_repeat']):.1f}x"
         lines.append(f"{name:{w}s} {r['tau']:6.2f} {r['alpha']:6.3f} {r['tokens_per_s_spec']:11.1f} "
-                     f"{r['tokens_per_s_plain']:11.1f} {r['speedup']:7.2f}x {fmt_bytes(r['spec_state_bytes_replay']):>13s} "
+                     f"{r['tokens_per_s_plain']:11.1f} {speed:>8s} {fmt_bytes(r['spec_state_bytes_replay']):>13s} "
                      f"{fmt_bytes(r['spec_state_bytes_snapshot']):>15s} {ident:>9s}  {pos}")
+    for name, r in results.items():
+        if r.get("noisy"):
+            lines.append(f"timing is noisy on this machine: {name}: repeats differ by {r['spread'] * 100:.0f}% "
+                         f"(speedup {min(r['speedup_per_repeat']):.2f}x to {max(r['speedup_per_repeat']):.2f}x over "
+                         f"repeats); rerun on a quiet machine or with more --repeats")
     return "\n".join(lines)
 
 
@@ -339,7 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                    help="model dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (prompt i: seed + i)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (default: torch's)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads on CPU (default: 1 for models under 50M parameters, else torch's)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved timed repeats of each prompt, spec and plain, >= 3 (median)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="acceptance plot (needs matplotlib)")
     return p
@@ -365,6 +408,8 @@ def main(argv=None) -> int:
         parser.error(f"--temperature: expected >= 0, got {a.temperature}")
     if a.threads is not None and a.threads < 1:
         parser.error(f"--threads: expected >= 1, got {a.threads}")
+    if a.repeats < 3:
+        parser.error(f"--repeats: expected >= 3 (a median of at least 3), got {a.repeats}")
     if a.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     if a.plot:
@@ -378,8 +423,6 @@ def main(argv=None) -> int:
         parser.error(f"--model: {e}")
     if not os.path.isfile(a.prompts):
         parser.error(f"--prompts: no such file: {a.prompts}")
-    if a.threads:
-        torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
 
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
@@ -393,6 +436,9 @@ def main(argv=None) -> int:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(a.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    threads = a.threads or (1 if n_params < SMALL_MODEL and a.device == "cpu" else torch.get_num_threads())
+    torch.set_num_threads(threads)
     try:
         prompts = load_prompts(a.prompts, kinds, a.max_prompts)
     except ValueError as e:
@@ -443,7 +489,6 @@ def main(argv=None) -> int:
     bar.close()
     elapsed = time.perf_counter() - t0
 
-    n_params = sum(p.numel() for p in model.parameters())
     tc = model.config.get_text_config()
     out = {
         "machine": machine_info(a.device),
@@ -456,13 +501,14 @@ def main(argv=None) -> int:
                      "prompt_tokens_mean": sum(p["ids"].numel() for p in prompts) / len(prompts),
                      "prompts_truncated": truncated, "gamma": a.gamma, "temperature": a.temperature,
                      "greedy": not sampling["do_sample"], "max_new_tokens": a.max_new_tokens, "seed": a.seed,
+                     "repeats": a.repeats, "threads": threads,
                      "strategy": "replay", "commit": "eager", "max_batch_size": 1, "device": a.device,
                      "dtype": str(dtype).removeprefix("torch."), "elapsed_s": elapsed},
         "drafters": results,
     }
     title = (f"{out['model']['name']} ({n_params / 1e6:.1f}M params, {out['model']['dtype']}, {a.device}): "
              f"{len(prompts)} prompts [{','.join(kinds)}], gamma={a.gamma}, T={a.temperature}, "
-             f"{a.max_new_tokens} new tokens")
+             f"{a.max_new_tokens} new tokens, median of {a.repeats} interleaved repeats, torch threads {threads}")
     print(f"# {title}")
     print(format_table(results))
     if a.json:

@@ -25,7 +25,8 @@ PROMPTS = [
      "prompt": "Wrap a single paragraph of text, returning a list of wrapped lines. The text is wrapped so"},
 ]
 DRAFTER_KEYS = {"tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
-                "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical"}
+                "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread",
+                "noisy"}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_ngram_json_shape_and_lossless(saved, tmp_path):
     model, prompts = saved
     out = tmp_path / "out.json"
     args = [sys.executable, SCRIPT, "--model", model, "--prompts", prompts, "--drafters", "ngram",
-            "--max-new-tokens", NEW, "--device", "cpu", "--threads", 1, "--json", out]
+            "--max-new-tokens", NEW, "--device", "cpu", "--json", out]  # a tiny model: 1 thread by default
     if has_matplotlib():
         args += ["--plot", tmp_path / "out.png"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -58,9 +59,11 @@ def test_ngram_json_shape_and_lossless(saved, tmp_path):
     res = json.loads(out.read_text())
     assert set(res) == {"machine", "model", "settings", "drafters"}
     assert res["machine"]["torch"] == torch.__version__ and res["machine"]["threads"] == 1
+    assert "torch threads 1" in proc.stdout and "median of 3 interleaved repeats" in proc.stdout
     assert res["model"]["params"] > 0 and res["model"]["dtype"] == "float32"
     s = res["settings"]
     assert (s["gamma"], s["temperature"], s["max_new_tokens"], s["num_prompts"]) == (7, 0.0, NEW, 3)
+    assert (s["repeats"], s["threads"]) == (3, 1)
     assert set(res["drafters"]) == {"ngram"}
     r = res["drafters"]["ngram"]
     assert set(r) == DRAFTER_KEYS
@@ -70,6 +73,9 @@ def test_ngram_json_shape_and_lossless(saved, tmp_path):
     assert r["tokens_per_s_spec"] > 0 and r["tokens_per_s_plain"] > 0
     assert r["speedup"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_plain"])
     assert 0 < r["spec_state_bytes_replay"] < r["spec_state_bytes_snapshot"]
+    assert len(r["speedup_per_repeat"]) == 3 and all(x > 0 for x in r["speedup_per_repeat"])
+    assert r["spread"] >= 0 and r["noisy"] == (r["spread"] > 0.25)
+    assert ("timing is noisy on this machine: ngram" in proc.stdout) == r["noisy"]
     if has_matplotlib():
         assert (tmp_path / "out.png").stat().st_size > 0
 
