@@ -388,11 +388,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def split_list(text: str) -> list[str]:
+    """`"a, b,,c"` -> `["a", "b", "c"]`: a comma-separated option."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    drafters = [d.strip() for d in a.drafters.split(",") if d.strip()]
-    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    drafters, kinds = split_list(a.drafters), split_list(a.kinds)
     if not drafters:
         parser.error("--drafters: no drafter named")
     if len(set(drafters)) != len(drafters):

@@ -40,7 +40,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from accept_rate import NoDraft, load_prompts, machine_info, resolve_drafter, resolve_model_dir  # noqa: E402
+from accept_rate import (NoDraft, load_prompts, machine_info, resolve_drafter, resolve_model_dir,  # noqa: E402
+                         split_list)
 
 import specdec  # noqa: E402  (accept_rate makes `specdec` importable from a bare checkout)
 
@@ -188,10 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    drafters = [d.strip() for d in a.drafters.split(",") if d.strip()]
-    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    drafters, kinds = split_list(a.drafters), split_list(a.kinds)
     try:
-        sizes = [int(x) for x in a.batch_sizes.split(",") if x.strip()]
+        sizes = [int(x) for x in split_list(a.batch_sizes)]
     except ValueError:
         parser.error(f"--batch-sizes: expected comma-separated integers, got {a.batch_sizes!r}")
     if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import kernels
+from specdec.kernels.common import valid_slots
 
 from .config import StateConfig
 from .plan import buffer_specs
@@ -143,7 +144,7 @@ class StateStrategy(ABC):
         ignored), `n [B]` tokens kept per row. Rows whose slot is -1 or the null slot keep nothing. Device
         ops only: nothing is read back to the host."""
         r = self._round
-        valid = (r.slots >= 0) & (r.slots != self.pool.null_slot)
+        valid = valid_slots(r.slots, self.pool.null_slot)
         n = torch.where(valid, n, 0)
         path = path.clamp(min=0)
         before = self.committed_len(r.slots)
@@ -156,7 +157,7 @@ class StateStrategy(ABC):
     def _accepted(self, r: Round, num_accepted, path) -> tuple[torch.Tensor, torch.Tensor]:
         """Check the accepted tokens; -> (path `[B, M]`, n `[B]`, 0 on skipped rows)."""
         B, T = r.slots.shape[0], r.num_tokens
-        valid = (r.slots >= 0) & (r.slots != self.pool.null_slot)
+        valid = valid_slots(r.slots, self.pool.null_slot)
         if (num_accepted is None) == (path is None):
             raise ValueError("commit: pass exactly one of num_accepted (chain) or path (tree)")
         if num_accepted is not None:
@@ -199,7 +200,7 @@ class StateStrategy(ABC):
         if iv is None:
             return
         B, M = path.shape
-        valid = (r.slots >= 0) & (r.slots != self.pool.null_slot)
+        valid = valid_slots(r.slots, self.pool.null_slot)
         s = torch.where(valid, r.slots, self.pool.null_slot)
         rows = torch.arange(B, device=self.device)
         for k in range(r.num_tokens // iv + 1):
@@ -215,13 +216,13 @@ class StateStrategy(ABC):
 
     def _add_len(self, r: Round, n: torch.Tensor) -> None:
         """Committed length += n per row (n is 0 on skipped rows, which go to the null slot)."""
-        valid = (r.slots >= 0) & (r.slots != self.pool.null_slot)
+        valid = valid_slots(r.slots, self.pool.null_slot)
         self.pool.seq_len.index_add_(0, torch.where(valid, r.slots, self.pool.null_slot), n)
 
     # ---- state -------------------------------------------------------------------------------------
     def committed_len(self, slots: torch.Tensor) -> torch.Tensor:
         """Tokens committed per slot `[B]` (folded + pending); 0 for skipped rows."""
-        valid = (slots >= 0) & (slots != self.pool.null_slot)
+        valid = valid_slots(slots, self.pool.null_slot)
         return torch.where(valid, self.pool.seq_len[slots.clamp(min=0)], 0)
 
     def committed_ssm(self) -> torch.Tensor:
@@ -326,7 +327,7 @@ class ReplayStrategy(StateStrategy):
         self._flush(torch.where(due, slots, self.pool.null_slot))
 
     def committed_len(self, slots):
-        valid = (slots >= 0) & (slots != self.pool.null_slot)
+        valid = valid_slots(slots, self.pool.null_slot)
         s = slots.clamp(min=0)
         return torch.where(valid, self.pool.seq_len[s] + self.rings.pending[s], 0)
 

@@ -89,6 +89,18 @@ class GatedDeltaMixer:
                     conv_dim=mod.conv_dim, conv_kernel=mod.conv_kernel_size)
 
     @staticmethod
+    def conv_qkv(mod, mixed: torch.Tensor, ops: MixerOps):
+        """Short conv over the `[q, k, v]` channels `[B, T, C]`, split into heads: q, k `[B, T, Hv, K]` (each
+        key head repeated for its group of value heads), v `[B, T, Hv, V]`."""
+        B, T, _ = mixed.shape
+        y = ops.conv(mixed, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, mod.activation)
+        q, k, v = torch.split(y, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
+        rep = mod.num_v_heads // mod.num_k_heads
+        q = q.reshape(B, T, -1, mod.head_k_dim).repeat_interleave(rep, dim=2)
+        k = k.reshape(B, T, -1, mod.head_k_dim).repeat_interleave(rep, dim=2)
+        return q, k, v.reshape(B, T, -1, mod.head_v_dim)
+
+    @staticmethod
     def run(mod, x: torch.Tensor, ops: MixerOps) -> torch.Tensor:
         B, T, _ = x.shape
         if hasattr(mod, "in_proj_qkvz"):  # Qwen3-Next: interleaved per key head
@@ -98,12 +110,7 @@ class GatedDeltaMixer:
             mixed = mod.in_proj_qkv(x)
             z = mod.in_proj_z(x).reshape(B, T, -1, mod.head_v_dim)
             b, a = mod.in_proj_b(x), mod.in_proj_a(x)
-        y = ops.conv(mixed, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, mod.activation)
-        q, k, v = torch.split(y, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
-        rep = mod.num_v_heads // mod.num_k_heads
-        q = q.reshape(B, T, -1, mod.head_k_dim).repeat_interleave(rep, dim=2)
-        k = k.reshape(B, T, -1, mod.head_k_dim).repeat_interleave(rep, dim=2)
-        v = v.reshape(B, T, -1, mod.head_v_dim)
+        q, k, v = GatedDeltaMixer.conv_qkv(mod, mixed, ops)
         beta = b.sigmoid()
         g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
         o = ops.mix(q, k, v, g, beta)
@@ -123,12 +130,7 @@ class OlmoGatedDeltaMixer(GatedDeltaMixer):
     def run(mod, x: torch.Tensor, ops: MixerOps) -> torch.Tensor:
         B, T, _ = x.shape
         mixed = torch.cat([mod.q_proj(x), mod.k_proj(x), mod.v_proj(x)], dim=-1)
-        y = ops.conv(mixed, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, mod.activation)
-        q, k, v = torch.split(y, [mod.key_dim, mod.key_dim, mod.value_dim], dim=-1)
-        rep = mod.num_v_heads // mod.num_k_heads
-        q = q.reshape(B, T, -1, mod.head_k_dim).repeat_interleave(rep, dim=2)
-        k = k.reshape(B, T, -1, mod.head_k_dim).repeat_interleave(rep, dim=2)
-        v = v.reshape(B, T, -1, mod.head_v_dim)
+        q, k, v = GatedDeltaMixer.conv_qkv(mod, mixed, ops)
         beta = mod.b_proj(x).sigmoid()
         if mod.allow_neg_eigval:
             beta = beta * 2.0

@@ -14,7 +14,7 @@ from specdec.draft.common import KINDS, build_drafter_net, kind_module, load_dra
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
 
-from .runner import HybridRunner, index_tensor, make_runner
+from .runner import HybridRunner, index_tensor, make_runner, path_and_count
 
 STRATEGIES = ("replay", "snapshot")
 COMMITS = ("eager", "lazy")
@@ -292,8 +292,7 @@ class SpecEngine:
                                                  num_drafts=block.num_drafts, validate=False)
             else:
                 n, bonus = accept_chain_greedy(block.tokens, out.logits, num_drafts=block.num_drafts, validate=False)
-            ar = torch.arange(ids.shape[1], device=ids.device)
-            path = torch.where(ar[None] <= n[:, None], ar[None], -1)
+            path, _ = path_and_count(n + 1, None, B, ids.shape[1], ids.device)
         else:
             if sampling.do_sample:
                 q = None if block.probs is None else torch.cat([torch.zeros_like(block.probs[:, :1]), block.probs], 1)
