@@ -52,6 +52,19 @@ def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - e).abs().max() / denom).item()
 
 
+def tree_node_sequences(prefix: torch.Tensor, tokens: torch.Tensor, parent: list[int]) -> list[torch.Tensor]:
+    """Per tree node, the token sequence it stands for: `prefix [P]` then the tokens on its root path.
+    `tokens [T]`, `parent[i] < i` (-1 = root)."""
+    seqs = []
+    for node in range(len(parent)):
+        path, x = [], node
+        while x >= 0:
+            path.append(x)
+            x = parent[x]
+        seqs.append(torch.cat([prefix, tokens[path[::-1]]]))
+    return seqs
+
+
 def chi2_critical(df: int, alpha: float = 1e-3) -> float:
     """Upper `alpha` quantile of chi-square(df), Wilson-Hilferty approximation."""
     z = NormalDist().inv_cdf(1 - alpha)

@@ -7,7 +7,7 @@ import torch
 from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
 
 from specdec.runner import HybridRunner
-from specdec.testing import max_rel_err
+from specdec.testing import max_rel_err, tree_node_sequences
 
 TOL = 1e-10
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
@@ -65,12 +65,7 @@ def test_tree_round_then_chain(model, strategy, commit):
         runner.prefill(slot, ids[:P])
         before = (runner.state.pool.ssm[:, other].clone(), runner.kv.lengths[other].item())
         logits = runner.forward([slot], tokens[None], parent=parent).logits[0]
-        for node in range(len(parent)):
-            path, x = [], node
-            while x >= 0:
-                path.append(x)
-                x = parent[x]
-            seq = torch.cat([ids[:P], tokens[path[::-1]]])
+        for node, seq in enumerate(tree_node_sequences(ids[:P], tokens, parent)):
             assert max_rel_err(logits[node], reference_logits(model, seq)[-1]) < TOL, f"node {node}"
         runner.commit(path=[[0, 1, 3, 5]])
         assert torch.equal(runner.state.pool.ssm[:, other], before[0]) and runner.kv.lengths[other] == before[1]

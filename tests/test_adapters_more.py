@@ -16,7 +16,7 @@ from tiny_models import float64_everywhere, greedy_reference, tiny_model, torch_
 
 import specdec
 from specdec.runner import HybridRunner, make_runner
-from specdec.testing import max_rel_err
+from specdec.testing import max_rel_err, tree_node_sequences
 
 TOL = 1e-10
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
@@ -107,12 +107,7 @@ def test_chain_and_tree_rounds_match_full_forward(family, strategy, commit):
         tokens = torch.tensor([int(ids[pos + true_nodes[i]]) if i in true_nodes
                                else int(torch.randint(3, V, (), generator=gen)) for i in range(len(parent))])
         logits = runner.forward([slot], tokens[None], parent=parent).logits[0]
-        for node in range(len(parent)):
-            path, x = [], node
-            while x >= 0:
-                path.append(x)
-                x = parent[x]
-            seq = torch.cat([ids[:pos], tokens[path[::-1]]])
+        for node, seq in enumerate(tree_node_sequences(ids[:pos], tokens, parent)):
             assert max_rel_err(logits[node], _reference(model, seq)[-1]) < TOL, f"tree node {node}"
         runner.commit(path=[[0, 1, 3, 5]])
         pos += 4
