@@ -30,14 +30,14 @@ def next_pow2(n: int) -> int:
     return 1 << (int(n) - 1).bit_length()
 
 
-def check_ring_len(ring_len: int, num_draft_tokens: int) -> None:
+def check_ring_len(ring_len: int, num_verify_tokens: int) -> None:
     """Ring depth L must be a power of two and hold two verify windows (L >= 2*D)."""
-    if num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens: expected D >= 1, got {num_draft_tokens}")
+    if num_verify_tokens < 1:
+        raise ValueError(f"num_verify_tokens: expected D >= 1, got {num_verify_tokens}")
     if ring_len < 1 or ring_len & (ring_len - 1):
-        raise ValueError(f"ring_len: expected a power of two, got L={ring_len} (D={num_draft_tokens})")
-    if ring_len < 2 * num_draft_tokens:
-        raise ValueError(f"ring_len: expected L >= 2*D, got L={ring_len} < 2*{num_draft_tokens}={2 * num_draft_tokens}")
+        raise ValueError(f"ring_len: expected a power of two, got L={ring_len} (D={num_verify_tokens})")
+    if ring_len < 2 * num_verify_tokens:
+        raise ValueError(f"ring_len: expected L >= 2*D, got L={ring_len} < 2*{num_verify_tokens}={2 * num_verify_tokens}")
 
 
 @dataclass
@@ -46,7 +46,7 @@ class StateConfig:
 
     Pool: `conv[layer, slot, C, Kc-1]` in `act_dtype`, `ssm[layer, slot, H, K, V]` in `ssm_dtype`;
     `num_slots = max_requests + 1` (the last slot is the null slot). Rings `[layer, slot, H, L, dim]`.
-    Per-request verify buffers have `max_running + 1` rows and `num_draft_tokens` steps (D, or the tree
+    Per-request verify buffers have `max_running + 1` rows and `num_verify_tokens` steps (D, or the tree
     node budget T).
     """
 
@@ -59,7 +59,7 @@ class StateConfig:
     gate: str = "kda"  # "kda": per-channel log-decay [K]; "gdn": scalar per head
     max_requests: int = 8
     max_running: int | None = None  # rows of the per-request verify buffers; default max_requests
-    num_draft_tokens: int = 8  # D = anchor + gamma drafts (or tree node budget T)
+    num_verify_tokens: int = 8  # D = anchor + gamma drafts (or tree node budget T)
     ring_len: int | None = None  # L; default next_pow2(2*D)
     ssm_dtype: torch.dtype | str = torch.float32
     act_dtype: torch.dtype | str = torch.float32  # conv state, ring d/k/rawv/rawk
@@ -86,11 +86,11 @@ class StateConfig:
             self.max_running = self.max_requests
         if self.max_running < 1:
             raise ValueError(f"max_running: expected >= 1, got {self.max_running}")
-        if self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens: expected D >= 1, got {self.num_draft_tokens}")
+        if self.num_verify_tokens < 1:
+            raise ValueError(f"num_verify_tokens: expected D >= 1, got {self.num_verify_tokens}")
         if self.ring_len is None:
-            self.ring_len = next_pow2(2 * self.num_draft_tokens)
-        check_ring_len(self.ring_len, self.num_draft_tokens)
+            self.ring_len = next_pow2(2 * self.num_verify_tokens)
+        check_ring_len(self.ring_len, self.num_verify_tokens)
         if self.track_interval is not None and self.track_interval < 1:
             raise ValueError(f"track_interval: expected >= 1 or None, got {self.track_interval}")
         if self.scale is None:
@@ -119,6 +119,6 @@ class StateConfig:
     def tiny(cls, **overrides) -> "StateConfig":
         """A small preset for tests and examples."""
         base = dict(num_layers=2, num_heads=2, head_k_dim=8, head_v_dim=8, conv_kernel=4, max_requests=4,
-                    num_draft_tokens=4)
+                    num_verify_tokens=4)
         base.update(overrides)
         return cls(**base)

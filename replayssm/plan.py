@@ -46,7 +46,7 @@ def buffer_specs(cfg: StateConfig) -> dict[str, BufferSpec]:
     """Every buffer of the memory plan, keyed by name (see the module docstring)."""
     n, s, h = cfg.num_layers, cfg.num_slots, cfg.num_heads
     k, v, c, w = cfg.head_k_dim, cfg.head_v_dim, cfg.conv_dim, cfg.conv_kernel - 1
-    rows, d, ring = cfg.max_running + 1, cfg.num_draft_tokens, cfg.ring_len
+    rows, d, ring = cfg.max_running + 1, cfg.num_verify_tokens, cfg.ring_len
     act, ssm, f32 = cfg.act_dtype, cfg.ssm_dtype, cfg.record_dtype
     shapes = {
         "conv_state": ((n, s, c, w), act),
@@ -86,7 +86,7 @@ def plan_json(cfg: StateConfig) -> dict:
         "num_layers": cfg.num_layers, "num_slots": cfg.num_slots, "max_requests": cfg.max_requests,
         "max_running": cfg.max_running, "num_heads": cfg.num_heads, "head_k_dim": cfg.head_k_dim,
         "head_v_dim": cfg.head_v_dim, "conv_dim": cfg.conv_dim, "conv_kernel": cfg.conv_kernel,
-        "num_draft_tokens": cfg.num_draft_tokens, "ring_len": cfg.ring_len, "gate": cfg.gate,
+        "num_verify_tokens": cfg.num_verify_tokens, "ring_len": cfg.ring_len, "gate": cfg.gate,
         "ssm_dtype": _dtype_name(cfg.ssm_dtype), "act_dtype": _dtype_name(cfg.act_dtype),
     }
     return out
@@ -114,14 +114,14 @@ def format_plan(cfg: StateConfig) -> str:
     lines.append(f"ReplaySSM ring is allocated. ring_len: {cfg.ring_len}, {rings}, "
                  f"ring total size: {gb(plan['ring_total'], 3)}")
     lines.append(
-        f"Spec state (max_running={cfg.max_running}+1, D={cfg.num_draft_tokens}): "
+        f"Spec state (max_running={cfg.max_running}+1, D={cfg.num_verify_tokens}): "
         f"full snapshot (snapshot_intermediate_ssm {gb(plan['snapshot_intermediate_ssm'], 2)} "
         f"+ intermediate_conv_window {gb(plan['intermediate_conv_window'], 2)}) = "
         f"{gb(plan['spec_state_snapshot'], 2)} vs ReplaySSM (rings {gb(plan['ring_total'], 2)} "
         f"+ intermediate_conv_window {gb(plan['intermediate_conv_window'], 2)}) = "
         f"{gb(plan['spec_state_replay'], 2)}, ratio {plan['ratio']:.2f}x")
     lines.append(
-        f"Tree verify (T={cfg.num_draft_tokens} nodes): all-layer snapshot {gb(plan['spec_state_snapshot'], 2)} vs "
+        f"Tree verify (T={cfg.num_verify_tokens} nodes): all-layer snapshot {gb(plan['spec_state_snapshot'], 2)} vs "
         f"ReplaySSM (rings + one layer's node states {gb(plan['tree_node_states'], 2)} + conv windows) = "
         f"{gb(plan['spec_state_replay_tree'], 2)}, ratio {plan['ratio_tree']:.2f}x")
     return "\n".join(lines)

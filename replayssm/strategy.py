@@ -55,7 +55,7 @@ class StateStrategy(ABC):
             raise RuntimeError("begin: a round is open; call commit() or abort() first")
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.device)
         self.pool.check_slots(slots)
-        B, D = slots.shape[0], self.cfg.num_draft_tokens
+        B, D = slots.shape[0], self.cfg.num_verify_tokens
         if not 1 <= B <= self.cfg.max_running + 1:
             raise ValueError(f"slots: expected 1..{self.cfg.max_running + 1} requests, got {B}")
         if parent is not None:
@@ -320,7 +320,7 @@ class ReplayStrategy(StateStrategy):
             self.rings.compact(slots, path, n)
         self.rings.pending.index_add_(0, slots, n)
         # fold now where the ring would overflow next round or a track boundary was crossed
-        iv, L, D = self.cfg.track_interval, self.cfg.ring_len, self.cfg.num_draft_tokens
+        iv, L, D = self.cfg.track_interval, self.cfg.ring_len, self.cfg.num_verify_tokens
         due = (n > 0) & (self.rings.pending[slots] + D > L)
         if iv is not None:
             due |= (n > 0) & ((before + n) // iv > before // iv)

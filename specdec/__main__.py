@@ -46,7 +46,7 @@ def _memory(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cfg = StateConfig(
         num_layers=args.layers, num_heads=heads, head_k_dim=k, head_v_dim=v, conv_kernel=args.conv_kernel,
         conv_dim=heads * (2 * k + v), gate=args.gate, max_requests=max_requests, max_running=running,
-        num_draft_tokens=args.draft_tokens, ring_len=ring_len, ssm_dtype=ssm_dtype, act_dtype="bfloat16",
+        num_verify_tokens=args.draft_tokens, ring_len=ring_len, ssm_dtype=ssm_dtype, act_dtype="bfloat16",
     )
     print(json.dumps(plan_json(cfg), indent=2) if args.json else format_plan(cfg))
     return 0

@@ -207,7 +207,7 @@ class HybridRunner:
         self.device = base.embed_tokens.weight.device
         cfg = StateConfig(num_layers=len(self.linear_index), **self.mixer.dims(first), gate=self.mixer.gate,
                           norm=self.mixer.norm, max_requests=max_batch_size, max_running=max_batch_size,
-                          num_draft_tokens=num_verify_tokens,
+                          num_verify_tokens=num_verify_tokens,
                           ssm_dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
                           act_dtype=self.dtype, track_interval=track_interval)
         self.state = make_strategy(cfg, strategy, commit=commit, device=self.device)

@@ -145,7 +145,7 @@ def test_bad_argument_subprocess():
 
 def test_buffer_specs_contract():
     cfg = StateConfig(num_layers=3, num_heads=2, head_k_dim=8, head_v_dim=16, conv_kernel=4, max_requests=5,
-                      max_running=3, num_draft_tokens=4, ring_len=8, ssm_dtype="bfloat16", act_dtype="bfloat16")
+                      max_running=3, num_verify_tokens=4, ring_len=8, ssm_dtype="bfloat16", act_dtype="bfloat16")
     specs = buffer_specs(cfg)
     c = 2 * (8 + 8 + 16)
     assert set(specs) == {"conv_state", "ssm_state", "intermediate_conv_window", *RINGS, "snapshot_intermediate_ssm",
@@ -180,7 +180,7 @@ def test_tree_report_kimi_linear_shapes():
     """Tree verify at T=64 on Kimi-Linear shapes (20 KDA layers, 32 heads, K=V=128, 64 requests): the
     ReplaySSM spec state (rings, one layer's node states, conv windows) vs an all-layer snapshot."""
     cfg = StateConfig(num_layers=20, num_heads=32, head_k_dim=128, head_v_dim=128, max_requests=64,
-                      num_draft_tokens=64, act_dtype="bfloat16")
+                      num_verify_tokens=64, act_dtype="bfloat16")
     plan = plan_json(cfg)
     rows, T, H, K = 65, 64, 32, 128
     snapshot = 20 * rows * T * H * K * K * 4 + 20 * rows * T * (H * 3 * K) * 3 * 2

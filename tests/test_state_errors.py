@@ -27,8 +27,8 @@ def assert_unchanged(strat, before):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(ring_len=12), r"ring_len: expected a power of two, got L=12"),
-    (dict(ring_len=4, num_draft_tokens=4), r"ring_len: expected L >= 2\*D, got L=4 < 2\*4=8"),
-    (dict(num_draft_tokens=0), r"num_draft_tokens: expected D >= 1, got 0"),
+    (dict(ring_len=4, num_verify_tokens=4), r"ring_len: expected L >= 2\*D, got L=4 < 2\*4=8"),
+    (dict(num_verify_tokens=0), r"num_verify_tokens: expected D >= 1, got 0"),
     (dict(ssm_dtype="float8"), r"ssm_dtype: unknown dtype 'float8'"),
     (dict(act_dtype=torch.int32), r"act_dtype: unsupported dtype"),
     (dict(gate="mamba"), r"gate: expected 'kda' or 'gdn'"),
@@ -40,9 +40,9 @@ def test_config_errors(kwargs, match):
 
 
 def test_default_ring_len():
-    assert StateConfig.tiny(num_draft_tokens=8).ring_len == 16
-    assert StateConfig.tiny(num_draft_tokens=9).ring_len == 32
-    assert StateConfig.tiny(num_draft_tokens=1).ring_len == 2
+    assert StateConfig.tiny(num_verify_tokens=8).ring_len == 16
+    assert StateConfig.tiny(num_verify_tokens=9).ring_len == 32
+    assert StateConfig.tiny(num_verify_tokens=1).ring_len == 2
 
 
 def test_slot_exhaustion_is_clear_and_takes_nothing():

@@ -21,7 +21,7 @@ def run_round(h: Harness, draw, slots: list[int], *, tree: bool, check_outputs: 
     """One verify + commit in every strategy, checked against the oracle; the oracle then advances."""
     cfg = h.cfg
     B = len(slots)
-    T = draw(st.integers(1, cfg.num_draft_tokens))
+    T = draw(st.integers(1, cfg.num_verify_tokens))
     parent = random_tree(draw, T) if tree else None
     inp = h.inputs(B, T)
     valid = [b for b, s in enumerate(slots) if s not in (-1, cfg.null_slot)]
@@ -84,7 +84,7 @@ def configs(draw, dtype=torch.float64):
         num_layers=draw(st.integers(1, 2)), num_heads=draw(st.integers(1, 3)),
         head_k_dim=draw(st.sampled_from([3, 4, 5, 8])), head_v_dim=draw(st.sampled_from([2, 3, 6, 7])),
         conv_kernel=draw(st.integers(2, 4)), gate=draw(st.sampled_from(["kda", "gdn"])),
-        max_requests=draw(st.integers(2, 4)), num_draft_tokens=D, ring_len=L, ssm_dtype=dtype, act_dtype=dtype,
+        max_requests=draw(st.integers(2, 4)), num_verify_tokens=D, ring_len=L, ssm_dtype=dtype, act_dtype=dtype,
         track_interval=draw(st.sampled_from([None, 3, 7])), norm=draw(st.sampled_from(["rsqrt", "sqrt_div"])))
 
 
@@ -117,7 +117,7 @@ def test_strategies_equal_sequential_decode(dtype, tree, data):
 def test_256_chained_rounds(dtype):
     """Long runs (ring wrap, lazy folds on overflow and track boundaries) stay on plain decode."""
     cfg = StateConfig(num_layers=2, num_heads=2, head_k_dim=5, head_v_dim=3, conv_kernel=4, max_requests=3,
-                      num_draft_tokens=4, ssm_dtype=dtype, act_dtype=dtype, track_interval=16)
+                      num_verify_tokens=4, ssm_dtype=dtype, act_dtype=dtype, track_interval=16)
     h = Harness(cfg, seed=1)
     gen = torch.Generator().manual_seed(2)
 
@@ -138,7 +138,7 @@ def test_256_chained_rounds(dtype):
 
 def test_bf16_ring_storage_matches_decode_of_same_bf16_activations():
     """bf16 activations and rings, fp32 checkpoint: committed state == plain decode fed the same bf16 inputs."""
-    cfg = StateConfig(num_layers=2, num_heads=2, head_k_dim=6, head_v_dim=5, max_requests=3, num_draft_tokens=4,
+    cfg = StateConfig(num_layers=2, num_heads=2, head_k_dim=6, head_v_dim=5, max_requests=3, num_verify_tokens=4,
                       ssm_dtype=torch.float32, act_dtype=torch.bfloat16, track_interval=None)
     h = Harness(cfg, seed=3)
     gen = torch.Generator().manual_seed(4)
@@ -166,7 +166,7 @@ def test_tree_node_buffer_allocated_once_and_reused():
         strat.commit(path=[[0, 1, 3], [0, 2, -1]])
     assert len(ptrs) == 1
     # one layer's size: [rows, T, H, K, V], not [layers, ...]
-    assert strat.node_states.shape == (cfg.max_running + 1, cfg.num_draft_tokens, cfg.num_heads,
+    assert strat.node_states.shape == (cfg.max_running + 1, cfg.num_verify_tokens, cfg.num_heads,
                                        cfg.head_k_dim, cfg.head_v_dim)
 
 
