@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .base import DraftBlock, Drafter
@@ -14,13 +16,18 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, draft_model, *, max_batch_size: int = 8, max_length: int = 4096, gamma: int = 7, **unknown):
+    def __init__(self, draft_model, *, runner_factory: Callable, max_batch_size: int = 8, max_length: int = 4096,
+                 gamma: int = 7, **unknown):
+        """`runner_factory`: builds the draft model's runner; a callable with `specdec.runner.make_runner`'s
+        signature (passed in so that draft/ does not depend on the runner)."""
         if unknown:
             raise ValueError(f"{sorted(unknown)[0]}: not an option of the model drafter (it has none)")
-        from specdec.runner import make_runner
+        if not callable(runner_factory):
+            raise ValueError(f"runner_factory: expected a callable like specdec.runner.make_runner, "
+                             f"got {runner_factory!r}")
         self.model = draft_model
-        self.runner = make_runner(draft_model, max_batch_size=max_batch_size, max_length=max_length + gamma + 1,
-                                  num_verify_tokens=gamma + 1)
+        self.runner = runner_factory(draft_model, max_batch_size=max_batch_size, max_length=max_length + gamma + 1,
+                                     num_verify_tokens=gamma + 1)
         self.gamma = gamma
         self.slot: dict[int, int] = {}
         self.seen: dict[int, int] = {}

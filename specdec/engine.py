@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from specdec.draft import Drafter, DraftBlock, ModelDrafter, NgramDrafter
-from specdec.draft.common import KINDS, build_drafter_net, kind_module, load_drafter
+from specdec.draft import Drafter, DraftBlock, make_drafter
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
 
@@ -119,28 +117,8 @@ class SpecEngine:
         self.pad_token_id = int(pad)
 
     def _make_drafter(self, drafter, draft_model, max_batch_size, kwargs) -> Drafter:
-        if isinstance(drafter, Drafter):
-            return drafter
-        if drafter == "ngram":
-            return NgramDrafter(**kwargs)
-        if drafter == "model":
-            if draft_model is None:
-                raise ValueError("draft_model: required with drafter='model'")
-            tv = self.model.config.get_text_config().vocab_size
-            dv = draft_model.config.get_text_config().vocab_size
-            if tv != dv:
-                raise ValueError(f"draft_model: vocab size {dv} does not match the target's {tv}")
-            return ModelDrafter(draft_model, max_batch_size=max_batch_size, max_length=self.max_length,
-                                gamma=self.gamma, **kwargs)
-        if isinstance(drafter, str) and drafter in KINDS:  # untrained net of that kind, sized for the target
-            net = build_drafter_net(drafter, self.model)
-            return kind_module(drafter).make_drafter(net, gamma=self.gamma, max_batch_size=max_batch_size, **kwargs)
-        if isinstance(drafter, (str, os.PathLike)) and os.path.isdir(drafter):
-            net = load_drafter(os.fspath(drafter), self.model)
-            return kind_module(net.config.kind).make_drafter(net, gamma=self.gamma, max_batch_size=max_batch_size,
-                                                             **kwargs)
-        raise ValueError(f"drafter: expected 'ngram', 'model', one of {sorted(KINDS)}, a trained drafter directory "
-                         f"or a Drafter instance, got {drafter!r}")
+        return make_drafter(drafter, self.model, gamma=self.gamma, max_batch_size=max_batch_size,
+                            max_length=self.max_length, draft_model=draft_model, runner_factory=make_runner, **kwargs)
 
     # ---- generate ----------------------------------------------------------------------------------
     def _prompts(self, input_ids) -> tuple[list[torch.Tensor], list[list[int]]]:
