@@ -97,6 +97,20 @@ def valid_slots(indices: torch.Tensor, null_slot: int) -> torch.Tensor:
     return (indices >= 0) & (indices != null_slot)
 
 
+def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
+    """Tree parents `[B, T]` (topological, -1 = a root) -> `[B, T, T]` bool: node t sees node u iff u is t or
+    an ancestor of t. Pointer jumping: each boolean matrix product doubles the hops covered, so
+    ceil(log2 T) products instead of a walk over the nodes."""
+    B, T = parent.shape
+    eye = torch.eye(T, dtype=torch.bool, device=parent.device).expand(B, T, T)
+    one_hop = torch.zeros(B, T, T + 1, dtype=torch.bool, device=parent.device)
+    one_hop.scatter_(2, parent.long().where(parent >= 0, T)[..., None], True)  # -1 -> a dropped column T
+    reach = (eye | one_hop[..., :T]).to(torch.float32)
+    for _ in range(max(T - 1, 1).bit_length()):
+        reach = (reach @ reach).clamp_(max=1.0)
+    return reach > 0
+
+
 def conv_step(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the causal depthwise short conv.
