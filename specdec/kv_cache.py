@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.kernels.common import ancestor_mask
+
 
 class KVCache:
     """Quacks like a transformers `Cache` for the model's own attention modules (`update` returns the
@@ -16,10 +18,12 @@ class KVCache:
     Nothing here reads a value back to the host: the lengths live on the device, and `bound` keeps a host
     upper bound of each slot's length (exact when commits pass their host counts), which sizes the key span
     `S` of a round. Keys past a row's true length are masked, so a loose bound costs work, never correctness.
+    `static=True` fixes `S = max_length` (every round's shapes depend on B and T only, as CUDA graphs need).
     """
 
-    def __init__(self, num_slots: int, max_length: int, *, device: torch.device | str = "cpu"):
+    def __init__(self, num_slots: int, max_length: int, *, device: torch.device | str = "cpu", static: bool = False):
         self.max_length = max_length
+        self.static = static
         self.device = torch.device(device)
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.store: dict[int, list[torch.Tensor]] = {}
@@ -40,34 +44,28 @@ class KVCache:
         if need > self.max_length:
             raise ValueError(f"max_length: {need} tokens would exceed the cache length {self.max_length}")
         self.slots, self.host_slots, self.num_tokens, self.parent = slots, host_slots, num_tokens, parent
-        self.span = need
-
-    def depth(self) -> torch.Tensor:
-        """Depth of each round token `[B, T]` (chain: t; tree: ancestors counted)."""
-        B, T = self.slots.shape[0], self.num_tokens
-        if self.parent is None:
-            return torch.arange(T, device=self.device).expand(B, T)
-        depth = torch.zeros(B, T, dtype=torch.long, device=self.device)
-        for t in range(1, T):
-            p = self.parent[:, t]
-            depth[:, t] = torch.where(p >= 0, depth.gather(1, p.clamp(min=0)[:, None])[:, 0] + 1, 0)
-        return depth
-
-    def positions(self) -> torch.Tensor:
-        """Position ids `[B, T]`: committed length + depth."""
-        return self.lengths[self.slots][:, None] + self.depth()
+        self.span = self.max_length if self.static else need
+        self._vis = None
 
     def visible(self) -> torch.Tensor:
         """`[B, T, T]` bool: round token t sees round token u (u is t or an ancestor of t)."""
         B, T = self.slots.shape[0], self.num_tokens
         if self.parent is None:
             return torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(B, T, T)
-        vis = torch.eye(T, dtype=torch.bool, device=self.device).repeat(B, 1, 1)
-        for t in range(1, T):
-            p = self.parent[:, t]
-            anc = vis[torch.arange(B, device=self.device), p.clamp(min=0)] & (p >= 0)[:, None]
-            vis[:, t] |= anc
-        return vis
+        if self._vis is None:
+            self._vis = ancestor_mask(self.parent)
+        return self._vis
+
+    def depth(self) -> torch.Tensor:
+        """Depth of each round token `[B, T]` (chain: t; tree: ancestors counted)."""
+        B, T = self.slots.shape[0], self.num_tokens
+        if self.parent is None:
+            return torch.arange(T, device=self.device).expand(B, T)
+        return self.visible().sum(-1) - 1
+
+    def positions(self) -> torch.Tensor:
+        """Position ids `[B, T]`: committed length + depth."""
+        return self.lengths[self.slots][:, None] + self.depth()
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask `[B, 1, T, S]`, `S = max committed length + T`: committed keys and the token's
@@ -124,10 +122,10 @@ class KVCache:
         counts = host_counts if host_counts is not None else [self.num_tokens] * len(self.host_slots)
         for s, c in zip(self.host_slots, counts):
             self.bound[s] += c
-        self.slots = self.parent = None
+        self.slots = self.parent = self._vis = None
 
     def abort(self) -> None:
-        self.slots = self.parent = None
+        self.slots = self.parent = self._vis = None
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0
