@@ -9,10 +9,17 @@ Importing this package has no side effects: no device probing, no environment ch
 __version__ = "0.1.0"
 
 
-def wrap(model, **config):
+def wrap(model, config=None, **options):
     """See `specdec.engine.wrap`."""
     from .engine import wrap as _wrap
-    return _wrap(model, **config)
+    return _wrap(model, config, **options)
 
 
-__all__ = ["wrap", "__version__"]
+def __getattr__(name):
+    if name == "SpecConfig":  # imported on use: importing specdec stays free of torch work
+        from .engine import SpecConfig
+        return SpecConfig
+    raise AttributeError(f"module 'specdec' has no attribute {name!r}")
+
+
+__all__ = ["wrap", "SpecConfig", "__version__"]

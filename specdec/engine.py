@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+import difflib
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -12,6 +13,7 @@ from specdec.draft import Drafter, DraftBlock, make_drafter
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
 
+from .adapters import HYBRID_FAMILIES
 from .runner import HybridRunner, index_tensor, make_runner, path_and_count
 
 STRATEGIES = ("replay", "snapshot")
@@ -81,28 +83,98 @@ class GenerateOutput:
     stats: SpecStats
 
 
+@dataclass
+class SpecConfig:
+    """Options of the engine (drafter options are separate: `wrap(model, config, **drafter_options)`).
+
+    drafter: "ngram", "model" (with `draft_model`), a trained kind ("mtp", "eagle", "dspark"), a trained drafter
+    directory, or a `Drafter`. num_draft_tokens: gamma, drafts per round. strategy: "replay" or "snapshot".
+    commit: "eager" or "lazy". max_batch_size: requests at once. max_length: prompt + new tokens per request.
+    static_shapes: every round has the same shapes for a batch bucket (the batch padded with null-slot rows to
+    1, 2, 4, ..., max_batch_size; drafts padded to gamma; the KV cache read as a static view with a mask).
+    cuda_graph: capture each bucket's verify + accept and its commit as CUDA graphs and replay them (implies
+    static_shapes; needs a hybrid target on CUDA and eager commit).
+    """
+
+    drafter: object = "ngram"
+    num_draft_tokens: int = 7
+    strategy: str = "replay"
+    commit: str = "eager"
+    draft_model: object = None
+    max_batch_size: int = 8
+    max_length: int | None = None
+    static_shapes: bool = False
+    cuda_graph: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy: expected one of {STRATEGIES}, got {self.strategy!r}")
+        if self.commit not in COMMITS:
+            raise ValueError(f"commit: expected one of {COMMITS}, got {self.commit!r}")
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens: expected an int >= 1, got {self.num_draft_tokens!r}")
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size: expected an int >= 1, got {self.max_batch_size!r}")
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
+            raise ValueError(f"max_length: expected an int >= 2 or None, got {self.max_length!r}")
+        if self.cuda_graph:
+            if self.commit != "eager":
+                raise ValueError("cuda_graph: needs commit='eager' (lazy commit decides on the host when to fold)")
+            self.static_shapes = True
+
+    @classmethod
+    def split(cls, options: dict) -> tuple["SpecConfig", dict]:
+        """`wrap`'s keyword options -> (engine config, drafter options). A name close to an engine option is
+        taken for a typo of it, not passed on to the drafter."""
+        names = [f.name for f in fields(cls)]
+        engine = {k: v for k, v in options.items() if k in names}
+        rest = {k: v for k, v in options.items() if k not in names}
+        for k in rest:
+            close = difflib.get_close_matches(k, names, n=1, cutoff=0.8)
+            if close:
+                raise ValueError(f"{k}: not an engine option (did you mean {close[0]!r}?); engine options: "
+                                 f"{', '.join(names)}")
+        return cls(**engine), rest
+
+
+def _buckets(max_batch: int) -> list[int]:
+    """Batch buckets 1, 2, 4, ... and max_batch itself."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
 class SpecEngine:
     """Lossless speculative decoding for one target model; see `specdec.wrap`."""
 
-    def __init__(self, model, *, drafter="ngram", num_draft_tokens: int = 7, strategy: str = "replay",
-                 commit: str = "eager", draft_model=None, max_batch_size: int = 8, max_length: int | None = None,
-                 **drafter_kwargs):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy: expected one of {STRATEGIES}, got {strategy!r}")
-        if commit not in COMMITS:
-            raise ValueError(f"commit: expected one of {COMMITS}, got {commit!r}")
-        if not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens: expected an int >= 1, got {num_draft_tokens!r}")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size: expected >= 1, got {max_batch_size}")
+    def __init__(self, model, config: SpecConfig | None = None, **options):
+        if config is not None and not isinstance(config, SpecConfig):
+            raise ValueError(f"config: expected a SpecConfig or None, got {type(config).__name__}")
+        if config is None:
+            config, drafter_options = SpecConfig.split(options)
+        else:
+            clash = sorted(set(options) & {f.name for f in fields(SpecConfig)})
+            if clash:
+                raise ValueError(f"{clash[0]}: given both in config and as a keyword")
+            drafter_options = options
+        self.config = cfg = config
         self.model = model
-        self.gamma = num_draft_tokens
-        self.max_length = int(max_length or min(getattr(model.config, "max_position_embeddings", 4096) or 4096,
-                                                4096))
-        self.drafter = self._make_drafter(drafter, draft_model, max_batch_size, drafter_kwargs)
+        self.gamma = cfg.num_draft_tokens
+        self.max_length = int(cfg.max_length or min(getattr(model.config, "max_position_embeddings", 4096) or 4096,
+                                                    4096))
+        self._check_model(model, cfg)
+        self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options)
         verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
-        self.runner = make_runner(model, strategy=strategy, commit=commit, max_batch_size=max_batch_size,
-                                  max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens)
+        self.runner = make_runner(model, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
+                                  max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
+                                  static=cfg.static_shapes)
+        if cfg.static_shapes and not isinstance(self.runner, HybridRunner):
+            raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
+                             f"forward, whose cache grows every round")
+        self.buckets = _buckets(cfg.max_batch_size)
+        self._graphs: dict = {}
         self.slots: list[int] = []  # target slot of each request row of the running generate call
         self._row_index: dict[tuple[int, ...], torch.Tensor] = {}
         self.drafter.bind(self)
@@ -115,6 +187,23 @@ class SpecEngine:
             eos = self.eos_token_id
             pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
         self.pad_token_id = int(pad)
+
+    @staticmethod
+    def _check_model(model, cfg: SpecConfig) -> None:
+        """What the hybrid runner cannot honour, refused before anything is built."""
+        hybrid = model.config.model_type in HYBRID_FAMILIES
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        if hybrid and impl not in ("eager", "sdpa"):
+            raise ValueError(f"model: attn_implementation {impl!r} is not supported by the hybrid runner, which "
+                             f"passes tree and padding masks as a dense additive mask; load the model with "
+                             f"attn_implementation='sdpa' or 'eager'")
+        if cfg.cuda_graph:
+            device = next(model.parameters()).device
+            if device.type != "cuda" or not torch.cuda.is_available():
+                raise ValueError(f"cuda_graph: CUDA graphs need the model on a CUDA device, got {device}")
+            if not hybrid:
+                raise ValueError(f"cuda_graph: needs a hybrid target; {type(model).__name__} runs through its own "
+                                 f"forward")
 
     def _make_drafter(self, drafter, draft_model, max_batch_size, kwargs) -> Drafter:
         return make_drafter(drafter, self.model, gamma=self.gamma, max_batch_size=max_batch_size,
@@ -248,58 +337,43 @@ class SpecEngine:
         Host state: `hist[b]` (prompt + committed tokens, the anchor last) and `out_tokens[b]`. Device state:
         the token buffer `tok [B, W]` with lengths `lens [B]`, and `anchors [B]`. The drafter's block is
         checked with one host read; everything the host needs of the round (accepted counts, new tokens,
-        path, finiteness of the logits) comes back in one more; nothing else in here reads back."""
+        path, finiteness of the logits) comes back in one more; nothing else in here reads back.
+        With static shapes the verify step sees `[Bk, T]` for the batch bucket Bk >= B (rows past B: the
+        null slot, nothing drafted, nothing committed) and T fixed by gamma or the tree's node budget."""
         B = len(active)
         idx = self._index(active)
         contexts = Contexts([tok[b, :len(hist[b])] for b in active], [hist[b] for b in active])
-        gamma = min(self.gamma, max(max_new - len(out_tokens[b]) for b in active))
+        static = self.config.static_shapes
+        gamma = self.gamma if static else min(self.gamma, max(max_new - len(out_tokens[b]) for b in active))
         t = time.perf_counter()
         block = self._propose(active, contexts, gamma, sampling, gen, stats)
         stats.timings["draft"] += time.perf_counter() - t
         t = time.perf_counter()
-        ids = torch.cat([anchors[idx][:, None], block.tokens], dim=1)  # [B, 1 + G]: anchor, drafts
-        capture = tuple(self.drafter.feature_layers)
-        out = self.runner.forward([slots[b] for b in active], ids, parent=block.parent, capture=capture)
-        # the round is open from here on: whatever raises, generate's handler aborts it (nothing committed)
-        finite = torch.isfinite(out.logits).flatten(1).all(1)  # read back with the round; raised before commit
-        logits = torch.where(finite[:, None, None], out.logits, 0) if sampling.do_sample else out.logits
-        p = probs_from_logits(logits, sampling) if sampling.do_sample else None
-        if block.parent is None:
-            if sampling.do_sample:
-                n, bonus = accept_chain_sampling(block.tokens, block.probs, p, generator=gen,
-                                                 num_drafts=block.num_drafts, validate=False)
-            else:
-                n, bonus = accept_chain_greedy(block.tokens, out.logits, num_drafts=block.num_drafts, validate=False)
-            path, _ = path_and_count(n + 1, None, B, ids.shape[1], ids.device)
-        else:
-            if sampling.do_sample:
-                q = None if block.probs is None else torch.cat([torch.zeros_like(block.probs[:, :1]), block.probs], 1)
-                path, bonus = accept_tree_sampling(ids, block.parent, q, p, generator=gen, validate=False)
-            else:
-                path, bonus = accept_tree_greedy(ids, block.parent, out.logits, validate=False)
-            n = (path >= 0).sum(1) - 1
-        M = path.shape[1]
-        j = torch.arange(M, device=ids.device)
-        at = path.clamp(min=0)
-        new = torch.cat([ids.gather(1, at[:, 1:]), bonus[:, None]], 1)  # accepted drafts, then the bonus at n
-        new = torch.where(j[None] == n[:, None], bonus[:, None], new)
-        back = torch.cat([n[:, None], finite[:, None].long(), block.num_drafts[:, None], new, path], 1).tolist()
+        host_slots = [slots[b] for b in active]
+        step = self._step_inputs(host_slots, anchors[idx], block, sampling)
+        res = self._verify_step(step, sampling, gen)
+        n, path, new = res["n"][:B], res["path"][:B], res["new"][:B]
+        back = torch.cat([n[:, None], res["finite"][:B, None].long(), step["num_drafts"][:B, None], new, path],
+                         1).tolist()
         if not all(r[1] for r in back):
-            raise self._nonfinite_round(out.logits, active, contexts, block.parent)
+            raise self._nonfinite_round(res["logits"][:B], active, contexts, block.parent)
         n_h = [r[0] for r in back]
-        self.runner.commit(path=path, host_counts=[m + 1 for m in n_h])
+        self._commit_step(step, res, host_slots, n_h)
         stats.timings["verify"] += time.perf_counter() - t
-        self.drafter.commit(active, n)
         stats.record([r[2] for r in back], n_h)
         # the device copies follow without a host round trip: token buffer, lengths, anchors
+        j = torch.arange(new.shape[1], device=new.device)
         pos = (lens[idx][:, None] + j[None]).clamp(max=tok.shape[1] - 1)
         keep = j[None] <= n[:, None]
         tok[idx[:, None], pos] = torch.where(keep, new, tok[idx[:, None], pos])
         lens[idx] += n + 1
-        anchors[idx] = bonus
+        anchors[idx] = res["bonus"][:B]
+        ids, capture = step["ids"][:B], tuple(self.drafter.feature_layers)
+        at = path.clamp(min=0)
         kept_ids = ids.gather(1, at)
-        kept_h = out.hidden.gather(1, at[..., None].expand(-1, -1, out.hidden.shape[-1]))
-        kept_f = {l: out.captured[l].gather(1, at[..., None].expand(-1, -1, out.captured[l].shape[-1]))
+        hidden = res["hidden"][:B]
+        kept_h = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
+        kept_f = {l: res["captured"][l][:B].gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
                   for l in capture}
         self.drafter.observe(active, [kept_ids[i, :m + 1] for i, m in enumerate(n_h)],
                              [kept_h[i, :m + 1] for i, m in enumerate(n_h)],
@@ -309,6 +383,83 @@ class SpecEngine:
             before = len(out_tokens[b])
             self._emit(out_tokens[b], toks, max_new, eos_set, streamer)
             hist[b].extend(out_tokens[b][before:])
+
+    # ---- the device part of a round ------------------------------------------------------------------
+    def _step_inputs(self, host_slots: list[int], anchors: torch.Tensor, block: DraftBlock, sampling) -> dict:
+        """The verify step's inputs: `ids [Bk, T]` (anchor, drafts), `slots [Bk]`, `num_drafts [Bk]`, `real [Bk]`
+        bool, `parent [Bk, T]` or None, `probs` (sampling: `[Bk, G, V]` or None); Bk = B and T = 1 + G unless
+        the engine keeps static shapes, which pads to the batch bucket, gamma drafts or the tree's node budget."""
+        B, dev = len(host_slots), self.runner.device
+        tokens, num, probs, parent = block.tokens, block.num_drafts, block.probs, block.parent
+        if not self.config.static_shapes:
+            return dict(ids=torch.cat([anchors[:, None], tokens], 1), slots=None, host_slots=host_slots,
+                        num_drafts=num, real=None, parent=parent, probs=probs if sampling.do_sample else None)
+        Bk = next(b for b in self.buckets if b >= B)
+        tree = parent is not None or getattr(self.drafter, "tree", False)
+        G = self.runner.num_verify_tokens - 1 if tree else self.gamma
+        g = tokens.shape[1]
+        ids = torch.full((Bk, 1 + G), 0, dtype=torch.long, device=dev)
+        ids[:B, 0] = anchors
+        ids[:B, 1:1 + g] = tokens
+        num_p = torch.zeros(Bk, dtype=torch.long, device=dev)
+        num_p[:B] = num
+        host = host_slots + [self.runner.state.pool.null_slot] * (Bk - B)
+        slots_t = self.runner.slots_tensor(host)
+        real = torch.arange(Bk, device=dev) < B
+        par = None
+        if tree:  # padding nodes: parent -1 and never a child of anything, so never accepted
+            par = torch.full((Bk, 1 + G), -1, dtype=torch.long, device=dev)
+            if parent is not None:
+                par[:B, :parent.shape[1]] = parent
+        q = None
+        if sampling.do_sample and probs is not None:
+            q = probs.new_zeros(Bk, G, probs.shape[-1])
+            q[:B, :g] = probs
+        return dict(ids=ids, slots=slots_t, host_slots=host, num_drafts=num_p, real=real, parent=par, probs=q)
+
+    def _verify_step(self, step: dict, sampling, gen) -> dict:
+        """Verify forward + acceptance over `step` (see `_step_inputs`); device ops only. -> n `[Bk]` accepted
+        drafts, bonus `[Bk]`, path `[Bk, M]` (-1 padded), new `[Bk, M]` (accepted drafts, then the bonus at n),
+        finite `[Bk]`, logits `[Bk, T, V]`, hidden `[Bk, T, d]`, captured."""
+        ids, parent = step["ids"], step["parent"]
+        capture = tuple(self.drafter.feature_layers)
+        out = self.runner.forward(step["host_slots"], ids, parent=parent, capture=capture, slots_t=step["slots"])
+        # the round is open from here on: whatever raises, generate's handler aborts it (nothing committed)
+        finite = torch.isfinite(out.logits).flatten(1).all(1)  # read back with the round; raised before commit
+        if step["real"] is not None:
+            finite = finite | ~step["real"]
+        tokens = ids[:, 1:]
+        if sampling.do_sample:
+            logits = torch.where(finite[:, None, None], out.logits, 0)
+            p = probs_from_logits(logits, sampling)
+        if parent is None:
+            if sampling.do_sample:
+                n, bonus = accept_chain_sampling(tokens, step["probs"], p, generator=gen,
+                                                 num_drafts=step["num_drafts"], validate=False)
+            else:
+                n, bonus = accept_chain_greedy(tokens, out.logits, num_drafts=step["num_drafts"], validate=False)
+            path, _ = path_and_count(n + 1, None, ids.shape[0], ids.shape[1], ids.device)
+        else:
+            if sampling.do_sample:
+                q = step["probs"]
+                q = None if q is None else torch.cat([torch.zeros_like(q[:, :1]), q], 1)
+                path, bonus = accept_tree_sampling(ids, parent, q, p, generator=gen, validate=False)
+            else:
+                path, bonus = accept_tree_greedy(ids, parent, out.logits, validate=False)
+            n = (path >= 0).sum(1) - 1
+        j = torch.arange(path.shape[1], device=ids.device)
+        new = torch.cat([ids.gather(1, path[:, 1:].clamp(min=0)), bonus[:, None]], 1)
+        new = torch.where(j[None] == n[:, None], bonus[:, None], new)
+        return dict(n=n, bonus=bonus, path=path, new=new, finite=finite, logits=out.logits, hidden=out.hidden,
+                    captured=out.captured)
+
+    def _commit_step(self, step: dict, res: dict, host_slots: list[int], n_h: list[int]) -> None:
+        """Commit the accepted path of every real row (padding rows keep nothing)."""
+        path = res["path"]
+        if step["real"] is not None:
+            path = torch.where(step["real"][:, None], path, -1)
+        counts = [m + 1 for m in n_h] + [0] * (path.shape[0] - len(n_h))
+        self.runner.commit(path=path, host_counts=counts)
 
     # ---- failures ----------------------------------------------------------------------------------
     def _propose(self, active, contexts, gamma, sampling, gen, stats) -> DraftBlock:
@@ -469,10 +620,12 @@ class SpecEngine:
         return self._done(toks, max_new, eos_set)
 
 
-def wrap(model, **config) -> SpecEngine:
+def wrap(model, config: SpecConfig | None = None, **options) -> SpecEngine:
     """Speculative decoding for a transformers causal LM: `wrap(model).generate(input_ids)`.
 
-    Options: drafter ("ngram", "model" or a Drafter), num_draft_tokens (gamma, 7), strategy ("replay" or
-    "snapshot"), commit ("eager" or "lazy"), draft_model, max_batch_size (8), max_length.
+    Engine options (`SpecConfig`, or its fields as keywords): drafter ("ngram", "model", a trained kind or
+    directory, or a Drafter), num_draft_tokens (gamma, 7), strategy ("replay" or "snapshot"), commit ("eager"
+    or "lazy"), draft_model, max_batch_size (8), max_length, static_shapes, cuda_graph. Any other keyword is
+    an option of the drafter (e.g. `max_ngram=2` for "ngram", `topk=4` for "eagle").
     """
-    return SpecEngine(model, **config)
+    return SpecEngine(model, config, **options)

@@ -188,7 +188,7 @@ class HybridRunner:
 
     def __init__(self, model, *, strategy: str = "replay", commit: str = "eager", max_batch_size: int = 8,
                  max_length: int = 4096, num_verify_tokens: int = 8, track_interval: int | None = None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, static: bool = False):
         family = model.config.model_type
         if family not in HYBRID_FAMILIES:
             raise ValueError(f"model: no hybrid adapter for model_type {family!r}; known: {sorted(HYBRID_FAMILIES)}")
@@ -211,7 +211,7 @@ class HybridRunner:
                           ssm_dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
                           act_dtype=self.dtype, track_interval=track_interval)
         self.state = make_strategy(cfg, strategy, commit=commit, device=self.device)
-        self.kv = KVCache(cfg.num_slots, max_length, device=self.device)
+        self.kv = KVCache(cfg.num_slots, max_length, device=self.device, static=static)
         self.max_length, self.prefill_chunk = max_length, prefill_chunk
         self.num_verify_tokens = num_verify_tokens
         self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
@@ -295,10 +295,12 @@ class HybridRunner:
         return RunnerOutput(logits, hidden, captured)
 
     @torch.no_grad()
-    def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=()) -> RunnerOutput:
+    def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=(),
+                slots_t: torch.Tensor | None = None) -> RunnerOutput:
         """Verify `ids [B, T]` (chain, or tree with `parent [T] / [B, T]`) from the committed state; the
-        round stays open until `commit` / `abort`."""
-        return self._forward(slots, ids, parent, False, capture)
+        round stays open until `commit` / `abort`. `slots_t`: the same slots as a device tensor `[B]` (else
+        built from the list); the null slot marks a padding row."""
+        return self._forward(slots, ids, parent, False, capture, slots_t=slots_t)
 
     def commit(self, num_accepted=None, *, path=None, host_counts: list[int] | None = None) -> None:
         """Keep the accepted tokens of the open round: `num_accepted [B]` (chain: tokens kept, anchor
@@ -320,9 +322,10 @@ class HybridRunner:
         """`slots` as a device tensor, built once per distinct list (a host-to-device copy otherwise)."""
         return index_tensor(self._slot_tensors, slots, self.device)
 
-    def _forward(self, slots, ids, parent, prefill: bool, capture, chunk: _Chunk | None = None) -> RunnerOutput:
+    def _forward(self, slots, ids, parent, prefill: bool, capture, chunk: _Chunk | None = None, *,
+                 slots_t: torch.Tensor | None = None) -> RunnerOutput:
         """One forward over `ids [B, T]`; a prefill commits at once (with `chunk`: `chunk.n` tokens per row)."""
-        slots_t = self.slots_tensor(slots)
+        slots_t = self.slots_tensor(slots) if slots_t is None else slots_t
         B, T = ids.shape
         if parent is not None:
             parent = torch.as_tensor(parent, dtype=torch.long, device=self.device)
@@ -449,7 +452,7 @@ class GenericRunner:
         return RunnerOutput(logits, hs[-1], {i: hs[i + 1] for i in capture})
 
     @torch.no_grad()
-    def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=()) -> RunnerOutput:
+    def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=(), slots_t=None) -> RunnerOutput:
         if parent is not None:
             raise ValueError("parent: tree verify needs a hybrid adapter; the generic path verifies chains")
         logits, hidden, caps, clones = [], [], {i: [] for i in capture}, []

@@ -4,7 +4,7 @@
   verify rounds with random batch sizes and prompt lengths: no `generate` raises, every output equals the
   target's own greedy decode, every bad block is counted and named in its warning, no slot leaks.
 - One fault injected at a random point of a random round (a target layer, acceptance, the state commit, the
-  KV commit, the drafter's commit / observe, a streamer; RuntimeError or KeyboardInterrupt): the call raises
+  KV commit, the drafter's observe, a streamer; RuntimeError or KeyboardInterrupt): the call raises
   it, every slot comes back, and the next call on the same engine equals a fresh engine's.
 - Non-finite target logits: one FloatingPointError naming the target, the request row and the position;
   nothing committed; the engine serves the next call.
@@ -353,7 +353,7 @@ class _Streamer:
         self.ended += 1
 
 
-POINTS = ["layer", "accept", "state_commit", "kv_commit", "drafter_commit", "drafter_observe", "streamer"]
+POINTS = ["layer", "accept", "state_commit", "kv_commit", "drafter_observe", "streamer"]
 
 
 def _fault_site(engine, target, point, rng, B):
@@ -366,8 +366,6 @@ def _fault_site(engine, target, point, rng, B):
         return engine.runner.state, "_commit", 2  # the runner commits through the unchecked entry
     if point == "kv_commit":  # after the state strategy committed: a half-committed round
         return engine.runner.kv, "commit", B + 2
-    if point == "drafter_commit":
-        return engine.drafter, "commit", 2
     if point == "drafter_observe":
         return engine.drafter, "observe", B + 2
     if point == "streamer":
