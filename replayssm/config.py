@@ -45,9 +45,9 @@ class StateConfig:
     """Shapes and dtypes of every buffer the state strategies hold.
 
     Pool: `conv[layer, slot, C, Kc-1]` in `act_dtype`, `ssm[layer, slot, H, K, V]` in `ssm_dtype`;
-    `num_slots = max_requests + 1` (the last slot is the null slot). Rings `[layer, slot, H, L, dim]`.
-    Per-request verify buffers have `max_running + 1` rows and `num_verify_tokens` steps (D, or the tree
-    node budget T).
+    `num_slots = max_requests + 1` (the last slot is the null slot). Rings: `[layer, running row, H, D, dim]`
+    with eager commit, `[layer, slot, H, L, dim]` with lazy commit (`plan.buffer_specs`). Per-request verify
+    buffers have `max_running + 1` rows and `num_verify_tokens` steps (D, or the tree node budget T).
     """
 
     num_layers: int

@@ -3,22 +3,36 @@
 `buffer_specs` is the allocation contract: the pool, ring and snapshot classes allocate exactly these
 shapes. `format_plan` prints them in the style of SGLang's allocation log (sizes in GiB = 2**30 bytes,
 written "GB" as SGLang does); `plan_json` gives the byte counts.
+
+Three ring layouts (`layout=`):
+- `"eager"` (eager commit): the accepted records are folded in the round that wrote them, so nothing in a
+  ring outlives a round. Rings `[layer, running row, H, D, dim]` hold only what the exact fold reads
+  (rawv, rawk, g, beta); the conv keeps each verify token's pre-conv input `conv_inputs [layer, row, D, C]`.
+- `"lazy"` (lazy commit): records stay pending across rounds, so the rings are per slot,
+  `[layer, slot, H, L, dim]`, with all six records (`d`, `k` feed the fast rebuild); conv inputs as eager.
+- `"sglang"`: SGLang's layout (the rings of lazy, conv window snapshots `[layer, row, D, C, Kc-1]`), which its
+  published allocation logs describe.
+The full-snapshot scheme (SGLang's default, our oracle) is the same in every layout: all-layer states and
+conv windows after every verify token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from .config import StateConfig
+from .config import StateConfig, next_pow2
 
 GIB = 2 ** 30
 
+LAYOUTS = ("eager", "lazy", "sglang")
 RING_NAMES = ("ring_d", "ring_k", "ring_g", "ring_rawv", "ring_rawk", "ring_beta")
-BUFFER_NAMES = ("conv_state", "ssm_state", "intermediate_conv_window", *RING_NAMES, "snapshot_intermediate_ssm",
-                "tree_node_states")
+FOLD_RING_NAMES = ("ring_g", "ring_rawv", "ring_rawk", "ring_beta")  # what the exact fold reads
+SNAPSHOT_NAMES = ("snapshot_intermediate_ssm", "intermediate_conv_window")
+TREE_SIZES = (8, 16, 64)  # tree node budgets of the comparison
 
 
 @dataclass(frozen=True)
@@ -42,44 +56,91 @@ class BufferSpec:
         return self.nbytes / GIB
 
 
-def buffer_specs(cfg: StateConfig) -> dict[str, BufferSpec]:
-    """Every buffer of the memory plan, keyed by name (see the module docstring)."""
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {', '.join(LAYOUTS)}, got {layout!r}")
+    return layout
+
+
+def ring_names(layout: str) -> tuple[str, ...]:
+    """The ring records a layout holds."""
+    return FOLD_RING_NAMES if check_layout(layout) == "eager" else RING_NAMES
+
+
+def conv_record_name(layout: str) -> str:
+    """What the replay scheme keeps for the conv: pre-conv inputs, or (SGLang) window snapshots."""
+    return "intermediate_conv_window" if check_layout(layout) == "sglang" else "conv_inputs"
+
+
+def replay_names(layout: str, *, tree: bool = False) -> tuple[str, ...]:
+    """Buffers the ReplaySSM scheme holds for speculation (tree: plus one layer's node states)."""
+    return (*ring_names(layout), conv_record_name(layout), *(("tree_node_states",) if tree else ()))
+
+
+def buffer_specs(cfg: StateConfig, *, layout: str = "eager") -> dict[str, BufferSpec]:
+    """Every buffer of the memory plan for `layout`, keyed by name (see the module docstring): the pool
+    (`conv_state`, `ssm_state`), the ReplaySSM buffers of the layout, one layer's tree node states, and the
+    full-snapshot scheme's `snapshot_intermediate_ssm` and `intermediate_conv_window`."""
     n, s, h = cfg.num_layers, cfg.num_slots, cfg.num_heads
     k, v, c, w = cfg.head_k_dim, cfg.head_v_dim, cfg.conv_dim, cfg.conv_kernel - 1
-    rows, d, ring = cfg.max_running + 1, cfg.num_verify_tokens, cfg.ring_len
+    rows, d = cfg.max_running + 1, cfg.num_verify_tokens
     act, ssm, f32 = cfg.act_dtype, cfg.ssm_dtype, cfg.record_dtype
+    # eager: one record per verify token of each running row; lazy / sglang: a ring of depth L per slot
+    ring_lead = (n, rows, h, d) if check_layout(layout) == "eager" else (n, s, h, cfg.ring_len)
+    rings = {
+        "ring_d": ((*ring_lead, v), act),
+        "ring_k": ((*ring_lead, k), act),
+        "ring_g": ((*ring_lead, cfg.gate_dim), f32),
+        "ring_rawv": ((*ring_lead, v), act),
+        "ring_rawk": ((*ring_lead, k), act),
+        "ring_beta": (ring_lead, f32),
+    }
     shapes = {
         "conv_state": ((n, s, c, w), act),
         "ssm_state": ((n, s, h, k, v), ssm),
         "intermediate_conv_window": ((n, rows, d, c, w), act),
-        "ring_d": ((n, s, h, ring, v), act),
-        "ring_k": ((n, s, h, ring, k), act),
-        "ring_g": ((n, s, h, ring, cfg.gate_dim), f32),
-        "ring_rawv": ((n, s, h, ring, v), act),
-        "ring_rawk": ((n, s, h, ring, k), act),
-        "ring_beta": ((n, s, h, ring), f32),
+        **{name: rings[name] for name in ring_names(layout)},
         "snapshot_intermediate_ssm": ((n, rows, d, h, k, v), ssm),
         # tree verify with ReplaySSM: node states of ONE layer, reused layer after layer (never committed)
         "tree_node_states": ((rows, d, h, k, v), torch.promote_types(ssm, torch.float32)),
     }
+    if layout != "sglang":
+        shapes["conv_inputs"] = ((n, rows, d, c), act)
     return {name: BufferSpec(name, tuple(int(x) for x in shape), dtype) for name, (shape, dtype) in shapes.items()}
+
+
+def with_tokens(cfg: StateConfig, num_tokens: int) -> StateConfig:
+    """`cfg` verifying `num_tokens` tokens (a tree's node budget); the ring depth grows to hold two windows."""
+    ring_len = max(cfg.ring_len, next_pow2(2 * num_tokens))
+    return dataclasses.replace(cfg, num_verify_tokens=num_tokens, ring_len=ring_len)
+
+
+def spec_bytes(cfg: StateConfig, *, layout: str = "eager", tree: bool = False) -> dict[str, int]:
+    """Bytes each scheme holds for speculation: `{"snapshot": N, "replayssm": N}`."""
+    specs = buffer_specs(cfg, layout=layout)
+    return {"snapshot": sum(specs[name].nbytes for name in SNAPSHOT_NAMES),
+            "replayssm": sum(specs[name].nbytes for name in replay_names(layout, tree=tree))}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def plan_json(cfg: StateConfig) -> dict:
-    """Byte counts (ints) per buffer, the ring total, both spec-state schemes and their ratio."""
-    specs = buffer_specs(cfg)
-    out: dict = {name: spec.nbytes for name, spec in specs.items()}
-    out["ring_total"] = sum(specs[name].nbytes for name in RING_NAMES)
-    window = out["intermediate_conv_window"]
-    out["spec_state_snapshot"] = out["snapshot_intermediate_ssm"] + window
-    out["spec_state_replay"] = out["ring_total"] + window
+def plan_json(cfg: StateConfig, *, layout: str = "eager") -> dict:
+    """Byte counts (ints) per buffer, the ring total, both spec-state schemes and their ratio, and
+    `spec_bytes`: both schemes for the chain (D tokens) and for trees of 8, 16 and 64 nodes."""
+    specs = buffer_specs(cfg, layout=layout)
+    out: dict = {"layout": layout}
+    out.update({name: spec.nbytes for name, spec in specs.items()})
+    out["ring_total"] = sum(specs[name].nbytes for name in ring_names(layout))
+    chain = spec_bytes(cfg, layout=layout)
+    out["spec_state_snapshot"] = chain["snapshot"]
+    out["spec_state_replay"] = chain["replayssm"]
     out["ratio"] = out["spec_state_snapshot"] / out["spec_state_replay"]
-    out["spec_state_replay_tree"] = out["spec_state_replay"] + out["tree_node_states"]
+    out["spec_state_replay_tree"] = spec_bytes(cfg, layout=layout, tree=True)["replayssm"]
     out["ratio_tree"] = out["spec_state_snapshot"] / out["spec_state_replay_tree"]
+    out["spec_bytes"] = {"chain": chain, **{f"tree_{t}": spec_bytes(with_tokens(cfg, t), layout=layout, tree=True)
+                                            for t in TREE_SIZES}}
     out["shapes"] = {name: list(spec.shape) for name, spec in specs.items()}
     out["dtypes"] = {name: _dtype_name(spec.dtype) for name, spec in specs.items()}
     out["config"] = {
@@ -92,10 +153,15 @@ def plan_json(cfg: StateConfig) -> dict:
     return out
 
 
-def format_plan(cfg: StateConfig) -> str:
-    """Allocation-log style report: one line per buffer, then the SGLang-style summary lines."""
-    specs = buffer_specs(cfg)
-    plan = plan_json(cfg)
+LAYOUT_SHAPES = {"eager": "[layer, running row, H, D, dim]", "lazy": "[layer, slot, H, L, dim]",
+                 "sglang": "[layer, slot, H, L, dim]"}
+
+
+def format_plan(cfg: StateConfig, *, layout: str = "eager") -> str:
+    """Allocation-log style report: one line per buffer, then the SGLang-style summary lines and the
+    comparison of both schemes for the chain and for trees of 8, 16 and 64 nodes."""
+    specs = buffer_specs(cfg, layout=layout)
+    plan = plan_json(cfg, layout=layout)
     width = max(map(len, specs))
     lines = []
     for name, spec in specs.items():
@@ -103,25 +169,24 @@ def format_plan(cfg: StateConfig) -> str:
         lines.append(f"{name:<{width}}  shape={shape:<32} dtype={_dtype_name(spec.dtype):<8} "
                      f"size={spec.gib:.3f}GB ({spec.nbytes} bytes)")
 
-    def gb(nbytes: int, digits: int) -> str:
+    def gb(nbytes: int, digits: int = 2) -> str:
         return f"{nbytes / GIB:.{digits}f}GB"
 
     lines.append(
         f"Mamba Cache is allocated. max_mamba_cache_size: {cfg.num_slots}, "
-        f"conv_state size: {gb(plan['conv_state'], 2)}, ssm_state size: {gb(plan['ssm_state'], 2)}, "
-        f"intermediate_conv_window size: {gb(plan['intermediate_conv_window'], 2)}")
-    rings = " ".join(f"{name.removeprefix('ring_')}={gb(plan[name], 3)}" for name in RING_NAMES)
-    lines.append(f"ReplaySSM ring is allocated. ring_len: {cfg.ring_len}, {rings}, "
+        f"conv_state size: {gb(plan['conv_state'])}, ssm_state size: {gb(plan['ssm_state'])}, "
+        f"intermediate_conv_window size: {gb(plan['intermediate_conv_window'])}")
+    rings = " ".join(f"{name.removeprefix('ring_')}={gb(plan[name], 3)}" for name in ring_names(layout))
+    depth = f"ring_len: {cfg.ring_len}" if layout != "eager" else f"depth D: {cfg.num_verify_tokens}"
+    lines.append(f"ReplaySSM ring is allocated. layout: {layout} {LAYOUT_SHAPES[layout]}, {depth}, {rings}, "
                  f"ring total size: {gb(plan['ring_total'], 3)}")
-    lines.append(
-        f"Spec state (max_running={cfg.max_running}+1, D={cfg.num_verify_tokens}): "
-        f"full snapshot (snapshot_intermediate_ssm {gb(plan['snapshot_intermediate_ssm'], 2)} "
-        f"+ intermediate_conv_window {gb(plan['intermediate_conv_window'], 2)}) = "
-        f"{gb(plan['spec_state_snapshot'], 2)} vs ReplaySSM (rings {gb(plan['ring_total'], 2)} "
-        f"+ intermediate_conv_window {gb(plan['intermediate_conv_window'], 2)}) = "
-        f"{gb(plan['spec_state_replay'], 2)}, ratio {plan['ratio']:.2f}x")
-    lines.append(
-        f"Tree verify (T={cfg.num_verify_tokens} nodes): all-layer snapshot {gb(plan['spec_state_snapshot'], 2)} vs "
-        f"ReplaySSM (rings + one layer's node states {gb(plan['tree_node_states'], 2)} + conv windows) = "
-        f"{gb(plan['spec_state_replay_tree'], 2)}, ratio {plan['ratio_tree']:.2f}x")
+    conv = conv_record_name(layout)
+    conv_what = "conv windows" if conv == "intermediate_conv_window" else "conv inputs"
+    lines.append(f"Spec state, layout {layout} (max_running={cfg.max_running}+1; snapshot: all-layer states + "
+                 f"conv windows per token; ReplaySSM: rings + {conv_what}, trees + one layer's node states):")
+    for key, label in [("chain", f"chain D={cfg.num_verify_tokens}"), *((f"tree_{t}", f"tree T={t}")
+                                                                         for t in TREE_SIZES)]:
+        sb = plan["spec_bytes"][key]
+        lines.append(f"  {label:<12} full snapshot {gb(sb['snapshot'])} vs ReplaySSM {gb(sb['replayssm'])}, "
+                     f"ratio {sb['snapshot'] / sb['replayssm']:.2f}x")
     return "\n".join(lines)

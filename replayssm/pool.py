@@ -46,9 +46,6 @@ class SlotPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def is_allocated(self, slot: int) -> bool:
-        return slot in self._used
-
     def alloc(self, n: int = 1) -> list[int]:
         """Take `n` zeroed slots; a `RuntimeError` (and nothing taken) when fewer than `n` are free."""
         if n < 1:

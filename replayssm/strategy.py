@@ -4,7 +4,7 @@ A speculative round on the linear layers:
 
     strategy.begin(slots, num_tokens=D)            # or parent=[T] / [B, T] for a tree
     for layer in range(num_layers):
-        y = strategy.conv(layer, x, weight, bias)  # short conv, window snapshots per token
+        y = strategy.conv(layer, x, weight, bias)  # short conv; conv windows (snapshot) or inputs (replay) kept
         o = strategy.mix(layer, q, k, v, g, beta)  # delta rule from the checkpoint
     strategy.commit(num_accepted)                  # or path=[B, M] accepted node indices
 
@@ -20,6 +20,7 @@ import torch
 
 from specdec import kernels
 from specdec.kernels.common import valid_slots
+from specdec.kernels.scatter.naive import rebuild_windows
 
 from .config import StateConfig
 from .plan import buffer_specs
@@ -37,7 +38,7 @@ class Round:
 
 
 class StateStrategy(ABC):
-    """Common part: slot pool, per-token conv windows, round bookkeeping, conv commit and track copies."""
+    """Common part: slot pool, round bookkeeping, the short conv and track copies."""
 
     name = "base"
 
@@ -45,7 +46,6 @@ class StateStrategy(ABC):
         self.cfg = cfg
         self.pool = pool if pool is not None else SlotPool(cfg, device=device)
         self.device = self.pool.device
-        self.conv_windows = allocate(buffer_specs(cfg)["intermediate_conv_window"], self.device)
         self._round: Round | None = None
 
     # ---- round -------------------------------------------------------------------------------------
@@ -107,8 +107,7 @@ class StateStrategy(ABC):
         if tuple(weight.shape) != (cfg.conv_dim, cfg.conv_kernel):
             raise ValueError(f"weight: expected shape {[cfg.conv_dim, cfg.conv_kernel]}, got {list(weight.shape)}")
         y = kernels.short_conv_verify(x, weight, bias, self.pool.conv[layer], r.slots, parent=r.parent,
-                                      window_states=self.conv_windows[layer], activation=activation,
-                                      null_slot=self.pool.null_slot)
+                                      activation=activation, null_slot=self.pool.null_slot, **self._conv_out(layer))
         r.conv_done.add(layer)
         return y
 
@@ -148,10 +147,7 @@ class StateStrategy(ABC):
         n = torch.where(valid, n, 0)
         path = path.clamp(min=0)
         before = self.committed_len(r.slots)
-        self._commit_ssm(r, path, n, before)
-        last = torch.where(n > 0, path.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0], -1)
-        kernels.masked_scatter(self.conv_windows, self.pool.conv, r.slots, last, null_slot=self.pool.null_slot)
-        self._track(r, path, n, before, self.conv_windows, self.pool.track_conv, lengths=True)
+        self._commit_state(r, path, n, before)
         self._round = None
 
     def _accepted(self, r: Round, num_accepted, path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,11 +187,13 @@ class StateStrategy(ABC):
                              f"(parents {parent[b].tolist()})")
         return path.clamp(min=0), torch.where(valid, n, 0)
 
-    def _track(self, r: Round, path: torch.Tensor, n: torch.Tensor, before: torch.Tensor, src: torch.Tensor,
+    def _track(self, r: Round, path: torch.Tensor, n: torch.Tensor, before: torch.Tensor, src,
                dst: torch.Tensor, *, lengths: bool = False) -> None:
-        """Copy `src[:, row, node]` (per-node buffers `[Lyr, R, T, ...]`) to `dst[:, slot, parity]` for the
-        token of this round that lands on a track boundary (token count a multiple of `track_interval`), and
-        with `lengths` record the count. Masked writes on the device: at most `T // interval + 1` of them."""
+        """Copy the state after the token of this round that lands on a track boundary (token count a multiple
+        of `track_interval`) to `dst[:, slot, parity]`, and with `lengths` record the count. `src` is a
+        per-node buffer `[Lyr, R, T, ...]` (read at `[:, row, node]`) or a function `(j [B]) -> [Lyr, B, ...]`
+        giving the state after the first j + 1 accepted tokens. Masked writes on the device: at most
+        `T // interval + 1` of them."""
         iv = self.cfg.track_interval
         if iv is None:
             return
@@ -209,7 +207,8 @@ class StateStrategy(ABC):
             hit = valid & (j < n)
             node = path.gather(1, j.clamp(0, M - 1)[:, None])[:, 0]
             par = (count // iv) % 2
-            new, old = src[:, rows, node], dst[:, s, par]
+            new = src(j.clamp(0, M - 1)) if callable(src) else src[:, rows, node]
+            old = dst[:, s, par]
             dst[:, s, par] = torch.where(hit.view(1, B, *[1] * (new.dim() - 2)), new.to(dst.dtype), old)
             if lengths:
                 self.pool.track_len[s, par] = torch.where(hit, count, self.pool.track_len[s, par])
@@ -243,40 +242,57 @@ class StateStrategy(ABC):
 
     # ---- per strategy ------------------------------------------------------------------------------
     @abstractmethod
+    def _conv_out(self, layer: int) -> dict:
+        """What the short conv of `layer` keeps for commit: `short_conv_verify` keyword arguments."""
+
+    @abstractmethod
     def _verify(self, layer, r, q, k, v, g, beta) -> torch.Tensor:
         """Run the delta rule of one layer for the open round; -> o `[B, T, H, V]`."""
 
     @abstractmethod
-    def _commit_ssm(self, r: Round, path: torch.Tensor, n: torch.Tensor, before: torch.Tensor) -> None:
-        """Advance the checkpoints by the accepted tokens (`before`: committed length per row)."""
+    def _commit_state(self, r: Round, path: torch.Tensor, n: torch.Tensor, before: torch.Tensor) -> None:
+        """Advance the checkpoints and conv windows by the accepted tokens (`before`: committed length per row)."""
 
 
 class SnapshotStrategy(StateStrategy):
-    """Full snapshot: verify writes the state after every token; commit scatters the last accepted one."""
+    """Full snapshot (SGLang's default scheme): verify writes the state and the conv window after every token;
+    commit scatters the last accepted one."""
 
     name = "snapshot"
 
     def __init__(self, cfg: StateConfig, *, device: torch.device | str = "cpu", pool: SlotPool | None = None):
         super().__init__(cfg, device=device, pool=pool)
-        self.states = allocate(buffer_specs(cfg)["snapshot_intermediate_ssm"], self.device)  # [Lyr, R, T, H, K, V]
+        specs = buffer_specs(cfg)
+        self.states = allocate(specs["snapshot_intermediate_ssm"], self.device)  # [Lyr, R, T, H, K, V]
+        self.conv_windows = allocate(specs["intermediate_conv_window"], self.device)  # [Lyr, R, T, C, Kc-1]
+
+    def _conv_out(self, layer):
+        return dict(window_states=self.conv_windows[layer])
 
     def _verify(self, layer, r, q, k, v, g, beta):
         return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
                                          intermediate_states=self.states[layer], **self._kw())
 
-    def _commit_ssm(self, r, path, n, before):
+    def _commit_state(self, r, path, n, before):
         self._track(r, path, n, before, self.states, self.pool.track_ssm)
+        self._track(r, path, n, before, self.conv_windows, self.pool.track_conv, lengths=True)
         last = torch.where(n > 0, path.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0], -1)
         kernels.masked_scatter(self.states, self.pool.ssm, r.slots, last, null_slot=self.pool.null_slot)
+        kernels.masked_scatter(self.conv_windows, self.pool.conv, r.slots, last, null_slot=self.pool.null_slot)
         self._add_len(r, n)
 
 
 class ReplayStrategy(StateStrategy):
-    """ReplaySSM: verify keeps per-token records in rings; commit re-folds the accepted ones exactly.
+    """ReplaySSM: verify keeps per-token records; commit re-folds the accepted ones exactly.
 
-    `commit="eager"` folds right after acceptance. `commit="lazy"` leaves them pending: the next verify
-    starts from the fast rebuild of checkpoint + pending `(d, k, g)`, and the fold runs when pending + D
-    would overflow the ring, when a track boundary is crossed, on `flush`, or at request end.
+    The short conv keeps each verify token's pre-conv input (`conv_inputs [Lyr, R, T, C]`); commit rebuilds the
+    window after the last accepted token from the committed window and those inputs, in the fold's launch.
+
+    `commit="eager"` folds right after acceptance: the rings hold one round, `[Lyr, running row, H, D, *]`, and
+    only the fold's records (rawv, rawk, g, beta). `commit="lazy"` leaves them pending in per-slot rings
+    `[Lyr, slot, H, L, *]` with all six records: the next verify starts from the fast rebuild of checkpoint +
+    pending `(d, k, g)`, and the fold runs when pending + D would overflow the ring, when a track boundary is
+    crossed, on `flush`, or at request end.
     """
 
     name = "replay"
@@ -287,8 +303,16 @@ class ReplayStrategy(StateStrategy):
             raise ValueError(f"commit: expected 'eager' or 'lazy', got {commit!r}")
         super().__init__(cfg, device=device, pool=pool)
         self.commit_mode = commit
-        self.rings = RingBuffers(cfg, device=self.device)
+        self.rings = RingBuffers(cfg, layout=commit, device=self.device)
+        self.conv_inputs = allocate(buffer_specs(cfg, layout=commit)["conv_inputs"], self.device)  # [Lyr, R, T, C]
         self.node_states: torch.Tensor | None = None  # [R, T, H, K, V]: one layer's tree node states, reused
+
+    def _conv_out(self, layer):
+        return dict(conv_inputs=self.conv_inputs[layer])
+
+    def _rows(self, r: Round) -> torch.Tensor:
+        """Eager ring index of each request: its running row `0..B-1` `[B]`."""
+        return torch.arange(r.slots.shape[0], device=self.device)
 
     def _verify(self, layer, r, q, k, v, g, beta):
         nodes = None
@@ -296,40 +320,52 @@ class ReplayStrategy(StateStrategy):
             if self.node_states is None:  # allocated once, overwritten layer after layer
                 self.node_states = allocate(buffer_specs(self.cfg)["tree_node_states"], self.device)
             nodes = self.node_states
-        pending = self.rings.pending if self.commit_mode == "lazy" else None
+        if self.commit_mode == "lazy":
+            ring_kw = dict(ring_start=self.rings.start, num_pending=self.rings.pending)
+        else:
+            ring_kw = dict(ring_indices=self._rows(r))
         return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
-                                         intermediate_states=nodes, ring=self.rings.layer(layer),
-                                         ring_start=self.rings.start, num_pending=pending, **self._kw())
+                                         intermediate_states=nodes, ring=self.rings.layer(layer), **ring_kw,
+                                         **self._kw())
 
     def _fold(self, ssm: torch.Tensor, slots: torch.Tensor, num: torch.Tensor, offsets=None, *,
-              track: bool = True) -> None:
-        c = self.cfg
-        kernels.exact_fold(ssm, self.rings.rawv, self.rings.rawk, self.rings.g, self.rings.beta, slots,
-                           self.rings.start, num, offsets=offsets, seq_lens=self.pool.seq_len if track else None,
+              track: bool = True, **kw) -> None:
+        c, rings = self.cfg, self.rings
+        kernels.exact_fold(ssm, rings.rawv, rings.rawk, rings.g, rings.beta, slots, rings.start, num,
+                           offsets=offsets, seq_lens=self.pool.seq_len if track else None,
                            track_interval=c.track_interval if track else None,
                            track_states=self.pool.track_ssm if track else None, eps=c.norm_eps, norm=c.norm,
-                           null_slot=self.pool.null_slot)
+                           null_slot=self.pool.null_slot, **kw)
 
-    def _commit_ssm(self, r, path, n, before):
+    def _commit_state(self, r, path, n, before):
+        # a track boundary's conv window, from the committed window: before the fold's launch rewrites it
+        s = torch.where(valid_slots(r.slots, self.pool.null_slot), r.slots, self.pool.null_slot)
+        self._track(r, path, n, before,
+                    lambda j: rebuild_windows(self.pool.conv[:, s], self.conv_inputs[:, :s.shape[0]], path, j + 1),
+                    self.pool.track_conv, lengths=True)
+        conv = dict(conv_state=self.pool.conv, conv_inputs=self.conv_inputs, conv_path=path, conv_count=n)
         if self.commit_mode == "eager":
-            self._fold(self.pool.ssm, r.slots, n, path)
+            self._fold(self.pool.ssm, r.slots, n, path, ring_indices=self._rows(r), **conv)
             self._add_len(r, n)
             return
-        slots = torch.where(n > 0, r.slots, self.pool.null_slot)
+        valid = valid_slots(r.slots, self.pool.null_slot)
+        slots = torch.where(valid, r.slots, self.pool.null_slot)
         if r.parent is not None:  # a tree's accepted path moves to consecutive ring positions
-            self.rings.compact(slots, path, n)
+            self.rings.compact(torch.where(n > 0, slots, self.pool.null_slot), path, n)
         self.rings.pending.index_add_(0, slots, n)
         # fold now where the ring would overflow next round or a track boundary was crossed
         iv, L, D = self.cfg.track_interval, self.cfg.ring_len, self.cfg.num_verify_tokens
         due = (n > 0) & (self.rings.pending[slots] + D > L)
         if iv is not None:
             due |= (n > 0) & ((before + n) // iv > before // iv)
-        self._flush(torch.where(due, slots, self.pool.null_slot))
+        # one launch: the due rows' pending records, and every row's conv window
+        self._flush(slots, due, **conv)
 
     def committed_len(self, slots):
         valid = valid_slots(slots, self.pool.null_slot)
         s = slots.clamp(min=0)
-        return torch.where(valid, self.pool.seq_len[s] + self.rings.pending[s], 0)
+        pending = self.rings.pending[s] if self.commit_mode == "lazy" else 0
+        return torch.where(valid, self.pool.seq_len[s] + pending, 0)
 
     def committed_ssm(self) -> torch.Tensor:
         if self.commit_mode == "eager":
@@ -348,13 +384,14 @@ class ReplayStrategy(StateStrategy):
                                 device=self.device)
         if slots.numel() == 0:
             return
-        self._flush(slots)
+        self._flush(slots, torch.ones_like(slots, dtype=torch.bool))
 
-    def _flush(self, slots: torch.Tensor) -> None:
-        """Fold the pending records of `slots [S]` (distinct; null-slot entries are skipped) on the device."""
-        live = slots != self.pool.null_slot
+    def _flush(self, slots: torch.Tensor, due: torch.Tensor, **conv) -> None:
+        """Fold the pending records of `slots [S]` where `due [S]` (distinct slots; null-slot entries are skipped)
+        on the device; `conv`: the round's conv commit, run in the same launch."""
+        live = due & (slots != self.pool.null_slot)
         num = torch.where(live, self.rings.pending[slots], 0)
-        self._fold(self.pool.ssm, slots, num)
+        self._fold(self.pool.ssm, slots, num, **conv)
         self.rings.start[slots] = (self.rings.start[slots] + num) % self.cfg.ring_len
         self.pool.seq_len.index_add_(0, slots, num)
         self.rings.pending[slots] = torch.where(live, 0, self.rings.pending[slots])

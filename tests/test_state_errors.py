@@ -11,7 +11,7 @@ from specdec.replayssm import SlotPool, StateConfig, make_strategy
 
 def snapshot_state(strat):
     s = [strat.pool.conv.clone(), strat.pool.ssm.clone(), strat.pool.seq_len.clone()]
-    if hasattr(strat, "rings"):  # records past the pending ones are verify scratch, not state
+    if hasattr(strat, "rings") and strat.rings.layout == "lazy":  # records past the pending ones are scratch
         r = strat.rings
         s += [r.start.clone(), r.pending.clone()]
         for slot in range(strat.cfg.num_slots):

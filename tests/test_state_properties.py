@@ -175,9 +175,12 @@ def test_teeth_corrupt_one_rawk_record_fails(name):
     """The comparison has teeth: one corrupted rawk record makes the committed state differ."""
     cfg = StateConfig.tiny(ssm_dtype=torch.float64, act_dtype=torch.float64, track_interval=None)
 
-    def corrupt(strat):
-        pos = int(strat.rings.start[1] + strat.rings.pending[1]) % cfg.ring_len
-        strat.rings.rawk[0, 1, 0, pos, 0] += 1e-3
+    def corrupt(strat):  # the first record of this round: slot 1's ring (lazy) or running row 0 (eager)
+        if strat.rings.layout == "lazy":
+            row, pos = 1, int(strat.rings.start[1] + strat.rings.pending[1]) % cfg.ring_len
+        else:
+            row, pos = 0, 0
+        strat.rings.rawk[0, row, 0, pos, 0] += 1e-3
 
     h = Harness(cfg, seed=7, strategies=(name,))
     draws = iter([4, 3])  # T = 4 tokens, accept 3

@@ -198,6 +198,40 @@ def test_verify_delta_rule(device, case):
             check_written(f"{case}: ring {name}", got, want)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_verify_eager_layout(device, tree):
+    """Eager layout: rings `[R, H, D, *]` indexed by the running row (`ring_indices`), record t at position t
+    (no `ring_start`), no d / k rings. Triton vs the reference, and on each backend the records equal the
+    per-slot layout's bit for bit."""
+    K, V, D = 5, 6, T + 1
+    kw = verify_case(7, K=K, V=V, gdn=False, tree=tree, lazy=False, inter=True, ring=True)
+    per_slot = kw.pop("ring")
+    kw.pop("ring_start")
+    rows = torch.tensor([3, 0, 4, 1, 2])  # a permutation: ring row of each request
+    eager = (None, None, nan(B + 1, H, D, K), nan(B + 1, H, D, V), nan(B + 1, H, D, K), nan(B + 1, H, D))
+    kr = {n: to(t, "cpu") for n, t in kw.items()}
+    ring_ref = to(eager, "cpu")
+    o_ref = ref_verify_delta_rule(**kr, ring=ring_ref, ring_indices=rows)
+    kt = {n: to(t, device) for n, t in kw.items()}
+    ring_tri = to(eager, device)
+    o = tverify.verify_delta_rule(**kt, ring=ring_tri, ring_indices=rows.to(device))
+    check_values("o", o, o_ref)
+    for name, got, want in zip(("g", "rawv", "rawk", "beta"), ring_tri[2:], ring_ref[2:]):
+        check_written(f"eager ring {name}", got, want)
+    # the same verify into per-slot rings: the same records, bit for bit, on each backend
+    for impl, ring, dev in ((ref_verify_delta_rule, ring_ref, "cpu"), (tverify.verify_delta_rule, ring_tri, device)):
+        slot_rings = to(per_slot, dev)
+        impl(**{n: to(t, dev) for n, t in kw.items()}, ring=slot_rings, ring_start=torch.tensor(RING_START).to(dev))
+        for b, s in enumerate(SLOTS):
+            if s in (-1, NULL):
+                assert all(bool(r[int(rows[b])].isnan().all()) for r in ring[2:]), "skipped row written"
+                continue
+            pos = (RING_START[s] + torch.arange(T)) % L
+            for name, e, p in zip(("g", "rawv", "rawk", "beta"), ring[2:], slot_rings[2:]):
+                assert_close(e[int(rows[b]), :, :T].cpu(), p[s][:, pos].cpu(), exact=True, msg=f"{name} row {b}")
+
+
 def strided(t: torch.Tensor) -> torch.Tensor:
     """The same values as a non-contiguous view: every second element of a wider last dim (NaN between)."""
     return torch.stack([t, torch.full_like(t, NAN)], -1).flatten(-2)[..., ::2]
@@ -289,6 +323,54 @@ def test_short_conv_verify(device, case):
     assert bool((y.cpu()[[1, 3]] == 0).all())
     # windows are copies of inputs: bitwise, NaN where nothing may be written
     assert_close(win.cpu().float(), win_ref, exact=True, msg=f"{case}: window_states")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_short_conv_verify_inputs_and_rebuilt_windows(device, tree):
+    """The conv records: each token's pre-conv input is stored (bitwise); the window rebuilt from them at commit
+    (inside the exact fold's launch, Triton and reference) equals the window the verify pass keeps today for
+    the last accepted node, bit for bit."""
+    C, Kc, Lyr = 10, 4, 2
+    g_ = gen(11)
+    x = bf16_values(randn(g_, Lyr, B, T, C)).to(BF16)
+    w = bf16_values(randn(g_, C, Kc) * 0.5).to(BF16)
+    cs = bf16_values(randn(g_, Lyr, N, C, Kc - 1)).to(BF16)
+    idx = torch.tensor(SLOTS)
+    parent = torch.tensor(TREE) if tree else None
+    windows = nan(Lyr, B + 1, T + 1, C, Kc - 1, dtype=BF16)
+    inputs = nan(Lyr, B + 1, T + 1, C, dtype=BF16)
+    for lyr in range(Lyr):
+        ref_short_conv_verify(x[lyr], w, None, cs[lyr], idx, parent=parent, window_states=windows[lyr],
+                              null_slot=NULL)
+        got = nan(B + 1, T + 1, C, dtype=BF16).to(device)
+        tverify.short_conv_verify(to(x[lyr], device), to(w, device), None, to(cs[lyr], device), idx.to(device),
+                                  parent=None if parent is None else parent.to(device), conv_inputs=got, null_slot=NULL)
+        ref_short_conv_verify(x[lyr], w, None, cs[lyr], idx, parent=parent, conv_inputs=inputs[lyr], null_slot=NULL)
+        assert_close(got.cpu(), inputs[lyr], exact=True, msg="conv_inputs (NaN where nothing may be written)")
+    # accepted paths: a root-to-node path per row (tree) or a prefix (chain); row 2 accepts its whole chain
+    paths = [[0, 1, 3], [0], [1, 2, 3], [0, 1], [0, 1, 3, 4]] if tree else [[0, 1], [0], [0, 1, 2, 3, 4], [0], [0, 1, 2]]
+    n = torch.tensor([len(p) for p in paths])
+    path = torch.tensor([p + [-1] * (T - len(p)) for p in paths]).clamp(min=0)
+    want = cs.clone()
+    for b, s in enumerate(SLOTS):
+        if s not in (-1, NULL):
+            want[:, s] = windows[:, b, paths[b][-1]]
+    # the eager commit's one launch: fold the accepted records (eager rings by running row) and rebuild the windows
+    S = randn(g_, Lyr, N, H, 3, 2)
+    ring = (randn(g_, Lyr, B, H, T, 2), randn(g_, Lyr, B, H, T, 3), rand(g_, Lyr, B, H, T, 3, lo=-0.7, hi=0.0),
+            rand(g_, Lyr, B, H, T, lo=0.05, hi=0.95))
+    out = {}
+    for name, impl, dev in (("reference", ref_exact_fold, "cpu"), ("triton", tfold.exact_fold, device)):
+        conv, state = cs.clone().to(dev), S.clone().to(dev)
+        impl(state, *to(ring, dev), idx.to(dev), None, n.to(dev), offsets=path.to(dev),
+             ring_indices=torch.arange(B).to(dev), conv_state=conv, conv_inputs=inputs.to(dev), null_slot=NULL)
+        assert_close(conv.cpu(), want, exact=True, msg=f"{name}: rebuilt windows")
+        out[name] = state.cpu()
+    folded = [5, 3, 0]
+    check_values("ssm_state", out["triton"][:, folded], out["reference"][:, folded])
+    assert_close(out["triton"][:, [1, 2, 4]], S[:, [1, 2, 4]], exact=True, msg="untouched slots")
+    assert max_rel_err(out["reference"][:, folded], S[:, folded]) > 1e-2  # the fold did something
 
 
 def test_short_conv_verify_kernel_size_limit():

@@ -1,44 +1,85 @@
-"""Exact fold: advance the fp32 checkpoint by the accepted records, in plain-decode op order."""
+"""Exact fold: advance the fp32 checkpoint by the accepted records, in plain-decode op order; the conv
+windows of the same rows are rebuilt from their pre-conv input records in the same call."""
 
 from __future__ import annotations
 
 import torch
 
 from ..common import delta_step, math_dtype, prepare_qk, valid_slots
+from ..scatter.naive import commit_conv_windows
+
+
+def check_fold_args(ssm_state: torch.Tensor, ring_beta: torch.Tensor, ssm_state_indices: torch.Tensor,
+                    num_tokens: torch.Tensor, ring_indices: torch.Tensor | None, conv_state: torch.Tensor | None,
+                    conv_inputs: torch.Tensor | None, conv_count: torch.Tensor | None) -> None:
+    """Argument checks shared by both backends: one `ValueError` naming the argument."""
+    Lyr, B = ssm_state.shape[0], ssm_state_indices.shape[0]
+    if ring_beta.dim() != 4 or ring_beta.shape[0] != Lyr or ring_beta.shape[2] != ssm_state.shape[2]:
+        raise ValueError(f"ring_beta: expected [{Lyr}, N', {ssm_state.shape[2]}, L], got {list(ring_beta.shape)}")
+    if num_tokens.shape != (B,):
+        raise ValueError(f"num_tokens: expected shape [{B}], got {list(num_tokens.shape)}")
+    if ring_indices is not None and ring_indices.shape != (B,):
+        raise ValueError(f"ring_indices: expected shape [{B}], got {list(ring_indices.shape)}")
+    if (conv_state is None) != (conv_inputs is None):
+        raise ValueError("conv_inputs: pass conv_state and conv_inputs together (or neither)")
+    if conv_state is not None:
+        if conv_state.dim() != 4 or conv_state.shape[:2] != ssm_state.shape[:2]:
+            raise ValueError(f"conv_state: expected [{Lyr}, {ssm_state.shape[1]}, C, Kc-1], "
+                             f"got {list(conv_state.shape)}")
+        if conv_inputs.dim() != 4 or conv_inputs.shape[0] != Lyr or conv_inputs.shape[1] < B \
+                or conv_inputs.shape[3] != conv_state.shape[2]:
+            raise ValueError(f"conv_inputs: expected [{Lyr}, >={B}, T, {conv_state.shape[2]}], "
+                             f"got {list(conv_inputs.shape)}")
+        if conv_count is not None and conv_count.shape != (B,):
+            raise ValueError(f"conv_count: expected shape [{B}], got {list(conv_count.shape)}")
 
 
 def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torch.Tensor, ring_g: torch.Tensor,
-               ring_beta: torch.Tensor, ssm_state_indices: torch.Tensor, ring_start: torch.Tensor,
+               ring_beta: torch.Tensor, ssm_state_indices: torch.Tensor, ring_start: torch.Tensor | None,
                num_tokens: torch.Tensor, *, offsets: torch.Tensor | None = None,
-               seq_lens: torch.Tensor | None = None, track_interval: int | None = None,
-               track_states: torch.Tensor | None = None, eps: float = 1e-6, norm: str = "rsqrt",
-               null_slot: int = -1) -> None:
-    """Fold accepted records into the checkpoints of every layer, in place.
+               ring_indices: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+               track_interval: int | None = None, track_states: torch.Tensor | None = None,
+               conv_state: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
+               conv_path: torch.Tensor | None = None, conv_count: torch.Tensor | None = None,
+               eps: float = 1e-6, norm: str = "rsqrt", null_slot: int = -1) -> None:
+    """Fold accepted records into the checkpoints of every layer, in place; optionally rebuild the rows' conv
+    windows from their input records.
 
     Args:
         ssm_state: checkpoints of all layers `[Lyr, N, H, K, V]` (updated in place).
-        ring_rawv `[Lyr, N, H, L, V]`, ring_rawk `[Lyr, N, H, L, K]`, ring_g `[Lyr, N, H, L, K or 1]`,
-        ring_beta `[Lyr, N, H, L]`: the records.
+        ring_rawv `[Lyr, N', H, L, V]`, ring_rawk `[Lyr, N', H, L, K]`, ring_g `[Lyr, N', H, L, K or 1]`,
+        ring_beta `[Lyr, N', H, L]`: the records, row `ring_indices[b]` (default: the slot) for request b.
         ssm_state_indices: slot per request `[B]`; -1 / `null_slot` rows are skipped.
-        ring_start: `[N]` ring position of record offset 0 of each slot.
+        ring_start: `[N']` ring position of record offset 0 of each ring row, or None: offset = position
+            (eager layout, no wrap).
         num_tokens: `[B]` records to fold (0 skips).
         offsets: `[B, M]` record offsets from ring_start (a tree's accepted node path); default `0..n-1`.
         seq_lens: `[N]` tokens already in each checkpoint; with `track_interval`, the state right after
             every token whose count is a multiple of the interval is copied to
             `track_states[layer, slot, (count // interval) % 2]` (`[Lyr, N, 2, H, K, V]`).
+        conv_state: persistent windows `[Lyr, N, C, Kc-1]` (updated in place) and conv_inputs
+            `[Lyr, R >= B, T, C]` (row b's pre-conv verify inputs): the slot's window becomes the one after
+            the row's accepted tokens (`scatter.naive.rebuild_windows`): `conv_count [B]` tokens
+            (default num_tokens) along `conv_path [B, M]` (default offsets; None: a chain).
     """
-    Lyr, N, H, L = ring_beta.shape
+    check_fold_args(ssm_state, ring_beta, ssm_state_indices, num_tokens, ring_indices, conv_state, conv_inputs,
+                    conv_count)
+    if conv_state is not None:
+        commit_conv_windows(conv_state, conv_inputs, ssm_state_indices, offsets if conv_path is None else conv_path,
+                            num_tokens if conv_count is None else conv_count, null_slot=null_slot)
+    L = ring_beta.shape[3]
     dt = math_dtype(ssm_state, ring_rawv, ring_g)
     rows = valid_slots(ssm_state_indices, null_slot).nonzero().flatten().tolist()
     for b in rows:
         s, n = int(ssm_state_indices[b]), int(num_tokens[b])
         if n == 0:
             continue
+        r = s if ring_indices is None else int(ring_indices[b])
         off = torch.arange(n, device=ring_beta.device) if offsets is None else offsets[b, :n]
-        pos = (ring_start[s] + off) % L
-        _, k = prepare_qk(None, ring_rawk[:, s][:, :, pos], scale=1.0, eps=eps, norm=norm, dtype=dt)
-        v, g, beta = (ring_rawv[:, s][:, :, pos].to(dt), ring_g[:, s][:, :, pos].to(dt),
-                      ring_beta[:, s][:, :, pos].to(dt))  # [Lyr, H, n, *]
+        pos = off if ring_start is None else (ring_start[r] + off) % L
+        _, k = prepare_qk(None, ring_rawk[:, r][:, :, pos], scale=1.0, eps=eps, norm=norm, dtype=dt)
+        v, g, beta = (ring_rawv[:, r][:, :, pos].to(dt), ring_g[:, r][:, :, pos].to(dt),
+                      ring_beta[:, r][:, :, pos].to(dt))  # [Lyr, H, n, *]
         S = ssm_state[:, s].to(dt)
         for j in range(n):
             S, _, _ = delta_step(S, None, k[:, :, j], v[:, :, j], g[:, :, j], beta[:, :, j])

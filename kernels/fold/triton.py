@@ -1,4 +1,5 @@
-"""Triton exact fold: all layers of all requests in one launch, fp32, the verify kernel's own step.
+"""Triton exact fold: all layers of all requests in one launch, fp32, the verify kernel's own step; the conv
+windows of the same rows are rebuilt from their input records by extra programs of that launch.
 
 Same signature and semantics as `kernels/fold/naive.py`. The step, norm and gate come from
 `kernels/triton_utils.py`, shared with the verify kernel, so on one device the fold of n records gives
@@ -11,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..scatter.triton import conv_commit_tile
 from ..triton_utils import cast_to, check_float, delta_step, l2norm, load_gate, state_blocks
+from .naive import check_fold_args
 
 
 @triton.jit
 def _exact_fold_kernel(
-        state, rawv, rawk, rg, rbeta, idx, ring_start, num_tokens, offsets, seq_lens, track,
+        state, rawv, rawk, rg, rbeta, idx, ring_idx, ring_start, num_tokens, offsets, seq_lens, track,
+        conv, xin, cpath, ccount,
         s_sl, s_sn, s_sh, s_sk, s_sv,
         s_vl, s_vn, s_vh, s_vt, s_vv,
         s_kl, s_kn, s_kh, s_kt, s_kk,
@@ -24,19 +28,33 @@ def _exact_fold_kernel(
         s_bl, s_bn, s_bh, s_bt,
         s_ob, s_om,
         s_tl, s_tn, s_tp, s_th, s_tk, s_tv,
-        B, null_slot, track_interval, eps,
+        s_cl, s_cn, s_cc, s_ck, s_xl, s_xr, s_xt, s_xc, s_pb, s_pm,
+        B, H, C, null_slot, track_interval, eps,
         L: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GDN: tl.constexpr,
-        HAS_OFFSETS: tl.constexpr, HAS_TRACK: tl.constexpr, SQRT_DIV: tl.constexpr):
+        HAS_OFFSETS: tl.constexpr, HAS_START: tl.constexpr, HAS_TRACK: tl.constexpr, SQRT_DIV: tl.constexpr,
+        W: tl.constexpr, BC: tl.constexpr, HAS_CPATH: tl.constexpr):
+    # grid (Lyr * B, H + conv channel blocks, V blocks): heads fold the state, the extra programs (first V block
+    # only) rebuild the conv window of the same (layer, row)
     pid = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2)
     lyr = pid // B
     b = pid % B
     s = tl.load(idx + b).to(tl.int64)
+    if i_h >= H:
+        if W > 0:
+            nc = tl.load(ccount + b).to(tl.int32)
+            if (i_v == 0) & (s >= 0) & (s != null_slot) & (nc > 0):
+                conv_commit_tile(conv, xin, cpath, s, b, lyr, nc, (i_h - H).to(tl.int32), C,
+                                 s_cl, s_cn, s_cc, s_ck, s_xl, s_xr, s_xt, s_xc, s_pb, s_pm, W, BC, HAS_CPATH)
+        return
     n = tl.load(num_tokens + b).to(tl.int32)
     if (s < 0) | (s == null_slot) | (n <= 0):
         return
-    start = tl.load(ring_start + s).to(tl.int64)
+    r = tl.load(ring_idx + b).to(tl.int64)
+    start = 0
+    if HAS_START:
+        start = tl.load(ring_start + r).to(tl.int64)
     offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
     mask_k = offs_k < K
@@ -45,10 +63,10 @@ def _exact_fold_kernel(
     st_off = lyr * s_sl + s * s_sn + i_h * s_sh
     kv_off = offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
     S = tl.load(state + st_off + kv_off, mask=mask_kv, other=0.0).to(tl.float32)
-    v_base = rawv + lyr * s_vl + s * s_vn + i_h * s_vh
-    k_base = rawk + lyr * s_kl + s * s_kn + i_h * s_kh
-    g_base = rg + lyr * s_gl + s * s_gn + i_h * s_gh
-    b_base = rbeta + lyr * s_bl + s * s_bn + i_h * s_bh
+    v_base = rawv + lyr * s_vl + r * s_vn + i_h * s_vh
+    k_base = rawk + lyr * s_kl + r * s_kn + i_h * s_kh
+    g_base = rg + lyr * s_gl + r * s_gn + i_h * s_gh
+    b_base = rbeta + lyr * s_bl + r * s_bn + i_h * s_bh
     if HAS_TRACK:
         # the next token count that is a multiple of the interval, and its ping-pong parity: one division
         # before the loop instead of a 64-bit modulo per record
@@ -60,7 +78,10 @@ def _exact_fold_kernel(
             off = tl.load(offsets + b * s_ob + j * s_om).to(tl.int64)
         else:
             off = j
-        pos = (start + off) & (L - 1)
+        if HAS_START:
+            pos = (start + off) & (L - 1)
+        else:  # eager layout: offset = position
+            pos = off
         kr = tl.load(k_base + pos * s_kt + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
         vr = tl.load(v_base + pos * s_vt + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
         _, alpha = load_gate(g_base + pos * s_gt, offs_k, mask_k, s_gk, BK, GDN)
@@ -77,33 +98,34 @@ def _exact_fold_kernel(
 
 
 def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torch.Tensor, ring_g: torch.Tensor,
-               ring_beta: torch.Tensor, ssm_state_indices: torch.Tensor, ring_start: torch.Tensor,
+               ring_beta: torch.Tensor, ssm_state_indices: torch.Tensor, ring_start: torch.Tensor | None,
                num_tokens: torch.Tensor, *, offsets: torch.Tensor | None = None,
-               seq_lens: torch.Tensor | None = None, track_interval: int | None = None,
-               track_states: torch.Tensor | None = None, eps: float = 1e-6, norm: str = "rsqrt",
-               null_slot: int = -1) -> None:
+               ring_indices: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+               track_interval: int | None = None, track_states: torch.Tensor | None = None,
+               conv_state: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
+               conv_path: torch.Tensor | None = None, conv_count: torch.Tensor | None = None,
+               eps: float = 1e-6, norm: str = "rsqrt", null_slot: int = -1) -> None:
     """Fold accepted records into the checkpoints of every layer, in place (see `naive.exact_fold`).
 
-    One launch over (layer x request, head, V block); per program the K x BV state tile stays in
-    registers while the records are stepped through in plain-decode op order.
+    One launch over (layer x request, head + conv channel block, V block); per program the K x BV state tile
+    stays in registers while the records are stepped through in plain-decode op order.
     """
-    check_float("exact_fold", ssm_state, ring_rawv, ring_rawk, ring_g, ring_beta, track_states)
+    check_float("exact_fold", ssm_state, ring_rawv, ring_rawk, ring_g, ring_beta, track_states, conv_state,
+                conv_inputs)
     if norm not in ("rsqrt", "sqrt_div"):
         raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
+    check_fold_args(ssm_state, ring_beta, ssm_state_indices, num_tokens, ring_indices, conv_state, conv_inputs,
+                    conv_count)
     Lyr, N, H, K, V = ssm_state.shape
-    L = ring_beta.shape[3]
-    if L & (L - 1):
+    R, L = ring_beta.shape[1], ring_beta.shape[3]
+    if ring_start is not None and L & (L - 1):
         raise ValueError(f"ring_beta: ring depth L={L} must be a power of two")
-    if ring_beta.shape != (Lyr, N, H, L):
-        raise ValueError(f"ring_beta: expected [{Lyr}, {N}, {H}, L], got {list(ring_beta.shape)}")
-    if ring_rawv.shape != (Lyr, N, H, L, V) or ring_rawk.shape != (Lyr, N, H, L, K):
-        raise ValueError(f"ring_rawv / ring_rawk: expected [{Lyr}, {N}, {H}, {L}, {V}] / [..., {K}], "
+    if ring_rawv.shape != (Lyr, R, H, L, V) or ring_rawk.shape != (Lyr, R, H, L, K):
+        raise ValueError(f"ring_rawv / ring_rawk: expected [{Lyr}, {R}, {H}, {L}, {V}] / [..., {K}], "
                          f"got {list(ring_rawv.shape)} / {list(ring_rawk.shape)}")
-    if ring_g.shape[:4] != (Lyr, N, H, L) or ring_g.dim() != 5 or ring_g.shape[4] not in (1, K):
-        raise ValueError(f"ring_g: expected [{Lyr}, {N}, {H}, {L}, {K} or 1], got {list(ring_g.shape)}")
+    if ring_g.shape[:4] != (Lyr, R, H, L) or ring_g.dim() != 5 or ring_g.shape[4] not in (1, K):
+        raise ValueError(f"ring_g: expected [{Lyr}, {R}, {H}, {L}, {K} or 1], got {list(ring_g.shape)}")
     B = ssm_state_indices.shape[0]
-    if num_tokens.shape != (B,):
-        raise ValueError(f"num_tokens: expected shape [{B}], got {list(num_tokens.shape)}")
     if B == 0 or Lyr == 0:
         return
     has_track = track_interval is not None and seq_lens is not None
@@ -114,17 +136,31 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
     has_off = offsets is not None
     if has_off and (offsets.dim() != 2 or offsets.shape[0] < B):
         raise ValueError(f"offsets: expected [>={B}, M], got {list(offsets.shape)}")
+    has_conv = conv_state is not None
+    cpath = offsets if conv_path is None else conv_path
+    if has_conv and cpath is not None and (cpath.dim() != 2 or cpath.shape[0] < B):
+        raise ValueError(f"conv_path: expected [>={B}, M], got {list(cpath.shape)}")
+    C, W = (conv_state.shape[2], conv_state.shape[3]) if has_conv else (0, 0)
+    BC = min(triton.next_power_of_2(max(C, 1)), 256)
     BK, BV, num_warps = state_blocks(K, V)
     off_t = offsets if has_off else num_tokens
     tr = track_states if has_track else ssm_state
-    sl = seq_lens if has_track else ring_start
-    grid = (Lyr * B, H, triton.cdiv(V, BV))
+    sl = seq_lens if has_track else num_tokens
+    grid = (Lyr * B, H + (triton.cdiv(C, BC) if has_conv else 0), triton.cdiv(V, BV))
     _exact_fold_kernel[grid](
-        ssm_state, ring_rawv, ring_rawk, ring_g, ring_beta, ssm_state_indices, ring_start, num_tokens, off_t, sl, tr,
+        ssm_state, ring_rawv, ring_rawk, ring_g, ring_beta, ssm_state_indices,
+        ssm_state_indices if ring_indices is None else ring_indices,
+        num_tokens if ring_start is None else ring_start, num_tokens, off_t, sl, tr,
+        conv_state if has_conv else ssm_state, conv_inputs if has_conv else ssm_state,
+        cpath if (has_conv and cpath is not None) else num_tokens,
+        (num_tokens if conv_count is None else conv_count) if has_conv else num_tokens,
         *ssm_state.stride(), *ring_rawv.stride(), *ring_rawk.stride(), *ring_g.stride(), *ring_beta.stride(),
         *(offsets.stride() if has_off else (0, 0)),
         *(track_states.stride() if has_track else (0,) * 6),
-        B, int(null_slot), int(track_interval) if has_track else 1, float(eps),
-        L=L, K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[4] == 1 and K != 1, HAS_OFFSETS=has_off, HAS_TRACK=has_track,
-        SQRT_DIV=norm == "sqrt_div", num_warps=num_warps,
+        *(conv_state.stride() if has_conv else (0,) * 4), *(conv_inputs.stride() if has_conv else (0,) * 4),
+        *(cpath.stride() if (has_conv and cpath is not None) else (0, 0)),
+        B, H, C, int(null_slot), int(track_interval) if has_track else 1, float(eps),
+        L=L, K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[4] == 1 and K != 1, HAS_OFFSETS=has_off,
+        HAS_START=ring_start is not None, HAS_TRACK=has_track, SQRT_DIV=norm == "sqrt_div",
+        W=W, BC=BC, HAS_CPATH=has_conv and cpath is not None, num_warps=num_warps,
         enable_fp_fusion=False)

@@ -1,7 +1,9 @@
-"""Triton masked scatter: copy one verify step per request into its persistent slot, all layers at once.
+"""Triton commit copies: the masked scatter of one verify step per request into its persistent slot (all layers
+in one launch), and `conv_commit_tile`, the conv window rebuilt from the accepted tokens' input records, which
+the exact fold's launch runs beside the fold.
 
-Same signature and semantics as `kernels/scatter/naive.py`. A pure copy (with a dtype cast on store),
-so fp64 is fine too.
+Same semantics as `kernels/scatter/naive.py`. Pure copies (with a dtype cast on store), so fp64 is fine for
+the scatter.
 """
 
 from __future__ import annotations
@@ -13,6 +15,32 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import cast_to
+
+
+@triton.jit
+def conv_commit_tile(conv, xin, path, s, b, lyr, n, i_c, C,
+                     s_cl, s_cn, s_cc, s_ck, s_xl, s_xr, s_xt, s_xc, s_pb, s_pm,
+                     W: tl.constexpr, BC: tl.constexpr, HAS_PATH: tl.constexpr):
+    """Channels `[i_c * BC, (i_c + 1) * BC)` of slot s's window `conv[lyr, s]` `[C, W]` become the window after
+    row b's first n (>= 1) accepted tokens (`naive.rebuild_windows`): column j (oldest first) is committed column
+    n + j while that is < W, else the input record `xin[lyr, b, node]` of node `path[b, n + j - W]` (token
+    n + j - W without a path). In place, column after column: column j reads column n + j > j, not yet written.
+    """
+    offs_c = i_c * BC + tl.arange(0, BC)
+    mask = offs_c < C
+    c_base = conv + lyr * s_cl + s * s_cn + offs_c * s_cc
+    x_base = xin + lyr * s_xl + b * s_xr + offs_c * s_xc
+    for j in tl.static_range(W):
+        src = n + j
+        if src < W:
+            val = tl.load(c_base + src * s_ck, mask=mask, other=0.0).to(tl.float32)
+        else:
+            if HAS_PATH:
+                node = tl.load(path + b * s_pb + (src - W) * s_pm).to(tl.int64)
+            else:
+                node = (src - W).to(tl.int64)
+            val = tl.load(x_base + node * s_xt, mask=mask, other=0.0).to(tl.float32)
+        tl.store(c_base + j * s_ck, cast_to(val, conv), mask=mask)
 
 
 @triton.jit

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ..common import (check_delta_inputs, check_shape, conv_step, delta_step, math_dtype, prepare_qk,
-                      valid_slots)
+from ..common import check_delta_inputs, check_shape, delta_step, math_dtype, prepare_qk, valid_slots
 from ..rebuild.naive import fast_rebuild
+from ..recurrent.naive import _silu
 
 
 def _pick_parents(root: torch.Tensor, done: list[torch.Tensor], p: torch.Tensor, chain: bool) -> torch.Tensor:
@@ -30,18 +30,71 @@ def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tenso
     return parent.long()
 
 
+def conv_columns(conv_state: torch.Tensor, x: torch.Tensor, parent: torch.Tensor, Kc: int) -> torch.Tensor:
+    """The `Kc` conv inputs of every verify token, oldest first, by one gather (no per-token loop).
+
+    Column `Kc-1` of token t is `x_t`, column `Kc-2` its parent's input, ...; past the root the columns come
+    from the slot's window, newest first (a chain is the tree whose parent is t-1).
+
+    Args:
+        conv_state: windows `[R, C, Kc-1]`;  x: inputs `[R, T, C]`;  parent: `[R, T]` (-1 = the window).
+    Returns:
+        `[R, C, T, Kc]` in the math dtype of `conv_state` and `x`.
+    """
+    R, T, C = x.shape
+    W = Kc - 1
+    dt = math_dtype(conv_state, x)
+    full = torch.cat([conv_state.to(dt), x.to(dt).transpose(1, 2)], dim=-1)  # [R, C, W + T]
+    # Walk up from each token Kc-1 times (a loop over taps): a node's input is column W + node of `full`;
+    # once past the root, the window's columns from the newest one down.
+    cur = torch.arange(T, device=x.device).expand(R, T)
+    wcol = torch.full((R, T), W - 1, dtype=torch.long, device=x.device)
+    idx = []
+    for _ in range(Kc):
+        in_seq = cur >= 0
+        idx.append(torch.where(in_seq, W + cur, wcol))
+        wcol = torch.where(in_seq, wcol, wcol - 1)
+        cur = torch.where(in_seq, parent.gather(1, cur.clamp(min=0)), -1)
+    idx = torch.stack(idx[::-1], -1)  # [R, T, Kc], oldest first
+    return full.gather(2, idx.reshape(R, 1, T * Kc).expand(R, C, T * Kc)).view(R, C, T, Kc)
+
+
+def conv_taps(cols: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              activation: str | None) -> torch.Tensor:
+    """Depthwise conv of gathered inputs `cols [R, C, T, Kc]` with `weight [C, Kc]` -> `[R, T, C]` (math dtype).
+
+    The arithmetic of the plain-decode `short_conv`, element by element: taps multiplied and summed left to
+    right, then the bias, then a silu whose rounding does not depend on the tensor's size. So every verify
+    token's output equals plain decode of its root path, bit for bit.
+    """
+    w = weight.to(cols.dtype)
+    y = cols[..., 0] * w[:, :1]  # [R, C, T]
+    for j in range(1, cols.shape[-1]):
+        y = y + cols[..., j] * w[:, j:j + 1]
+    y = y.transpose(1, 2).contiguous()
+    if bias is not None:
+        y = y + bias.to(cols.dtype)
+    if activation == "silu":
+        y = _silu(y)
+    elif activation is not None:
+        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
+    return y
+
+
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                       conv_state_indices: torch.Tensor, *, parent: torch.Tensor | None = None,
-                      window_states: torch.Tensor | None = None, activation: str | None = "silu",
-                      null_slot: int = -1) -> torch.Tensor:
-    """Short conv over the verify tokens of each request, from its slot's window.
+                      window_states: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
+                      activation: str | None = "silu", null_slot: int = -1) -> torch.Tensor:
+    """Short conv over the verify tokens of each request, from its slot's window, with no per-token loop.
 
     Args:
         x: pre-conv inputs `[B, T, C]`;  weight `[C, Kc]`;  bias `[C]` or None.
         conv_state: persistent windows of one layer `[N, C, Kc-1]` (read only).
         conv_state_indices: slot per request `[B]`; -1 or `null_slot` rows are skipped (output 0).
         parent: None (chain) or `[T]` / `[B, T]` tree parents (-1 = the slot's window).
-        window_states: out `[R >= B, T, C, Kc-1]`: the window after each token / node.
+        window_states: out `[R >= B, >= T, C, Kc-1]`: the window after each token / node (snapshot scheme).
+        conv_inputs: out `[R >= B, >= T, C]`: each token's pre-conv input (the record commit rebuilds the
+            window from, `scatter.rebuild_windows`).
     Returns:
         y `[B, T, C]` in x.dtype.
     """
@@ -53,34 +106,73 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if window_states is not None and (window_states.dim() != 4 or window_states.shape[0] < B
                                       or window_states.shape[1] < T or window_states.shape[2:] != (C, Kc - 1)):
         raise ValueError(f"window_states: expected [>={B}, >={T}, {C}, {Kc - 1}], got {list(window_states.shape)}")
-    chain = parent is None
+    if conv_inputs is not None and (conv_inputs.dim() != 3 or conv_inputs.shape[0] < B
+                                    or conv_inputs.shape[1] < T or conv_inputs.shape[2] != C):
+        raise ValueError(f"conv_inputs: expected [>={B}, >={T}, {C}], got {list(conv_inputs.shape)}")
+    if activation not in ("silu", None):
+        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
     parent = _parents(parent, B, T, x.device)
     rows = valid_slots(conv_state_indices, null_slot).nonzero().flatten()
     y = x.new_zeros(B, T, C)
     if rows.numel() == 0:
         return y
-    root = conv_state[conv_state_indices[rows]]
-    windows: list[torch.Tensor] = []
-    ys: list[torch.Tensor] = []
-    for t in range(T):
-        p = parent[rows, t]
-        prev = _pick_parents(root, windows, p, chain)
-        yt, wt = conv_step(prev, x[rows, t], weight, bias, activation)
-        windows.append(wt)
-        ys.append(yt)
-    # one write per buffer after the loop (plain copies: the same values as writing token by token)
-    y[rows] = torch.stack(ys, 1).to(x.dtype)
+    cols = conv_columns(conv_state[conv_state_indices[rows]], x[rows], parent[rows], Kc)  # [R, C, T, Kc]
+    y[rows] = conv_taps(cols, weight, bias, activation).to(x.dtype)
     if window_states is not None:
-        window_states[rows, :T] = torch.stack(windows, 1).to(window_states.dtype)
+        window_states[rows, :T] = cols[..., 1:].transpose(1, 2).to(window_states.dtype)
+    if conv_inputs is not None:
+        conv_inputs[rows, :T] = x[rows].to(conv_inputs.dtype)
     return y
+
+
+def check_ring_args(ring, ring_start, num_pending, ring_indices, B: int, T: int) -> None:
+    """The ring arguments of `verify_delta_rule` (both backends): one `ValueError` naming the argument."""
+    if ring is None:
+        if num_pending is not None:
+            raise ValueError("num_pending: needs ring (the pending records live there)")
+        return
+    if len(ring) != 6:
+        raise ValueError(f"ring: expected (d, k, g, rawv, rawk, beta), got {len(ring)} tensors")
+    if any(t is None for t in ring[2:]):
+        raise ValueError("ring: g, rawv, rawk and beta are required (d and k may be None)")
+    L = ring[2].shape[2]
+    if T > L:
+        raise ValueError(f"q: {T} verify tokens do not fit a ring of depth L={L}")
+    if num_pending is not None:
+        if ring_start is None or ring[0] is None or ring[1] is None:
+            raise ValueError("num_pending: pending records need ring_start and the d, k rings (lazy layout)")
+        if ring_indices is not None:
+            raise ValueError("ring_indices: pending records live in per-slot rings; pass no ring_indices with "
+                             "num_pending")
+    if ring_indices is not None:
+        check_shape("ring_indices", ring_indices, (B,))
+
+
+def store_ring_records(ring: tuple[torch.Tensor | None, ...], recs: tuple[torch.Tensor, ...], slots: torch.Tensor,
+                       rows: torch.Tensor, *, ring_start: torch.Tensor | None, num_pending: torch.Tensor | None,
+                       ring_indices: torch.Tensor | None) -> None:
+    """Write the verify records of the valid requests `rows [R]` (slots `slots [R]`) into the rings (both
+    references): `recs = (d, k, g, rawv, rawk, beta)`, each `[R, T, H, dim]` (`beta` `[R, T, H]`); None rings
+    (eager: d, k) are skipped. Request b's ring row is `ring_indices[b]` (default its slot); token t goes to
+    position `(ring_start[r] + num_pending[r] + t) % L`, or t without `ring_start`."""
+    T, L = recs[0].shape[1], ring[2].shape[2]
+    ridx = slots if ring_indices is None else ring_indices[rows]
+    base = torch.zeros_like(ridx) if ring_start is None else ring_start[ridx]
+    if num_pending is not None:
+        base = base + num_pending[ridx]
+    pos = (base[:, None] + torch.arange(T, device=base.device)) % L  # [R, T]
+    for buf, rec in zip(ring, recs):
+        if buf is not None:
+            buf[ridx[:, None], :, pos] = rec.to(buf.dtype)
 
 
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, *,
                       parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
-                      ring: tuple[torch.Tensor, ...] | None = None, ring_start: torch.Tensor | None = None,
-                      num_pending: torch.Tensor | None = None, scale: float | None = None, eps: float = 1e-6,
-                      norm: str = "rsqrt", null_slot: int = -1) -> torch.Tensor:
+                      ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
+                      num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
+                      scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
+                      null_slot: int = -1) -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint; the checkpoint is not written.
 
     Args:
@@ -91,10 +183,13 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         parent: None (chain: token t follows t-1) or `[T]` / `[B, T]` tree parents (-1 = the checkpoint).
         intermediate_states: out `[R >= B, T, H, K, V]`: the state after each token / node (snapshot
             strategy; per-layer node buffer of tree verify).
-        ring: this layer's records `(d, k, g, rawv, rawk, beta)`, each `[N, H, L, dim]` (`beta` `[N, H, L]`);
-            token t of a request in slot s goes to position `(ring_start[s] + num_pending[s] + t) % L`.
-        ring_start, num_pending: `[N]` long. With pending records the start state is the fast rebuild
-            of checkpoint + pending `(d, k, g)` (lazy commit).
+        ring: this layer's records `(d, k, g, rawv, rawk, beta)`, each `[N', H, L, dim]` (`beta` `[N', H, L]`);
+            `d` and `k` may be None (eager commit: only the fold's records are kept). Token t of request b goes
+            to ring row `r = ring_indices[b]` (default: its slot), position `(ring_start[r] + num_pending[r] + t)
+            % L`, or position t without `ring_start` (eager layout: one record per verify token).
+        ring_start, num_pending: `[N']` long. With pending records the start state is the fast rebuild
+            of checkpoint + pending `(d, k, g)` (lazy commit: rings per slot, so no `ring_indices`).
+        ring_indices: `[B]` long ring row per request (eager layout: the running row 0..B-1).
     Returns:
         o `[B, T, H, V]` in v.dtype.
     """
@@ -106,12 +201,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                                             or intermediate_states.shape[2:] != (H, K, V)):
         raise ValueError(f"intermediate_states: expected [>={B}, >={T}, {H}, {K}, {V}], "
                          f"got {list(intermediate_states.shape)}")
-    if ring is not None:
-        L = ring[0].shape[2]
-        if T > L:
-            raise ValueError(f"q: {T} verify tokens do not fit a ring of depth L={L}")
-        if ring_start is None:
-            raise ValueError("ring_start: required with ring")
+    check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
     chain = parent is None
     parent = _parents(parent, B, T, k.device)
     rows = valid_slots(ssm_state_indices, null_slot).nonzero().flatten()
@@ -128,9 +218,6 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         root = fast_rebuild(ssm_state, slots, d_ring, k_ring, g_ring, ring_start, num_pending[slots]).to(dt)
     else:
         root = ssm_state[slots].to(dt)
-    if ring is not None:
-        L = ring[0].shape[2]
-        base = ring_start[slots] + (num_pending[slots] if num_pending is not None else 0)
     states: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
     ds: list[torch.Tensor] = []
@@ -146,8 +233,6 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if intermediate_states is not None:
         intermediate_states[rows, :T] = torch.stack(states, 1).to(intermediate_states.dtype)
     if ring is not None:
-        pos = (base[:, None] + torch.arange(T, device=base.device)) % L  # [R, T]
-        recs = (torch.stack(ds, 1), kn, gg, v[rows], k[rows], beta[rows])  # [R, T, H, dim] / beta [R, T, H]
-        for buf, rec in zip(ring, recs):
-            buf[slots[:, None], :, pos] = rec.to(buf.dtype)
+        store_ring_records(ring, (torch.stack(ds, 1), kn, gg, v[rows], k[rows], beta[rows]), slots, rows,
+                           ring_start=ring_start, num_pending=num_pending, ring_indices=ring_indices)
     return o

@@ -7,7 +7,9 @@ Same signatures and semantics as `kernels/verify/naive.py`. One program per (req
   fp32 one for parents taken bit for bit; a bf16 buffer rounds those parents); a second root (parent -1
   after node 0) restarts from the checkpoint;
 - rings: `d`, `k` (normalized), `g`, `rawv`, `rawk`, `beta` of token t go to position
-  `(ring_start[s] + num_pending[s] + t) & (L - 1)` of the request's slot s;
+  `(ring_start[r] + num_pending[r] + t) & (L - 1)` of the request's ring row r (its slot, or with
+  `ring_indices` its running row); without `ring_start` (eager layout) to position t, and without the
+  `d`, `k` rings only the four records the fold reads;
 - lazy: with `num_pending`, the start state is the fast rebuild of the checkpoint and the pending
   `(d, k, g)` records, computed in the same program (no separate launch).
 The step is `triton_utils.delta_step`, the one the exact fold takes. The checkpoint is never written.
@@ -21,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..common import check_delta_inputs, check_shape
+from .naive import check_ring_args
 from ..rebuild.triton import rebuild_tile
 from ..triton_utils import cast_to, check_float, delta_step, l2norm, load_gate, num_warps_for, readout, state_blocks
 
@@ -64,12 +67,12 @@ def _load_col(ptr, j: tl.constexpr, n: tl.constexpr, stride, mask, BC: tl.conste
 
 @triton.jit
 def _short_conv_verify_kernel(
-        x, w, bias, conv_state, idx, parent, win, y,
+        x, w, bias, conv_state, idx, parent, win, xin, y,
         s_xb, s_xt, s_xc, s_wc, s_wk, s_cn, s_cc, s_ck, s_pb, s_pt,
-        s_wb, s_wt, s_wcc, s_wkk,
+        s_wb, s_wt, s_wcc, s_wkk, s_ib, s_it, s_ic,
         T, C, null_slot,
         KC: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-        IS_TREE: tl.constexpr, HAS_WIN: tl.constexpr):
+        IS_TREE: tl.constexpr, HAS_WIN: tl.constexpr, HAS_IN: tl.constexpr):
     # KC <= 4: the weights and the slot's window live in registers as column vectors, read once per program;
     # in the token loop every load is a contiguous [BC] vector of x.
     i_b = tl.program_id(0).to(tl.int64)
@@ -106,6 +109,9 @@ def _short_conv_verify_kernel(
             wv = tl.where(wcol == 0, c0, tl.where(wcol == 1, c1, c2))
             val = tl.where(in_seq, xv, wv)
             acc = tl.fma(val, _pick(KC - 1 - jj, w0, w1, w2, w3), acc)
+            if HAS_IN:
+                if jj == 0:  # the token's own pre-conv input: the record commit rebuilds windows from
+                    tl.store(xin + i_b * s_ib + t * s_it + offs_c * s_ic, cast_to(val, xin), mask=mask_c)
             if HAS_WIN:
                 if jj < KC - 1:
                     tl.store(win + i_b * s_wb + t * s_wt + offs_c * s_wcc + (KC - 2 - jj) * s_wkk,
@@ -125,10 +131,10 @@ def _short_conv_verify_kernel(
 
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                       conv_state_indices: torch.Tensor, *, parent: torch.Tensor | None = None,
-                      window_states: torch.Tensor | None = None, activation: str | None = "silu",
-                      null_slot: int = -1) -> torch.Tensor:
+                      window_states: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
+                      activation: str | None = "silu", null_slot: int = -1) -> torch.Tensor:
     """Short conv over the verify tokens of each request, from its slot's window (see `naive`)."""
-    check_float("short_conv_verify", x, weight, bias, conv_state, window_states)
+    check_float("short_conv_verify", x, weight, bias, conv_state, window_states, conv_inputs)
     B, T, C = x.shape
     Kc = weight.shape[-1]
     check_shape("weight", weight, (C, Kc))
@@ -137,6 +143,9 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if window_states is not None and (window_states.dim() != 4 or window_states.shape[0] < B
                                       or window_states.shape[1] < T or window_states.shape[2:] != (C, Kc - 1)):
         raise ValueError(f"window_states: expected [>={B}, >={T}, {C}, {Kc - 1}], got {list(window_states.shape)}")
+    if conv_inputs is not None and (conv_inputs.dim() != 3 or conv_inputs.shape[0] < B
+                                    or conv_inputs.shape[1] < T or conv_inputs.shape[2] != C):
+        raise ValueError(f"conv_inputs: expected [>={B}, >={T}, {C}], got {list(conv_inputs.shape)}")
     if activation not in ("silu", None):
         raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
     if bias is not None:
@@ -150,14 +159,16 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"weight: the Triton short conv takes kernel sizes 2..4, got {Kc}")
     BC = min(triton.next_power_of_2(C), 256)
     win = window_states if window_states is not None else y
+    xin = conv_inputs if conv_inputs is not None else y
     _short_conv_verify_kernel[(B, triton.cdiv(C, BC))](
         x, weight, bias if bias is not None else weight, conv_state, conv_state_indices,
-        par if par is not None else conv_state_indices, win, y,
+        par if par is not None else conv_state_indices, win, xin, y,
         *x.stride(), *weight.stride(), *conv_state.stride(), *(par.stride() if par is not None else (0, 0)),
         *(window_states.stride() if window_states is not None else (0,) * 4),
+        *(conv_inputs.stride() if conv_inputs is not None else (0,) * 3),
         T, C, int(null_slot),
         KC=Kc, BC=BC, HAS_BIAS=bias is not None, SILU=activation == "silu", IS_TREE=par is not None,
-        HAS_WIN=window_states is not None, num_warps=num_warps_for(BC * 8),
+        HAS_WIN=window_states is not None, HAS_IN=conv_inputs is not None, num_warps=num_warps_for(BC * 8),
         enable_fp_fusion=False)
     return y
 
@@ -177,7 +188,7 @@ def _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_
 @triton.jit
 def _verify_kernel(
         q, k, v, g, beta, state, idx, parent, inter, o,
-        rd, rk, rg, rrv, rrk, rb, ring_start, num_pending,
+        rd, rk, rg, rrv, rrk, rb, ring_start, num_pending, ring_idx,
         sq_b, sq_t, sq_h, sq_k, sk_b, sk_t, sk_h, sk_k, sv_b, sv_t, sv_h, sv_v,
         sg_b, sg_t, sg_h, sg_k, sb_b, sb_t, sb_h,
         s_sn, s_sh, s_sk, s_sv,
@@ -191,7 +202,8 @@ def _verify_kernel(
         T, H, null_slot, scale, eps,
         L: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         GDN: tl.constexpr, RING_GDN: tl.constexpr, RGK, IS_TREE: tl.constexpr, HAS_INTER: tl.constexpr,
-        HAS_RING: tl.constexpr, HAS_PENDING: tl.constexpr, SQRT_DIV: tl.constexpr, STAGES: tl.constexpr):
+        HAS_RING: tl.constexpr, HAS_START: tl.constexpr, HAS_DK: tl.constexpr, HAS_PENDING: tl.constexpr,
+        SQRT_DIV: tl.constexpr, STAGES: tl.constexpr):
     # inputs [B, T, H, *] at any strides; o [B, T, H, V] contiguous; parent [B, T] contiguous int32.
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -211,17 +223,20 @@ def _verify_kernel(
     base = 0
     m = 0
     start = 0
-    d_base = rd + s * s_dn + i_h * s_dh
-    k_base = rk + s * s_kn + i_h * s_kh
-    g_base = rg + s * s_gn + i_h * s_gh
-    v_base = rrv + s * s_vn + i_h * s_vh
-    r_base = rrk + s * s_rn + i_h * s_rh
-    b_base = rb + s * s_bn + i_h * s_bh
+    ri = s  # ring row: the slot (rings per slot) or the request's running row (eager layout)
     if HAS_RING:
-        start = tl.load(ring_start + s).to(tl.int64)
+        ri = tl.load(ring_idx + i_b).to(tl.int64)
+    d_base = rd + ri * s_dn + i_h * s_dh
+    k_base = rk + ri * s_kn + i_h * s_kh
+    g_base = rg + ri * s_gn + i_h * s_gh
+    v_base = rrv + ri * s_vn + i_h * s_vh
+    r_base = rrk + ri * s_rn + i_h * s_rh
+    b_base = rb + ri * s_bn + i_h * s_bh
+    if HAS_START:
+        start = tl.load(ring_start + ri).to(tl.int64)
         base = start
         if HAS_PENDING:
-            m = tl.load(num_pending + s).to(tl.int32)
+            m = tl.load(num_pending + ri).to(tl.int32)
             base = start + m
     S = _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_base, start, m,
                     s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, L, BK, RING_GDN, HAS_PENDING)
@@ -256,11 +271,16 @@ def _verify_kernel(
             if IS_TREE:
                 tl.debug_barrier()
         if HAS_RING:
-            pos = (base + t) & (L - 1)
-            tl.store(d_base + pos * s_dt + offs_v * s_dv, cast_to(d, rd), mask=mask_v)
+            if HAS_START:
+                pos = (base + t) & (L - 1)
+            else:  # eager layout: record t at position t
+                pos = t
+            if HAS_DK:
+                tl.store(d_base + pos * s_dt + offs_v * s_dv, cast_to(d, rd), mask=mask_v)
             tl.store(v_base + pos * s_vt + offs_v * s_vv, cast_to(vt, rrv), mask=mask_v)
             if i_v == 0:
-                tl.store(k_base + pos * s_kt + offs_k * s_kk, cast_to(kn, rk), mask=mask_k)
+                if HAS_DK:
+                    tl.store(k_base + pos * s_kt + offs_k * s_kk, cast_to(kn, rk), mask=mask_k)
                 tl.store(g_base + pos * s_gt + offs_k * s_gk, cast_to(gt, rg), mask=offs_k < RGK)
                 tl.store(r_base + pos * s_rt + offs_k * s_rk, cast_to(kt, rrk), mask=mask_k)
                 tl.store(b_base + pos * s_bt, cast_to(bt, rb))
@@ -275,15 +295,17 @@ def _verify_kernel(
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, *,
                       parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
-                      ring: tuple[torch.Tensor, ...] | None = None, ring_start: torch.Tensor | None = None,
-                      num_pending: torch.Tensor | None = None, scale: float | None = None, eps: float = 1e-6,
-                      norm: str = "rsqrt", null_slot: int = -1) -> torch.Tensor:
+                      ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
+                      num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
+                      scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
+                      null_slot: int = -1) -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint (see `naive.verify_delta_rule`).
 
     Trees need `intermediate_states` (node states live there); ring records are stored in the ring
     tensors' dtypes; the checkpoint is read only.
     """
-    check_float("verify_delta_rule", q, k, v, g, beta, ssm_state, intermediate_states, *(ring or ()))
+    check_float("verify_delta_rule", q, k, v, g, beta, ssm_state, intermediate_states,
+                *(t for t in (ring or ()) if t is not None))
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
     if g.shape[-1] not in (1, K):
         raise ValueError(f"g: expected last dim {K} (KDA) or none (GDN), got {list(g.shape)}")
@@ -299,24 +321,21 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     par = _parents(parent, B, T, k.device)
     if par is not None and intermediate_states is None:
         raise ValueError("intermediate_states: required for tree verify (node states live there)")
-    N = ssm_state.shape[0]
+    check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
+    has_dk = False
     if ring is not None:
-        if len(ring) != 6:
-            raise ValueError(f"ring: expected (d, k, g, rawv, rawk, beta), got {len(ring)} tensors")
-        L = ring[0].shape[2]
-        if T > L:
-            raise ValueError(f"q: {T} verify tokens do not fit a ring of depth L={L}")
-        if ring_start is None:
-            raise ValueError("ring_start: required with ring")
         rd, rk, rg, rrv, rrk, rb = ring
+        N, L = rg.shape[0], rg.shape[2]
+        has_dk = rd is not None and rk is not None
         for name, t, dim in (("d", rd, V), ("k", rk, K), ("rawv", rrv, V), ("rawk", rrk, K)):
-            check_shape(f"ring[{name}]", t, (N, H, L, dim))
+            if t is not None:
+                check_shape(f"ring[{name}]", t, (N, H, L, dim))
         check_shape("ring[beta]", rb, (N, H, L))
         if rg.dim() != 4 or rg.shape[:3] != (N, H, L) or rg.shape[3] not in (1, K) \
                 or (rg.shape[3] == 1 and g.shape[-1] == K and K != 1):
             raise ValueError(f"ring[g]: expected [{N}, {H}, {L}, {g.shape[-1]}], got {list(rg.shape)}")
-    elif num_pending is not None:
-        raise ValueError("num_pending: needs ring (the pending records live there)")
+        if ring_start is not None and L & (L - 1):
+            raise ValueError(f"ring: ring depth L={L} must be a power of two")
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     if B == 0 or T == 0:
         return o
@@ -325,11 +344,11 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     has_ring = ring is not None
     has_inter = intermediate_states is not None
     if has_ring:
-        ring_args = ring
+        if not has_dk:  # eager layout: no d / k records (never written)
+            rd, rk = rrv, rrk
+        ring_args = (rd, rk, rg, rrv, rrk, rb)
         ring_strides = (*rd.stride(), *rk.stride(), *rg.stride(), *rrv.stride(), *rrk.stride(), *rb.stride())
-        L, RGK = rd.shape[2], rg.shape[3]
-        if L & (L - 1):
-            raise ValueError(f"ring: ring depth L={L} must be a power of two")
+        RGK = rg.shape[3]
     else:
         ring_args = (ssm_state,) * 6
         ring_strides = (0,) * 23
@@ -337,12 +356,15 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     _verify_kernel[(B, H, triton.cdiv(V, BV))](
         q, k, v, g, beta, ssm_state, ssm_state_indices, par if par is not None else ssm_state_indices,
         intermediate_states if has_inter else o, o, *ring_args,
-        ring_start if has_ring else ssm_state_indices, num_pending if num_pending is not None else ssm_state_indices,
+        ring_start if ring_start is not None else ssm_state_indices,
+        num_pending if num_pending is not None else ssm_state_indices,
+        ring_indices if ring_indices is not None else ssm_state_indices,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *ssm_state.stride(), *(intermediate_states.stride() if has_inter else (0,) * 5), *ring_strides,
         T, H, int(null_slot), scale, float(eps),
         L=L, K=K, V=V, BK=BK, BV=BV, GDN=g.shape[-1] == 1 and K != 1, RING_GDN=has_ring and RGK == 1 and K != 1,
         RGK=RGK, IS_TREE=par is not None, HAS_INTER=has_inter, HAS_RING=has_ring,
+        HAS_START=has_ring and ring_start is not None, HAS_DK=has_dk,
         HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", STAGES=1 if par is not None else 2,
         num_warps=num_warps, enable_fp_fusion=False, **({"maxnreg": 128} if par is not None else {}))
     return o
