@@ -1,0 +1,199 @@
+"""Static shapes: the verify step of every round has the same shapes within a batch bucket.
+
+`wrap(model, static_shapes=True)` pads the batch with null-slot rows to a bucket (1, 2, 4, ..., max_batch_size),
+the drafts to gamma (a tree to its node budget) and reads the KV cache as a static view with a mask: what
+CUDA graphs need. Checked here on CPU, in float64 on tiny random models of transformers' own classes:
+- greedy output equals transformers' own greedy `generate` (chains and trees, every strategy);
+- every aten op of the verify step and of the commit step, with the shapes of its tensor arguments, is the same
+  in every round of a bucket (and the dynamic path, as a control, is not);
+- what cannot be honoured is refused at `wrap`: `cuda_graph=True` off CUDA, with lazy commit, static shapes on
+  the generic path, flash-attention variants on the hybrid runner; a near-miss engine option is named a typo.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from tiny_models import float64_everywhere, tiny_model, torch_fallbacks
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+import specdec
+from specdec.engine import SpecConfig, _buckets
+from specdec.kernels import dispatch
+
+GAMMA = 4
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12, 13, 11], [3, 41, 17, 88, 9]]
+NEW = 14
+TREE = dict(topk=2, depth=3, num_nodes=6)
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {f: tiny_model(f, seed=0) for f in ("qwen3_5", "kimi_linear")}
+
+
+def _reference(model, prompt: list[int]) -> list[int]:
+    with torch_fallbacks(), float64_everywhere():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, eos_token_id=None)
+    return out[0].tolist()
+
+
+def _generate(engine, prompts):
+    with torch_fallbacks(), float64_everywhere():
+        return engine.generate(prompts, max_new_tokens=NEW, eos_token_id=None)
+
+
+def _signature(args, kwargs) -> tuple:
+    return tuple((tuple(a.shape), a.dtype) for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor))
+
+
+class _Shapes(TorchDispatchMode):
+    """Records every aten op as (name, shapes and dtypes of its tensor arguments). A call of one of the
+    package's kernels (`specdec.kernels.dispatch`) is recorded as one entry, the kernel's launch: on CPU its torch
+    reference stands in for the Triton kernel and loops over rows and tokens on the host, as the kernel's grid
+    and masks do on the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops.append((str(func), _signature(args, kwargs)))
+        return func(*args, **kwargs)
+
+    def kernel(self, name: str, fn):
+        def launch(*args, **kwargs):
+            self.ops.append((f"kernel {name}", _signature(args, kwargs)))
+            with _disable_current_modes():
+                return fn(*args, **kwargs)
+        return launch
+
+
+def _record(engine, monkeypatch) -> dict[str, list]:
+    """Per round, the bucket and the op/shape sequence of the verify step and of the commit step."""
+    rec = defaultdict(list)
+    current: list[_Shapes] = []
+    pick = dispatch.pick
+    monkeypatch.setattr(dispatch, "pick", lambda name, *t: current[-1].kernel(name, pick(name, *t)) if current
+                        else pick(name, *t))
+    for name in ("_verify_step", "_commit_step"):
+        inner = getattr(engine, name)
+
+        def wrapped(step, *a, _inner=inner, _name=name, **k):
+            with _Shapes() as mode:
+                current.append(mode)
+                try:
+                    out = _inner(step, *a, **k)
+                finally:
+                    current.pop()
+            rec[_name].append((step["ids"].shape[0], mode.ops))
+            return out
+
+        setattr(engine, name, wrapped)
+    return rec
+
+
+@pytest.mark.parametrize("family, drafter, mode", [
+    ("qwen3_5", "ngram", ("replay", "eager")),
+    ("qwen3_5", "ngram", ("replay", "lazy")),
+    ("qwen3_5", "ngram", ("snapshot", "eager")),
+    ("qwen3_5", "self", ("replay", "eager")),
+    ("qwen3_5", "eagle", ("replay", "eager")),
+    ("kimi_linear", "ngram", ("replay", "eager")),
+    ("kimi_linear", "eagle", ("snapshot", "eager")),
+])
+def test_static_greedy_identity(targets, family, drafter, mode):
+    """Three requests (bucket 4, one null-slot row), rows finishing at different rounds (buckets shrink):
+    every row equals transformers' greedy generate."""
+    target = targets[family]
+    kw = dict(num_draft_tokens=GAMMA, strategy=mode[0], commit=mode[1], max_batch_size=4, max_length=64,
+              static_shapes=True)
+    if drafter == "self":
+        engine = specdec.wrap(target, drafter="model", draft_model=target, **kw)
+    elif drafter == "eagle":
+        engine = specdec.wrap(target, drafter="eagle", **kw, **TREE)
+    else:
+        engine = specdec.wrap(target, drafter=drafter, **kw)
+    out = _generate(engine, PROMPTS)
+    for b, p in enumerate(PROMPTS):
+        ref = _reference(target, p)
+        assert out.sequences[b, :len(ref)].tolist() == ref, f"row {b} differs from transformers' greedy generate"
+    assert engine.runner.num_free == 4
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_shapes_stable_within_a_bucket(targets, drafter, monkeypatch):
+    """Every round of a bucket (after an engine's first, warm-up round) runs the same ops on the same shapes, in
+    the verify step and in the commit step; a batch of 3 and a batch of 4 share bucket 4. Without static shapes
+    (the control) they change."""
+    target = targets["qwen3_5"]
+    opts = TREE if drafter == "eagle" else {}
+
+    def rounds(static: bool, prompts):
+        engine = specdec.wrap(target, drafter=drafter, num_draft_tokens=GAMMA, max_batch_size=4, max_length=64,
+                              static_shapes=static, **opts)
+        rec = _record(engine, monkeypatch)
+        _generate(engine, prompts)
+        return rec
+
+    by_bucket = {"_verify_step": defaultdict(set), "_commit_step": defaultdict(set)}
+    for prompts in (PROMPTS, PROMPTS + [[7, 8, 9, 7, 8, 9, 7]]):
+        rec = rounds(True, prompts)
+        assert len(rec["_verify_step"]) == len(rec["_commit_step"]) >= 3
+        # the engine's first round is its warm-up (buffers allocated on first use), as before a graph capture
+        for (bucket, verify), (_, commit) in list(zip(rec["_verify_step"], rec["_commit_step"]))[1:]:
+            by_bucket["_verify_step"][bucket].add(tuple(verify))
+            by_bucket["_commit_step"][bucket].add(tuple(commit))
+    assert 4 in by_bucket["_verify_step"], "no round ran in bucket 4"
+    for step, buckets in by_bucket.items():
+        for bucket, seqs in buckets.items():
+            assert len(seqs) == 1, f"{step}, bucket {bucket}: {len(seqs)} different op/shape sequences"
+
+    control = rounds(False, PROMPTS)
+    assert len({tuple(ops) for _, ops in control["_verify_step"]}) > 1, "the control run should change shapes"
+
+
+def test_buckets():
+    assert _buckets(1) == [1]
+    assert _buckets(8) == [1, 2, 4, 8]
+    assert _buckets(6) == [1, 2, 4, 6]
+
+
+def test_refused_at_wrap(targets):
+    target = targets["qwen3_5"]
+    with pytest.raises(ValueError, match="cuda_graph: CUDA graphs need the model on a CUDA device, got cpu"):
+        specdec.wrap(target, cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph: needs commit='eager'"):
+        specdec.wrap(target, cuda_graph=True, commit="lazy")
+    with pytest.raises(ValueError, match=r"stratgy: not an engine option \(did you mean 'strategy'\?\)"):
+        specdec.wrap(target, stratgy="lazy")
+    with pytest.raises(TypeError, match="stratgy"):
+        SpecConfig(stratgy="lazy")
+    with pytest.raises(ValueError, match="strategy: given both in config and as a keyword"):
+        specdec.wrap(target, SpecConfig(), strategy="snapshot")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    generic = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=2)).eval()
+    with pytest.raises(ValueError, match="static_shapes: needs a hybrid target; LlamaForCausalLM"):
+        specdec.wrap(generic, static_shapes=True)
+    flash = tiny_model("qwen3_5", seed=0)
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="model: attn_implementation 'flash_attention_2' is not supported"):
+        specdec.wrap(flash)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_sdpa_attention(targets, family):
+    """The hybrid runner honours `attn_implementation='sdpa'` (the tree / padding mask passed as an additive
+    mask): greedy identity with a tree drafter, against the eager-attention model's own generate."""
+    sdpa = tiny_model(family, seed=0)
+    sdpa.config._attn_implementation = "sdpa"
+    engine = specdec.wrap(sdpa, drafter="eagle", num_draft_tokens=GAMMA, max_batch_size=3, **TREE)
+    out = _generate(engine, PROMPTS)
+    for b, p in enumerate(PROMPTS):
+        ref = _reference(targets[family], p)
+        assert out.sequences[b, :len(ref)].tolist() == ref
