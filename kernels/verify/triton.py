@@ -29,14 +29,15 @@ from ..triton_utils import cast_to, check_float, delta_step, l2norm, load_gate, 
 
 
 def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor | None:
-    """`None` (chain) / `[T]` / `[B, T]` -> None or a contiguous `[B, T]` int32 tensor, checked."""
+    """`None` (chain) / `[T]` / `[B, T]` -> None or a contiguous `[B, T]` int32 tensor, checked (the values
+    only outside a CUDA graph capture, where a host read is not allowed: the engine checked the tree)."""
     if parent is None:
         return None
     if parent.dim() == 1:
         parent = parent.expand(B, -1)
     check_shape("parent", parent, (B, T))
     idx = torch.arange(T, device=parent.device)
-    if bool(((parent < -1) | (parent >= idx)).any()):
+    if not torch.cuda.is_current_stream_capturing() and bool(((parent < -1) | (parent >= idx)).any()):
         raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
     return parent.to(device=device, dtype=torch.int32).contiguous()
 
