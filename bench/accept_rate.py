@@ -10,8 +10,9 @@ missing or does not load: an untrained drafter is never used in its place.
 
 For each drafter and prompt the same generation runs `--repeats` times (default 3) in each of two ways,
 interleaved (spec, plain, spec, plain, ...), after a short warmup of both: with the drafter
-(`specdec.wrap(model, drafter=..., num_draft_tokens=gamma)`) and with a drafter that proposes nothing (plain
-decoding through the same runner). Each prompt's time is the median of its repeats, and
+(`specdec.wrap(model, drafter=..., num_draft_tokens=gamma)`) and with a drafter that proposes nothing
+(`specdec.draft.NoDraft`: plain decoding through the same runner); the comparison is `specdec.timing`, the
+same as `specdec demo`'s. Each prompt's time is the median of its repeats, and
 `speedup = tokens/s spec / tokens/s plain` over the pooled medians compares like with like on this machine.
 `spread` is the median over prompts of (max - min) / median of a prompt's repeats (the larger of the two paths);
 above 25% the table shows the range of the per-repeat speedups instead of one figure and a line says that timing
@@ -33,7 +34,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 import warnings
@@ -55,22 +55,12 @@ except ImportError:  # a bare checkout: the top-level folders are subpackages of
     _spec.loader.exec_module(_mod)
 
 import specdec  # noqa: E402
-from specdec.draft import DraftBlock, Drafter  # noqa: E402
+from specdec import timing  # noqa: E402
+from specdec.draft import NoDraft  # noqa: E402  (also bench/throughput.py's plain decode)
 
 KEYS = ("tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
         "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread", "noisy")
-SMALL_MODEL = 50e6  # parameters: below this one torch thread is fastest (and steadiest) on a CPU
-NOISY = 0.25  # spread between repeats above which one speedup figure would mislead
 EMBEDDED = Path(specdec.__file__).resolve().parent / "embedded"
-
-
-class NoDraft(Drafter):
-    """Proposes nothing: every round verifies the anchor alone, i.e. plain decoding through the same runner."""
-
-    name = "none"
-
-    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        return DraftBlock.empty(len(rows), self.engine.runner.device)
 
 
 class NoBar:
@@ -207,12 +197,8 @@ class Pool:
         self.rounds = self.tokens = self.proposed = self.accepted = self.failures = 0
         self.reached: list[int] = []
         self.accepted_at: list[int] = []
-        self.new_spec = self.new_plain = 0
-        self.time_spec = self.time_plain = 0.0
+        self.spec, self.plain = timing.Pooled(), timing.Pooled()
         self.mismatches: list[str] = []
-        self.repeat_spec: list[float] = []  # pooled seconds of repeat r
-        self.repeat_plain: list[float] = []
-        self.spreads: list[float] = []
 
     def add(self, stats) -> None:
         self.rounds += stats.rounds
@@ -229,55 +215,40 @@ class Pool:
 
     def result(self) -> dict:
         depth = sum(1 for r in self.reached if r)  # positions never reached (beyond a tree's depth) are dropped
-        spec = self.new_spec / self.time_spec if self.time_spec > 0 else 0.0
-        plain = self.new_plain / self.time_plain if self.time_plain > 0 else 0.0
+        spread = timing.pooled_spread(self.spec, self.plain)
         return {"tau": self.tokens / self.rounds if self.rounds else 0.0,
                 "alpha": self.accepted / self.proposed if self.proposed else 0.0,
                 "per_position": [a / r for a, r in zip(self.accepted_at[:depth], self.reached[:depth])],
-                "tokens_per_s_spec": spec, "tokens_per_s_plain": plain,
-                "speedup": spec / plain if plain > 0 else 0.0}
+                "tokens_per_s_spec": self.spec.tokens_per_s, "tokens_per_s_plain": self.plain.tokens_per_s,
+                "speedup": timing.speedup(self.spec, self.plain),
+                "speedup_per_repeat": timing.speedup_per_repeat(self.spec, self.plain),
+                "spread": spread, "noisy": timing.is_noisy(spread)}
 
 
 def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos, bar, options=None) -> dict:
     engine = specdec.wrap(model, drafter=drafter_arg, num_draft_tokens=args.gamma, max_batch_size=1, **(options or {}))
     replay, snapshot = spec_state_bytes(engine)
     kw = dict(eos_token_id=eos, **sampling)
-    warm = min(args.max_new_tokens, 8)
-    for e in (plain, engine):  # first-call costs (allocation, kernel compilation) stay out of the timings
-        e.generate(prompts[0]["ids"], max_new_tokens=warm, seed=args.seed, **kw)
+    timing.warm_up([lambda n, e=e: e.generate(prompts[0]["ids"], max_new_tokens=n, seed=args.seed, **kw)
+                    for e in (plain, engine)], args.max_new_tokens)
     pool = Pool()
-    R = args.repeats
-    pool.repeat_spec, pool.repeat_plain = [0.0] * R, [0.0] * R
     for i, p in enumerate(prompts):
         seed = args.seed + i
-        t_spec, t_plain = [], []
-        for r in range(R):  # interleaved: spec, plain, spec, plain, ...
-            res = engine.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed, **kw)
-            t_spec.append(res.stats.timings["total"])
-            pres = plain.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed, **kw)
-            t_plain.append(pres.stats.timings["total"])
-            pool.repeat_spec[r] += t_spec[-1]
-            pool.repeat_plain[r] += t_plain[-1]
-            if r == 0:
-                out, ref = res, pres
+        runs = timing.interleave({k: lambda e=e: e.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed,
+                                                             **kw) for k, e in (("spec", engine), ("plain", plain))},
+                                 args.repeats)
+        out, ref = runs["spec"][0][0], runs["plain"][0][0]
         n = p["ids"].numel()  # one prompt per call: no right padding
         ref_new, out_new = ref.sequences[0, n:].tolist(), out.sequences[0, n:].tolist()
         pool.add(out.stats)
-        pool.new_plain += len(ref_new)
-        pool.new_spec += len(out_new)
-        pool.time_plain += statistics.median(t_plain)
-        pool.time_spec += statistics.median(t_spec)
-        pool.spreads.append(max(spread(t_spec), spread(t_plain)))
+        pool.spec.add(len(out_new), [t for _, t in runs["spec"]])
+        pool.plain.add(len(ref_new), [t for _, t in runs["plain"]])
         if not sampling["do_sample"] and out_new != ref_new:
             at = next((j for j, (a, b) in enumerate(zip(out_new, ref_new)) if a != b), min(len(out_new), len(ref_new)))
             pool.mismatches.append(f"{p['id']} (first difference at new token {at})")
         bar.update(1)
     res = pool.result()
     res["spec_state_bytes_replay"], res["spec_state_bytes_snapshot"] = replay, snapshot
-    res["speedup_per_repeat"] = [(pool.new_spec / s) / (pool.new_plain / q) if s > 0 and q > 0 else 0.0
-                                 for s, q in zip(pool.repeat_spec, pool.repeat_plain)]
-    res["spread"] = statistics.median(pool.spreads)
-    res["noisy"] = res["spread"] > NOISY
     res["identical"] = None if sampling["do_sample"] else not pool.mismatches
     if pool.mismatches:
         bar.write(f"WARNING: drafter {name}: speculative output differs from plain greedy decoding on "
@@ -286,12 +257,6 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
         bar.write(f"WARNING: drafter {name}: failed in {pool.failures} rounds (plain decode there)", file=sys.stderr)
     del engine
     return res
-
-
-def spread(times: list[float]) -> float:
-    """(max - min) / median of repeated timings of one run."""
-    med = statistics.median(times)
-    return (max(times) - min(times)) / med if med > 0 and len(times) > 1 else 0.0
 
 
 # ---- output ---------------------------------------------------------------------------------------
@@ -323,9 +288,8 @@ def format_table(results: dict) -> str:
                      f"{fmt_bytes(r['spec_state_bytes_snapshot']):>15s} {ident:>9s}  {pos}")
     for name, r in results.items():
         if r.get("noisy"):
-            lines.append(f"timing is noisy on this machine: {name}: repeats differ by {r['spread'] * 100:.0f}% "
-                         f"(speedup {min(r['speedup_per_repeat']):.2f}x to {max(r['speedup_per_repeat']):.2f}x over "
-                         f"repeats); rerun on a quiet machine or with more --repeats")
+            lines.append(f"timing is noisy on this machine: {name}: "
+                         f"{timing.noisy_note(r['spread'], r['speedup_per_repeat'])}")
     return "\n".join(lines)
 
 
@@ -441,8 +405,7 @@ def main(argv=None) -> int:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(a.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     n_params = sum(p.numel() for p in model.parameters())
-    threads = a.threads or (1 if n_params < SMALL_MODEL and a.device == "cpu" else torch.get_num_threads())
-    torch.set_num_threads(threads)
+    threads = timing.torch_threads(model, a.threads, device=a.device)
     try:
         prompts = load_prompts(a.prompts, kinds, a.max_prompts)
     except ValueError as e:

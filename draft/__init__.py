@@ -1,10 +1,10 @@
-"""Drafters: ngram (prompt lookup), model (a small causal LM), and the trained kinds `mtp`, `eagle`, `dspark`
-(`specdec.draft.mtp` / `.eagle` / `.dspark`, built or loaded through `specdec.draft.common`);
-`make_drafter` builds the one an engine asks for."""
+"""Drafters: ngram (prompt lookup), model (a small causal LM), `NoDraft` (none: plain decoding), and the trained
+kinds `mtp`, `eagle`, `dspark` (`specdec.draft.mtp` / `.eagle` / `.dspark`, built or loaded through
+`specdec.draft.common`); `make_drafter` builds the one an engine asks for."""
 
-from .base import DraftBlock, Drafter
+from .base import DraftBlock, Drafter, NoDraft
 from .factory import make_drafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 
-__all__ = ["DraftBlock", "Drafter", "ModelDrafter", "NgramDrafter", "make_drafter"]
+__all__ = ["DraftBlock", "Drafter", "ModelDrafter", "NgramDrafter", "NoDraft", "make_drafter"]

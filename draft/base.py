@@ -81,3 +81,13 @@ class Drafter(ABC):
 
     def release(self, rows: list[int]) -> None:
         """Requests ended."""
+
+
+class NoDraft(Drafter):
+    """Proposes nothing: every round verifies the anchor alone, i.e. plain decoding through the same engine (the
+    baseline of the timing comparisons)."""
+
+    name = "none"
+
+    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        return DraftBlock.empty(len(rows), contexts[0].device)

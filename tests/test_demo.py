@@ -66,7 +66,7 @@ def test_json_is_lossless_and_has_the_numbers(saved):
     for key in ("tokens_per_s_spec", "tokens_per_s_plain", "tokens_per_s_transformers", "speedup",
                 "speedup_vs_transformers"):
         assert out[key] > 0, key
-    # one prompt: the median over prompts is that prompt's ratio of median tokens/s
+    # the speedup is the ratio of the pooled tokens/s (one prompt: of its median tokens/s)
     assert out["speedup"] == pytest.approx(out["tokens_per_s_spec"] / out["tokens_per_s_plain"])
     assert out["threads"] == 1 and out["repeats"] == 3 and out["prompt_ids"] == ["custom"]
     (p,) = out["prompts"]
@@ -93,7 +93,7 @@ def test_auto_picks_the_shipped_drafter_and_streams(saved, tmp_path, prompts_fil
     assert "torch threads 1" in text  # a tiny model: one thread
     assert "tau" in text and "alpha" in text and "acceptance per draft position" in text
     assert "transformers generate" in text and "specdec without drafts" in text
-    assert "speedup" in text and ("median over 2 held-out prompts" in text or "timing is noisy on this machine" in text)
+    assert "speedup" in text and ("pooled over 2 held-out prompts" in text or "timing is noisy on this machine" in text)
     assert "identical to transformers' greedy output, token for token: yes" in text
     table = text[text.index("drafters side by side"):].splitlines()[2:]  # after the header lines
     assert [ln.split()[1] for ln in table] == ["eagle", "ngram", "mtp"]  # the chosen one first

@@ -1,0 +1,66 @@
+"""`specdec memory`: the memory plan of the state buffers for given model and pool settings."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from specdec.replayssm.config import StateConfig, check_ring_len, next_pow2, resolve_dtype
+    from specdec.replayssm.plan import format_plan, plan_json
+
+    for flag, value, low in (("--layers", args.layers, 1), ("--slots", args.slots, 2), ("--heads", args.heads, 1),
+                             ("--tp", args.tp, 1), ("--head-dim", args.head_dim, 1),
+                             ("--conv-kernel", args.conv_kernel, 2)):
+        if value < low:
+            parser.error(f"argument {flag}: expected >= {low}, got {value}")
+    if args.heads % args.tp:
+        parser.error(f"argument --heads: {args.heads} heads are not divisible by --tp {args.tp}")
+    if args.draft_tokens < 1:
+        parser.error(f"argument --draft-tokens: expected D >= 1, got {args.draft_tokens}")
+    max_requests = args.slots - 1
+    running = max_requests if args.running is None else args.running
+    if not 1 <= running <= max_requests:
+        parser.error(f"argument --running: expected 1 <= running <= slots-1 = {max_requests}, got {running}")
+    ring_len = next_pow2(2 * args.draft_tokens) if args.ring_len is None else args.ring_len
+    try:
+        check_ring_len(ring_len, args.draft_tokens)
+    except ValueError as exc:
+        parser.error(f"argument --ring-len: {str(exc).removeprefix('ring_len: ')}")
+    try:
+        ssm_dtype = resolve_dtype(args.ssm_dtype, arg="--ssm-dtype")
+    except ValueError as exc:
+        parser.error(f"argument {exc}")
+
+    heads = args.heads // args.tp
+    k = v = args.head_dim
+    cfg = StateConfig(
+        num_layers=args.layers, num_heads=heads, head_k_dim=k, head_v_dim=v, conv_kernel=args.conv_kernel,
+        conv_dim=heads * (2 * k + v), gate=args.gate, max_requests=max_requests, max_running=running,
+        num_verify_tokens=args.draft_tokens, ring_len=ring_len, ssm_dtype=ssm_dtype, act_dtype="bfloat16",
+    )
+    print(json.dumps(plan_json(cfg), indent=2) if args.json else format_plan(cfg))
+    return 0
+
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "memory", help="print the memory plan of the state buffers",
+        description="Shape, dtype and size (GiB) of every state buffer, in the style of SGLang's allocation "
+                    "log, and the full-snapshot scheme vs ReplaySSM for the same settings.")
+    p.add_argument("--layers", type=int, required=True, help="linear-attention layers")
+    p.add_argument("--slots", type=int, required=True, help="pool slots, including the null slot")
+    p.add_argument("--heads", type=int, required=True, help="linear-attention heads (all ranks)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; heads per rank = heads / tp")
+    p.add_argument("--head-dim", type=int, default=128, help="K = V")
+    p.add_argument("--conv-kernel", type=int, default=4, help="short-conv kernel width (window = kernel - 1)")
+    p.add_argument("--draft-tokens", type=int, default=8, help="D: tokens per verify step")
+    p.add_argument("--ring-len", type=int, default=None, help="L, a power of two >= 2*D (default next_pow2(2*D))")
+    p.add_argument("--running", type=int, default=None,
+                   help="running requests; spec buffers get running+1 rows (default slots-1)")
+    p.add_argument("--ssm-dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
+    p.add_argument("--gate", choices=("kda", "gdn"), default="kda", help="kda: per-channel g; gdn: scalar g")
+    p.add_argument("--json", action="store_true", help="print byte counts as JSON")
+    p.set_defaults(func=run, parser=p)
