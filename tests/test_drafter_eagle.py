@@ -62,7 +62,7 @@ class _Setup:
 
     def trained_dir(self, family):
         if family not in self.dirs:
-            from specdec.draft.train import train
+            from specdec.cli.draft_train import train
             target = self.target(family)
             torch.manual_seed(11)
             start = build_drafter_net("eagle", target)

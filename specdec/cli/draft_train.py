@@ -1,0 +1,71 @@
+"""`python -m specdec.draft.train`: distil a drafter from a target (see `specdec.draft.train`).
+
+The training loop lives in draft/, which does not import the runner; this module passes it specdec's own
+`make_runner`, for the command line and for callers that train in-process (`train`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from specdec.draft import train as _train
+
+
+def train(target, ids, kind: str, **options):
+    """`specdec.draft.train.train` (same arguments: `ids [N]` token stream) over specdec's own runner."""
+    from specdec.runner import make_runner
+    return _train.train(target, ids, kind, runner_factory=make_runner, **options)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specdec.draft.train", description=_train.__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
+    p.add_argument("--drafter", required=True, choices=["mtp", "eagle", "dspark"])
+    p.add_argument("--data", required=True, help="a text file")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--val-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--init", default=None, metavar="DIR", help="continue from this trained drafter (same kind)")
+    args = p.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.draft.common import load_drafter, save_drafter
+    try:
+        tok = AutoTokenizer.from_pretrained(args.target)
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
+    except (OSError, ValueError) as e:
+        p.error(f"argument --target: cannot load {args.target!r} ({e})")
+    try:
+        with open(args.data, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        p.error(f"argument --data: {e}")
+    init = None
+    if args.init:
+        try:
+            init = load_drafter(args.init, target)
+        except ValueError as e:
+            p.error(f"argument --init: {e}")
+        if init.config.kind != args.drafter:
+            p.error(f"argument --init: {args.init!r} holds a {init.config.kind} drafter, not {args.drafter}")
+    ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
+    t0 = time.time()
+    try:
+        net, hist = train(target, ids, args.drafter, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
+                          batch_size=args.batch_size, val_every=args.val_every, seed=args.seed, net=init, log=print)
+    except ValueError as e:
+        p.error(str(e))
+    save_drafter(net, args.out)
+    first, last = hist["val"][0], hist["val"][-1]
+    print(json.dumps({"out": args.out, "seconds": round(time.time() - t0, 1), "val_loss_start": first["loss"],
+                      "val_loss_end": last["loss"], "per_position_end": last["per_position"]}))
+    return 0
