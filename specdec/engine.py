@@ -14,6 +14,7 @@ from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sa
                             accept_tree_sampling, probs_from_logits, sample_token)
 
 from .adapters import HYBRID_FAMILIES
+from .graphs import RoundGraphs
 from .runner import HybridRunner, index_tensor, make_runner, path_and_count
 
 STRATEGIES = ("replay", "snapshot")
@@ -174,7 +175,7 @@ class SpecEngine:
             raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
                              f"forward, whose cache grows every round")
         self.buckets = _buckets(cfg.max_batch_size)
-        self._graphs: dict = {}
+        self._graphs = RoundGraphs(self) if cfg.cuda_graph else None
         self.slots: list[int] = []  # target slot of each request row of the running generate call
         self._row_index: dict[tuple[int, ...], torch.Tensor] = {}
         self.drafter.bind(self)
@@ -351,14 +352,15 @@ class SpecEngine:
         t = time.perf_counter()
         host_slots = [slots[b] for b in active]
         step = self._step_inputs(host_slots, anchors[idx], block, sampling)
-        res = self._verify_step(step, sampling, gen)
+        graphed = self.config.cuda_graph and not sampling.do_sample
+        res = self._graphs.verify(step, sampling) if graphed else self._verify_step(step, sampling, gen)
         n, path, new = res["n"][:B], res["path"][:B], res["new"][:B]
         back = torch.cat([n[:, None], res["finite"][:B, None].long(), step["num_drafts"][:B, None], new, path],
                          1).tolist()
         if not all(r[1] for r in back):
             raise self._nonfinite_round(res["logits"][:B], active, contexts, block.parent)
         n_h = [r[0] for r in back]
-        self._commit_step(step, res, host_slots, n_h)
+        (self._graphs.commit if graphed else self._commit_step)(step, res, host_slots, n_h)
         stats.timings["verify"] += time.perf_counter() - t
         stats.record([r[2] for r in back], n_h)
         # the device copies follow without a host round trip: token buffer, lengths, anchors

@@ -40,12 +40,22 @@ class KVCache:
         """Open a round: `slots [B]` (and the same as a host list), T tokens (a chain, or a tree with
         `parent [B, T]`)."""
         host_slots = slots.tolist() if host_slots is None else list(host_slots)
-        need = max(self.bound[s] for s in host_slots) + num_tokens
-        if need > self.max_length:
-            raise ValueError(f"max_length: {need} tokens would exceed the cache length {self.max_length}")
+        need = self.check_room(host_slots, num_tokens)
         self.slots, self.host_slots, self.num_tokens, self.parent = slots, host_slots, num_tokens, parent
         self.span = self.max_length if self.static else need
         self._vis = None
+
+    def check_room(self, host_slots: list[int], num_tokens: int) -> int:
+        """-> the key span a round of `num_tokens` needs; ValueError when it would not fit."""
+        need = max(self.bound[s] for s in host_slots) + num_tokens
+        if need > self.max_length:
+            raise ValueError(f"max_length: {need} tokens would exceed the cache length {self.max_length}")
+        return need
+
+    def advance_bound(self, host_slots: list[int], counts: list[int]) -> None:
+        """The host side of `commit`: each slot's length bound grows by its kept count."""
+        for s, c in zip(host_slots, counts):
+            self.bound[s] += c
 
     def visible(self) -> torch.Tensor:
         """`[B, T, T]` bool: round token t sees round token u (u is t or an ancestor of t)."""
@@ -119,9 +129,8 @@ class KVCache:
                     new, old = buf[rows, :, src], buf[rows, :, dst]
                     buf[rows, :, dst] = torch.where(keep, new, old)
         self.lengths[self.slots] += n
-        counts = host_counts if host_counts is not None else [self.num_tokens] * len(self.host_slots)
-        for s, c in zip(self.host_slots, counts):
-            self.bound[s] += c
+        self.advance_bound(self.host_slots, host_counts if host_counts is not None
+                           else [self.num_tokens] * len(self.host_slots))
         self.slots = self.parent = self._vis = None
 
     def abort(self) -> None:

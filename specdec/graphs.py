@@ -1,0 +1,103 @@
+"""CUDA graphs of a round's device steps: verify + accept, then commit, one pair per batch bucket.
+
+With static shapes (`SpecConfig.static_shapes`) every round of a bucket launches the same kernels on the same
+buffers, so each step can be captured once and replayed. A bucket's first round runs eagerly (it compiles the
+kernels and allocates the buffers made on first use); the second is captured and replayed; later rounds copy
+their inputs into the captured step's input buffers and replay. Between the two steps the engine reads the
+round back (accepted counts, tokens, finiteness), so non-finite logits still raise before anything is
+committed. Host bookkeeping that a replay skips (the KV cache's length bounds) is done here.
+
+Greedy rounds are graphed; sampling rounds run the same static-shape steps eagerly (their random draws use a
+caller's generator, which a captured graph would not follow).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+_INPUTS = ("ids", "slots", "num_drafts", "real", "parent")
+
+
+@dataclass
+class _Captured:
+    inputs: dict  # the step's static input buffers (copies of the capture round's tensors)
+    verify: "torch.cuda.CUDAGraph"
+    out: dict  # the verify step's outputs, overwritten by every replay
+    commit: "torch.cuda.CUDAGraph | None" = None
+
+
+class RoundGraphs:
+    """Per step shape (`ids [Bk, T]`, chain or tree): eager warm-up, capture, replay."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.entries: dict[tuple, object] = {}  # key -> "warm" | "eager" | _Captured
+        self.pool = None
+        self._current: _Captured | None = None
+
+    @staticmethod
+    def _key(step: dict) -> tuple:
+        return tuple(step["ids"].shape), step["parent"] is not None
+
+    def verify(self, step: dict, sampling) -> dict:
+        """The verify step of this round (see `SpecEngine._verify_step`), replayed where captured."""
+        eng, key = self.engine, self._key(step)
+        entry = self.entries.get(key)
+        self._current = None
+        if entry is None or entry == "eager":
+            if entry is None:
+                self.entries[key] = "warm"
+            return eng._verify_step(step, sampling, None)
+        if entry == "warm":
+            return self._capture(key, step, sampling)
+        eng.runner.kv.check_room(step["host_slots"], step["ids"].shape[1])
+        for name in _INPUTS:
+            if step[name] is not None:
+                entry.inputs[name].copy_(step[name])
+        entry.verify.replay()
+        self._current = entry
+        return entry.out
+
+    def _capture(self, key, step: dict, sampling) -> dict:
+        eng = self.engine
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        inputs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in step.items()}
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = eng._verify_step(inputs, sampling, None)
+        except Exception as e:  # e.g. a layer of the model that reads values back: this bucket stays eager
+            eng.runner.abort()
+            self.entries[key] = "eager"
+            warnings.warn(f"cuda_graph: capturing the verify step of shape {key[0]} failed ({type(e).__name__}: {e}); "
+                          f"those rounds run eagerly", RuntimeWarning, stacklevel=4)
+            return eng._verify_step(step, sampling, None)
+        graph.replay()
+        entry = self.entries[key] = _Captured(inputs, graph, out)
+        self._current = entry
+        return out
+
+    def commit(self, step: dict, res: dict, host_slots: list[int], n_h: list[int]) -> None:
+        """The commit step of this round, after its readback; captured right after its verify step."""
+        eng, entry = self.engine, self._current
+        if entry is None:
+            eng._commit_step(step, res, host_slots, n_h)
+            return
+        if entry.commit is not None:
+            entry.commit.replay()
+            rows = step["host_slots"]
+            eng.runner.kv.advance_bound(rows, [m + 1 for m in n_h] + [0] * (len(rows) - len(n_h)))
+            return
+        graph = torch.cuda.CUDAGraph()
+        try:  # runs the commit's host bookkeeping once, for this round; the replay below does the device work
+            with torch.cuda.graph(graph, pool=self.pool):
+                eng._commit_step(entry.inputs, entry.out, host_slots, n_h)
+        except Exception as e:
+            raise RuntimeError(f"cuda_graph: capturing the commit step failed ({type(e).__name__}: {e}); "
+                               f"wrap the model with cuda_graph=False") from e
+        graph.replay()
+        entry.commit = graph
