@@ -40,7 +40,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         conv_dim=heads * (2 * k + v), gate=args.gate, max_requests=max_requests, max_running=running,
         num_verify_tokens=args.draft_tokens, ring_len=ring_len, ssm_dtype=ssm_dtype, act_dtype="bfloat16",
     )
-    print(json.dumps(plan_json(cfg), indent=2) if args.json else format_plan(cfg))
+    print(json.dumps(plan_json(cfg, layout=args.layout), indent=2) if args.json
+          else format_plan(cfg, layout=args.layout))
     return 0
 
 
@@ -49,7 +50,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "memory", help="print the memory plan of the state buffers",
         description="Shape, dtype and size (GiB) of every state buffer, in the style of SGLang's allocation "
-                    "log, and the full-snapshot scheme vs ReplaySSM for the same settings.")
+                    "log, and the full-snapshot scheme vs ReplaySSM for the same settings (chain and trees).")
     p.add_argument("--layers", type=int, required=True, help="linear-attention layers")
     p.add_argument("--slots", type=int, required=True, help="pool slots, including the null slot")
     p.add_argument("--heads", type=int, required=True, help="linear-attention heads (all ranks)")
@@ -62,5 +63,10 @@ def add_parser(subparsers) -> None:
                    help="running requests; spec buffers get running+1 rows (default slots-1)")
     p.add_argument("--ssm-dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
     p.add_argument("--gate", choices=("kda", "gdn"), default="kda", help="kda: per-channel g; gdn: scalar g")
-    p.add_argument("--json", action="store_true", help="print byte counts as JSON")
+    p.add_argument("--layout", choices=("eager", "lazy", "sglang"), default="eager",
+                   help="ring layout: eager (eager commit: [layer, running row, H, D, dim], the fold's records, "
+                        "conv inputs), lazy (lazy commit: per-slot rings, conv inputs), sglang (SGLang's: "
+                        "per-slot rings, conv window snapshots)")
+    p.add_argument("--json", action="store_true", help="print byte counts as JSON (spec_bytes: both schemes, "
+                                                       "chain and trees of 8, 16, 64 nodes)")
     p.set_defaults(func=run, parser=p)
