@@ -1,3 +1,3 @@
-from .naive import chunk_delta_rule
+from .naive import chunk_delta_rule, wy_terms
 
-__all__ = ["chunk_delta_rule"]
+__all__ = ["chunk_delta_rule", "wy_terms"]

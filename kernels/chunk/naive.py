@@ -6,7 +6,8 @@ Within a chunk starting from state S0 (log-gates cumulated in the chunk, `G_t = 
     o = (q * exp(G)) S0 + P u,                        P[i, j] = sum_c q_i k_j exp(G_i - G_j)          (j <= i)
     S = exp(G_C) S0 + (k * exp(G_C - G))^T u
 Every exponent is a decay (<= 0), so nothing overflows however strong the gate; only the S0 hand-off between
-chunks is sequential.
+chunks is sequential. `wy_terms` holds the intra-chunk part; the tree verify (`kernels/verify/chunk.py`) calls it
+with an ancestor mask in place of the causal one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,34 @@ import torch
 import torch.nn.functional as F
 
 from ..common import check_delta_inputs, math_dtype, prepare_qk
+
+
+def wy_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor,
+             mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The intra-chunk terms of the WY form, for a causal chunk or a tree of tokens.
+
+    Token i sees token j when `mask[i, j]` (j == i or j before i on i's path: the lower triangle for a chain,
+    the ancestor mask for a tree); `G_i` is the log-decay summed over the tokens i sees.
+
+    Args:
+        q: normalized, scaled queries `[..., C, K]`;  k: normalized keys `[..., C, K]`;  v: `[..., C, V]`;
+        beta: `[..., C, 1]`;  G: `[..., C, K or 1]` (any float dtype: the differences are taken in it, then cast
+        to q's dtype);  mask: `[..., C, C]` bool, true on the diagonal.
+    Returns:
+        `(kd [..., C, C, K], P [..., C, C], W [..., C, V], Y [..., C, K], eG [..., C, K or 1])` in q's dtype, with
+        `kd[i, j] = k_j exp(G_i - G_j)` (0 where i does not see j). From a start state S0 the records are
+        `u = W - Y S0` (the `d` of each token's step), the outputs `o = (q eG) S0 + P u`, and the state after
+        token i is `eG_i S0 + kd[i]^T u`.
+    """
+    dt = q.dtype
+    decay = (G[..., :, None, :] - G[..., None, :, :]).to(dt).masked_fill(~mask[..., None], float("-inf")).exp()
+    kd = k[..., None, :, :] * decay                                    # [..., C(i), C(j), K]
+    A = (beta * (k[..., :, None, :] * kd).sum(-1)).tril(-1)            # strict: j sees itself through I
+    P = (q[..., :, None, :] * kd).sum(-1)
+    eG = G.to(dt).exp()
+    W = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
+    Y = torch.linalg.solve_triangular(A, beta * k * eG, upper=False, unitriangular=True)
+    return kd, P, W, Y, eG
 
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -48,16 +77,10 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     # cumulated in fp64: G_i - G_j of two large cumulated gates would otherwise cancel to a few fp32 ulps of |G|
     G = chunks(g.expand(B, T, H, K)).double().cumsum(-2)
     b = chunks(beta[..., None])                                        # [B, H, N, C, 1]
-    incl = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    decay = (G[..., :, None, :] - G[..., None, :, :]).to(dt).masked_fill(~incl[..., None], float("-inf")).exp()
-    kd = k[..., None, :, :] * decay                                    # [B, H, N, C(i), C(j), K]: k_j exp(G_i - G_j)
-    A = (b * (k[..., :, None, :] * kd).sum(-1)).tril(-1)
-    P = (q[..., :, None, :] * kd).sum(-1)
-    eG = G.to(dt).exp()
-    W = torch.linalg.solve_triangular(A, b * v, upper=False, unitriangular=True)       # [B, H, N, C, V]
-    Y = torch.linalg.solve_triangular(A, b * k * eG, upper=False, unitriangular=True)  # [B, H, N, C, K]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    kd, P, W, Y, eG = wy_terms(q, k, v, b, G, causal)
     qG = q * eG
-    kG = k * (G[..., -1:, :] - G).to(dt).exp()
+    kG = k * (G[..., -1:, :] - G).to(q.dtype).exp()                    # k_j exp(G_C - G_j)
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     outs = []
     for n in range(N):
