@@ -1,4 +1,5 @@
-"""Memory plan: buffer shapes, byte counts, and the published SGLang allocation logs."""
+"""Memory plan: buffer shapes, byte counts, the published SGLang allocation logs (`--layout sglang`), the lean
+layouts' speculative state against the full-snapshot scheme, and the strategies' actual allocations."""
 
 import json
 import os
@@ -10,12 +11,14 @@ import pytest
 import torch
 
 from specdec.__main__ import main
+from specdec.replayssm import make_strategy
 from specdec.replayssm.config import StateConfig
-from specdec.replayssm.plan import BufferSpec, buffer_specs, format_plan, plan_json
+from specdec.replayssm.plan import BufferSpec, buffer_specs, format_plan, plan_json, spec_bytes, with_tokens
 
 GIB = 2 ** 30
 BASE = ["memory", "--layers", "69", "--heads", "96", "--tp", "8", "--head-dim", "128", "--draft-tokens", "8",
         "--running", "23"]
+SGLANG = ["--layout", "sglang"]
 RINGS = ["ring_d", "ring_k", "ring_g", "ring_rawv", "ring_rawk", "ring_beta"]
 KEYS = ["conv_state", "ssm_state", "intermediate_conv_window", *RINGS, "ring_total", "snapshot_intermediate_ssm"]
 
@@ -28,7 +31,8 @@ def run_main(capsys, *args):
 
 def test_published_log_120_slots_bf16_subprocess():
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "specdec", *BASE, "--slots", "120", "--ssm-dtype", "bfloat16"],
+    proc = subprocess.run([sys.executable, "-m", "specdec", *BASE, "--slots", "120", "--ssm-dtype", "bfloat16",
+                           *SGLANG],
                           capture_output=True, text=True, cwd=root, env={**os.environ}, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -44,14 +48,14 @@ def test_published_log_120_slots_bf16_subprocess():
 
 
 def test_published_log_52_slots_fp32(capsys):
-    code, out, _ = run_main(capsys, "--slots", "52", "--ssm-dtype", "float32")
+    code, out, _ = run_main(capsys, "--slots", "52", "--ssm-dtype", "float32", *SGLANG)
     assert code == 0
     assert "ssm_state size: 2.63GB" in out
     assert "d=0.164GB k=0.164GB g=0.328GB rawv=0.164GB rawk=0.164GB beta=0.003GB" in out
 
 
 def test_published_log_81_slots_bf16(capsys):
-    code, out, _ = run_main(capsys, "--slots", "81", "--ssm-dtype", "bfloat16")
+    code, out, _ = run_main(capsys, "--slots", "81", "--ssm-dtype", "bfloat16", *SGLANG)
     assert code == 0
     assert "ssm_state size: 2.05GB" in out
     assert "d=0.256GB " in out and "g=0.512GB " in out and "beta=0.004GB" in out
@@ -60,7 +64,7 @@ def test_published_log_81_slots_bf16(capsys):
 @pytest.mark.parametrize("slots,ssm_bytes", [(120, 2), (52, 4), (81, 2)])
 def test_json_byte_counts(capsys, slots, ssm_bytes):
     ssm_dtype = {2: "bfloat16", 4: "float32"}[ssm_bytes]
-    code, out, _ = run_main(capsys, "--slots", str(slots), "--ssm-dtype", ssm_dtype, "--json")
+    code, out, _ = run_main(capsys, "--slots", str(slots), "--ssm-dtype", ssm_dtype, "--json", *SGLANG)
     assert code == 0
     plan = json.loads(out)
     for key in KEYS:
@@ -90,12 +94,12 @@ def test_json_byte_counts(capsys, slots, ssm_bytes):
 
 
 def test_gdn_gate_and_running_default(capsys):
-    code, out, _ = run_main(capsys, "--slots", "30", "--gate", "gdn", "--json")
+    code, out, _ = run_main(capsys, "--slots", "30", "--gate", "gdn", "--json", *SGLANG)
     assert code == 0
     plan = json.loads(out)
     assert plan["ring_g"] == 69 * 30 * 12 * 16 * 1 * 4  # one log-decay per head
     assert plan["ring_k"] == 69 * 30 * 12 * 16 * 128 * 2
-    code = main(["memory", "--layers", "2", "--slots", "5", "--heads", "4", "--head-dim", "8", "--json"])
+    code = main(["memory", "--layers", "2", "--slots", "5", "--heads", "4", "--head-dim", "8", "--json", *SGLANG])
     plan = json.loads(capsys.readouterr().out)
     assert code == 0
     assert plan["config"]["max_running"] == 4  # default running = slots - 1
@@ -106,7 +110,7 @@ def test_gdn_gate_and_running_default(capsys):
 @pytest.mark.parametrize("draft,ring_len", [(8, 16), (9, 32), (1, 2), (4, 8)])
 def test_default_ring_len(capsys, draft, ring_len):
     code = main(["memory", "--layers", "1", "--slots", "2", "--heads", "1", "--head-dim", "4",
-                 "--draft-tokens", str(draft), "--json"])
+                 "--draft-tokens", str(draft), "--json", *SGLANG])
     plan = json.loads(capsys.readouterr().out)
     assert code == 0
     assert plan["config"]["ring_len"] == ring_len
@@ -122,6 +126,7 @@ def test_default_ring_len(capsys, draft, ring_len):
     (["--gate", "mamba"], "--gate"),
     (["--slots", "10"], "--running"),        # 23 running requests do not fit 9 slots
     (["--layers", "0"], "--layers"),
+    (["--layout", "slots"], "--layout"),
 ])
 def test_bad_arguments(capsys, args, flag):
     code = main([*BASE, "--slots", "120", *args])
@@ -146,23 +151,35 @@ def test_bad_argument_subprocess():
 def test_buffer_specs_contract():
     cfg = StateConfig(num_layers=3, num_heads=2, head_k_dim=8, head_v_dim=16, conv_kernel=4, max_requests=5,
                       max_running=3, num_verify_tokens=4, ring_len=8, ssm_dtype="bfloat16", act_dtype="bfloat16")
-    specs = buffer_specs(cfg)
     c = 2 * (8 + 8 + 16)
-    assert set(specs) == {"conv_state", "ssm_state", "intermediate_conv_window", *RINGS, "snapshot_intermediate_ssm",
-                          "tree_node_states"}
-    assert specs["conv_state"].shape == (3, 6, c, 3)
-    assert specs["ssm_state"].shape == (3, 6, 2, 8, 16)
-    assert specs["intermediate_conv_window"].shape == (3, 4, 4, c, 3)
-    assert specs["ring_d"].shape == (3, 6, 2, 8, 16)
-    assert specs["ring_k"].shape == (3, 6, 2, 8, 8)
-    assert specs["ring_g"].shape == (3, 6, 2, 8, 8) and specs["ring_g"].dtype == torch.float32
-    assert specs["ring_rawv"].shape == (3, 6, 2, 8, 16)
-    assert specs["ring_rawk"].shape == (3, 6, 2, 8, 8)
-    assert specs["ring_beta"].shape == (3, 6, 2, 8) and specs["ring_beta"].dtype == torch.float32
-    assert specs["snapshot_intermediate_ssm"].shape == (3, 4, 4, 2, 8, 16)
-    # one layer's node states, kept in fp32 even with a bf16 checkpoint
-    assert specs["tree_node_states"].shape == (4, 4, 2, 8, 16) and specs["tree_node_states"].dtype == torch.float32
-    for spec in specs.values():
+    common = {"conv_state", "ssm_state", "intermediate_conv_window", "snapshot_intermediate_ssm", "tree_node_states"}
+    sglang = buffer_specs(cfg, layout="sglang")
+    assert set(sglang) == common | set(RINGS)
+    assert set(buffer_specs(cfg, layout="lazy")) == common | set(RINGS) | {"conv_inputs"}
+    eager = buffer_specs(cfg)  # the default layout: eager commit's
+    assert set(eager) == common | {"ring_g", "ring_rawv", "ring_rawk", "ring_beta", "conv_inputs"}
+    for specs in (sglang, eager):
+        assert specs["conv_state"].shape == (3, 6, c, 3)
+        assert specs["ssm_state"].shape == (3, 6, 2, 8, 16)
+        assert specs["intermediate_conv_window"].shape == (3, 4, 4, c, 3)
+        assert specs["snapshot_intermediate_ssm"].shape == (3, 4, 4, 2, 8, 16)
+        # one layer's node states, kept in fp32 even with a bf16 checkpoint
+        assert specs["tree_node_states"].shape == (4, 4, 2, 8, 16)
+        assert specs["tree_node_states"].dtype == torch.float32
+    # per slot, depth L: SGLang's layout (and lazy commit's)
+    assert sglang["ring_d"].shape == (3, 6, 2, 8, 16)
+    assert sglang["ring_k"].shape == (3, 6, 2, 8, 8)
+    assert sglang["ring_g"].shape == (3, 6, 2, 8, 8) and sglang["ring_g"].dtype == torch.float32
+    assert sglang["ring_rawv"].shape == (3, 6, 2, 8, 16)
+    assert sglang["ring_rawk"].shape == (3, 6, 2, 8, 8)
+    assert sglang["ring_beta"].shape == (3, 6, 2, 8) and sglang["ring_beta"].dtype == torch.float32
+    # eager: running rows (3 + 1), depth D = 4, the fold's records only; conv inputs, one column per token
+    assert eager["ring_g"].shape == (3, 4, 2, 4, 8) and eager["ring_g"].dtype == torch.float32
+    assert eager["ring_rawv"].shape == (3, 4, 2, 4, 16) and eager["ring_rawv"].dtype == torch.bfloat16
+    assert eager["ring_rawk"].shape == (3, 4, 2, 4, 8)
+    assert eager["ring_beta"].shape == (3, 4, 2, 4)
+    assert eager["conv_inputs"].shape == (3, 4, 4, c) and eager["conv_inputs"].dtype == torch.bfloat16
+    for spec in [*sglang.values(), *eager.values()]:
         # nbytes agrees with an actual allocation of that shape and dtype
         assert spec.nbytes == torch.empty(spec.shape, dtype=spec.dtype, device="meta").numel() * \
             torch.empty((), dtype=spec.dtype).element_size()
@@ -170,23 +187,111 @@ def test_buffer_specs_contract():
     assert BufferSpec("x", (3, 5), torch.float32).nbytes == 60
     gdn = buffer_specs(StateConfig.tiny(gate="gdn"))
     assert gdn["ring_g"].shape[-1] == 1
-    plan = plan_json(cfg)
-    assert plan["ring_total"] == sum(plan[k] for k in RINGS)
-    text = format_plan(cfg)
-    assert all(name in text for name in specs)
+    for layout in ("eager", "lazy", "sglang"):
+        plan = plan_json(cfg, layout=layout)
+        rings = [k for k in RINGS if k in plan]
+        assert plan["ring_total"] == sum(plan[k] for k in rings)
+        text = format_plan(cfg, layout=layout)
+        assert all(name in text for name in buffer_specs(cfg, layout=layout)) and f"layout: {layout}" in text
+    with pytest.raises(ValueError, match="layout: expected one of eager, lazy, sglang"):
+        buffer_specs(cfg, layout="slots")
 
 
 def test_tree_report_kimi_linear_shapes():
     """Tree verify at T=64 on Kimi-Linear shapes (20 KDA layers, 32 heads, K=V=128, 64 requests): the
-    ReplaySSM spec state (rings, one layer's node states, conv windows) vs an all-layer snapshot."""
+    ReplaySSM spec state (rings, conv records or windows, one layer's node states) vs an all-layer snapshot."""
     cfg = StateConfig(num_layers=20, num_heads=32, head_k_dim=128, head_v_dim=128, max_requests=64,
                       num_verify_tokens=64, act_dtype="bfloat16")
-    plan = plan_json(cfg)
-    rows, T, H, K = 65, 64, 32, 128
-    snapshot = 20 * rows * T * H * K * K * 4 + 20 * rows * T * (H * 3 * K) * 3 * 2
-    rings = 20 * 65 * H * 128 * (4 * K * 2 + K * 4 + 4)  # d k rawv rawk bf16, g fp32 [K], beta fp32
-    replay_tree = rings + rows * T * H * K * K * 4 + 20 * rows * T * (H * 3 * K) * 3 * 2
-    assert plan["spec_state_snapshot"] == snapshot
-    assert plan["spec_state_replay_tree"] == replay_tree
-    assert abs(plan["ratio_tree"] - snapshot / replay_tree) < 1e-12
-    assert "Tree verify (T=64 nodes)" in format_plan(cfg)
+    rows, T, H, K, C = 65, 64, 32, 128, 32 * 3 * 128
+    snapshot = 20 * rows * T * H * K * K * 4 + 20 * rows * T * C * 3 * 2
+    nodes = rows * T * H * K * K * 4
+    sglang_rings = 20 * 65 * H * 128 * (4 * K * 2 + K * 4 + 4)  # d k rawv rawk bf16, g fp32 [K], beta fp32
+    eager_rings = 20 * rows * H * T * (2 * K * 2 + K * 4 + 4)  # rawv rawk bf16, g fp32 [K], beta fp32
+    for layout, replay in (("sglang", sglang_rings + 20 * rows * T * C * 3 * 2),
+                           ("lazy", sglang_rings + 20 * rows * T * C * 2),
+                           ("eager", eager_rings + 20 * rows * T * C * 2)):
+        plan = plan_json(cfg, layout=layout)
+        assert plan["spec_state_snapshot"] == snapshot
+        assert plan["spec_state_replay_tree"] == replay + nodes, layout
+        assert abs(plan["ratio_tree"] - snapshot / (replay + nodes)) < 1e-12
+        assert plan["spec_bytes"]["tree_64"] == {"snapshot": snapshot, "replayssm": replay + nodes}
+        assert "tree T=64" in format_plan(cfg, layout=layout)
+
+
+def test_published_settings_lean_layout(capsys):
+    """The published SGLang settings (69 layers, 120 slots, 23 running, D = 8, bf16): the eager layout's
+    speculative state against the full-snapshot scheme, for the chain and trees of 8, 16 and 64 nodes, every
+    byte counted from the shapes (rows = 23 + 1, H = 12, K = V = 128, C = 12 * 384, Kc - 1 = 3)."""
+    code, out, _ = run_main(capsys, "--slots", "120", "--ssm-dtype", "bfloat16", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["layout"] == "eager"
+    rows, H, K, C, W = 24, 12, 128, 12 * 384, 3
+
+    def schemes(T):
+        snapshot = 69 * rows * T * (H * K * K * 2 + C * W * 2)  # bf16 states + bf16 conv windows
+        records = 69 * rows * T * (H * (2 * K * 2 + K * 4 + 4) + C * 2)  # rawv rawk g beta + conv inputs
+        return snapshot, records
+
+    snap, rec = schemes(8)
+    assert plan["spec_bytes"]["chain"] == {"snapshot": snap, "replayssm": rec}
+    for T in (8, 16, 64):
+        snap, rec = schemes(T)
+        nodes = rows * T * H * K * K * 4  # one layer's fp32 node states
+        assert plan["spec_bytes"][f"tree_{T}"] == {"snapshot": snap, "replayssm": rec + nodes}
+    chain = plan["spec_bytes"]["chain"]
+    assert chain["snapshot"] / chain["replayssm"] >= 15
+    code, text, _ = run_main(capsys, "--slots", "120", "--ssm-dtype", "bfloat16")
+    assert "layout: eager [layer, running row, H, D, dim]" in text
+    line = next(x for x in text.splitlines() if x.strip().startswith("chain D=8"))
+    assert line.split()[2:] == ["full", "snapshot", f"{chain['snapshot'] / GIB:.2f}GB", "vs", "ReplaySSM",
+                                f"{chain['replayssm'] / GIB:.2f}GB,", "ratio",
+                                f"{chain['snapshot'] / chain['replayssm']:.2f}x"]
+    # SGLang's layout on the same settings: the 1.98x of its own log
+    code, out, _ = run_main(capsys, "--slots", "120", "--ssm-dtype", "bfloat16", "--json", *SGLANG)
+    sg = json.loads(out)["spec_bytes"]["chain"]
+    assert f"{sg['snapshot'] / sg['replayssm']:.2f}" == "1.98"
+
+
+def allocated_bytes(obj, seen: set) -> int:
+    """Bytes of the floating-point tensors `obj` holds (attributes, tuples, nested rings), each storage once."""
+    total = 0
+    values = obj if isinstance(obj, (tuple, list)) else vars(obj).values()
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if v.is_floating_point() and v.untyped_storage().data_ptr() not in seen:
+                seen.add(v.untyped_storage().data_ptr())
+                total += v.untyped_storage().nbytes()
+        elif isinstance(v, (tuple, list)) or type(v).__name__ == "RingBuffers":
+            total += allocated_bytes(v, seen)
+    return total
+
+
+@pytest.mark.parametrize("strategy,commit", [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")])
+def test_allocation_equals_plan(strategy, commit):
+    """What a strategy actually allocates equals the plan of its layout: the pool (conv_state + ssm_state), and
+    the speculative state (rings + conv inputs; + one layer's node states once a tree ran; snapshot: states and
+    conv windows per token)."""
+    cfg = StateConfig(num_layers=2, num_heads=3, head_k_dim=5, head_v_dim=7, conv_kernel=4, max_requests=6,
+                      max_running=3, num_verify_tokens=5, ssm_dtype="bfloat16", act_dtype="bfloat16",
+                      track_interval=None)
+    st = make_strategy(cfg, strategy, commit=commit)
+    specs = buffer_specs(cfg, layout=commit)
+    assert allocated_bytes(st.pool, set()) == specs["conv_state"].nbytes + specs["ssm_state"].nbytes
+    seen = {t.untyped_storage().data_ptr() for t in (st.pool.conv, st.pool.ssm)}
+    plan = spec_bytes(cfg, layout=commit)
+    assert allocated_bytes(st, seen) == plan["snapshot" if strategy == "snapshot" else "replayssm"]
+    if strategy == "replay":  # a tree round allocates one layer's node states, once
+        g = torch.Generator().manual_seed(0)
+        r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+        slots = st.pool.alloc(2)
+        st.begin(slots, parent=[-1, 0, 0, 1, 1])
+        for layer in range(cfg.num_layers):
+            st.conv(layer, r(2, 5, cfg.conv_dim), r(cfg.conv_dim, 4))
+            st.mix(layer, r(2, 5, 3, 5), r(2, 5, 3, 5), r(2, 5, 3, 7), -torch.rand(2, 5, 3, 5, generator=g),
+                   torch.rand(2, 5, 3, generator=g))
+        st.commit(path=[[0, 1, 3], [0, 2, -1]])
+        seen = {t.untyped_storage().data_ptr() for t in (st.pool.conv, st.pool.ssm)}
+        assert allocated_bytes(st, seen) == spec_bytes(cfg, layout=commit, tree=True)["replayssm"]
+    # a tree of T nodes is the plan of T verify tokens
+    assert spec_bytes(with_tokens(cfg, 16), layout=commit, tree=True)["replayssm"] > plan["replayssm"]
