@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check in one command (one H200, well under 8 minutes): the Triton kernel tests on CUDA tensors
 # (compiled kernels, TRITON_INTERPRET=0; the fold is bitwise equal to single steps on the device too) and the
-# kernel benchmark at Kimi-Linear shapes (fold at n = 1, 2, 4, 8 against copy bandwidth, verify against fla).
+# kernel benchmark at Kimi-Linear shapes (fold at n = 1, 2, 4, 8 against copy bandwidth, verify against fla),
+# and CUDA-graph rounds against eager rounds on the embedded model, token for token (bench/graph_check.py).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # logs and kernels.json land in OUT_DIR ($OUT, else /tmp/...)
 #
@@ -56,6 +57,11 @@ echo "== bench/kernels.py --device cuda =="
     | tee "$OUTDIR/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
 
+echo "== bench/graph_check.py --device cuda (cuda_graph=True vs eager, token for token) =="
+(cd /tmp && timeout 150 $PY "$REPO/bench/graph_check.py" --device cuda --json "$OUTDIR/graphs.json" 2>&1) \
+    | tee "$OUTDIR/graphs.log"
+GRAPH_RC=${PIPESTATUS[0]}
+
 echo "== summary =="
 $PY - "$OUTDIR/pytest.xml" <<'EOF'
 import collections, sys, xml.etree.ElementTree as ET
@@ -75,5 +81,5 @@ print(f"{'test':45s} {'pass':>5s} {'fail':>5s} {'skip':>5s} {'s':>7s}")
 for name, c in rows.items():
     print(f"{name:45s} {c['passed']:5d} {c['failed']:5d} {c['skipped']:5d} {c['s']:7.1f}")
 EOF
-echo "tests rc=$TEST_RC bench rc=$BENCH_RC total $(( $(date +%s) - T0 )) s; logs in $OUTDIR"
-[ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ]
+echo "tests rc=$TEST_RC bench rc=$BENCH_RC graphs rc=$GRAPH_RC total $(( $(date +%s) - T0 )) s; logs in $OUTDIR"
+[ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$GRAPH_RC" -eq 0 ]
