@@ -1,6 +1,6 @@
 """Drafters: ngram (prompt lookup), model (a small causal LM), `NoDraft` (none: plain decoding), and the trained
 kinds `mtp`, `eagle`, `dspark` (`specdec.draft.mtp` / `.eagle` / `.dspark`, built or loaded through
-`specdec.draft.common`); `make_drafter` builds the one an engine asks for."""
+`specdec.draft.registry`); `make_drafter` builds the one an engine asks for."""
 
 from .base import DraftBlock, Drafter, NoDraft
 from .factory import make_drafter

@@ -36,7 +36,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import DraftBlock, Drafter
-from .common import Block, DraftConfig, RMSNorm, soft_ce
+from .layers import Block, RMSNorm, soft_ce
+from .registry import DraftConfig
 
 
 def default_feature_layers(num_layers: int, count: int = 3) -> list[int]:

@@ -4,7 +4,7 @@ the target's embedding and lm_head (shared), and a dynamic draft tree verified a
 Net. The target's decoder-layer outputs at `feature_layers` are fused, `fuse(concat(f_low, f_mid, f_high))`
 (`[3d] -> [d]`). The drafter's input at committed position t pairs the fused feature at t with the next
 token: `x_t = fc(concat(emb_norm(emb(x_{t+1})), feat_norm(fused_t)))`, runs through `num_layers` decoder
-blocks (`common.Block`, rotary positions t) and `norm`, and the target's `lm_head` scores token t+2.
+blocks (`layers.Block`, rotary positions t) and `norm`, and the target's `lm_head` scores token t+2.
 Past the last committed position there are no target features: a draft step feeds the drafter's own
 hidden output (the last block's output, before `norm`) of its parent step in place of the fused feature
 (EAGLE-3), and training unrolls that "training-time test" for `ttt_steps` extra steps.
@@ -34,7 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import DraftBlock, Drafter
-from .common import Block, DraftConfig, RMSNorm, TargetBatch, check_target, soft_ce
+from .layers import Block, RMSNorm, soft_ce
+from .registry import DraftConfig, TargetBatch, check_target
 
 
 @dataclass

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 
 from .base import Drafter
-from .common import KINDS, build_drafter_net, kind_module, load_drafter
+from .registry import KINDS, build_drafter_net, kind_module, load_drafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 

@@ -30,7 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import DraftBlock, Drafter
-from .common import MLP, DraftConfig, RMSNorm, soft_ce
+from .layers import MLP, RMSNorm, soft_ce
+from .registry import DraftConfig
 
 FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5", "qwen3_5_text")
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from .common import build_drafter_net, target_batch
+from .registry import build_drafter_net, target_batch
 
 
 def windows(ids: torch.Tensor, seq_len: int, batch_size: int, gen: torch.Generator) -> torch.Tensor:

@@ -76,7 +76,7 @@ def test_json_is_lossless_and_has_the_numbers(saved):
 
 
 def test_auto_picks_the_shipped_drafter_and_streams(saved, tmp_path, prompts_file):
-    from specdec.draft.common import build_drafter_net, save_drafter
+    from specdec.draft.registry import build_drafter_net, save_drafter
 
     path, model, _ = saved
     shipped = tmp_path / "model"

@@ -26,7 +26,7 @@ from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_
 
 import specdec
 from specdec.draft import dspark
-from specdec.draft.common import build_drafter_net, load_drafter, save_drafter
+from specdec.draft.registry import build_drafter_net, load_drafter, save_drafter
 from specdec.cli.draft_train import train
 from specdec.testing import chi2_critical, chi2_gof
 from specdec.verify import SamplingParams

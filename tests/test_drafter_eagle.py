@@ -23,7 +23,7 @@ from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_
 
 import specdec
 import specdec.engine as engine_mod
-from specdec.draft.common import build_drafter_net, save_drafter
+from specdec.draft.registry import build_drafter_net, save_drafter
 from specdec.draft.eagle import EagleDrafter, Net, make_drafter
 from specdec.runner import HybridRunner
 from specdec.testing import max_rel_err
@@ -301,7 +301,7 @@ def test_tree_steps_match_training_unroll(setup):
     """Drafting (cached committed positions, scratch tree nodes with ancestor masks) computes exactly what
     training's unrolled steps compute: the root's scores are step 1 at the root position, a depth-d node's
     scores are step d+1 with the node's path as the next tokens. Siblings do not see each other."""
-    from specdec.draft.common import TargetBatch
+    from specdec.draft.registry import TargetBatch
     from specdec.runner import make_runner
     family = "qwen3_next"
     target, net = setup.target(family), setup.untrained_net(family)

@@ -24,7 +24,7 @@ from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_
 
 import specdec
 from specdec.draft import mtp
-from specdec.draft.common import build_drafter_net, load_drafter, own_state_dict, save_drafter, target_batch
+from specdec.draft.registry import build_drafter_net, load_drafter, own_state_dict, save_drafter, target_batch
 from specdec.cli.draft_train import train
 from specdec.runner import make_runner
 from specdec.testing import chi2_critical, chi2_gof

@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec.draft.common import load_drafter, save_drafter
+    from specdec.draft.registry import load_drafter, save_drafter
     try:
         tok = AutoTokenizer.from_pretrained(args.target)
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()

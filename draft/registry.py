@@ -1,9 +1,10 @@
-"""Shared pieces of the trained drafters: configs, save / load, target batches, small transformer blocks.
+"""The trained drafter kinds: their registry, configs, save / load, and the target batches they learn from.
 
 A trained drafter kind lives in one module (`draft/mtp.py`, `draft/eagle.py`, `draft/dspark.py`) that
 exposes `Config` (a flat dataclass subclassing `DraftConfig`), `Net` (an `nn.Module` with
-`from_target(target, config)`, `loss(batch)`, `evaluate(batch)`) and `make_drafter(net, engine)`.
-Nets share the target's embedding and lm_head by reference; only their own weights are saved.
+`from_target(target, config)`, `loss(batch)`, `evaluate(batch)` over a `TargetBatch`) and
+`make_drafter(net, *, gamma, max_batch_size, **options)`. Nets share the target's embedding and lm_head by
+reference; only their own weights are saved. Their building blocks are in `draft/layers.py`.
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import math
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 KINDS = {"mtp": "specdec.draft.mtp", "eagle": "specdec.draft.eagle", "dspark": "specdec.draft.dspark"}
 
@@ -156,97 +155,3 @@ def target_batch(runner, ids: torch.Tensor, feature_layers=()) -> TargetBatch:
             runner.release(slot)
     return TargetBatch(ids, torch.cat([o.logits for o in outs]), torch.cat([o.hidden for o in outs]),
                        {i: torch.cat([o.captured[i] for o in outs]) for i in feature_layers})
-
-
-# ---- small blocks ------------------------------------------------------------------------------------
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.eps) * self.weight
-
-
-def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate pairs of x `[B, H, T, D]` by `positions [B, T]` (half-split RoPE)."""
-    D = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float64) / D))
-    ang = positions[:, None, :, None].to(torch.float64) * inv  # [B, 1, T, D/2]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-class Attention(nn.Module):
-    """Multi-head attention over `[context K/V (given), own K/V]` with an additive mask; returns its new K/V
-    so callers keep their own cache (or none)."""
-
-    def __init__(self, hidden: int, num_heads: int, head_dim: int, *, rope_theta: float = 10000.0):
-        super().__init__()
-        self.num_heads, self.head_dim, self.rope_theta = num_heads, head_dim, rope_theta
-        self.q_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, num_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
-
-    def heads(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        return x.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-
-    def kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V `[B, H, T, D]` of inputs x `[B, T, hidden]` at `positions [B, T]`."""
-        return rotary(self.heads(self.k_proj(x)), positions, self.rope_theta), self.heads(self.v_proj(x))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """x `[B, T, hidden]`; mask additive `[B, 1, T, S_past + T]` (None: full); -> (out, (k, v) of x)."""
-        q = rotary(self.heads(self.q_proj(x)), positions, self.rope_theta)
-        k, v = self.kv(x, positions)
-        K, Vv = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
-        att = (q @ K.transpose(-1, -2)) / math.sqrt(self.head_dim)
-        if mask is not None:
-            att = att + mask
-        out = att.softmax(-1) @ Vv
-        B, H, T, D = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D)), (k, v)
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class Block(nn.Module):
-    """Pre-norm decoder block: attention (see `Attention`) + SwiGLU MLP."""
-
-    def __init__(self, cfg: DraftConfig, hidden: int):
-        super().__init__()
-        self.attn_norm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.attn = Attention(hidden, cfg.num_heads, cfg.head_dim, rope_theta=cfg.rope_theta)
-        self.mlp_norm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.mlp = MLP(hidden, cfg.intermediate_size)
-
-    def forward(self, x, positions, mask, past=None):
-        a, kv = self.attn(self.attn_norm(x), positions, mask, past)
-        x = x + a
-        return x + self.mlp(self.mlp_norm(x)), kv
-
-
-def causal_mask(T: int, S_past: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive `[1, 1, T, S_past + T]`: all past keys, causal among the new ones."""
-    ok = torch.ones(T, S_past + T, dtype=torch.bool, device=device).tril(S_past)
-    return torch.zeros(1, 1, T, S_past + T, dtype=dtype, device=device).masked_fill(~ok, torch.finfo(dtype).min)
-
-
-def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the drafter's `logits [..., V]` against the target's distribution (distillation)."""
-    return -(target_logits.float().softmax(-1) * logits.float().log_softmax(-1)).sum(-1).mean()
