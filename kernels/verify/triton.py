@@ -37,7 +37,8 @@ def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tenso
         parent = parent.expand(B, -1)
     check_shape("parent", parent, (B, T))
     idx = torch.arange(T, device=parent.device)
-    if not torch.cuda.is_current_stream_capturing() and bool(((parent < -1) | (parent >= idx)).any()):
+    capturing = parent.is_cuda and torch.cuda.is_current_stream_capturing()  # CPU builds of torch cannot ask
+    if not capturing and bool(((parent < -1) | (parent >= idx)).any()):
         raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
     return parent.to(device=device, dtype=torch.int32).contiguous()
 
