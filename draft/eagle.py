@@ -41,8 +41,11 @@ from .registry import DraftConfig, TargetBatch, check_target
 @dataclass
 class Config(DraftConfig):
     kind: str = "eagle"
-    ttt_steps: int = 2  # extra training steps that feed the drafter's own hidden state (training-time test)
-    ttt_decay: float = 0.8  # loss weight of step k is ttt_decay ** k
+    # Training-time test: steps beyond the first that feed the drafter's own hidden state. The reference
+    # (EAGLE-3; SpecForge's ttt_length = 7) unrolls 7 steps in all, so 6 extra; drafters saved with fewer keep
+    # theirs (the field is in their config.json).
+    ttt_steps: int = 6
+    ttt_decay: float = 0.8  # loss weight of step k is ttt_decay ** k (the reference's 0.8 ** k)
 
     @classmethod
     def for_target(cls, target, **overrides) -> "Config":

@@ -361,6 +361,31 @@ def _tau(engine) -> float:
     return out.stats.tau
 
 
+def test_training_time_test_unrolls_seven_steps(setup):
+    """The default unrolls the reference's 7 training-time-test steps (EAGLE-3; SpecForge's ttt_length 7): step k
+    is valid from position k-1 on, and the loss weighs step k by 0.8**k (recomputed here in float64 from each
+    step's logits); a config saved with ttt_steps=2 keeps its 3 steps."""
+    from specdec.draft.eagle import Config
+    from specdec.draft.registry import TargetBatch
+    target, net = setup.target("qwen3_next"), setup.untrained_net("qwen3_next")
+    assert net.config.ttt_steps + 1 == 7 and Config(ttt_steps=2).ttt_steps == 2
+    S, V, d = 12, target.config.vocab_size, target.config.hidden_size
+    g = torch.Generator().manual_seed(5)
+    dt = next(net.fuse.parameters()).dtype
+    batch = TargetBatch(torch.randint(3, V, (2, S), generator=g), torch.randn(2, S, V, generator=g).to(dt), None,
+                        {i: torch.randn(2, S, d, generator=g).to(dt) for i in net.config.feature_layers})
+    with torch.no_grad():
+        outs, _ = net._unroll(batch)
+        loss = float(net.loss(batch))
+    assert [int(valid.sum()) for _, valid in outs] == [S - 1 - k for k in range(7)]
+    p = batch.logits[:, 1:].double().softmax(-1)
+    num = den = 0.0
+    for k, (logits, valid) in enumerate(outs):
+        ce = -(p[:, valid] * logits[:, valid].double().log_softmax(-1)).sum(-1).mean()
+        num, den = num + 0.8 ** k * float(ce), den + 0.8 ** k
+    assert abs(loss - num / den) < 1e-5 * abs(num / den)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_improves_and_round_trips(setup, family):
     target = setup.target(family)
