@@ -53,8 +53,9 @@ def make_inputs(c):
 @given(c=conv_cases())
 def test_verify_conv_equals_per_token_steps_and_plain_decode(c):
     """One gather for all tokens (no per-token loop) gives the per-token `conv_step` recurrence's windows bit for
-    bit and its pre-activation outputs bit for bit (Kc <= 4); after silu, the outputs of plain decode (`short_conv`) along
-    each node's root path bit for bit (`conv_step`'s unpadded silu rounds its vector tail differently)."""
+    bit and its pre-activation outputs bit for bit (Kc <= 4); after silu, the outputs of plain decode
+    (`short_conv`) along each node's root path bit for bit (`conv_step`'s unpadded silu rounds its vector tail
+    differently)."""
     inp = make_inputs(c)
     B, T, C, Kc = c["B"], c["T"], c["C"], c["Kc"]
     windows = torch.full((B, T, C, Kc - 1), NAN, dtype=c["dtype"])

@@ -349,7 +349,8 @@ def test_short_conv_verify_inputs_and_rebuilt_windows(device, tree):
         ref_short_conv_verify(x[lyr], w, None, cs[lyr], idx, parent=parent, conv_inputs=inputs[lyr], null_slot=NULL)
         assert_close(got.cpu(), inputs[lyr], exact=True, msg="conv_inputs (NaN where nothing may be written)")
     # accepted paths: a root-to-node path per row (tree) or a prefix (chain); row 2 accepts its whole chain
-    paths = [[0, 1, 3], [0], [1, 2, 3], [0, 1], [0, 1, 3, 4]] if tree else [[0, 1], [0], [0, 1, 2, 3, 4], [0], [0, 1, 2]]
+    paths = ([[0, 1, 3], [0], [1, 2, 3], [0, 1], [0, 1, 3, 4]] if tree
+             else [[0, 1], [0], [0, 1, 2, 3, 4], [0], [0, 1, 2]])
     n = torch.tensor([len(p) for p in paths])
     path = torch.tensor([p + [-1] * (T - len(p)) for p in paths]).clamp(min=0)
     want = cs.clone()

@@ -1,3 +1,3 @@
-from .naive import masked_scatter
+from .naive import commit_conv_windows, masked_scatter, rebuild_windows
 
-__all__ = ["masked_scatter"]
+__all__ = ["commit_conv_windows", "masked_scatter", "rebuild_windows"]

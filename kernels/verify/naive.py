@@ -1,4 +1,4 @@
-"""Verify over D chain tokens or T tree nodes: outputs, ring records, per-step states and conv windows."""
+"""Verify over D chain tokens or T tree nodes: outputs, ring records, per-step states, conv windows or inputs."""
 
 from __future__ import annotations
 
