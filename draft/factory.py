@@ -16,8 +16,9 @@ def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_
     """-> the drafter for `target_model`.
 
     `drafter`: a `Drafter` (returned as is), 'ngram', 'model' (needs `draft_model`, same vocabulary, and
-    `runner_factory`), a trained kind ('mtp', 'eagle', 'dspark': an untrained net sized for the target) or a
-    trained drafter directory. `gamma`: drafts per round; `max_batch_size`, `max_length`: the engine's limits.
+    `runner_factory`), 'native' (the MTP layers in the target's checkpoint; option `native_path`), a trained kind
+    ('mtp', 'eagle', 'dspark': an untrained net sized for the target) or a trained drafter directory. `gamma`:
+    drafts per round; `max_batch_size`, `max_length`: the engine's limits.
     `runner_factory`: a callable with `specdec.runner.make_runner`'s signature, for drafters that run a model
     of their own. `drafter_kwargs`: the drafter's own options.
     """
@@ -34,6 +35,10 @@ def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_
             raise ValueError(f"draft_model: vocab size {dv} does not match the target's {tv}")
         return ModelDrafter(draft_model, runner_factory=runner_factory, max_batch_size=max_batch_size,
                             max_length=max_length, gamma=gamma, **drafter_kwargs)
+    if drafter == "native":  # the checkpoint's own MTP layers
+        from . import native
+        net = native.build(target_model, native_path=drafter_kwargs.pop("native_path", None))
+        return native.make_drafter(net, gamma=gamma, max_batch_size=max_batch_size, **drafter_kwargs)
     if isinstance(drafter, str) and drafter in KINDS:  # untrained net of that kind, sized for the target
         net = build_drafter_net(drafter, target_model)
         return kind_module(drafter).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size, **drafter_kwargs)
@@ -41,5 +46,5 @@ def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_
         net = load_drafter(os.fspath(drafter), target_model)
         return kind_module(net.config.kind).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size,
                                                          **drafter_kwargs)
-    raise ValueError(f"drafter: expected 'ngram', 'model', one of {sorted(KINDS)}, a trained drafter directory "
-                     f"or a Drafter instance, got {drafter!r}")
+    raise ValueError(f"drafter: expected 'ngram', 'model', 'native', one of {sorted(KINDS)}, a trained drafter "
+                     f"directory or a Drafter instance, got {drafter!r}")

@@ -160,3 +160,47 @@ def save_tiny(path, family: str, *, seed: int = 0):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model, tokenizer
+
+
+def save_with_mtp(path, family: str, *, seed: int = 0, mtp_seed: int = 5, mtp: bool = True):
+    """A float64 tiny `family` model saved to `path` with the MTP layers its published checkpoints ship, added
+    to its safetensors under their published names (Qwen3-Next / Qwen3.5: `mtp.fc.weight`,
+    `mtp.pre_fc_norm_embedding.weight`, `mtp.pre_fc_norm_hidden.weight`, `mtp.layers.0.*`, `mtp.norm.weight`;
+    Bailing-Hybrid: `model.layers.{num_hidden_layers}.{eh_proj, enorm, hnorm, final_layernorm}.weight` and the
+    layer's own tensors). The MTP decoder layer is the last (full-attention) layer's tensors, as saved, plus
+    seeded noise. -> the model reloaded with `from_pretrained(path)` (so `config._name_or_path` is `path`)."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    tiny_model(family, seed=seed).save_pretrained(path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    if mtp:
+        config = tiny_config(family)
+        L, d = config.num_hidden_layers, config.hidden_size
+        last = f"model.layers.{L - 1}."
+        gen = torch.Generator().manual_seed(mtp_seed)
+
+        def noisy(t):
+            return t + 0.02 * torch.randn(t.shape, generator=gen, dtype=t.dtype) if t.is_floating_point() else t
+
+        if family == "bailing_hybrid":
+            pre, names = f"model.layers.{L}.", ("eh_proj", "enorm", "hnorm", "final_layernorm")
+            norm_base = 1.0  # x * w
+        else:
+            pre, names = "mtp.", ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+            norm_base = 0.0  # zero-centred: x * (1 + w)
+        layer = pre if family == "bailing_hybrid" else pre + "layers.0."
+        extra = {layer + k[len(last):]: noisy(v) for k, v in tensors.items() if k.startswith(last)}
+        extra[pre + names[0] + ".weight"] = 0.1 * torch.randn(d, 2 * d, generator=gen, dtype=torch.float64)
+        for n in names[1:]:
+            extra[pre + n + ".weight"] = norm_base + 0.1 * torch.randn(d, generator=gen, dtype=torch.float64)
+        tensors.update(extra)
+        save_file(tensors, file, metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager",
+                                                 attn_implementation="eager")
+    if family == "bailing_hybrid":
+        model.double()  # as tiny_model: its fp32-kept conv would fail in transformers' float64 forward
+    return model.eval()

@@ -1,0 +1,203 @@
+"""`drafter="native"`: the MTP layers a checkpoint ships (Qwen3-Next, Qwen3.5: `mtp.*`; Bailing-Hybrid: the NextN
+layer after the decoder), read from the model's safetensors files.
+
+1. The first two drafts' distributions equal an independent float64 recomputation of the MTP forward from the
+   saved tensors: the head (pre-fc norms, fc over [embedding, hidden], final norm, the target's lm_head) in plain
+   torch ops; the Qwen decoder layer (gated attention with partial RoPE and q/k norms, MoE or dense MLP) in plain
+   torch ops too; Bailing's MLA + MoE layer as transformers' own layer, loaded by transformers' own
+   `from_pretrained` into a model one layer deeper (the checkpoint's NextN layer is then an ordinary layer).
+2. Greedy output equals transformers' own greedy `generate`.
+3. Errors: a checkpoint without MTP tensors names the file it searched; a model without a checkpoint path asks
+   for `native_path`; a family without MTP layers is named; unknown options are named.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_models import float64_everywhere, greedy_reference, save_with_mtp, tiny_config, tiny_model, torch_fallbacks
+
+import specdec
+from specdec.verify import SamplingParams
+
+FAMILIES = ("qwen3_next", "qwen3_5", "bailing_hybrid")
+PROMPT = [3, 41, 17, 88, 9, 60, 23, 5, 40]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """family -> (model reloaded from its directory, directory)."""
+    out = {}
+    for family in FAMILIES:
+        path = str(tmp_path_factory.mktemp(f"native_{family}"))
+        out[family] = (save_with_mtp(path, family), path)
+    return out
+
+
+# ---- the independent recomputation ---------------------------------------------------------------------------
+
+
+def rms(x, w, eps, centred):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * ((1 + w) if centred else w)
+
+
+def swiglu(x, W, pre):
+    return (torch.nn.functional.silu(x @ W[pre + "gate_proj.weight"].T) * (x @ W[pre + "up_proj.weight"].T)) \
+        @ W[pre + "down_proj.weight"].T
+
+
+def qwen_layer(W, x, cfg):
+    """The Qwen3-Next / Qwen3.5 full-attention decoder layer over `x [T, d]` (positions 0..T-1, causal), from its
+    checkpoint tensors `W` in plain float64 ops."""
+    T = x.shape[0]
+    H, Hk, Dh, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    a = rms(x, W["input_layernorm.weight"], eps, True)
+    qg = (a @ W["self_attn.q_proj.weight"].T).view(T, H, 2 * Dh)  # per head [query | output gate]
+    q, gate = qg[..., :Dh], qg[..., Dh:]
+    q = rms(q, W["self_attn.q_norm.weight"], eps, True)
+    k = rms((a @ W["self_attn.k_proj.weight"].T).view(T, Hk, Dh), W["self_attn.k_norm.weight"], eps, True)
+    v = (a @ W["self_attn.v_proj.weight"].T).view(T, Hk, Dh)
+    rope = cfg.rope_parameters
+    rd = int(Dh * rope["partial_rotary_factor"])  # RoPE on the first rd channels of each head
+    inv = 1.0 / rope["rope_theta"] ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+
+    def rotate(t):
+        r, rest = t[..., :rd], t[..., rd:]
+        half = torch.cat([-r[..., rd // 2:], r[..., :rd // 2]], -1)
+        return torch.cat([r * cos + half * sin, rest], -1)
+
+    q, k = rotate(q), rotate(k)
+    k, v = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
+    s = torch.einsum("thd,shd->hts", q, k) * Dh ** -0.5
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    o = torch.einsum("hts,shd->thd", s.softmax(-1), v).reshape(T, H * Dh) * torch.sigmoid(gate.reshape(T, H * Dh))
+    x = x + o @ W["self_attn.o_proj.weight"].T
+    m = rms(x, W["post_attention_layernorm.weight"], eps, True)
+    if "mlp.gate.weight" not in W:
+        return x + swiglu(m, W, "mlp.")
+    probs = (m @ W["mlp.gate.weight"].T).softmax(-1)
+    top, idx = probs.topk(cfg.num_experts_per_tok, -1)
+    if cfg.norm_topk_prob:
+        top = top / top.sum(-1, keepdim=True)
+    routed = torch.stack([sum(top[t, j] * swiglu(m[t], W, f"mlp.experts.{int(idx[t, j])}.")
+                              for j in range(idx.shape[1])) for t in range(T)])
+    shared = swiglu(m, W, "mlp.shared_expert.") * torch.sigmoid(m @ W["mlp.shared_expert_gate.weight"].T)
+    return x + routed + shared
+
+
+def bailing_layer(path, x):
+    """Bailing's NextN decoder layer (MLA + MoE) as transformers' own layer: a model one layer deeper, loaded by
+    transformers from the checkpoint, holds the NextN tensors as its last layer."""
+    from transformers import AutoModelForCausalLM
+    cfg = tiny_config("bailing_hybrid", num_layers=5)
+    cfg.layer_types = ["linear_attention"] * 3 + ["full_attention"] * 2
+    cfg.mlp_layer_types = ["dense"] + ["sparse"] * 4
+    cfg.num_mtp_layers = 0
+    deep = AutoModelForCausalLM.from_pretrained(path, config=cfg, dtype=torch.float64, attn_implementation="eager",
+                                                experts_implementation="eager").double().eval()
+    T = x.shape[0]
+    pos = torch.arange(T)[None]
+    mask = torch.zeros(T, T, dtype=torch.float64).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(),
+                                                              torch.finfo(torch.float64).min)
+    out = deep.model.layers[4](x[None], position_embeddings=deep.model.rotary_emb(x[None], pos),
+                               attention_mask=mask[None, None], position_ids=pos)
+    return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+def reference_logits(family, model, path, tokens, hidden):
+    """MTP logits `[T, V]` and outputs `[T, d]` of the pairs `(hidden[t], tokens[t])` at positions 0..T-1."""
+    W = load_file(os.path.join(path, "model.safetensors"))
+    cfg = model.config
+    eps = cfg.rms_norm_eps
+    emb = W["model.word_embeddings.weight" if family == "bailing_hybrid" else "model.embed_tokens.weight"][tokens]
+    if family == "bailing_hybrid":
+        pre = f"model.layers.{cfg.num_hidden_layers}."
+        fc, ne, nh, nf, centred = "eh_proj", "enorm", "hnorm", "final_layernorm", False
+    else:
+        pre, fc, ne, nh, nf, centred = "mtp.", "fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm", True
+    x = torch.cat([rms(emb, W[pre + ne + ".weight"], eps, centred), rms(hidden, W[pre + nh + ".weight"], eps, centred)],
+                  -1) @ W[pre + fc + ".weight"].T
+    if family == "bailing_hybrid":
+        x = bailing_layer(path, x)
+    else:
+        x = qwen_layer({k[len("mtp.layers.0."):]: v for k, v in W.items() if k.startswith("mtp.layers.0.")}, x, cfg)
+    out = rms(x, W[pre + nf + ".weight"], eps, centred)
+    return out @ W["lm_head.weight"].T, out
+
+
+# ---- 1. first drafts == recomputation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_first_drafts_match_recomputation(saved, family):
+    model, path = saved[family]
+    engine = specdec.wrap(model, drafter="native", num_draft_tokens=2, max_batch_size=1)
+    drafter = engine.drafter
+    assert type(drafter).__name__ == "NativeDrafter"
+    prompt = torch.tensor(PROMPT)
+    with torch_fallbacks(), float64_everywhere():
+        hidden = model.model(prompt[None]).last_hidden_state[0]  # the target's final normed hidden states
+        anchor = int(model(prompt[None]).logits[0, -1].argmax())
+        slots = engine.runner.alloc(1)
+        engine.slots = slots
+        try:
+            out = engine.runner.prefill(slots[0], prompt)
+            ctx = torch.tensor(PROMPT + [anchor])
+            drafter.begin([0], [prompt])
+            drafter.observe([0], [prompt], [out.hidden[0]], {})
+            block = drafter.propose([0], [ctx], 2, sampling=SamplingParams(do_sample=True),
+                                    generator=torch.Generator().manual_seed(0))
+        finally:
+            drafter.release([0])
+            engine.runner.release(slots)
+        # step 1: the prompt's pairs (hidden[t], token t+1), the anchor last; step 2: (step 1's out, its draft)
+        logits, mtp_out = reference_logits(family, model, path, ctx[1:], hidden)
+        d1 = int(block.tokens[0, 0])
+        logits2, _ = reference_logits(family, model, path, torch.cat([ctx[1:], torch.tensor([d1])]),
+                                      torch.cat([hidden, mtp_out[-1:]]))
+    torch.testing.assert_close(block.probs[0, 0], logits[-1].softmax(-1), rtol=0, atol=1e-12)
+    torch.testing.assert_close(block.probs[0, 1], logits2[-1].softmax(-1), rtol=0, atol=1e-12)
+    assert drafter.kv.lengths[0] == 0 and not drafter.pending  # released
+
+
+# ---- 2. lossless ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity(saved, family):
+    model, _ = saved[family]
+    engine = specdec.wrap(model, drafter="native", num_draft_tokens=3, max_batch_size=2)
+    prompts = [PROMPT, PROMPT[3:]]
+    with torch_fallbacks(), float64_everywhere():
+        out = engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=6, eos_token_id=None)
+    for b, p in enumerate(prompts):
+        ref = greedy_reference(model, p, 6)
+        assert out.sequences[b].tolist()[:len(ref)] == ref, f"row {b} differs from transformers' greedy generate"
+    assert out.stats.drafter_failures == 0 and out.stats.proposed > 0
+
+
+# ---- 3. errors -----------------------------------------------------------------------------------------------
+
+
+def test_errors(saved, tmp_path):
+    bare = save_with_mtp(str(tmp_path), "qwen3_5", mtp=False)
+    file = os.path.join(str(tmp_path), "model.safetensors")
+    with pytest.raises(ValueError, match="no MTP weights") as err:
+        specdec.wrap(bare, drafter="native")
+    assert file in str(err.value)
+    model, path = saved["qwen3_5"]
+    engine = specdec.wrap(bare, drafter="native", native_path=path, num_draft_tokens=2)  # another checkpoint's
+    assert engine.drafter.net.config.native_path == path
+    with pytest.raises(ValueError, match="native_path"):
+        specdec.wrap(tiny_model("qwen3_5"), drafter="native")  # built in memory: no checkpoint path
+    with pytest.raises(ValueError, match="native_path"):
+        specdec.wrap(model, drafter="native", native_path=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="kimi_linear"):
+        specdec.wrap(tiny_model("kimi_linear"), drafter="native")
+    with pytest.raises(ValueError, match="bogus"):
+        specdec.wrap(model, drafter="native", bogus=1)
