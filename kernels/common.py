@@ -93,11 +93,9 @@ def check_delta_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 
 def check_verify_buffers(B: int, T: int, H: int, K: int, V: int, ssm_state: torch.Tensor,
-                         ssm_state_indices: torch.Tensor, intermediate_states: torch.Tensor | None,
-                         ring: tuple[torch.Tensor, ...] | None, ring_start: torch.Tensor | None) -> None:
+                         ssm_state_indices: torch.Tensor, intermediate_states: torch.Tensor | None) -> None:
     """The state-side arguments of a verify of `B` requests x `T` tokens: checkpoints `[N, H, K, V]`, slots `[B]`,
-    node states `[>= B, >= T, H, K, V]`, a ring deep enough for T tokens, `ring_start` with a ring. Raises one
-    `ValueError` naming the argument."""
+    node states `[>= B, >= T, H, K, V]`. Raises one `ValueError` naming the argument."""
     check_shape("ssm_state", ssm_state, (None, H, K, V))
     check_shape("ssm_state_indices", ssm_state_indices, (B,))
     if intermediate_states is not None and (intermediate_states.dim() != 5 or intermediate_states.shape[0] < B
@@ -105,12 +103,6 @@ def check_verify_buffers(B: int, T: int, H: int, K: int, V: int, ssm_state: torc
                                             or intermediate_states.shape[2:] != (H, K, V)):
         raise ValueError(f"intermediate_states: expected [>={B}, >={T}, {H}, {K}, {V}], "
                          f"got {list(intermediate_states.shape)}")
-    if ring is not None:
-        L = ring[0].shape[2]
-        if T > L:
-            raise ValueError(f"q: {T} verify tokens do not fit a ring of depth L={L}")
-        if ring_start is None:
-            raise ValueError("ring_start: required with ring")
 
 
 def valid_slots(indices: torch.Tensor, null_slot: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The chunk-form verify (`kernels/verify/chunk.py`) against the per-token recurrence (`kernels/verify/naive.py`).
 
 Hypothesis draws chains and trees (second roots included), KDA and GDN gates, both norms, fp32 and fp64, rows
-mapped to -1 or the null slot, wrapped ring positions and pending records (lazy commit). Both verifies run on the
+mapped to -1 or the null slot, both ring layouts (lazy: rings per slot, wrapped positions, pending records; eager:
+rings per running row, the fold's four records only). Both verifies run on the
 same inputs into NaN-filled rings and node buffers; outputs, `d` records and node states must agree within the
 dtype's tolerance (a different op order), the input records (normalized k, g, rawv, rawk, beta) bit for bit, and
 everything a verify must not write stays as it was. `ancestor_mask` is checked against a walk over the parents.
@@ -14,7 +15,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.kernels import dispatch
 from specdec.kernels.common import ancestor_mask
 from specdec.kernels.recurrent import recurrent_delta_rule
 from specdec.kernels.verify.chunk import verify_delta_rule as chunk_verify
@@ -44,11 +44,14 @@ def cases(draw):
     kinds = [draw(st.sampled_from([0, 0, 0, 1, 2])) for _ in range(B)]  # 0: a slot, 1: -1, 2: the null slot
     slots = draw(st.permutations(list(range(N - 1))))[:B]
     slots = [(s, -1, N - 1)[kind] for s, kind in zip(slots, kinds)]
+    layout = draw(st.sampled_from(["lazy", "eager"]))
     return dict(B=B, T=T, N=N, H=draw(st.integers(1, 3)), K=draw(st.sampled_from([2, 3, 5, 8, 12])),
                 V=draw(st.sampled_from([1, 3, 7, 12])), gdn=draw(st.booleans()), parents=parents, slots=slots,
                 norm=draw(st.sampled_from(["rsqrt", "sqrt_div"])), dtype=draw(st.sampled_from([F32, F64])),
-                pending=draw(st.sampled_from([0, 0, 1, 3])), start=draw(st.integers(0, 15)),
-                seed=draw(st.integers(0, 2**31 - 1)))
+                layout=layout, pending=0 if layout == "eager" else draw(st.sampled_from([0, 0, 1, 3])),
+                start=draw(st.integers(0, 15)), seed=draw(st.integers(0, 2**31 - 1)),
+                rows=draw(st.permutations(list(range(B)))),
+                gate_scale=draw(st.sampled_from([1.0, 1.0, 1.0, 30.0])))  # 30: often past the factored range
 
 
 def inputs(c: dict, gen: torch.Generator) -> dict:
@@ -57,17 +60,21 @@ def inputs(c: dict, gen: torch.Generator) -> dict:
     r = lambda *s: torch.randn(*s, generator=gen, dtype=F64).to(dt)  # noqa: E731
     u = lambda *s: torch.rand(*s, generator=gen, dtype=F64).to(dt)  # noqa: E731
     return dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V),
-                g=-u(*((B, T, H) if c["gdn"] else (B, T, H, K))), beta=0.05 + 0.9 * u(B, T, H),
+                g=-c.get("gate_scale", 1.0) * u(*((B, T, H) if c["gdn"] else (B, T, H, K))),
+                beta=0.05 + 0.9 * u(B, T, H),
                 ssm=r(N, H, K, V))
 
 
 def run(verify, c: dict, x: dict, *, L: int = 16, ring_seed: int = 5):
-    """One verify into NaN-filled rings / node buffer (pending records random, the same for every verify).
+    """One verify into NaN-filled rings / node buffer. Lazy layout: rings per slot from `start`, random pending
+    records (the same for every verify); eager layout: rings per running row `c["rows"][b]`, no d and k.
     -> (o, node states [B + 1, T, H, K, V], ring tuple, ring before)."""
     B, T, H, K, V, N, dt = c["B"], c["T"], c["H"], c["K"], c["V"], c["N"], c["dtype"]
     gen = torch.Generator().manual_seed(ring_seed)
-    ring = tuple(torch.full((N, H, L, d), float("nan"), dtype=dt) for d in (V, K, 1 if c["gdn"] else K, V, K))
-    ring += (torch.full((N, H, L), float("nan"), dtype=dt),)
+    eager = c.get("layout") == "eager"
+    n_rows = B if eager else N
+    ring = tuple(torch.full((n_rows, H, L, d), float("nan"), dtype=dt) for d in (V, K, 1 if c["gdn"] else K, V, K))
+    ring += (torch.full((n_rows, H, L), float("nan"), dtype=dt),)
     start = torch.full((N,), c["start"], dtype=torch.long)
     m = c["pending"]
     if m:  # pending (d, k, g) records before the new tokens: the start state is their fast rebuild
@@ -77,13 +84,16 @@ def run(verify, c: dict, x: dict, *, L: int = 16, ring_seed: int = 5):
             kk = torch.randn(H, m, K, generator=gen, dtype=F64)
             ring[1][s][:, pos] = (kk / kk.norm(dim=-1, keepdim=True)).to(dt)
             ring[2][s][:, pos] = -torch.rand(H, m, ring[2].shape[-1], generator=gen, dtype=F64).to(dt)
-    before = tuple(r.clone() for r in ring)
+    if eager:
+        ring = (None, None) + ring[2:]
+        kw = dict(ring_indices=torch.tensor(c["rows"]))
+    else:
+        kw = dict(ring_start=start, num_pending=torch.full((N,), m, dtype=torch.long) if m else None)
+    before = tuple(None if r is None else r.clone() for r in ring)
     inter = torch.full((B + 1, T, H, K, V), float("nan"), dtype=dt)
     parent = None if c["parents"] is None else torch.tensor(c["parents"])
     o = verify(x["q"], x["k"], x["v"], x["g"], x["beta"], x["ssm"], torch.tensor(c["slots"]), parent=parent,
-               intermediate_states=inter, ring=ring, ring_start=start,
-               num_pending=torch.full((N,), m, dtype=torch.long) if m else None, norm=c["norm"],
-               null_slot=c["N"] - 1)
+               intermediate_states=inter, ring=ring, norm=c["norm"], null_slot=c["N"] - 1, **kw)
     return o, inter, ring, before
 
 
@@ -100,6 +110,8 @@ def compare(c: dict, x: dict, got, want) -> None:
     skipped = [b for b in range(c["B"] + 1) if b not in valid]
     assert bool(inter[skipped].isnan().all()), "node states of a skipped row were written"
     for name, r, r_ref, r0 in zip(RECORDS, ring, ring_ref, before):
+        if r is None:  # eager layout: no d, k rings
+            continue
         written = ~(r_ref.isnan()) & r0.isnan()  # what the per-token verify wrote
         if name == "d":
             assert_close(r[written], r_ref[written], dtype=dt, msg="ring d")
@@ -171,17 +183,23 @@ def test_one_token_is_the_fold_step_bit_for_bit():
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_strong_gates_stay_finite_and_accurate(tree):
-    """Log-decays down to -30 per token: every exponent is a decay, nothing overflows, and fp32 stays within the
-    fp32 tolerance of the fp64 recurrence."""
+@pytest.mark.parametrize("strength, pairwise", [(6.0, False), (30.0, True)])
+def test_strong_gates_stay_finite_and_accurate(tree, strength, pairwise, monkeypatch):
+    """Log-decays of -strength..-(strength + 1) per token: the factored decays (up to e^+-26 each at -6) and, past
+    their range, the pairwise ones; nothing overflows, and fp32 stays within the fp32 tolerance of the fp64
+    recurrence."""
+    import specdec.kernels.verify.chunk as chunk_mod
+    calls = []
+    monkeypatch.setattr(chunk_mod, "wy_terms", lambda *a, f=chunk_mod.wy_terms: calls.append(1) or f(*a))
     T = 9
     parent = [-1, 0, 1, 1, 2, 4, -1, 6, 5] if tree else list(range(-1, T - 1))
     c = dict(B=1, T=T, N=2, H=2, K=8, V=4, gdn=False, dtype=F64)
     x = inputs(c, torch.Generator().manual_seed(4))
-    x["g"] = x["g"] * 30
+    x["g"] = x["g"] - strength
     inter = torch.zeros(1, T, 2, 8, 4)
     o = chunk_verify(*(x[n].float() for n in ("q", "k", "v", "g", "beta", "ssm")), torch.tensor([0]),
                      parent=torch.tensor(parent) if tree else None, intermediate_states=inter)
+    assert bool(calls) == pairwise
     assert bool(o.isfinite().all()) and bool(inter.isfinite().all())
     inter_ref = torch.zeros(1, T, 2, 8, 4, dtype=F64)
     o_ref = naive_verify(*(x[n] for n in ("q", "k", "v", "g", "beta", "ssm")), torch.tensor([0]),
@@ -199,19 +217,17 @@ def test_bad_input_raises_before_anything_is_written():
     ok = dict(intermediate_states=inter, ring=ring, ring_start=torch.zeros(2, dtype=torch.long))
     for bad, arg in ((dict(parent=torch.tensor([-1, 1, 0])), "parent"),
                      (dict(intermediate_states=torch.zeros(1, 3, 1, 3, 3)), "intermediate_states"),
-                     (dict(ring_start=None), "ring_start"),
+                     (dict(ssm_state_indices=None), "ssm_state_indices"),
+                     (dict(ring_indices=torch.tensor([0, 1])), "ring_indices"),
                      (dict(ring=tuple(r[:, :, :2] for r in ring)), "ring of depth")):
+        call = list(args)
+        if "ssm_state_indices" in bad:
+            call[-1], bad = torch.tensor([0, 1]), {}
         with pytest.raises(ValueError, match=arg):
-            chunk_verify(*args, **{**ok, **bad})
+            chunk_verify(*call, **{**ok, **bad})
         assert bool((inter == 0).all()) and all(bool((r == 0).all()) for r in ring), f"{arg}: written"
     with pytest.raises(ValueError, match="q"):
         chunk_verify(x["q"][:, :2], *args[1:])
-
-
-def test_dispatch_serves_the_chunk_form_off_the_gpu(monkeypatch):
-    monkeypatch.delenv("SPECDEC_FORCE_TRITON", raising=False)
-    for dt in (F32, F64):
-        assert dispatch.pick("verify_delta_rule", torch.zeros(2, dtype=dt)) is chunk_verify
 
 
 @settings(max_examples=40, deadline=None)

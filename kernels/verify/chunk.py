@@ -34,12 +34,17 @@ from ..chunk.naive import wy_terms
 from ..common import (ancestor_mask, check_delta_inputs, check_verify_buffers, delta_step, math_dtype, prepare_qk,
                       valid_slots)
 from ..rebuild.naive import fast_rebuild
-from .naive import _parents
+from .naive import _parents, check_ring_args, store_ring_records
 
 
 def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                S0: torch.Tensor, mask: torch.Tensor, *, states: bool = False):
     """One chunk of T tokens / nodes from S0, all in the math dtype.
+
+    The decays between two tokens, `e^(G_t - G_j)`, factor as `e^(G_t - r) e^(r - G_j)` around the midpoint `r`
+    of each channel's range of G, so A, P and the node states are plain matmuls over `[T, K]` factors. Where a
+    channel's range is too wide for that (a product would leave the dtype's exponent range: gates far stronger
+    than a verify meets), the pairwise decays `[T, T, K]` of `chunk.wy_terms` are used instead.
 
     Args:
         q: normalized, scaled `[R, T, H, K]`;  k: normalized `[R, T, H, K]`;  v: `[R, T, H, V]`;
@@ -49,29 +54,50 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     Returns:
         `(o [R, T, H, V], d [R, T, H, V], S [R, T, H, K, V] or None)`.
     """
-    R, T, H, _ = k.shape
-    heads = lambda x: x.transpose(1, 2)  # noqa: E731  [R, T, H, X] -> [R, H, T, X]
-    G = (mask.to(g.dtype) @ g.reshape(R, T, -1)).reshape(g.shape)  # sums along each root path
-    m = mask[:, None] if mask.dim() == 3 else mask
-    qh, kh = heads(q), heads(k)
-    kd, P, W, Y, eG = wy_terms(qh, kh, heads(v), heads(beta[..., None]), heads(G), m)
-    d = W - Y @ S0                                                   # [R, H, T, V]
+    R, T, H, K = k.shape
+    V = v.shape[-1]
+    heads = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  [R, T, H, X] -> [R, H, T, X], row-major
+    G = heads((mask.to(g.dtype) @ g.reshape(R, T, -1)).reshape(g.shape))  # [R, H, T, K|1]: sums along root paths
+    m = (mask[:, None] if mask.dim() == 3 else mask).to(q.dtype)           # [R|1, 1, T, T]
+    qh, kh, vh, bh = heads(q), heads(k), heads(v), heads(beta[..., None])
+    hi, lo = G.amax(-2, keepdim=True), G.amin(-2, keepdim=True)
+    if float((hi - lo).max()) > _SPAN[q.dtype]:
+        kd, P, W, Y, eG = wy_terms(qh, kh, vh, bh, G, m > 0)
+        d = (W - Y @ S0).contiguous()                                      # [R, H, T, V]
+        U = (kd.transpose(-1, -2).reshape(R, H, T * K, T) @ d).reshape(R, H, T, K, V) if states else None
+        up = None
+    else:
+        r = (hi + lo) / 2
+        eG, up, down = G.exp(), (G - r).exp(), (r - G).exp()
+        kdown = kh * down                                                  # k_j e^(r - G_j)
+        A = (bh * ((kh * up) @ kdown.transpose(-1, -2)) * m).tril(-1)      # strict: t sees itself through I
+        P = ((qh * up) @ kdown.transpose(-1, -2)) * m
+        d = torch.linalg.solve_triangular(A, bh * (vh - (kh * eG) @ S0), upper=False, unitriangular=True)
+        d = d.contiguous()  # LAPACK hands back column-major; the products below want rows
+        U = None
+        if states:  # sum over the visible j of k_j e^(r - G_j) d_j^T: one matmul by the mask
+            U = (m @ (kdown[..., :, None] * d[..., None, :]).reshape(R, H, T, K * V)).reshape(R, H, T, K, V)
     o = (qh * eG) @ S0 + P @ d
     S = None
-    if states:  # S_t = e^G_t S0 + sum_j kd[t, j]^T d_j: one batched matmul over (request, head)
-        K, V = S0.shape[-2:]
-        S = (eG[..., None] * S0[:, :, None]
-             + (kd.transpose(-1, -2).reshape(R, H, T * K, T) @ d).reshape(R, H, T, K, V))
-        S = S.transpose(1, 2)
+    if states:  # S_t = e^G_t S0 + e^(G_t - r) U_t
+        # in place on U: fresh multi-MB temporaries cost page faults that outweigh the arithmetic on CPU
+        S = (U if up is None else U.mul_(up[..., None])).addcmul_(eG[..., None], S0[:, :, None]).transpose(1, 2)
     return heads(o), heads(d), S
+
+
+# Widest range of cumulated log-decays (per channel, within a chunk) the factored form takes. A product of two
+# factors is e^(G_t - G_j), at most e^span where t does not see j (masked afterwards, but it must stay finite:
+# inf * 0 is NaN), so span stays below the dtype's largest exponent (fp32: e^88, fp64: e^709).
+_SPAN = {torch.float32: 80.0, torch.float64: 700.0}
 
 
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, *,
                       parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
-                      ring: tuple[torch.Tensor, ...] | None = None, ring_start: torch.Tensor | None = None,
-                      num_pending: torch.Tensor | None = None, scale: float | None = None, eps: float = 1e-6,
-                      norm: str = "rsqrt", null_slot: int = -1) -> torch.Tensor:
+                      ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
+                      num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
+                      scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
+                      null_slot: int = -1) -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint, as one chunk; the checkpoint is not written.
 
     Args:
@@ -81,15 +107,18 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         ssm_state_indices: slot per request `[B]`; -1 or `null_slot` rows are skipped (output 0).
         parent: None (chain: token t follows t-1) or `[T]` / `[B, T]` tree parents (-1 = the checkpoint).
         intermediate_states: out `[R >= B, T, H, K, V]`: the state after each token / node.
-        ring: this layer's records `(d, k, g, rawv, rawk, beta)`, each `[N, H, L, dim]` (`beta` `[N, H, L]`);
-            token t of a request in slot s goes to position `(ring_start[s] + num_pending[s] + t) % L`.
-        ring_start, num_pending: `[N]` long. With pending records the start state is the fast rebuild
+        ring: this layer's records `(d, k, g, rawv, rawk, beta)`, each `[N', H, L, dim]` (`beta` `[N', H, L]`);
+            `d` and `k` may be None (eager layout). Token t of request b goes to ring row `r = ring_indices[b]`
+            (default: its slot), position `(ring_start[r] + num_pending[r] + t) % L`, or t without `ring_start`.
+        ring_start, num_pending: `[N']` long. With pending records the start state is the fast rebuild
             of checkpoint + pending `(d, k, g)` (lazy commit).
+        ring_indices: `[B]` long ring row per request (eager layout: the running row 0..B-1).
     Returns:
         o `[B, T, H, V]` in v.dtype.
     """
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
-    check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states, ring, ring_start)
+    check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
+    check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
     chain = parent is None
     parent = _parents(parent, B, T, k.device)
     rows = valid_slots(ssm_state_indices, null_slot).nonzero().flatten()
@@ -117,10 +146,6 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if want_states:
         intermediate_states[rows, :T] = S.to(intermediate_states.dtype)
     if ring is not None:
-        L = ring[0].shape[2]
-        base = ring_start[slots] + (num_pending[slots] if num_pending is not None else 0)
-        pos = (base[:, None] + torch.arange(T, device=base.device)) % L  # [R, T]
-        recs = (d, kn, gg, v[rows], k[rows], beta[rows])  # [R, T, H, dim] / beta [R, T, H]
-        for buf, rec in zip(ring, recs):
-            buf[slots[:, None], :, pos] = rec.to(buf.dtype)
+        store_ring_records(ring, (d, kn, gg, v[rows], k[rows], beta[rows]), slots, rows, ring_start=ring_start,
+                           num_pending=num_pending, ring_indices=ring_indices)
     return o
