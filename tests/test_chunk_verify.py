@@ -51,7 +51,8 @@ def cases(draw):
                 layout=layout, pending=0 if layout == "eager" else draw(st.sampled_from([0, 0, 1, 3])),
                 start=draw(st.integers(0, 15)), seed=draw(st.integers(0, 2**31 - 1)),
                 rows=draw(st.permutations(list(range(B)))),
-                gate_scale=draw(st.sampled_from([1.0, 1.0, 1.0, 30.0])))  # 30: often past the factored range
+                gate_scale=draw(st.sampled_from([1.0, 1.0, 1.0, 30.0])),  # 30: often past the factored range
+                spare=draw(st.sampled_from([0, 0, 2])))
 
 
 def inputs(c: dict, gen: torch.Generator) -> dict:
@@ -90,7 +91,7 @@ def run(verify, c: dict, x: dict, *, L: int = 16, ring_seed: int = 5):
     else:
         kw = dict(ring_start=start, num_pending=torch.full((N,), m, dtype=torch.long) if m else None)
     before = tuple(None if r is None else r.clone() for r in ring)
-    inter = torch.full((B + 1, T, H, K, V), float("nan"), dtype=dt)
+    inter = torch.full((B + 1, T + c.get("spare", 0), H, K, V), float("nan"), dtype=dt)  # spare: a deeper buffer
     parent = None if c["parents"] is None else torch.tensor(c["parents"])
     o = verify(x["q"], x["k"], x["v"], x["g"], x["beta"], x["ssm"], torch.tensor(c["slots"]), parent=parent,
                intermediate_states=inter, ring=ring, norm=c["norm"], null_slot=c["N"] - 1, **kw)
@@ -106,9 +107,11 @@ def compare(c: dict, x: dict, got, want) -> None:
     for b in range(c["B"]):
         if b not in valid:
             assert_close(o[b], torch.zeros_like(o[b]), exact=True, msg=f"skipped row {b} output")
-    assert_close(inter[valid], inter_ref[valid], dtype=dt, msg="node states")
+    T = c["T"]
+    assert_close(inter[valid, :T], inter_ref[valid, :T], dtype=dt, msg="node states")
     skipped = [b for b in range(c["B"] + 1) if b not in valid]
     assert bool(inter[skipped].isnan().all()), "node states of a skipped row were written"
+    assert bool(inter[:, T:].isnan().all()), "node states past T were written"
     for name, r, r_ref, r0 in zip(RECORDS, ring, ring_ref, before):
         if r is None:  # eager layout: no d, k rings
             continue

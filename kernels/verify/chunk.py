@@ -38,7 +38,7 @@ from .naive import _parents, check_ring_args, store_ring_records
 
 
 def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               S0: torch.Tensor, mask: torch.Tensor, *, states: bool = False):
+               S0: torch.Tensor, mask: torch.Tensor, *, states: torch.Tensor | None = None):
     """One chunk of T tokens / nodes from S0, all in the math dtype.
 
     The decays between two tokens, `e^(G_t - G_j)`, factor as `e^(G_t - r) e^(r - G_j)` around the midpoint `r`
@@ -50,22 +50,25 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         q: normalized, scaled `[R, T, H, K]`;  k: normalized `[R, T, H, K]`;  v: `[R, T, H, V]`;
         g: `[R, T, H, K or 1]`;  beta: `[R, T, H]`;  S0: `[R, H, K, V]`;
         mask: `[R, T, T]` or `[T, T]` bool, t sees u (u == t or an ancestor of t).
-        states: also return the state after every token / node.
+        states: out `[R, T, H, K, V]` in the math dtype (may be a view of the caller's node buffer): the state
+            after every token / node, written in place (multi-MB temporaries cost page faults on CPU).
     Returns:
-        `(o [R, T, H, V], d [R, T, H, V], S [R, T, H, K, V] or None)`.
+        `(o [R, T, H, V], d [R, T, H, V])`.
     """
     R, T, H, K = k.shape
     V = v.shape[-1]
     heads = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  [R, T, H, X] -> [R, H, T, X], row-major
-    G = heads((mask.to(g.dtype) @ g.reshape(R, T, -1)).reshape(g.shape))  # [R, H, T, K|1]: sums along root paths
-    m = (mask[:, None] if mask.dim() == 3 else mask).to(q.dtype)           # [R|1, 1, T, T]
+    tokens = lambda x: x.transpose(1, 2)  # noqa: E731  [R, H, T, ...] -> [R, T, H, ...] (a view)
+    mask = mask.expand(R, T, T).to(q.dtype)
+    G = heads((mask @ g.reshape(R, T, -1)).reshape(g.shape))            # [R, H, T, K|1]: sums along root paths
+    m = mask[:, None]                                                      # [R, 1, T, T]
     qh, kh, vh, bh = heads(q), heads(k), heads(v), heads(beta[..., None])
     hi, lo = G.amax(-2, keepdim=True), G.amin(-2, keepdim=True)
     if float((hi - lo).max()) > _SPAN[q.dtype]:
         kd, P, W, Y, eG = wy_terms(qh, kh, vh, bh, G, m > 0)
         d = (W - Y @ S0).contiguous()                                      # [R, H, T, V]
-        U = (kd.transpose(-1, -2).reshape(R, H, T * K, T) @ d).reshape(R, H, T, K, V) if states else None
-        up = None
+        if states is not None:  # sum over the visible j of e^(G_t - G_j) k_j d_j^T
+            states.copy_(tokens((kd.transpose(-1, -2).reshape(R, H, T * K, T) @ d).reshape(R, H, T, K, V)))
     else:
         r = (hi + lo) / 2
         eG, up, down = G.exp(), (G - r).exp(), (r - G).exp()
@@ -74,15 +77,17 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         P = ((qh * up) @ kdown.transpose(-1, -2)) * m
         d = torch.linalg.solve_triangular(A, bh * (vh - (kh * eG) @ S0), upper=False, unitriangular=True)
         d = d.contiguous()  # LAPACK hands back column-major; the products below want rows
-        U = None
-        if states:  # sum over the visible j of k_j e^(r - G_j) d_j^T: one matmul by the mask
-            U = (m @ (kdown[..., :, None] * d[..., None, :]).reshape(R, H, T, K * V)).reshape(R, H, T, K, V)
+        if states is not None:  # e^(G_t - r) times the sum over the visible j of k_j e^(r - G_j) d_j^T
+            Z = torch.mul(tokens(kdown)[..., None], tokens(d)[..., None, :], out=q.new_empty(R, T, H, K, V))
+            if states.is_contiguous():
+                torch.bmm(mask, Z.view(R, T, H * K * V), out=states.view(R, T, H * K * V))
+            else:
+                states.copy_(torch.bmm(mask, Z.view(R, T, H * K * V)).view(R, T, H, K, V))
+            states.mul_(tokens(up)[..., None])
+    if states is not None:  # + e^G_t S0
+        states.addcmul_(tokens(eG)[..., None], S0[:, None])
     o = (qh * eG) @ S0 + P @ d
-    S = None
-    if states:  # S_t = e^G_t S0 + e^(G_t - r) U_t
-        # in place on U: fresh multi-MB temporaries cost page faults that outweigh the arithmetic on CPU
-        S = (U if up is None else U.mul_(up[..., None])).addcmul_(eG[..., None], S0[:, :, None]).transpose(1, 2)
-    return heads(o), heads(d), S
+    return tokens(o), tokens(d)
 
 
 # Widest range of cumulated log-decays (per channel, within a chunk) the factored form takes. A product of two
@@ -134,16 +139,22 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         root = fast_rebuild(ssm_state, slots, ring[0], ring[1], ring[2], ring_start, num_pending[slots]).to(dt)
     else:
         root = ssm_state[slots].to(dt)
-    want_states = intermediate_states is not None
+    S = None
+    if intermediate_states is not None:  # all rows valid, same dtype: fill the caller's buffer in place
+        R = rows.shape[0]
+        in_place = R == B and intermediate_states.dtype == dt
+        S = intermediate_states[:B, :T] if in_place else root.new_empty(R, T, H, K, V)
     if T == 1:  # a decode step: the fold's own step, so plain decode keeps its op order
-        S, ot, d = delta_step(root, qn[:, 0], kn[:, 0], vv[:, 0], gg[:, 0], bb[:, 0])
-        ot, d, S = ot[:, None], d[:, None], S[:, None]
+        S1, ot, d = delta_step(root, qn[:, 0], kn[:, 0], vv[:, 0], gg[:, 0], bb[:, 0])
+        ot, d = ot[:, None], d[:, None]
+        if S is not None:
+            S[:, 0] = S1
     else:
         mask = (torch.ones(T, T, dtype=torch.bool, device=k.device).tril() if chain
                 else ancestor_mask(parent[rows]))
-        ot, d, S = chunk_step(qn, kn, vv, gg, bb, root, mask, states=want_states)
+        ot, d = chunk_step(qn, kn, vv, gg, bb, root, mask, states=S)
     o[rows] = ot.to(o.dtype)
-    if want_states:
+    if S is not None and not in_place:
         intermediate_states[rows, :T] = S.to(intermediate_states.dtype)
     if ring is not None:
         store_ring_records(ring, (d, kn, gg, v[rows], k[rows], beta[rows]), slots, rows, ring_start=ring_start,
