@@ -1,4 +1,5 @@
-"""Drafter interface: propose a block of draft tokens per request, keep own caches in step with commits."""
+"""Drafter interface: propose a block of draft tokens per request, keep own caches in step with the target's
+committed tokens (`observe`)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,6 @@ class Drafter(ABC):
     def propose(self, rows: list[int], contexts: list[torch.Tensor], gamma: int, *, sampling=None,
                 generator: torch.Generator | None = None) -> DraftBlock:
         """Up to `gamma` drafts after each context `[n]` (whose last token is the anchor)."""
-
-    def commit(self, rows: list[int], num_accepted: torch.Tensor) -> None:
-        """`num_accepted [B]` drafts of the last block were accepted."""
 
     def observe(self, rows: list[int], tokens: list[torch.Tensor], hidden: list[torch.Tensor],
                 features: dict[int, list[torch.Tensor]]) -> None:

@@ -321,9 +321,7 @@ class DSparkDrafter(Drafter):
                              f"{confidence_threshold!r}")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected an int >= 1, got {max_batch_size!r}")
-        self.net = net.eval()
-        self.gamma = gamma
-        self.max_batch_size = max_batch_size
+        self.net = net.eval()  # gamma and max_batch_size are only checked: each round drafts propose's gamma
         self.confidence_threshold = float(confidence_threshold)
         self.feature_layers = tuple(net.config.feature_layers)
         self.ctx: dict[int, _Context] = {}
@@ -336,10 +334,6 @@ class DSparkDrafter(Drafter):
     def release(self, rows):
         for r in rows:
             self.ctx.pop(r, None)
-
-    def rollback(self, row: int, length: int) -> None:
-        """Forget cached context positions >= `length` of `row`."""
-        self.ctx[row].rollback(length)
 
     @torch.no_grad()
     def observe(self, rows, tokens, hidden, features):

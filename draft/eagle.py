@@ -231,7 +231,7 @@ class EagleDrafter(Drafter):
         if not isinstance(net, Net):
             raise ValueError(f"drafter: expected an eagle Net, got {type(net).__name__}")
         self.net = net.eval()
-        self.gamma, self.topk, self.depth, self.num_nodes = gamma, topk, depth, num_nodes
+        self.topk, self.depth, self.num_nodes = topk, depth, num_nodes
         self.max_batch_size = max_batch_size
         self.feature_layers = tuple(net.config.feature_layers)
         self.tree = True
@@ -274,10 +274,6 @@ class EagleDrafter(Drafter):
         for i, r in enumerate(rows):
             f = torch.cat([features[layer][i] for layer in self.feature_layers], -1)
             self.rows.setdefault(r, _Row()).pending.append(f.detach().to(self.dtype))
-
-    def committed_length(self, row: int) -> int:
-        """Positions in the drafter's KV cache for `row` (committed pairs already run)."""
-        return self.rows[row].length
 
     def _reserve(self, need: int) -> None:
         cap = self.cache[0][0].shape[2]

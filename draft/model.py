@@ -25,7 +25,6 @@ class ModelDrafter(Drafter):
         if not callable(runner_factory):
             raise ValueError(f"runner_factory: expected a callable like specdec.runner.make_runner, "
                              f"got {runner_factory!r}")
-        self.model = draft_model
         self.runner = runner_factory(draft_model, max_batch_size=max_batch_size, max_length=max_length + gamma + 1,
                                      num_verify_tokens=gamma + 1)
         self.gamma = gamma

@@ -351,10 +351,10 @@ class MTPDrafter(Drafter):
 
     name = "mtp"
 
-    def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8):
+    def __init__(self, net: Net, *, gamma: int = 7):
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"num_draft_tokens: expected an int >= 1, got {gamma!r}")
-        self.net, self.gamma, self.max_batch_size = net.eval(), gamma, max_batch_size
+        self.net, self.gamma = net.eval(), gamma
         self.h: dict[int, torch.Tensor] = {}
 
     def bind(self, engine) -> None:
@@ -393,6 +393,8 @@ class MTPDrafter(Drafter):
 
 
 def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, **kwargs) -> MTPDrafter:
+    """`specdec.wrap(model, drafter="mtp" or DIR)`: no options. `max_batch_size` is part of every kind's
+    `make_drafter`; mtp keeps no per-row buffers, so it does not need it."""
     if kwargs:
         raise ValueError(f"drafter: unknown option(s) for mtp: {sorted(kwargs)}")
-    return MTPDrafter(net, gamma=gamma, max_batch_size=max_batch_size)
+    return MTPDrafter(net, gamma=gamma)
