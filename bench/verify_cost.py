@@ -19,12 +19,22 @@ into two children each, `topk` nodes per depth, until the node count is reached;
 All kinds run in one process, interleaved (each repeat runs every kind once, in a rotated order) after
 `--warmup` untimed rounds; each figure is the median over `--repeats`. Ratios are median(kind) / median(step_1).
 The spread of a kind is (p90 - p10) / median over its repeats; above 25% the run is reported as noisy.
+
+`--verify chunk,per-token` (the default) times both CPU implementations of the delta-rule verify in the same run,
+interleaved with each other: `chunk` (kernels/verify/chunk.py, what the dispatcher serves off the GPU) and
+`per-token` (kernels/verify/naive.py, the recurrence token by token). Each has its own step_1 and ratios; the
+top-level `ratios` of the JSON are the first one's. `--breakdown` then profiles (cProfile) the chain and the largest
+tree per implementation and prints where a forward's time goes: the delta-rule verify, the short conv, the rest of
+the linear-attention mixers, the attention layers, the KV mask and positions, the MLPs, and everything else.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -41,9 +51,27 @@ finally:
     sys.path.pop(0)
 
 import specdec  # noqa: E402,F401  (accept_rate made `specdec` importable in a bare checkout)
+from specdec.kernels import dispatch  # noqa: E402
+from specdec.kernels.verify import chunk as verify_chunk  # noqa: E402
+from specdec.kernels.verify import naive as verify_naive  # noqa: E402
 
 TREE_SIZES = (13, 25, 49)
 NOISY = 0.25
+VERIFY_IMPLS = {"chunk": verify_chunk.verify_delta_rule, "per-token": verify_naive.verify_delta_rule}
+
+
+@contextlib.contextmanager
+def verify_impl(name: str | None):
+    """Serve `verify_delta_rule` off the GPU with implementation `name` (None: as dispatched), restored after."""
+    if name is None:
+        yield
+        return
+    entry = dispatch.OPS["verify_delta_rule"]
+    dispatch.OPS["verify_delta_rule"] = (VERIFY_IMPLS[name], entry[1])
+    try:
+        yield
+    finally:
+        dispatch.OPS["verify_delta_rule"] = entry
 
 
 def tree_parents(n: int, topk: int = 8) -> list[int]:
@@ -81,33 +109,77 @@ def spread(times: list[float]) -> float:
     return (q[-1] - q[0]) / med if med > 0 else 0.0
 
 
-def measure(runner, slots: list[int], ids: torch.Tensor, shapes: dict, repeats: int, warmup: int) -> dict:
-    """-> name -> list of seconds per forward; interleaved, rotated order per repeat."""
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
-    names = list(shapes)
+def make_inputs(runner, ids: torch.Tensor, shapes: dict) -> dict:
+    """name -> (ids `[1, T]`, parent `[T]` or None) for every kind."""
     inputs = {}
     for name, parent in shapes.items():
         T = 1 if name == "step_1" else (len(parent) if parent is not None else int(name.split("_")[1]))
         x = ids[torch.arange(T) % ids.numel()][None].to(runner.device)  # token values do not change the cost
         p = None if parent is None else torch.tensor(parent, dtype=torch.long, device=runner.device)
         inputs[name] = (x, p)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    return inputs
+
+
+def measure(runner, slots: list[int], ids: torch.Tensor, shapes: dict, repeats: int, warmup: int,
+            impls: list[str | None] = (None,)) -> dict:
+    """-> impl -> name -> list of seconds per forward; every (impl, kind) once per repeat, in a rotated order."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    inputs = make_inputs(runner, ids, shapes)
+    cases = [(impl, name) for impl in impls for name in shapes]
+    times: dict = {impl: {n: [] for n in shapes} for impl in impls}
     for r in range(warmup + repeats):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
+        order = cases[r % len(cases):] + cases[:r % len(cases)]
+        for impl, name in order:
             x, p = inputs[name]
-            sync()
-            t = time.perf_counter()
-            runner.forward(slots, x, parent=p)
-            sync()
-            dt = time.perf_counter() - t
+            with verify_impl(impl):
+                sync()
+                t = time.perf_counter()
+                runner.forward(slots, x, parent=p)
+                sync()
+                dt = time.perf_counter() - t
             runner.abort()
             if r >= warmup:
-                times[name].append(dt)
+                times[impl][name].append(dt)
     return times
 
 
+def components(runner) -> dict[str, list]:
+    """label -> code objects whose cumulative time makes that part of a forward (cProfile keys)."""
+    layers = runner.layers
+    attn = {type(layer.self_attn).forward.__code__ for i, layer in enumerate(layers)
+            if i not in runner.linear_index and hasattr(layer, "self_attn")}
+    mlp = {type(layer.mlp).forward.__code__ for layer in layers}
+    kv = type(runner.kv)
+    return {
+        "delta-rule verify": [f.__code__ for f in VERIFY_IMPLS.values()],
+        "short conv": [verify_naive.short_conv_verify.__code__],
+        "linear-attn mixers (all)": [getattr(runner.mixer.run, "__func__", runner.mixer.run).__code__],
+        "attention layers": sorted(attn, key=str),
+        "KV mask + positions": [kv.attention_mask.__code__, kv.positions.__code__],
+        "MLPs": sorted(mlp, key=str),
+    }
+
+
+def breakdown(runner, slots: list[int], x: torch.Tensor, p, impl: str | None, n: int = 10) -> dict:
+    """ms per forward (under cProfile, so Python-heavy parts read high) of each component, and the total."""
+    prof = cProfile.Profile()
+    with verify_impl(impl):
+        runner.forward(slots, x, parent=p)
+        runner.abort()
+        prof.enable()
+        for _ in range(n):
+            runner.forward(slots, x, parent=p)
+            runner.abort()
+        prof.disable()
+    stats = pstats.Stats(prof).stats
+    cum = lambda code: stats.get((code.co_filename, code.co_firstlineno, code.co_name), (0, 0, 0, 0))[3]  # noqa: E731
+    out = {label: 1e3 * sum(cum(c) for c in codes) / n for label, codes in components(runner).items()}
+    out["total"] = 1e3 * sum(v[3] for k, v in stats.items() if k[2] == "forward" and k[0].endswith("runner.py")) / n
+    return out
+
+
 def format_table(res: dict) -> str:
+    """One implementation's kinds as a table."""
     head = f"{'verify':10s} {'tokens':>6s} {'depth':>5s} {'median ms':>10s} {'spread':>7s} {'x 1-token':>10s}"
     lines = [head, "-" * len(head)]
     for name, r in res["kinds"].items():
@@ -137,8 +209,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds of every kind first")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--verify", default="chunk,per-token",
+                   help="comma-separated CPU verify implementations to time in the same run (chunk, per-token); "
+                        "'dispatch': whatever the dispatcher serves (Triton on CUDA)")
+    p.add_argument("--breakdown", action="store_true", help="profile the chain and the largest tree per implementation")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     return p
+
+
+def summarize(times: dict, shapes: dict, chain: int) -> dict:
+    """name -> tokens, depth, parent, median, spread, ratio to step_1, times (one implementation)."""
+    base = statistics.median(times["step_1"])
+    res = {}
+    for name, parent in shapes.items():
+        T = len(parent) if parent is not None else (1 if name == "step_1" else chain)
+        med = statistics.median(times[name])
+        res[name] = {"tokens": T, "depth": depth(parent, T), "parent": parent, "median_s": med,
+                     "spread": spread(times[name]), "ratio": med / base if base > 0 else 0.0, "times_s": times[name]}
+    return res
 
 
 def main(argv=None) -> int:
@@ -153,6 +241,10 @@ def main(argv=None) -> int:
                            *(("--trees", t, 2) for t in trees)):
         if val < low:
             parser.error(f"{flag}: expected >= {low}, got {val}")
+    impls = [x.strip() for x in a.verify.split(",") if x.strip()]
+    bad = [x for x in impls if x not in (*VERIFY_IMPLS, "dispatch")]
+    if not impls or bad or len(set(impls)) != len(impls):
+        parser.error(f"--verify: expected distinct names from {sorted(VERIFY_IMPLS) + ['dispatch']}, got {a.verify!r}")
     if a.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     try:
@@ -178,33 +270,41 @@ def main(argv=None) -> int:
     runner = HybridRunner(model, max_batch_size=1, max_length=ids.numel() + T_max + 1, num_verify_tokens=T_max)
     slots = runner.alloc(1)
     runner.prefill(slots[0], ids.to(a.device))
-    times = measure(runner, slots, ids, shapes, a.repeats, a.warmup)
-
-    base = statistics.median(times["step_1"])
-    res_kinds = {}
-    for name, parent in shapes.items():
-        T = len(parent) if parent is not None else (1 if name == "step_1" else a.chain)
-        med = statistics.median(times[name])
-        res_kinds[name] = {"tokens": T, "depth": depth(parent, T), "parent": parent, "median_s": med,
-                           "spread": spread(times[name]), "ratio": med / base if base > 0 else 0.0,
-                           "times_s": times[name]}
-    noisy = {n: r["spread"] for n, r in res_kinds.items() if r["spread"] > NOISY}
+    keys = [None if x == "dispatch" else x for x in impls]
+    times = measure(runner, slots, ids, shapes, a.repeats, a.warmup, keys)
+    per_impl = {name: {"kinds": summarize(times[key], shapes, a.chain)} for name, key in zip(impls, keys)}
+    for r in per_impl.values():
+        r["ratios"] = {n: k["ratio"] for n, k in r["kinds"].items() if n != "step_1"}
+    if a.breakdown:
+        inputs = make_inputs(runner, ids, shapes)
+        big = [f"chain_{a.chain}"] + ([f"tree_{max(trees)}"] if trees else [])
+        for name, key in zip(impls, keys):
+            per_impl[name]["breakdown_ms"] = {k: breakdown(runner, slots, *inputs[k], key) for k in ["step_1", *big]}
+    first = per_impl[impls[0]]
+    noisy = {f"{i} {n}": r["spread"] for i, res in per_impl.items() for n, r in res["kinds"].items()
+             if r["spread"] > NOISY}
     n_params = sum(p.numel() for p in model.parameters())
     out = {
-        "ratios": {n: r["ratio"] for n, r in res_kinds.items() if n != "step_1"},
-        "kinds": res_kinds,
+        "ratios": first["ratios"],
+        "kinds": first["kinds"],
+        "verify": impls[0],
+        "impls": per_impl,
         "noisy": bool(noisy),
         "machine": machine_info(a.device),
         "model": {"path": str(model_dir), "model_type": model.config.model_type, "params": n_params},
         "settings": {"prompt_id": prompts[0]["id"], "prompt_tokens": int(ids.numel()), "chain": a.chain,
                      "trees": trees, "topk": a.topk, "repeats": a.repeats, "warmup": a.warmup,
                      "threads": torch.get_num_threads(), "device": a.device, "strategy": "replay",
-                     "commit": "eager", "num_verify_tokens": T_max},
+                     "commit": "eager", "num_verify_tokens": T_max, "verify": impls},
     }
     print(f"# bench/verify_cost.py: {a.model} ({model.config.model_type}, {n_params / 1e6:.1f}M params, float32, "
           f"{a.device}), torch threads {torch.get_num_threads()}, prompt {prompts[0]['id']} ({ids.numel()} tokens), "
           f"median of {a.repeats} interleaved repeats after {a.warmup} warmup rounds")
-    print(format_table(out))
+    for name, res in per_impl.items():
+        print(f"\nverify: {name}")
+        print(format_table(res))
+        if "breakdown_ms" in res:
+            print(format_breakdown(res["breakdown_ms"]))
     if noisy:
         worst = ", ".join(f"{n} {s * 100:.0f}%" for n, s in noisy.items())
         print(f"timing is noisy on this machine: spread (p90-p10)/median above {NOISY * 100:.0f}% ({worst}); "
@@ -212,6 +312,16 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0
+
+
+def format_breakdown(bd: dict) -> str:
+    kinds = list(bd)
+    labels = list(next(iter(bd.values())))
+    head = f"{'ms per forward (cProfile)':28s}" + "".join(f"{k:>10s}" for k in kinds)
+    lines = [head, "-" * len(head)]
+    for label in labels:
+        lines.append(f"{label:28s}" + "".join(f"{bd[k][label]:10.2f}" for k in kinds))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

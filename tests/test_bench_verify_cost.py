@@ -46,6 +46,10 @@ def test_json_has_the_ratios(tmp_path):
     for name in ("step_1", "chain_8", "tree_13", "tree_25", "tree_49"):
         assert name in proc.stdout
     res = json.loads(out.read_text())
+    assert "verify: chunk" in proc.stdout and "verify: per-token" in proc.stdout  # both, in the same run
+    assert res["verify"] == "chunk" and set(res["impls"]) == {"chunk", "per-token"}
+    assert res["ratios"] == res["impls"]["chunk"]["ratios"]
+    assert set(res["impls"]["per-token"]["ratios"]) == {"chain_8", "tree_13", "tree_25", "tree_49"}
     assert set(res["ratios"]) == {"chain_8", "tree_13", "tree_25", "tree_49"}
     assert all(r > 0 for r in res["ratios"].values())
     assert res["kinds"]["step_1"]["ratio"] == pytest.approx(1.0)
@@ -53,3 +57,22 @@ def test_json_has_the_ratios(tmp_path):
     assert [res["kinds"][f"tree_{n}"]["tokens"] for n in (13, 25, 49)] == [13, 25, 49]
     assert all(len(k["times_s"]) == 2 for k in res["kinds"].values())
     assert isinstance(res["noisy"], bool)
+
+
+def test_breakdown_and_bad_verify_name(tmp_path):
+    save_tiny(tmp_path / "model", "kimi_linear")
+    out = tmp_path / "out.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    base = [sys.executable, SCRIPT, "--model", tmp_path / "model", "--repeats", 1, "--warmup", 0, "--prompt-tokens", 16,
+            "--trees", 13]
+    proc = subprocess.run(list(map(str, base + ["--verify", "chunk", "--breakdown", "--json", out])),
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    bd = json.loads(out.read_text())["impls"]["chunk"]["breakdown_ms"]
+    assert set(bd) == {"step_1", "chain_8", "tree_13"}
+    for parts in bd.values():
+        assert parts["total"] > 0 and parts["delta-rule verify"] > 0
+        assert parts["delta-rule verify"] <= parts["linear-attn mixers (all)"] <= parts["total"]
+    bad = subprocess.run(list(map(str, base + ["--verify", "chunk,fast"])), capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=120)
+    assert bad.returncode != 0 and "--verify" in bad.stderr
