@@ -17,7 +17,8 @@ def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_
 
     `drafter`: a `Drafter` (returned as is), 'ngram', 'model' (needs `draft_model`, same vocabulary, and
     `runner_factory`), 'native' (the MTP layers in the target's checkpoint; option `native_path`), a trained kind
-    ('mtp', 'eagle', 'dspark': an untrained net sized for the target) or a trained drafter directory. `gamma`:
+    ('mtp', 'eagle', 'dspark': an untrained net sized for the target; 'eagle' with `draft_model=DIR`: an EAGLE-3
+    checkpoint in the SpecForge / SGLang format), a trained drafter directory or an EAGLE-3 directory. `gamma`:
     drafts per round; `max_batch_size`, `max_length`: the engine's limits.
     `runner_factory`: a callable with `specdec.runner.make_runner`'s signature, for drafters that run a model
     of their own. `drafter_kwargs`: the drafter's own options.
@@ -39,6 +40,15 @@ def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_
         from . import native
         net = native.build(target_model, native_path=drafter_kwargs.pop("native_path", None))
         return native.make_drafter(net, gamma=gamma, max_batch_size=max_batch_size, **drafter_kwargs)
+    if drafter == "eagle" and draft_model is not None:  # a published EAGLE-3 checkpoint (SpecForge / SGLang)
+        from . import eagle3_format
+        return eagle3_format.make_drafter(draft_model, target_model, gamma=gamma, max_batch_size=max_batch_size,
+                                          **drafter_kwargs)
+    if isinstance(drafter, (str, os.PathLike)) and os.path.isdir(drafter):
+        from . import eagle3_format
+        if eagle3_format.is_eagle3_dir(drafter):
+            return eagle3_format.make_drafter(drafter, target_model, gamma=gamma, max_batch_size=max_batch_size,
+                                              **drafter_kwargs)
     if isinstance(drafter, str) and drafter in KINDS:  # untrained net of that kind, sized for the target
         net = build_drafter_net(drafter, target_model)
         return kind_module(drafter).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size, **drafter_kwargs)
