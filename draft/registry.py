@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-KINDS = {"mtp": "specdec.draft.mtp", "eagle": "specdec.draft.eagle", "dspark": "specdec.draft.dspark"}
+KINDS = {"mtp": "specdec.draft.mtp", "eagle": "specdec.draft.eagle", "dspark": "specdec.draft.dspark",
+         "native": "specdec.draft.native"}  # native: the target checkpoint's own MTP layers, fine-tuned
 
 
 @dataclass
