@@ -1,0 +1,64 @@
+"""`python -m specdec.draft.data`: write a self-distilled corpus (see `specdec.draft.data`).
+
+draft/ does not import the engine; this module builds it (`specdec.wrap`, speculative and lossless) and passes
+it to `specdec.draft.data.write_corpus`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from specdec.draft import data as _data
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specdec.draft.data", description=_data.__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
+    p.add_argument("--text", required=True, help="the training text the prompts are drawn from (a text file)")
+    p.add_argument("--out", required=True, help="corpus file (JSON lines; appended to, done prompts skipped)")
+    p.add_argument("--num-prompts", type=int, default=2000)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=224)
+    p.add_argument("--temperatures", default="0,0.8", help="comma-separated; prompt i uses entry i mod count")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--drafter", default="ngram", help="the drafter that speeds generation up (any wrap drafter)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    args = p.parse_args(argv)
+    try:
+        temps = tuple(float(t) for t in args.temperatures.split(","))
+    except ValueError:
+        p.error(f"argument --temperatures: expected comma-separated numbers, got {args.temperatures!r}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import specdec
+    try:
+        tok = AutoTokenizer.from_pretrained(args.target)
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
+    except (OSError, ValueError) as e:
+        p.error(f"argument --target: cannot load {args.target!r} ({e})")
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        p.error(f"argument --text: {e}")
+    ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
+    t0 = time.time()
+    try:
+        prompts = _data.draw_prompts(ids, args.num_prompts, args.prompt_len, seed=args.seed)
+        engine = specdec.wrap(target, drafter=args.drafter, max_batch_size=args.batch_size,
+                              max_length=args.prompt_len + args.new_tokens + 1)
+        n = _data.write_corpus(engine, prompts, args.out, new_tokens=args.new_tokens, temperatures=temps,
+                               batch_size=args.batch_size, seed=args.seed)
+    except ValueError as e:
+        p.error(str(e))
+    print(json.dumps({"out": args.out, "written": n, "records": len(_data.done_ids(args.out)),
+                      "seconds": round(time.time() - t0, 1)}))
+    return 0
