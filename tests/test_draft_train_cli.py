@@ -40,11 +40,11 @@ def test_init_continues_from_a_trained_drafter(setup, capsys):
     root = setup
     rc, first = _run(root, capsys, "--drafter", "mtp", "--steps", 4, "--lr", "3e-3", "--out", root / "a")
     assert rc == 0 and first["val_loss_end"] < first["val_loss_start"]
-    # lr 0: the continued run starts where the first ended (same validation windows) and changes nothing
+    # lr 0: the continued run starts from the saved (best) checkpoint (same validation windows) and changes nothing
     rc, second = _run(root, capsys, "--drafter", "mtp", "--steps", 2, "--lr", 0, "--init", root / "a",
                       "--out", root / "b")
     assert rc == 0
-    assert second["val_loss_start"] == pytest.approx(first["val_loss_end"], rel=1e-6)
+    assert second["val_loss_start"] == pytest.approx(first["val_loss_best"], rel=1e-6)
     a, b = load_file(root / "a" / "model.safetensors"), load_file(root / "b" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -67,3 +67,37 @@ def test_module_entry_point():
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m specdec.draft.train") and "--init DIR" in proc.stdout
+
+
+def test_best_checkpoint_is_the_best_validation_step(setup, capsys):
+    """`--out` holds the weights of the validation with the highest tau = 1 + sum_i prod_{j<=i} per_position[j]
+    (the first on ties), recomputed here from the printed per-position acceptance; the weights at every
+    validation are snapshotted through the log callback."""
+    from specdec.cli.draft_train import train
+    from specdec.draft.registry import build_drafter_net, own_state_dict, save_drafter
+    from transformers import AutoModelForCausalLM
+    root = setup
+    target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32).eval()
+    ids = torch.randint(3, target.config.vocab_size, (1500,), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    net = build_drafter_net("eagle", target, ttt_steps=1)
+    snaps = []
+
+    def log(line):
+        entry = json.loads(line)
+        snaps.append((entry, {k: v.clone() for k, v in own_state_dict(net).items()}))
+    out = root / "best"
+    train(target, ids, "eagle", net=net, steps=12, lr=0.3, seq_len=24, batch_size=2, val_every=1, progress=False,
+          log=log, on_best=lambda n, e: save_drafter(n, str(out)))
+    taus = []
+    for entry, _ in snaps:
+        tau, run = 1.0, 1.0
+        for a in entry["per_position"]:
+            run *= a
+            tau += run
+        taus.append(tau)
+    best = max(range(len(taus)), key=lambda i: (taus[i], -i))
+    assert best != len(taus) - 1, taus  # the run got worse after its best step, so the choice matters
+    saved = load_file(out / "model.safetensors")
+    assert all(torch.equal(saved[k], snaps[best][1][k]) for k in saved)
+    assert not all(torch.equal(saved[k], snaps[-1][1][k]) for k in saved)

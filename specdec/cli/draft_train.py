@@ -25,17 +25,27 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m specdec.draft.train", description=_train.__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
     p.add_argument("--drafter", required=True, choices=["mtp", "eagle", "dspark"])
-    p.add_argument("--data", required=True, help="a text file")
+    p.add_argument("--data", required=True, help="a text file, or a corpus from python -m specdec.draft.data (.jsonl)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--val-every", type=int, default=50)
+    p.add_argument("--val-batches", type=int, default=2, help="held-out batches of --batch-size windows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     p.add_argument("--init", default=None, metavar="DIR", help="continue from this trained drafter (same kind)")
+    p.add_argument("--checkpoint", default=None, metavar="FILE", help="resumable training state (resumed if present)")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop after this much training time")
+    p.add_argument("--patience", type=int, default=None, help="stop after this many validations without a better tau")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--cache-batches", type=int, default=0,
+                   help="train on this many target batches computed once (0: a new target forward each step)")
+    p.add_argument("--cache", default=None, metavar="FILE", help="with --cache-batches: where they are kept")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec.draft.registry import load_drafter, save_drafter
@@ -44,10 +54,14 @@ def main(argv=None) -> int:
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
     except (OSError, ValueError) as e:
         p.error(f"argument --target: cannot load {args.target!r} ({e})")
+    from specdec.draft.data import corpus_tokens
     try:
-        with open(args.data, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
+        if args.data.endswith(".jsonl"):
+            ids = corpus_tokens(args.data)
+        else:
+            with open(args.data, encoding="utf-8") as f:
+                ids = torch.tensor(tok(f.read())["input_ids"], dtype=torch.long)
+    except (OSError, ValueError) as e:
         p.error(f"argument --data: {e}")
     init = None
     if args.init:
@@ -57,15 +71,19 @@ def main(argv=None) -> int:
             p.error(f"argument --init: {e}")
         if init.config.kind != args.drafter:
             p.error(f"argument --init: {args.init!r} holds a {init.config.kind} drafter, not {args.drafter}")
-    ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     t0 = time.time()
     try:
         net, hist = train(target, ids, args.drafter, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
-                          batch_size=args.batch_size, val_every=args.val_every, seed=args.seed, net=init, log=print)
+                          batch_size=args.batch_size, val_every=args.val_every, val_batches=args.val_batches,
+                          seed=args.seed, net=init, log=lambda line: print(line, flush=True),
+                          on_best=lambda n, entry: save_drafter(n, args.out), checkpoint=args.checkpoint,
+                          max_minutes=args.max_minutes, patience=args.patience, cache_batches=args.cache_batches,
+                          cache=args.cache)
     except ValueError as e:
         p.error(str(e))
-    save_drafter(net, args.out)
-    first, last = hist["val"][0], hist["val"][-1]
+    first, last, best = hist["val"][0], hist["val"][-1], hist["best"]
     print(json.dumps({"out": args.out, "seconds": round(time.time() - t0, 1), "val_loss_start": first["loss"],
-                      "val_loss_end": last["loss"], "per_position_end": last["per_position"]}))
+                      "val_loss_end": last["loss"], "per_position_end": last["per_position"],
+                      "best_step": best["step"], "val_loss_best": best["loss"], "tau_best": best["tau"],
+                      "per_position_best": best["per_position"]}))
     return 0
