@@ -4,6 +4,10 @@ Triton runs when the tensors are on CUDA, or everywhere when the environment set
 `SPECDEC_FORCE_TRITON=1` (the CPU tests do that under `TRITON_INTERPRET=1`). fp64 always goes to the
 reference (the kernels compute in fp32). The Triton modules are imported on first use only, so
 importing `specdec.kernels` never imports triton.
+
+The torch side of `verify_delta_rule` is the chunk form (`verify/chunk.py`: one WY chunk per round, no
+per-token loop), fp64 included, so the float64 property tests check the path the CPU runs; the per-token
+recurrence (`verify/naive.py`) is the independent oracle the tests compare it with.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import torch
 from .fold.naive import exact_fold as _ref_exact_fold
 from .rebuild.naive import fast_rebuild as _ref_fast_rebuild
 from .scatter.naive import masked_scatter as _ref_masked_scatter
+from .verify.chunk import verify_delta_rule as _ref_verify_delta_rule
 from .verify.naive import short_conv_verify as _ref_short_conv_verify
-from .verify.naive import verify_delta_rule as _ref_verify_delta_rule
 
 # op name -> (reference, Triton module relative to this package)
 OPS = {

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.kernels import dispatch
 from specdec.kernels.common import ancestor_mask
 from specdec.kernels.recurrent import recurrent_delta_rule
 from specdec.kernels.verify.chunk import verify_delta_rule as chunk_verify
@@ -231,6 +232,12 @@ def test_bad_input_raises_before_anything_is_written():
         assert bool((inter == 0).all()) and all(bool((r == 0).all()) for r in ring), f"{arg}: written"
     with pytest.raises(ValueError, match="q"):
         chunk_verify(x["q"][:, :2], *args[1:])
+
+
+def test_dispatch_serves_the_chunk_form_off_the_gpu(monkeypatch):
+    monkeypatch.delenv("SPECDEC_FORCE_TRITON", raising=False)
+    for dt in (F32, F64):
+        assert dispatch.pick("verify_delta_rule", torch.zeros(2, dtype=dt)) is chunk_verify
 
 
 @settings(max_examples=40, deadline=None)
