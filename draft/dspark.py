@@ -8,19 +8,22 @@ One round drafts the whole block `[anchor, MASK x (G-1)]` in ONE non-causal forw
   positions ever enter it) and (b) the block itself, bidirectionally;
 - output norm + the target's own lm_head (shared by reference, never saved) give base logits for all G
   slots at once: slot i (position anchor + i) scores the token at anchor + i + 1.
-The Markov head then adds `(E[prev_i] @ U) @ W` (rank `markov_rank`, E the target's embedding) where
-prev_i is the anchor for i = 0 and draft i-1 after that, so drafts are chosen sequentially after the single
+The Markov head then adds `W @ row(prev_i)`, a rank-`markov_rank` bigram term (`row` a free `[V, r]` table in
+the reference recipe, `U @ E[prev]` through the target's embedding E in older drafters), where prev_i is the anchor for i = 0 and draft i-1 after that, so drafts are chosen sequentially after the single
 forward (greedy: argmax; sampling: drawn from `q_i = probs_from_logits(logits_i, sampling)`, returned).
-The confidence head `sigmoid(w . h_i)` estimates the probability that draft i is accepted given that the
+The confidence head `sigmoid(w . [h_i; row(prev_i)])` (older drafters: `sigmoid(w . h_i)`) estimates the probability that draft i is accepted given that the
 drafts before it were; with `confidence_threshold > 0` the block is cut after the last draft whose
 cumulative estimate `prod_{j<=i} c_j` is still >= the threshold (at least one draft is kept). That only
 decides how many drafts are verified, so the output stays lossless.
 
-Training (`net.loss`): several random anchors a per window; context = target features at positions
-<= a-1, block = positions a .. a+G-1 (G = `block_size`), soft cross-entropy of slot i against the target's
-logits at a+i (its distribution for token a+i+1), the Markov head teacher-forced with the true tokens
-(prev_i = token a+i), plus `confidence_weight` x BCE of the confidence head (detached hidden state) on
-whether the drafter's argmax equals the target's argmax.
+Training (`net.loss`): random anchors a per window (`Net.num_anchors`: the reference's density, 1 in 8
+positions); context = target features at positions <= a-1, block = positions a .. a+G-1 (G = `block_size`),
+the Markov head teacher-forced with the true tokens (prev_i = token a+i). The reference recipe (`REFERENCE`,
+what every new drafter gets) scores slot i with 0.9 x L1(p_draft, p_target(a+i)) + 0.1 x CE(token a+i+1),
+slot k weighted exp(-k/4), plus the confidence head's BCE against the soft acceptance 1 - TV. Drafters saved before these fields existed keep their
+soft cross-entropy and hard-hit confidence target (`Config`). Reference followed: DeepSpec
+`deepspec/modeling/dspark/{loss.py, markov_head.py, common.py, qwen3/modeling.py}` and
+`config/dspark/dspark_qwen3_8b.py`.
 
 Use: `specdec.wrap(model, drafter="dspark")` (untrained, sized for the target) or `drafter=DIR` (trained with
 `python -m specdec.draft.train --drafter dspark`); option `confidence_threshold` (default 0: never truncate).
@@ -36,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import DraftBlock, Drafter
-from .layers import Block, RMSNorm, soft_ce
+from .layers import Block, RMSNorm
 from .registry import DraftConfig
 
 
@@ -60,16 +63,58 @@ def _fingerprint_matches(a: list[float], b: list[float], rtol: float = 3e-2) -> 
     return len(a) == len(b) and all(abs(x - y) <= rtol * max(abs(x), abs(y), 1e-12) for x, y in zip(a, b))
 
 
+# The reference recipe (DeepSpec `config/dspark/dspark_qwen3_8b.py`, `deepspec/modeling/dspark/{loss.py,
+# markov_head.py, qwen3/modeling.py}`), scaled to a CPU-trained drafter: every new drafter gets these
+# (`Config.for_target`). A Config field's dataclass default is instead the value drafters saved before the field
+# existed used, so their config.json (which lacks it) still loads with its old behaviour and blocks.
+REFERENCE = dict(
+    l1_weight=0.9, hard_ce_weight=0.1, soft_ce_weight=0.0, position_decay=4.0,  # loss.py; l1/ce_loss_alpha
+    input_norm=True, qk_norm=True,  # qwen3/modeling.py: q_norm / k_norm; anchor input at the layers' scale
+    anchor_density=0.125,  # num_anchors 512 per max_length 4096
+    markov_table=True, markov_rank=64,  # markov_head.py VanillaMarkov (reference rank 256 at hidden 4096)
+    confidence_markov=True, confidence_soft=True,  # confidence_head_with_markov; target 1 - TV (loss.py)
+    num_layers=2,  # target-sized layers (reference: 5 for a 36-layer target); see `Config.for_target`
+)
+
+
 @dataclass
 class Config(DraftConfig):
+    """DSpark's fields. The reference recipe's values are in `REFERENCE` (what `for_target` gives); the defaults
+    below reproduce drafters saved before each field existed.
+
+    Loss: `l1_weight` x L1(p_draft, p_target) (= 2 TV, which maps directly to acceptance; reference 0.9)
+    + `hard_ce_weight` x CE against the window's next token (reference 0.1) + `soft_ce_weight` x soft CE against
+    the target's distribution (the old loss; reference 0), slot k weighted exp(-k / `position_decay`)
+    (reference 4; 0: uniform), + `confidence_weight` x the confidence head's BCE (reference alpha 1.0).
+    `input_norm`: RMS-normalise the block input (anchor embedding, MASK embedding) so it enters the residual
+    stream at the layers' scale (the target's raw embedding rows have RMS ~0.05). `qk_norm`: per-head RMSNorm
+    of queries and keys (context keys included) before rotary, as the reference's attention.
+    `anchor_density` > 0: training blocks per window = density x window length (reference 512 / 4096 =
+    0.125); 0: `anchors_per_window`. `markov_table`: the Markov head is a free `[V, markov_rank]` table plus a
+    `[markov_rank -> V]` projection (reference "vanilla", rank 256); False: rank `markov_rank` through the frozen
+    embedding. `confidence_markov`: the confidence head reads [h; Markov row of the previous token] (reference);
+    `confidence_soft`: its target is the soft acceptance 1 - TV(p_draft, p_target) (reference) instead of
+    whether the argmaxes agree.
+    """
+
     kind: str = "dspark"
     num_layers: int = 2
     block_size: int = 7  # G: slots per block = drafts per forward (anchor + G-1 MASK slots)
     markov_rank: int = 32
-    anchors_per_window: int = 8  # training blocks per target window
+    anchors_per_window: int = 8  # training blocks per target window (when anchor_density is 0)
     confidence_weight: float = 1.0
     target_num_layers: int = 0
     target_fingerprint: list[float] = field(default_factory=list)
+    l1_weight: float = 0.0
+    hard_ce_weight: float = 0.0
+    soft_ce_weight: float = 1.0
+    position_decay: float = 0.0
+    input_norm: bool = False
+    qk_norm: bool = False
+    anchor_density: float = 0.0
+    markov_table: bool = False
+    confidence_markov: bool = False
+    confidence_soft: bool = False
 
     def __post_init__(self):
         def positive_int(name, minimum=1):
@@ -86,21 +131,53 @@ class Config(DraftConfig):
             raise ValueError(f"drafter: feature_layers expected a list of layer indices >= 0, "
                              f"got {self.feature_layers!r}")
         self.feature_layers = list(self.feature_layers)
-        if not isinstance(self.confidence_weight, (int, float)) or not self.confidence_weight >= 0:
-            raise ValueError(f"drafter: confidence_weight expected a number >= 0, got {self.confidence_weight!r}")
+        for name in ("confidence_weight", "l1_weight", "hard_ce_weight", "soft_ce_weight", "position_decay",
+                     "anchor_density"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"drafter: {name} expected a number >= 0, got {v!r}")
+        if not self.l1_weight + self.hard_ce_weight + self.soft_ce_weight > 0:
+            raise ValueError("drafter: l1_weight, hard_ce_weight and soft_ce_weight are all 0 (no draft loss)")
+        for name in ("input_norm", "qk_norm", "markov_table", "confidence_markov", "confidence_soft"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"drafter: {name} expected a bool, got {getattr(self, name)!r}")
         if not isinstance(self.target_fingerprint, (list, tuple)):
             raise ValueError(f"drafter: target_fingerprint expected a list, got {self.target_fingerprint!r}")
         self.target_fingerprint = [float(x) for x in self.target_fingerprint]
 
     @classmethod
     def for_target(cls, target, **overrides) -> "Config":
+        """The reference recipe (`REFERENCE`) sized for `target`: layers as wide as the target's own (its
+        attention heads of hidden / heads, its MLP width), `REFERENCE["num_layers"]` of them (two: the most that
+        trains to convergence in about an hour on 2 CPU cores with a 256-wide target; the reference's five are
+        for a 36-layer target)."""
         tc = target.config.get_text_config()
-        base = dict(target_model_type=target.config.model_type, target_hidden_size=tc.hidden_size,
+        d = tc.hidden_size
+        heads = int(getattr(tc, "num_attention_heads", 0) or 0)
+        if heads < 1 or d % heads:
+            heads = 4 if d % 4 == 0 else 1
+        base = dict(REFERENCE, target_model_type=target.config.model_type, target_hidden_size=d,
                     target_vocab_size=tc.vocab_size, target_num_layers=tc.num_hidden_layers,
                     feature_layers=default_feature_layers(tc.num_hidden_layers),
-                    target_fingerprint=target_fingerprint(target))
+                    target_fingerprint=target_fingerprint(target), num_heads=heads, head_dim=d // heads,
+                    intermediate_size=int(getattr(tc, "intermediate_size", 0) or 4 * d),
+                    rms_norm_eps=float(getattr(tc, "rms_norm_eps", 1e-6) or 1e-6))
         base.update(overrides)
         return cls(**base)
+
+
+class _HeadNormLinear(nn.Linear):
+    """A bias-free projection `[..., in] -> [..., H * D]` followed by RMSNorm over each head's D channels
+    (the reference's q_norm / k_norm; applied before rotary)."""
+
+    def __init__(self, in_features: int, num_heads: int, head_dim: int, eps: float):
+        super().__init__(in_features, num_heads * head_dim, bias=False)
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return self.norm(y.unflatten(-1, (self.num_heads, self.head_dim))).flatten(-2)
 
 
 class Net(nn.Module):
@@ -112,19 +189,33 @@ class Net(nn.Module):
         d = config.target_hidden_size
         self.target_embed = target_embed
         self.target_lm_head = target_lm_head
+        r = config.markov_rank
         self.mask_embed = nn.Parameter(torch.randn(d) * 0.02)
         self.fc = nn.Linear(len(config.feature_layers) * d, d, bias=False)
         self.ctx_norm = RMSNorm(d, config.rms_norm_eps)
+        if config.input_norm:
+            self.in_norm = RMSNorm(d, config.rms_norm_eps)
         self.layers = nn.ModuleList([Block(config, d) for _ in range(config.num_layers)])
+        if config.qk_norm:
+            for layer in self.layers:
+                layer.attn.q_proj = _HeadNormLinear(d, config.num_heads, config.head_dim, config.rms_norm_eps)
+                layer.attn.k_proj = _HeadNormLinear(d, config.num_heads, config.head_dim, config.rms_norm_eps)
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self.markov_u = nn.Linear(d, config.markov_rank, bias=False)
-        self.markov_w = nn.Linear(config.markov_rank, config.target_vocab_size, bias=False)
-        self.confidence = nn.Linear(d, 1)
+        if config.markov_table:
+            self.markov_table = nn.Embedding(config.target_vocab_size, r)
+        else:
+            self.markov_u = nn.Linear(d, r, bias=False)
+        self.markov_w = nn.Linear(r, config.target_vocab_size, bias=False)
+        self.confidence = nn.Linear(d + (r if config.confidence_markov else 0), 1)
         with torch.no_grad():
             for name, m in self.named_modules():
                 if isinstance(m, nn.Linear) and not name.startswith("target_"):
                     m.weight.normal_(0.0, 1.0 / math.sqrt(m.in_features))
-            self.markov_w.weight.normal_(0.0, 0.02)
+            if config.markov_table:  # a zero projection: the bigram bias starts at 0 and grows from the data
+                self.markov_table.weight.normal_(0.0, 1.0)
+                self.markov_w.weight.zero_()
+            else:
+                self.markov_w.weight.normal_(0.0, 0.02)
             self.confidence.weight.zero_()
             self.confidence.bias.zero_()
 
@@ -182,21 +273,36 @@ class Net(nn.Module):
         x = self.mask_embed.expand(B, N, G, -1).clone()
         x[:, :, 0] = self.embed(anchors)
         x = x.reshape(B, N * G, -1)
+        if self.config.input_norm:
+            x = self.in_norm(x)
         for layer, kv in zip(self.layers, ctx_kv):
             x, _ = layer(x, positions, mask, past=kv)
         return self.norm(x)
 
+    def markov_row(self, prev: torch.Tensor) -> torch.Tensor:
+        """The Markov head's rank-r row `[..., r]` of previous tokens `prev [...]`."""
+        if self.config.markov_table:
+            return self.markov_table(prev)
+        return self.markov_u(self.embed(prev))
+
     def markov(self, prev: torch.Tensor) -> torch.Tensor:
         """Low-rank bigram logits `[..., V]` for previous tokens `prev [...]`."""
-        return self.markov_w(self.markov_u(self.embed(prev)))
+        return self.markov_w(self.markov_row(prev))
 
-    def confidence_prob(self, h: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.confidence(h).squeeze(-1))
+    def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """Confidence logits `[...]` of hidden states `h [..., d]` whose previous tokens are `prev [...]`."""
+        if self.config.confidence_markov:
+            h = torch.cat([h, self.markov_row(prev).to(h.dtype)], -1)
+        return self.confidence(h).squeeze(-1)
+
+    def confidence_prob(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.confidence_logit(h, prev))
 
     # ---- training --------------------------------------------------------------------------------------
     def _blocks(self, batch, anchors: torch.Tensor):
         """Blocks at `anchors [B, N]` of `batch` -> (hidden [B, N, G, d], base logits [B, N, G, V] (no Markov
-        term), true previous tokens [B, N, G], target logits [B, N, G, V])."""
+        term), true previous tokens [B, N, G], target logits [B, N, G, V], next tokens [B, N, G] (the window's
+        token a+i+1; -1 past the window's end))."""
         G = self.config.block_size
         tokens = batch.tokens
         B, S = tokens.shape
@@ -219,7 +325,8 @@ class Net(nn.Module):
         h = self.block_hidden(anchor_tok, pos, kv, mask).view(B, N, G, -1)
         prev = tokens.gather(1, pos).view(B, N, G)  # teacher forcing: prev_i = token a+i
         tgt = batch.logits.gather(1, pos[..., None].expand(B, N * G, batch.logits.shape[-1]))
-        return h, self.lm_head(h), prev, tgt.view(B, N, G, -1)
+        nxt = torch.cat([tokens, tokens.new_full((B, 1), -1)], 1).gather(1, pos + 1).view(B, N, G)
+        return h, self.lm_head(h), prev, tgt.view(B, N, G, -1), nxt
 
     def _check_batch(self, batch):
         S = batch.tokens.shape[1]
@@ -228,35 +335,73 @@ class Net(nn.Module):
                              f"{self.config.block_size} (need >= {self.config.block_size + 1})")
         return S - self.config.block_size  # anchors 1 .. S-G
 
-    def loss(self, batch) -> torch.Tensor:
+    def num_anchors(self, seq_len: int) -> int:
+        """Training blocks per window of `seq_len` tokens."""
+        cfg = self.config
+        n = round(cfg.anchor_density * seq_len) if cfg.anchor_density > 0 else cfg.anchors_per_window
+        return max(1, min(n, seq_len - cfg.block_size))
+
+    def objective(self, h, logits, prev, tgt, nxt) -> dict:
+        """The training loss of blocks (shapes as `_blocks` returns, `logits` with the Markov term):
+        `total` and its terms `l1`, `hard_ce`, `soft_ce`, `confidence`, each a weighted mean over slots with slot
+        k weighted exp(-k / position_decay) (1 when it is 0); hard CE only where the next token is in the window."""
+        cfg = self.config
+        G = logits.shape[2]
+        k = torch.arange(G, device=logits.device, dtype=torch.float32)
+        w = torch.exp(-k / cfg.position_decay) if cfg.position_decay > 0 else torch.ones_like(k)
+        dt = torch.promote_types(logits.dtype, torch.float32)  # at least float32, float64 kept
+        w = w.to(dt).expand(logits.shape[:-1])  # [B, N, G]
+        logp = logits.to(dt).log_softmax(-1)
+        p_t = tgt.to(dt).softmax(-1)
+        terms = {}
+        l1 = (logp.exp() - p_t).abs().sum(-1)  # [B, N, G] = 2 TV
+        terms["l1"] = (w * l1).sum() / w.sum()
+        terms["soft_ce"] = (w * -(p_t * logp).sum(-1)).sum() / w.sum()
+        valid = nxt >= 0
+        wv = w * valid
+        ce = -logp.gather(-1, nxt.clamp(min=0)[..., None]).squeeze(-1)
+        terms["hard_ce"] = (wv * ce).sum() / wv.sum().clamp(min=1e-12)
+        total = cfg.l1_weight * terms["l1"] + cfg.hard_ce_weight * terms["hard_ce"] + cfg.soft_ce_weight * terms["soft_ce"]
+        # the confidence head reads detached states: truncation never trades draft quality for its own fit
+        conf_logit = self.confidence_logit(h.detach(), prev).to(dt)
+        if cfg.confidence_soft:
+            target = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
+            terms["confidence"] = (w * F.binary_cross_entropy_with_logits(conf_logit, target, reduction="none")).sum() \
+                / w.sum()
+        else:
+            hit = (logits.argmax(-1) == tgt.argmax(-1)).to(dt)
+            terms["confidence"] = F.binary_cross_entropy_with_logits(conf_logit, hit)
+        if cfg.confidence_weight > 0:
+            total = total + cfg.confidence_weight * terms["confidence"]
+        terms["total"] = total
+        return terms
+
+    def loss(self, batch, *, anchors: torch.Tensor | None = None) -> torch.Tensor:
+        """The training loss (`objective`'s total) of `num_anchors(S)` random blocks per window, or of the
+        blocks at `anchors [B, N]` (positions 1 .. S-G)."""
         n_anchor = self._check_batch(batch)
         B = batch.tokens.shape[0]
-        N = min(self.config.anchors_per_window, n_anchor)
         dev = batch.tokens.device
-        anchors = torch.rand(B, n_anchor).argsort(-1)[:, :N].to(dev) + 1
-        h, base, prev, tgt = self._blocks(batch, anchors)
-        logits = base + self.markov(prev)
-        loss = soft_ce(logits, tgt)
-        if self.config.confidence_weight > 0:
-            hit = (logits.argmax(-1) == tgt.argmax(-1)).to(h.dtype)
-            conf_logit = self.confidence(h.detach()).squeeze(-1)
-            loss = loss + self.config.confidence_weight * F.binary_cross_entropy_with_logits(conf_logit, hit)
-        return loss
+        if anchors is None:
+            N = self.num_anchors(batch.tokens.shape[1])
+            anchors = torch.rand(B, n_anchor).argsort(-1)[:, :N].to(dev) + 1
+        h, base, prev, tgt, nxt = self._blocks(batch, anchors)
+        return self.objective(h, base + self.markov(prev), prev, tgt, nxt)["total"]
 
     @torch.no_grad()
     def evaluate(self, batch, max_anchors: int = 32) -> dict:
-        """Soft CE over evenly spaced anchors, and per-position greedy acceptance: draft i (chosen greedily,
-        Markov head fed the drafter's own previous draft) equals the target's argmax, given drafts < i did.
-        `tau` = 1 + sum_i prod_{j<=i} per_position[j] (expected tokens per verify with greedy acceptance). The
+        """The training loss over evenly spaced anchors, and per-position greedy acceptance: draft i (chosen
+        greedily, Markov head fed the drafter's own previous draft) equals the target's argmax, given drafts < i
+        did. `tau` = 1 + sum_i prod_{j<=i} per_position[j] (expected tokens per verify with greedy acceptance). The
         context stays the window's own tokens, so this is exact when the windows are the target's greedy text."""
         n_anchor = self._check_batch(batch)
         B = batch.tokens.shape[0]
         N = min(max_anchors, n_anchor)
         dev = batch.tokens.device
         anchors = (torch.linspace(1, n_anchor, N, device=dev).round().long()).expand(B, N)
-        h, base, true_prev, tgt = self._blocks(batch, anchors)
+        h, base, true_prev, tgt, nxt = self._blocks(batch, anchors)
         logits = base + self.markov(true_prev)
-        loss = float(soft_ce(logits, tgt))
+        terms = self.objective(h, logits, true_prev, tgt, nxt)
         best = tgt.argmax(-1)  # [B, N, G]
         prev = batch.tokens.gather(1, anchors)
         alive = torch.ones(B, N, dtype=torch.bool, device=dev)
@@ -273,10 +418,8 @@ class Net(nn.Module):
         for a in per_position:
             run *= a
             tau += run
-        conf = self.confidence_prob(h)
-        hit = (logits.argmax(-1) == best).to(conf.dtype)
-        return {"loss": loss, "per_position": per_position, "tau": tau,
-                "confidence_bce": float(F.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), hit))}
+        return {"loss": float(terms["total"]), "per_position": per_position, "tau": tau,
+                **{name: float(v) for name, v in terms.items() if name != "total"}}
 
 
 # ---- inference ---------------------------------------------------------------------------------------
@@ -391,8 +534,9 @@ class DSparkDrafter(Drafter):
         base = net.lm_head(h)
         sample = sampling is not None and sampling.do_sample
         prev = anchors
-        toks, probs = [], []
+        toks, probs, prevs = [], [], []
         for i in range(gamma):
+            prevs.append(prev)
             logits = base[:, i] + net.markov(prev)
             if sample:
                 q = probs_from_logits(logits, sampling)
@@ -401,7 +545,7 @@ class DSparkDrafter(Drafter):
             else:
                 prev = logits.argmax(-1)
             toks.append(prev)
-        conf = net.confidence_prob(h)  # [B, gamma]
+        conf = net.confidence_prob(h, torch.stack(prevs, 1))  # [B, gamma]
         self.last_confidence = conf
         num = torch.full((B,), gamma, dtype=torch.long, device=dev)
         if self.confidence_threshold > 0:

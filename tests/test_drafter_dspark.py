@@ -425,3 +425,154 @@ def test_corrupt_weights_file_raises_value_error(setup, tmp_path):
         f.write(b"not a safetensors file")
     with pytest.raises(ValueError, match="drafter"):
         specdec.wrap(setup.target("qwen3_next"), drafter=corrupt)
+
+
+# ---- 5. the reference recipe (DeepSpec dspark: loss.py, markov_head.py, qwen3/modeling.py) -------------------
+
+
+def test_new_drafters_get_the_reference_recipe(setup):
+    """`Config.for_target` (every new drafter) is the reference recipe; a bare Config keeps the old behaviour
+    (the values of drafters saved before the fields existed)."""
+    target = setup.target("qwen3_next")
+    cfg = dspark.Config.for_target(target)
+    assert (cfg.l1_weight, cfg.hard_ce_weight, cfg.soft_ce_weight, cfg.position_decay) == (0.9, 0.1, 0.0, 4.0)
+    assert cfg.input_norm and cfg.qk_norm and cfg.markov_table and cfg.confidence_markov and cfg.confidence_soft
+    assert cfg.anchor_density == 512 / 4096
+    tc = target.config
+    assert cfg.intermediate_size == tc.intermediate_size and cfg.num_heads * cfg.head_dim == tc.hidden_size
+    old = dspark.Config()
+    assert (old.l1_weight, old.hard_ce_weight, old.soft_ce_weight, old.position_decay) == (0.0, 0.0, 1.0, 0.0)
+    assert not (old.input_norm or old.qk_norm or old.markov_table or old.confidence_markov or old.confidence_soft)
+    net = build_drafter_net("dspark", target)
+    assert net.num_anchors(128) == 16 and net.num_anchors(4096) == 512 - 0  # the reference's 512 per 4096
+    # the Markov head: a free [V, r] table and an [r -> V] projection; the confidence head reads [h; row]
+    V, r, d = tc.vocab_size, cfg.markov_rank, tc.hidden_size
+    assert net.markov_table.weight.shape == (V, r) and net.markov_w.weight.shape == (V, r)
+    assert net.confidence.weight.shape == (1, d + r)
+    prev = torch.tensor([[3, 7], [11, 5]])
+    with torch.no_grad():
+        net.markov_w.weight.normal_(generator=torch.Generator().manual_seed(0))
+        assert torch.allclose(net.markov(prev), net.markov_table.weight[prev] @ net.markov_w.weight.T)
+
+
+def test_norms_are_present_and_used(setup):
+    """input_norm: the block input is RMS-normalised (a scaled MASK embedding gives the same hidden states, a
+    changed gain does); qk_norm: queries and keys are normed per head (scaled q/k projections change nothing).
+    Without them (the old config) the same changes do change the hidden states."""
+    target = setup.target("qwen3_next")
+    gen = torch.Generator().manual_seed(1)
+    B, S, G = 1, 12, 7
+    d = target.config.hidden_size
+    feats = {i: torch.randn(B, S, d, dtype=torch.float64, generator=gen) for i in range(4)}
+
+    def hidden(net):
+        ctx = net.context([feats[i] for i in net.config.feature_layers])
+        kv = net.context_kv(ctx, torch.arange(S)[None])
+        mask = torch.zeros(B, 1, G, S + G, dtype=torch.float64)
+        with torch.no_grad():
+            return net.block_hidden(torch.tensor([[5]]), S + torch.arange(G)[None], kv, mask)
+
+    for norms in (True, False):
+        torch.manual_seed(2)
+        # eps 0: RMSNorm is then exactly scale-invariant (the target's eps would blur the comparison)
+        net = build_drafter_net("dspark", target, input_norm=norms, qk_norm=norms, rms_norm_eps=0.0)
+        assert hasattr(net, "in_norm") == norms
+        assert all(isinstance(l.attn.q_proj, dspark._HeadNormLinear) == norms
+                   and isinstance(l.attn.k_proj, dspark._HeadNormLinear) == norms for l in net.layers)
+        h0 = hidden(net)
+        with torch.no_grad():
+            net.mask_embed.mul_(7.0)
+            net.target_embed.weight.mul_(7.0)
+        h1 = hidden(net)
+        with torch.no_grad():
+            net.mask_embed.div_(7.0)
+            net.target_embed.weight.div_(7.0)
+            for l in net.layers:
+                l.attn.q_proj.weight.mul_(5.0)
+                l.attn.k_proj.weight.mul_(3.0)
+        h2 = hidden(net)
+        same_input = torch.allclose(h0, h1, rtol=1e-9, atol=1e-9)
+        same_qk = torch.allclose(h0, h2, rtol=1e-9, atol=1e-9)
+        assert same_input == norms and same_qk == norms, (norms, same_input, same_qk)
+        if norms:
+            with torch.no_grad():
+                net.in_norm.weight.mul_(2.0)
+            assert not torch.allclose(hidden(net), h2)
+
+
+def test_loss_equals_float64_recomputation(setup):
+    """The reference loss: 0.9 x L1(p_draft, p_target) + 0.1 x CE(next token), slot k weighted exp(-k/4), plus
+    1.0 x BCE of the confidence head (on [h; Markov row of the previous token]) against 1 - TV; recomputed here
+    in float64 from the drafter's block logits, one slot at a time."""
+    import math
+    target = setup.target("qwen3_next")
+    torch.manual_seed(3)
+    net = build_drafter_net("dspark", target)
+    with torch.no_grad():  # nonzero Markov and confidence heads, so every term matters
+        g = torch.Generator().manual_seed(4)
+        net.markov_w.weight.normal_(0.0, 0.5, generator=g)
+        net.confidence.weight.normal_(0.0, 0.5, generator=g)
+    ids = torch.randint(3, target.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(5))
+    from specdec.draft.registry import target_batch
+    from specdec.runner import make_runner
+    with torch_fallbacks(), float64_everywhere():
+        runner = make_runner(target, max_batch_size=1, max_length=32, num_verify_tokens=1)
+        batch = target_batch(runner, ids, net.config.feature_layers)
+    G = net.config.block_size
+    anchors = torch.tensor([[1, 5, 13], [2, 12, 13]])  # 13 = S - G: its last slot has no next token
+    loss = net.loss(batch, anchors=anchors)
+    with torch.no_grad():
+        h, base, prev, tgt, _ = net._blocks(batch, anchors)
+        logits = (base + net.markov(prev)).double()
+        conf_logit = net.confidence(torch.cat([h, net.markov_table(prev)], -1)).squeeze(-1).double()
+    l1_num = ce_num = conf_num = w_sum = ce_w = 0.0
+    for b in range(2):
+        for n in range(3):
+            for k in range(G):
+                w = math.exp(-k / 4.0)
+                q = logits[b, n, k].softmax(-1)
+                p = tgt[b, n, k].double().softmax(-1)
+                l1 = float((q - p).abs().sum())
+                a = 1.0 - 0.5 * l1
+                c = float(conf_logit[b, n, k])
+                bce = -(a * math.log(1 / (1 + math.exp(-c))) + (1 - a) * math.log(1 - 1 / (1 + math.exp(-c))))
+                l1_num, conf_num, w_sum = l1_num + w * l1, conf_num + w * bce, w_sum + w
+                t = int(anchors[b, n]) + k + 1
+                if t < ids.shape[1]:
+                    ce_num += w * -float(logits[b, n, k].log_softmax(-1)[ids[b, t]])
+                    ce_w += w
+    expect = 0.9 * l1_num / w_sum + 0.1 * ce_num / ce_w + 1.0 * conf_num / w_sum
+    assert abs(float(loss) - expect) < 1e-9 * expect, (float(loss), expect)
+
+
+def test_old_saved_drafter_loads_with_its_old_config_and_blocks():
+    """tests/data/dspark_v1: a drafter saved before the recipe fields existed (its config.json lacks them),
+    with the blocks, num_drafts and confidences that draft/dspark.py of commit d7af6c9 proposed on a float64
+    tiny kimi_linear target (lm_head x 30, seed 0) in greedy generation with confidence_threshold 0.4. It still
+    loads with the old behaviour and proposes the same blocks."""
+    path = os.path.join(os.path.dirname(__file__), "data", "dspark_v1")
+    rec = json.load(open(os.path.join(path, "blocks.json")))
+    assert "l1_weight" not in json.load(open(os.path.join(path, "config.json")))
+    target = _target("kimi_linear")
+    net = load_drafter(path, target)
+    cfg = net.config
+    assert (cfg.soft_ce_weight, cfg.l1_weight, cfg.input_norm, cfg.qk_norm, cfg.markov_table,
+            cfg.confidence_markov) == (1.0, 0.0, False, False, False, False)
+    engine = specdec.wrap(target, drafter=path, num_draft_tokens=GAMMA, max_batch_size=2,
+                          confidence_threshold=rec["confidence_threshold"])
+    blocks, propose = [], engine.drafter.propose
+
+    def recording(*a, **k):
+        block = propose(*a, **k)
+        blocks.append((block, engine.drafter.last_confidence.clone()))
+        return block
+    engine.drafter.propose = recording
+    with torch_fallbacks(), float64_everywhere():
+        out = engine.generate([torch.tensor(p) for p in rec["prompts"]], max_new_tokens=rec["max_new_tokens"],
+                              eos_token_id=None)
+    assert out.sequences.tolist() == rec["sequences"]
+    assert len(blocks) == len(rec["blocks"])
+    for (block, conf), old in zip(blocks, rec["blocks"]):
+        assert block.tokens.tolist() == old["tokens"] and block.num_drafts.tolist() == old["num_drafts"]
+        assert torch.allclose(conf.double(), torch.tensor(old["confidence"], dtype=torch.float64), rtol=1e-12,
+                              atol=1e-14)
