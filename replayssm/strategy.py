@@ -338,18 +338,17 @@ class ReplayStrategy(StateStrategy):
                            null_slot=self.pool.null_slot, **kw)
 
     def _commit_state(self, r, path, n, before):
+        slots = torch.where(valid_slots(r.slots, self.pool.null_slot), r.slots, self.pool.null_slot)
         # a track boundary's conv window, from the committed window: before the fold's launch rewrites it
-        s = torch.where(valid_slots(r.slots, self.pool.null_slot), r.slots, self.pool.null_slot)
         self._track(r, path, n, before,
-                    lambda j: rebuild_windows(self.pool.conv[:, s], self.conv_inputs[:, :s.shape[0]], path, j + 1),
+                    lambda j: rebuild_windows(self.pool.conv[:, slots], self.conv_inputs[:, :slots.shape[0]], path,
+                                              j + 1),
                     self.pool.track_conv, lengths=True)
         conv = dict(conv_state=self.pool.conv, conv_inputs=self.conv_inputs, conv_path=path, conv_count=n)
         if self.commit_mode == "eager":
             self._fold(self.pool.ssm, r.slots, n, path, ring_indices=self._rows(r), **conv)
             self._add_len(r, n)
             return
-        valid = valid_slots(r.slots, self.pool.null_slot)
-        slots = torch.where(valid, r.slots, self.pool.null_slot)
         if r.parent is not None:  # a tree's accepted path moves to consecutive ring positions
             self.rings.compact(torch.where(n > 0, slots, self.pool.null_slot), path, n)
         self.rings.pending.index_add_(0, slots, n)
