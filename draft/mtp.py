@@ -17,7 +17,8 @@ groups (GQA) as in the target. Step i+1 feeds `emb(draft_i)` and step i's block 
 Training (`Net.loss`) distils the target: at every position t of a window, from `(hidden[t], tokens[t+1])`
 and the target attention layer's keys/values over positions <= t (recomputed with the target's own
 modules from the captured input of that layer, causal), predict the target's distribution `logits[t+1]`;
-then `Config.train_depth - 1` further chained steps with teacher-forced tokens and the drafter's own h.
+then `Config.train_depth - 1` further chained steps with teacher-forced tokens and the drafter's own h (by
+default as many steps as it drafts, gamma 7, step k weighted 0.8**k).
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ class Config(DraftConfig):
 
     kind: str = "mtp"
     attn_layer: int = -1  # target full-attention layer whose KV the blocks read (-1: the last one)
-    train_depth: int = 2  # chained steps per position in `loss` (1 = plain next-next-token)
+    # chained steps per position in `loss` (1 = plain next-next-token): as many as the drafter drafts per round
+    # (gamma 7), so training sees the chained inputs of every draft it makes
+    train_depth: int = 7
     depth_decay: float = 0.8  # weight of chained step k in the loss: depth_decay ** k
-    eval_depth: int = 4  # drafts per position measured by `evaluate`
+    eval_depth: int = 7  # drafts per position measured by `evaluate` (gamma)
 
     @classmethod
     def for_target(cls, target, **overrides) -> "Config":

@@ -321,3 +321,32 @@ def test_errors(targets, trained, tmp_path):
                                          num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError, match="drafter.*hybrid"):
         specdec.wrap(llama, drafter="mtp")
+
+
+def test_loss_chains_as_many_steps_as_it_drafts(targets):
+    """By default the loss chains gamma = 7 steps per position, step k weighted 0.8**k (recomputed here in float64
+    from each chained step's logits against the target's distribution k+1 positions on); a config saved with
+    train_depth=2 keeps its 2."""
+    from specdec.draft.mtp import Config
+    from specdec.draft.registry import target_batch
+    from specdec.runner import make_runner
+    target = targets["qwen3_next"]
+    torch.manual_seed(0)
+    net = build_drafter_net("mtp", target)
+    assert net.config.train_depth == 7 and net.config.eval_depth == 7 and Config(train_depth=2).train_depth == 2
+    S = 12
+    ids = torch.randint(3, target.config.vocab_size, (2, S), generator=torch.Generator().manual_seed(1))
+    with torch_fallbacks(), float64_everywhere():
+        runner = make_runner(target, max_batch_size=1, max_length=32, num_verify_tokens=1)
+        batch = target_batch(runner, ids, net.config.feature_layers)
+        with torch.no_grad():
+            loss = float(net.loss(batch))
+            chain = net._chain(batch, 7)
+    assert len(chain) == 7
+    num = den = 0.0
+    for k, logits in enumerate(chain):
+        n = S - 1 - k
+        p = batch.logits[:, 1 + k:].double().softmax(-1)
+        ce = -(p * logits[:, :n].double().log_softmax(-1)).sum(-1).mean()
+        num, den = num + 0.8 ** k * float(ce), den + 0.8 ** k
+    assert abs(loss - num / den) < 1e-9 * num / den
