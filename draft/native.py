@@ -34,9 +34,10 @@ drafter's own `KVCache` (per request row, rollback by length). Draft step k feed
 and its draft token at position `t_anchor + k`; those K/V are dropped when the block is done, so nothing of
 a round survives it. Every step runs the first MTP layer (the published checkpoints ship one).
 
-Training (`python -m specdec.draft.train --kind native`): `Net.loss` distils the target over a window, every
-pair `(hidden[t], tokens[t+1])` predicting the target's distribution `logits[t+1]` (causal attention over
-the window's pairs), which fine-tunes the checkpoint's layers in place.
+Training (`python -m specdec.draft.train`, kind `native`): `Net.loss` distils the target over a window: every
+pair `(hidden[t], tokens[t+1])` predicts the target's distribution `logits[t+1]`, and `train_depth - 1` further
+chained steps (teacher-forced tokens, the drafter's own `out`, the masks of drafting) follow; this fine-tunes
+the checkpoint's layers in place.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ LING_HEAD = {"eh_proj.weight": "fc.weight", "enorm.weight": "emb_norm.weight", "
 class Config(DraftConfig):
     kind: str = "native"
     native_path: str = ""  # the checkpoint whose MTP layers the net was read from
+    train_depth: int = 2  # chained steps per position in `loss` (1: the next-next token only)
+    depth_decay: float = 0.8  # loss weight of step k: depth_decay ** (k - 1)
+    eval_depth: int = 4  # drafts per chain measured by `evaluate`
 
     @classmethod
     def for_target(cls, target, **overrides) -> "Config":
@@ -289,32 +293,76 @@ class Net(nn.Module):
         return self.lm_head(out), out
 
     # ---- training ----------------------------------------------------------------------------------
-    def _window(self, batch):
-        """Every pair `(hidden[t], tokens[t+1])` of a window at position t, causal -> logits `[B, S-1, V]`."""
+    def _unroll(self, batch, depth: int):
+        """Teacher-forced chains over a window of pairs `(h, tokens[t+1])` at positions t = 0..S-2. Step 1 feeds
+        the target's `hidden[t]`; step k feeds step k-1's `out` at t-1 and is the k-th draft of the chain rooted
+        at r = t-k+1: it sees the committed pairs <= r and the chain's own draft pairs (step i at r+i-1), as in
+        drafting. -> per step (logits `[B, S-1, V]`, valid positions `[S-1]` bool: t >= k-1)."""
         tokens = batch.tokens.to(self.fc.weight.device)
         B, S = tokens.shape
         if S < 3:
             raise ValueError(f"batch: windows of {S} tokens are too short for the native drafter (need >= 3)")
         T = S - 1
-        pos = torch.arange(T, device=tokens.device)[None].expand(B, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-        mask = torch.zeros(T, T, dtype=self.dtype, device=tokens.device).masked_fill(~causal,
-                                                                                     torch.finfo(self.dtype).min)
-        logits, _ = self.step(tokens[:, 1:], batch.hidden[:, :T].to(tokens.device), pos,
-                              mask[None, None].expand(B, 1, T, T))
-        return logits
+        t = torch.arange(T, device=tokens.device)
+        pos = t[None].expand(B, T)
+        h = batch.hidden[:, :T].to(device=tokens.device, dtype=self.dtype)
+        cache, outs = _StepKeys(), []
+        for k in range(1, depth + 1):
+            blocks = [t[None, :] <= (t[:, None] - (k - 1))]
+            blocks += [t[None, :] == (t[:, None] - (k - i)) for i in range(2, k + 1)]
+            ok = torch.cat(blocks, 1)  # [T, k * T]: keys of step 1 | step 2 | ... | step k
+            mask = torch.zeros(ok.shape, dtype=self.dtype, device=ok.device).masked_fill(
+                ~ok, torch.finfo(self.dtype).min)
+            logits, out = self.step(tokens[:, 1:], h, pos, mask[None, None].expand(B, 1, T, k * T), cache=cache)
+            outs.append((logits, t >= k - 1))
+            h = torch.cat([torch.zeros_like(out[:, :1]), out[:, :-1]], 1)  # step k's out at t-1 feeds step k+1 at t
+        return outs
 
     def loss(self, batch) -> torch.Tensor:
-        """Soft cross-entropy of pair t's draft against the target's distribution `logits[t+1]`."""
-        return soft_ce(self._window(batch), batch.logits[:, 1:].to(self.fc.weight.device))
+        """Soft cross-entropy of each step's drafts against the target's distributions `logits[t+1]`, step k
+        weighted `depth_decay ** (k-1)`."""
+        target = batch.logits[:, 1:].to(self.fc.weight.device)
+        terms = [(self.config.depth_decay ** k, soft_ce(logits[:, valid], target[:, valid]))
+                 for k, (logits, valid) in enumerate(self._unroll(batch, self.config.train_depth))]
+        return sum(w * x for w, x in terms) / sum(w for w, _ in terms)
 
     @torch.no_grad()
     def evaluate(self, batch) -> dict:
-        """`loss` as in training; `per_position[0]`: how often the first draft is the target's argmax."""
-        logits = self._window(batch)
-        target = batch.logits[:, 1:].to(logits.device)
-        hit = (logits.argmax(-1) == target.argmax(-1)).double().mean()
-        return {"loss": float(soft_ce(logits, target)), "per_position": [float(hit)]}
+        """`loss` as in training; greedy `per_position[i]`: how often draft i of a chain is the target's argmax
+        given drafts < i were (teacher forced, chains rooted at every position)."""
+        outs = self._unroll(batch, max(self.config.eval_depth, self.config.train_depth))
+        target = batch.logits[:, 1:].to(self.fc.weight.device)
+        terms = [(self.config.depth_decay ** k, float(soft_ce(logits[:, valid], target[:, valid])))
+                 for k, (logits, valid) in enumerate(outs[:self.config.train_depth])]
+        best = target.argmax(-1)  # [B, T]
+        T, K = best.shape[1], len(outs)
+        starts = T - (K - 1)  # chains rooted at r = 0 .. starts-1 have all K steps in the window
+        alive = torch.ones(best.shape[0], max(starts, 0), dtype=torch.bool, device=best.device)
+        per_position = []
+        for k, (logits, _) in enumerate(outs):
+            if starts <= 0:
+                break
+            hit = (logits.argmax(-1) == best)[:, k:k + starts]  # step k+1 of the chain rooted at r sits at r+k
+            reached = int(alive.sum())
+            alive = alive & hit
+            per_position.append(int(alive.sum()) / reached if reached else 0.0)
+        return {"loss": sum(w * x for w, x in terms) / sum(w for w, _ in terms), "per_position": per_position}
+
+
+class _StepKeys:
+    """The transformers `Cache` surface for a training unroll: each step's `update` appends its keys and values
+    (every position of the window) after the earlier steps' and returns them all."""
+
+    def __init__(self):
+        self.kv = None
+
+    def update(self, key, value, *args, **kwargs):
+        self.kv = (key, value) if self.kv is None else (torch.cat([self.kv[0], key], 2),
+                                                        torch.cat([self.kv[1], value], 2))
+        return self.kv
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
 
 
 # ---- drafter -----------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ layer after the decoder), read from the model's safetensors files.
    torch ops too; Bailing's MLA + MoE layer as transformers' own layer, loaded by transformers' own
    `from_pretrained` into a model one layer deeper (the checkpoint's NextN layer is then an ordinary layer).
 2. Greedy output equals transformers' own greedy `generate`.
-3. Errors: a checkpoint without MTP tensors names the file it searched; a model without a checkpoint path asks
+3. Training (`kind="native"`): the distillation loss (two chained steps) equals a float64 recomputation from the
+   same reference forward, a few optimizer steps lower it, and the fine-tuned layers save and load.
+4. Errors: a checkpoint without MTP tensors names the file it searched; a model without a checkpoint path asks
    for `native_path`; a family without MTP layers is named; unknown options are named.
 """
 
@@ -21,6 +23,8 @@ from safetensors.torch import load_file
 from tiny_models import float64_everywhere, greedy_reference, save_with_mtp, tiny_config, tiny_model, torch_fallbacks
 
 import specdec
+from specdec.draft.registry import build_drafter_net, own_state_dict, save_drafter, target_batch
+from specdec.runner import make_runner
 from specdec.verify import SamplingParams
 
 FAMILIES = ("qwen3_next", "qwen3_5", "bailing_hybrid")
@@ -181,7 +185,57 @@ def test_greedy_identity(saved, family):
     assert out.stats.drafter_failures == 0 and out.stats.proposed > 0
 
 
-# ---- 3. errors -----------------------------------------------------------------------------------------------
+# ---- 3. training ---------------------------------------------------------------------------------------------
+
+
+def soft_ce(logits, target):
+    return -(target.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean()
+
+
+def test_training_loss_matches_recomputation_and_decreases(saved, tmp_path):
+    family = "qwen3_5"
+    model, path = saved[family]
+    net = build_drafter_net("native", model)
+    assert net.config.kind == "native" and net.config.train_depth == 2 and net.config.native_path == path
+    seq = torch.tensor([[7, 30, 2, 55, 61, 9, 14, 88, 23, 5]])
+    T = seq.shape[1] - 1
+    with torch_fallbacks(), float64_everywhere():
+        runner = make_runner(model, max_batch_size=1, max_length=32, num_verify_tokens=1)
+        batch = target_batch(runner, seq)
+        loss = net.loss(batch)
+        # step 1: pair t = (hidden[t], token t+1); step 2 at t: the chain rooted at t-1 sees the pairs <= t-1 and
+        # its own draft pair (step 1's out at t-1, token t+1) at position t
+        hidden, tokens = batch.hidden[0], seq[0]
+        logits1, out1 = reference_logits(family, model, path, tokens[1:], hidden[:T])
+        logits2 = torch.stack([reference_logits(family, model, path, tokens[1:t + 2],
+                                                torch.cat([hidden[:t], out1[t - 1:t]]))[0][-1] for t in range(1, T)])
+        target = batch.logits[0, 1:]
+        ref = (soft_ce(logits1, target) + 0.8 * soft_ce(logits2, target[1:])) / 1.8
+        torch.testing.assert_close(loss, ref, rtol=0, atol=1e-12)
+        params = [p for n, p in net.named_parameters() if not n.startswith("target_")]
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+        losses = []
+        for _ in range(4):
+            loss = net.loss(batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        after = net.loss(batch).item()
+        entropy = float((soft_ce(target, target) + 0.8 * soft_ce(target[1:], target[1:])) / 1.8)  # loss - KL
+    kl = [x - entropy for x in losses + [after]]
+    print(f"native KL to the target over the steps {[round(x, 4) for x in kl]}")
+    assert all(b < a for a, b in zip(kl, kl[1:])) and kl[-1] < 0.8 * kl[0]
+    assert all(p.grad is None for p in model.parameters()), "the target's weights were trained"
+    save_drafter(net, str(tmp_path))
+    engine = specdec.wrap(model, drafter=str(tmp_path), num_draft_tokens=2)
+    loaded = own_state_dict(engine.drafter.net)
+    assert type(engine.drafter).__name__ == "NativeDrafter"
+    assert loaded.keys() == own_state_dict(net).keys()
+    assert all(torch.equal(loaded[k], v) for k, v in own_state_dict(net).items())
+
+
+# ---- 4. errors -----------------------------------------------------------------------------------------------
 
 
 def test_errors(saved, tmp_path):
