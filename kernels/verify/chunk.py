@@ -127,23 +127,23 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     chain = parent is None
     parent = _parents(parent, B, T, k.device)
     rows = valid_slots(ssm_state_indices, null_slot).nonzero().flatten()
-    o = v.new_zeros(B, T, H, V)
     if rows.numel() == 0:
-        return o
-    slots = ssm_state_indices[rows]
+        return v.new_zeros(B, T, H, V)
+    full = rows.numel() == B  # every row valid (the usual case): no gathers, no scatter of the outputs
+    sel = (lambda x: x) if full else (lambda x: x[rows])  # noqa: E731
+    slots = sel(ssm_state_indices)
     dt = math_dtype(ssm_state, q, k, v, g, beta)
     scale = K ** -0.5 if scale is None else scale
-    qn, kn = prepare_qk(q[rows], k[rows], scale=scale, eps=eps, norm=norm, dtype=dt)
-    vv, gg, bb = v[rows].to(dt), g[rows].to(dt), beta[rows].to(dt)
+    qn, kn = prepare_qk(sel(q), sel(k), scale=scale, eps=eps, norm=norm, dtype=dt)
+    vv, gg, bb = sel(v).to(dt), sel(g).to(dt), sel(beta).to(dt)
     if num_pending is not None and bool((num_pending[slots] > 0).any()):
         root = fast_rebuild(ssm_state, slots, ring[0], ring[1], ring[2], ring_start, num_pending[slots]).to(dt)
     else:
         root = ssm_state[slots].to(dt)
     S = None
     if intermediate_states is not None:  # all rows valid, same dtype: fill the caller's buffer in place
-        R = rows.shape[0]
-        in_place = R == B and intermediate_states.dtype == dt
-        S = intermediate_states[:B, :T] if in_place else root.new_empty(R, T, H, K, V)
+        in_place = full and intermediate_states.dtype == dt
+        S = intermediate_states[:B, :T] if in_place else root.new_empty(rows.numel(), T, H, K, V)
     if T == 1:  # a decode step: the fold's own step, so plain decode keeps its op order
         S1, ot, d = delta_step(root, qn[:, 0], kn[:, 0], vv[:, 0], gg[:, 0], bb[:, 0])
         ot, d = ot[:, None], d[:, None]
@@ -151,12 +151,16 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
             S[:, 0] = S1
     else:
         mask = (torch.ones(T, T, dtype=torch.bool, device=k.device).tril() if chain
-                else ancestor_mask(parent[rows]))
+                else ancestor_mask(sel(parent)))
         ot, d = chunk_step(qn, kn, vv, gg, bb, root, mask, states=S)
-    o[rows] = ot.to(o.dtype)
+    if full:
+        o = ot.to(v.dtype).contiguous()
+    else:
+        o = v.new_zeros(B, T, H, V)
+        o[rows] = ot.to(o.dtype)
     if S is not None and not in_place:
         intermediate_states[rows, :T] = S.to(intermediate_states.dtype)
     if ring is not None:
-        store_ring_records(ring, (d, kn, gg, v[rows], k[rows], beta[rows]), slots, rows, ring_start=ring_start,
+        store_ring_records(ring, (d, kn, gg, sel(v), sel(k), sel(beta)), slots, rows, ring_start=ring_start,
                            num_pending=num_pending, ring_indices=ring_indices)
     return o
