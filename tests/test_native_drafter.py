@@ -1,4 +1,4 @@
-"""`drafter="native"`: the MTP layers a checkpoint ships (Qwen3-Next, Qwen3.5: `mtp.*`; Bailing-Hybrid: the NextN
+"""`drafter="native"`: the MTP layers a checkpoint ships (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: `mtp.*`; Bailing-Hybrid: the NextN
 layer after the decoder), read from the model's safetensors files.
 
 1. The first two drafts' distributions equal an independent float64 recomputation of the MTP forward from the
@@ -27,7 +27,7 @@ from specdec.draft.registry import build_drafter_net, own_state_dict, save_draft
 from specdec.runner import make_runner
 from specdec.verify import SamplingParams
 
-FAMILIES = ("qwen3_next", "qwen3_5", "bailing_hybrid")
+FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "bailing_hybrid")
 PROMPT = [3, 41, 17, 88, 9, 60, 23, 5, 40]
 
 
@@ -86,7 +86,7 @@ def qwen_layer(W, x, cfg):
         return x + swiglu(m, W, "mlp.")
     probs = (m @ W["mlp.gate.weight"].T).softmax(-1)
     top, idx = probs.topk(cfg.num_experts_per_tok, -1)
-    if cfg.norm_topk_prob:
+    if getattr(cfg, "norm_topk_prob", None) is not False:  # Qwen3.5-MoE always renormalizes the top-k
         top = top / top.sum(-1, keepdim=True)
     routed = torch.stack([sum(top[t, j] * swiglu(m[t], W, f"mlp.experts.{int(idx[t, j])}.")
                               for j in range(idx.shape[1])) for t in range(T)])

@@ -164,7 +164,7 @@ def save_tiny(path, family: str, *, seed: int = 0):
 
 def save_with_mtp(path, family: str, *, seed: int = 0, mtp_seed: int = 5, mtp: bool = True):
     """A float64 tiny `family` model saved to `path` with the MTP layers its published checkpoints ship, added
-    to its safetensors under their published names (Qwen3-Next / Qwen3.5: `mtp.fc.weight`,
+    to its safetensors under their published names (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE: `mtp.fc.weight`,
     `mtp.pre_fc_norm_embedding.weight`, `mtp.pre_fc_norm_hidden.weight`, `mtp.layers.0.*`, `mtp.norm.weight`;
     Bailing-Hybrid: `model.layers.{num_hidden_layers}.{eh_proj, enorm, hnorm, final_layernorm}.weight` and the
     layer's own tensors). The MTP decoder layer is the last (full-attention) layer's tensors, as saved, plus
