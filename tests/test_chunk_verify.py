@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from specdec.kernels import dispatch
 from specdec.kernels.common import ancestor_mask
+from specdec.kernels.rebuild.naive import fast_rebuild
 from specdec.kernels.recurrent import recurrent_delta_rule
 from specdec.kernels.verify.chunk import verify_delta_rule as chunk_verify
 from specdec.kernels.verify.naive import verify_delta_rule as naive_verify
@@ -171,6 +172,31 @@ def test_teeth_one_corrupted_input_fails(what):
         bad[what][1, 3, 0, 0] *= 1 + 1e-4
     with pytest.raises(AssertionError):
         compare(c, x, run(chunk_verify, cb, bad), want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(T1=st.integers(2, 8), T2=st.integers(1, 8), gdn=st.booleans(), dtype=st.sampled_from([F32, F64]),
+       seed=st.integers(0, 2**31 - 1))
+def test_rebuild_from_chunk_records_reproduces_the_states(T1, T2, gdn, dtype, seed):
+    """Lazy commit: the `d`, `k` records a chunk verify writes, rebuilt into the start state of the next verify,
+    give plain decode's outputs over both windows, and the rebuilt state is plain decode's state."""
+    c = dict(B=2, T=T1 + T2, N=3, H=2, K=5, V=3, gdn=gdn, dtype=dtype)
+    x = inputs(c, torch.Generator().manual_seed(seed))
+    L, H, K, V, N = 16, 2, 5, 3, 3
+    ring = tuple(torch.zeros(N, H, L, d, dtype=dtype) for d in (V, K, 1 if gdn else K, V, K))
+    ring += (torch.zeros(N, H, L, dtype=dtype),)
+    start, idx = torch.tensor([14, 3, 9]), torch.tensor([2, 0])
+    first, second = slice(0, T1), slice(T1, T1 + T2)
+    part = lambda sl: [x[n][:, sl] for n in ("q", "k", "v", "g", "beta")]  # noqa: E731
+    chunk_verify(*part(first), x["ssm"], idx, ring=ring, ring_start=start)
+    pending = torch.zeros(N, dtype=torch.long)
+    pending[idx] = T1
+    o2 = chunk_verify(*part(second), x["ssm"], idx, ring=ring, ring_start=start, num_pending=pending)
+    o_ref, _ = recurrent_delta_rule(*part(slice(0, T1 + T2)), initial_state=x["ssm"][idx])
+    assert_close(o2, o_ref[:, second], dtype=dtype, msg="outputs after the rebuild")
+    _, S1 = recurrent_delta_rule(*part(first), initial_state=x["ssm"][idx])
+    assert_close(fast_rebuild(x["ssm"], idx, ring[0], ring[1], ring[2], start, pending[idx]), S1, dtype=dtype,
+                 msg="rebuilt state")
 
 
 def test_one_token_is_the_fold_step_bit_for_bit():
