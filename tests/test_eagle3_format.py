@@ -155,9 +155,21 @@ def test_loads_both_spellings_and_first_level_matches(target, ckpt):
     assert bool(t2d[block.tokens[0]].all()), "a draft outside the draft vocabulary"
 
 
-@pytest.mark.parametrize("spelling", ["draft_model", "directory"])
-def test_greedy_identity(target, ckpt, spelling):
+def llama_target():
+    """A dense target (the generic runner: the tree's most likely path verified as a chain)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=INTER, num_hidden_layers=4,
+                                        num_attention_heads=H, num_key_value_heads=HKV, pad_token_id=0,
+                                        attn_implementation="eager")).double().eval()
+
+
+@pytest.mark.parametrize("spelling", ["draft_model", "directory", "generic"])
+def test_greedy_identity(target, ckpt, spelling, tmp_path):
     kw = dict(drafter="eagle", draft_model=ckpt) if spelling == "draft_model" else dict(drafter=ckpt)
+    if spelling == "generic":
+        target = llama_target()
+        kw = dict(drafter=write_eagle3(str(tmp_path), target))
     engine = specdec.wrap(target, num_draft_tokens=3, max_batch_size=2, topk=3, num_nodes=8, **kw)
     prompts = [PROMPT, PROMPT[2:]]
     with torch_fallbacks(), float64_everywhere():

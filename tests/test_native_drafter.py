@@ -185,6 +185,31 @@ def test_greedy_identity(saved, family):
     assert out.stats.drafter_failures == 0 and out.stats.proposed > 0
 
 
+def test_greedy_identity_with_accepted_drafts(tmp_path):
+    """After a short fine-tune on the target's own samples (vocabulary 8) drafts are accepted, rows accept
+    different numbers of them, and the drafter's cache catches up by different counts per row."""
+    from specdec.draft.native import make_drafter
+    from specdec.draft.train import train
+    model = save_with_mtp(str(tmp_path), "qwen3_next", vocab_size=8)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # far from uniform: something to learn
+    torch.manual_seed(0)
+    with torch.no_grad(), torch_fallbacks(), float64_everywhere():
+        ids = model.generate(torch.randint(3, 8, (4, 3), generator=torch.Generator().manual_seed(0)), do_sample=True,
+                             max_new_tokens=64, eos_token_id=None, pad_token_id=0).flatten()
+    net, _ = train(model, ids, "native", runner_factory=make_runner, steps=12, lr=2e-2, seq_len=24, batch_size=4,
+                   val_every=12, progress=False)
+    engine = specdec.wrap(model, drafter=make_drafter(net, gamma=3, max_batch_size=2), num_draft_tokens=3,
+                          max_batch_size=2)
+    prompts = [[1, 3, 5, 7, 2, 4, 6], [5, 6, 7, 5, 6]]
+    with torch_fallbacks(), float64_everywhere():
+        out = engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=16, eos_token_id=None)
+    for b, p in enumerate(prompts):
+        assert out.sequences[b].tolist()[:len(p) + 16] == greedy_reference(model, p, 16)
+    print(f"native after 12 steps: {out.stats.as_dict()}")
+    assert out.stats.drafter_failures == 0 and 0 < out.stats.accepted < out.stats.proposed, out.stats.as_dict()
+
+
 # ---- 3. training ---------------------------------------------------------------------------------------------
 
 

@@ -162,23 +162,24 @@ def save_tiny(path, family: str, *, seed: int = 0):
     return model, tokenizer
 
 
-def save_with_mtp(path, family: str, *, seed: int = 0, mtp_seed: int = 5, mtp: bool = True):
+def save_with_mtp(path, family: str, *, seed: int = 0, mtp_seed: int = 5, mtp: bool = True, **kw):
     """A float64 tiny `family` model saved to `path` with the MTP layers its published checkpoints ship, added
     to its safetensors under their published names (Qwen3-Next / Qwen3.5 / Qwen3.5-MoE: `mtp.fc.weight`,
     `mtp.pre_fc_norm_embedding.weight`, `mtp.pre_fc_norm_hidden.weight`, `mtp.layers.0.*`, `mtp.norm.weight`;
     Bailing-Hybrid: `model.layers.{num_hidden_layers}.{eh_proj, enorm, hnorm, final_layernorm}.weight` and the
     layer's own tensors). The MTP decoder layer is the last (full-attention) layer's tensors, as saved, plus
-    seeded noise. -> the model reloaded with `from_pretrained(path)` (so `config._name_or_path` is `path`)."""
+    seeded noise. `kw` goes to `tiny_config`. -> the model reloaded with `from_pretrained(path)` (so
+    `config._name_or_path` is `path`)."""
     import os
 
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    tiny_model(family, seed=seed).save_pretrained(path)
+    tiny_model(family, seed=seed, **kw).save_pretrained(path)
     file = os.path.join(path, "model.safetensors")
     tensors = load_file(file)
     if mtp:
-        config = tiny_config(family)
+        config = tiny_config(family, **kw)
         L, d = config.num_hidden_layers, config.hidden_size
         last = f"model.layers.{L - 1}."
         gen = torch.Generator().manual_seed(mtp_seed)
