@@ -40,7 +40,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from . import eagle
 from .native import checkpoint_files
