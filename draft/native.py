@@ -30,11 +30,12 @@ MLA layer with MoE, `final_layernorm`; layers `num_hidden_layers ..`, `num_nextn
 
 Positions and cache (as vLLM's MTP proposer runs these models). The pair `(h_t, x_{t+1})` sits at position t.
 Committed pairs (a target hidden state and the token after it, the anchor included) keep their K/V in the
-drafter's own `KVCache` (per request row, rollback by length). Draft step k feeds the previous step's `out`
-and its draft token at position `t_anchor + k`; those K/V are dropped when the block is done, so nothing of
-a round survives it. Every step runs the first MTP layer (the published checkpoints ship one).
+drafter's own `KVCache` (per request row, rollback by length); the anchor's pair (the last committed hidden
+state, the anchor) sits at p = committed tokens - 1 and gives draft 1. Draft step k >= 2 feeds step k-1's
+`out` and draft k-1 at position p + k - 1; those K/V are dropped when the block is done, so nothing of a
+round survives it. Every step runs the first MTP layer (the published checkpoints ship one).
 
-Training (`python -m specdec.draft.train`, kind `native`): `Net.loss` distils the target over a window: every
+Training (the distillation loop of `draft/train.py`, kind `native`): `Net.loss` distils the target over a window: every
 pair `(hidden[t], tokens[t+1])` predicts the target's distribution `logits[t+1]`, and `train_depth - 1` further
 chained steps (teacher-forced tokens, the drafter's own `out`, the masks of drafting) follow; this fine-tunes
 the checkpoint's layers in place.
@@ -199,6 +200,9 @@ class Net(nn.Module):
 
     def __init__(self, config: Config, target, head: dict[str, torch.Tensor], layer: nn.Module):
         super().__init__()
+        for name in ("train_depth", "eval_depth"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"drafter: native {name} must be >= 1, got {getattr(config, name)}")
         self.config = config
         base = _base(target)
         d = target.config.get_text_config().hidden_size
