@@ -184,7 +184,7 @@ def spec_state_bytes(engine) -> tuple[int | None, int | None]:
     if state is None:
         return None, None
     from specdec.replayssm.plan import plan_json
-    plan = plan_json(state.cfg)
+    plan = plan_json(state.cfg, layout=engine.config.commit)  # the ring layout follows the commit mode
     tree = bool(getattr(engine.drafter, "tree", False))
     return int(plan["spec_state_replay_tree" if tree else "spec_state_replay"]), int(plan["spec_state_snapshot"])
 

@@ -37,18 +37,31 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return x.new_zeros(B, 0, C), conv_state.to(x.dtype)
     dt = math_dtype(conv_state, x, weight)
     full = torch.cat([conv_state.to(dt), x.to(dt).transpose(1, 2)], dim=-1)  # [B, C, Kc-1+T]
-    w = weight.to(dt)
-    y = full[..., :T] * w[:, :1]  # [B, C, T]: tap j reads column t + j of full
-    for j in range(1, Kc):
-        y = y + full[..., j:j + T] * w[:, j:j + 1]
-    y = y.transpose(1, 2).contiguous()  # [B, T, C]
-    if bias is not None:  # added after the taps, as conv_step does
-        y = y + bias.to(dt)
+    y = conv_taps(full.unfold(2, Kc, 1), weight, bias, activation)  # token t reads columns t .. t+Kc-1
+    return y.to(x.dtype), full[..., T:].to(x.dtype)
+
+
+def conv_taps(cols: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              activation: str | None) -> torch.Tensor:
+    """Depthwise conv of gathered inputs `cols [R, C, T, Kc]` with `weight [C, Kc]` -> `[R, T, C]` (math dtype).
+
+    One arithmetic for plain decode (`short_conv`: sliding windows of `[window, x]`) and the verify (the
+    gathered inputs of each node's root path): taps multiplied and summed left to right, then the bias, then a
+    silu whose rounding does not depend on the tensor's size. So every verify token's output equals plain
+    decode of its root path, bit for bit.
+    """
+    w = weight.to(cols.dtype)
+    y = cols[..., 0] * w[:, :1]  # [R, C, T]
+    for j in range(1, cols.shape[-1]):
+        y = y + cols[..., j] * w[:, j:j + 1]
+    y = y.transpose(1, 2).contiguous()
+    if bias is not None:
+        y = y + bias.to(cols.dtype)
     if activation == "silu":
         y = _silu(y)
     elif activation is not None:
         raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
-    return y.to(x.dtype), full[..., T:].to(x.dtype)
+    return y
 
 
 def _silu(y: torch.Tensor) -> torch.Tensor:

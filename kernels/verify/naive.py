@@ -6,7 +6,7 @@ import torch
 
 from ..common import check_delta_inputs, check_shape, delta_step, math_dtype, prepare_qk, valid_slots
 from ..rebuild.naive import fast_rebuild
-from ..recurrent.naive import _silu
+from ..recurrent.naive import conv_taps
 
 
 def _pick_parents(root: torch.Tensor, done: list[torch.Tensor], p: torch.Tensor, chain: bool) -> torch.Tensor:
@@ -57,28 +57,6 @@ def conv_columns(conv_state: torch.Tensor, x: torch.Tensor, parent: torch.Tensor
         cur = torch.where(in_seq, parent.gather(1, cur.clamp(min=0)), -1)
     idx = torch.stack(idx[::-1], -1)  # [R, T, Kc], oldest first
     return full.gather(2, idx.reshape(R, 1, T * Kc).expand(R, C, T * Kc)).view(R, C, T, Kc)
-
-
-def conv_taps(cols: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              activation: str | None) -> torch.Tensor:
-    """Depthwise conv of gathered inputs `cols [R, C, T, Kc]` with `weight [C, Kc]` -> `[R, T, C]` (math dtype).
-
-    The arithmetic of the plain-decode `short_conv`, element by element: taps multiplied and summed left to
-    right, then the bias, then a silu whose rounding does not depend on the tensor's size. So every verify
-    token's output equals plain decode of its root path, bit for bit.
-    """
-    w = weight.to(cols.dtype)
-    y = cols[..., 0] * w[:, :1]  # [R, C, T]
-    for j in range(1, cols.shape[-1]):
-        y = y + cols[..., j] * w[:, j:j + 1]
-    y = y.transpose(1, 2).contiguous()
-    if bias is not None:
-        y = y + bias.to(cols.dtype)
-    if activation == "silu":
-        y = _silu(y)
-    elif activation is not None:
-        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
-    return y
 
 
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
