@@ -101,3 +101,25 @@ def test_best_checkpoint_is_the_best_validation_step(setup, capsys):
     saved = load_file(out / "model.safetensors")
     assert all(torch.equal(saved[k], snaps[best][1][k]) for k in saved)
     assert not all(torch.equal(saved[k], snaps[-1][1][k]) for k in saved)
+
+
+def test_config_overrides(setup, capsys):
+    """`--config KEY=VALUE` sets a config field: of a fresh drafter, or of an --init one whose weights still fit
+    (the training depth); a field that changes the weights' shapes or does not exist is an argument error."""
+    root = setup
+    if not (root / "a").is_dir():
+        _run(root, capsys, "--drafter", "mtp", "--steps", 1, "--out", root / "a")
+    rc, _ = _run(root, capsys, "--drafter", "mtp", "--steps", 1, "--lr", 0, "--init", root / "a", "--config",
+                 "train_depth=3", "--out", root / "deep")
+    cfg = json.load(open(root / "deep" / "config.json"))
+    assert rc == 0 and cfg["train_depth"] == 3
+    a, b = load_file(root / "a" / "model.safetensors"), load_file(root / "deep" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the same weights, a new depth
+    rc, _ = _run(root, capsys, "--drafter", "dspark", "--steps", 1, "--config", "markov_rank=8", "--out", root / "r8")
+    assert rc == 0 and json.load(open(root / "r8" / "config.json"))["markov_rank"] == 8
+    for extra, msg in ((["--init", root / "a", "--config", "intermediate_size=8"], "--config"),
+                       (["--config", "bogus=1"], "'bogus' is not a mtp config field"),
+                       (["--config", "train_depth"], "expected KEY=VALUE")):
+        with pytest.raises(SystemExit) as e:
+            _run(root, capsys, "--drafter", "mtp", "--steps", 1, *extra, "--out", root / "c")
+        assert e.value.code == 2 and msg in capsys.readouterr().err

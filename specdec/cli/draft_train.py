@@ -21,6 +21,24 @@ def train(target, ids, kind: str, **options):
     return _train.train(target, ids, kind, runner_factory=make_runner, **options)
 
 
+def _reconfigured(net, target, overrides: dict, p):
+    """`net` rebuilt with config fields `overrides` and its own weights (an error when they no longer fit)."""
+    import dataclasses
+
+    from specdec.draft.registry import kind_module, own_state_dict, to_target
+    mod = kind_module(net.config.kind)
+    try:
+        cfg = dataclasses.replace(net.config, **overrides)
+        new = to_target(mod.Net.from_target(target, cfg), target)
+        new.load_state_dict(own_state_dict(net), strict=False)
+    except (TypeError, ValueError, RuntimeError) as e:
+        p.error(f"argument --config: {e}")
+    missing = set(own_state_dict(new)) - set(own_state_dict(net))
+    if missing:
+        p.error(f"argument --config: with --init the weights must still fit (missing {sorted(missing)[:4]})")
+    return new
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m specdec.draft.train", description=_train.__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
@@ -43,6 +61,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache-batches", type=int, default=0,
                    help="train on this many target batches computed once (0: a new target forward each step)")
     p.add_argument("--cache", default=None, metavar="FILE", help="with --cache-batches: where they are kept")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="a drafter config field (JSON value), e.g. ttt_steps=6; with --init, fields that keep the "
+                        "weights' shapes (training depth, loss weights)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -63,6 +84,21 @@ def main(argv=None) -> int:
                 ids = torch.tensor(tok(f.read())["input_ids"], dtype=torch.long)
     except (OSError, ValueError) as e:
         p.error(f"argument --data: {e}")
+    overrides = {}
+    for item in args.config:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"argument --config: expected KEY=VALUE, got {item!r}")
+        try:
+            overrides[key] = json.loads(value)
+        except ValueError:
+            overrides[key] = value
+    import dataclasses
+
+    from specdec.draft.registry import kind_module
+    known = {f.name for f in dataclasses.fields(kind_module(args.drafter).Config)}
+    if set(overrides) - known:
+        p.error(f"argument --config: {sorted(set(overrides) - known)[0]!r} is not a {args.drafter} config field")
     init = None
     if args.init:
         try:
@@ -71,6 +107,8 @@ def main(argv=None) -> int:
             p.error(f"argument --init: {e}")
         if init.config.kind != args.drafter:
             p.error(f"argument --init: {args.init!r} holds a {init.config.kind} drafter, not {args.drafter}")
+        if overrides:
+            init = _reconfigured(init, target, overrides, p)
     t0 = time.time()
     try:
         net, hist = train(target, ids, args.drafter, steps=args.steps, lr=args.lr, seq_len=args.seq_len,
@@ -78,7 +116,7 @@ def main(argv=None) -> int:
                           seed=args.seed, net=init, log=lambda line: print(line, flush=True),
                           on_best=lambda n, entry: save_drafter(n, args.out), checkpoint=args.checkpoint,
                           max_minutes=args.max_minutes, patience=args.patience, cache_batches=args.cache_batches,
-                          cache=args.cache)
+                          cache=args.cache, **({} if init is not None else overrides))
     except ValueError as e:
         p.error(str(e))
     first, last, best = hist["val"][0], hist["val"][-1], hist["best"]
