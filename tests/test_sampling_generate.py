@@ -61,8 +61,8 @@ def test_chi2_gof_pools_small_cells():
 # models, oracle, sampling
 
 
-def make_model(seed: int):
-    model = tiny_model(FAMILY, seed=seed, vocab_size=V, num_layers=2)
+def make_model(seed: int, family: str = FAMILY):
+    model = tiny_model(family, seed=seed, vocab_size=V, num_layers=2)
     with torch.no_grad():
         model.lm_head.weight.mul_(LOGIT_SCALE)
     return model
@@ -127,6 +127,24 @@ def test_sampled_tokens_follow_target(engines, target, drafter, setting):
     print(f"{drafter} {setting}: chi2 {stat:.1f} df {df} critical {crit:.1f} "
           f"alpha {totals['accepted'] / totals['proposed']:.3f}")
     assert stat < crit, f"{drafter} {setting}: chi2 {stat:.1f} >= critical {crit:.1f} (df {df})"
+
+
+@pytest.mark.parametrize("family, options", [("olmo_hybrid", {}), (FAMILY, {"static_shapes": True})],
+                         ids=["olmo_hybrid", "static_shapes"])
+def test_sampling_on_more_paths(family, options):
+    """The same test on another family's hybrid adapter (OLMo-Hybrid: Gated DeltaNet + attention), and on the
+    static-shape path (batch padded to its bucket, drafts to gamma, zero draft probabilities in the padding)."""
+    target, draft = make_model(0, family), make_model(1, family)
+    engine = specdec.wrap(target, drafter="model", draft_model=draft, num_draft_tokens=GAMMA, max_batch_size=BATCH,
+                          max_length=64, **options)
+    params = SETTINGS["temperature=1"]
+    joint = exact_joint(target, PROMPT, SamplingParams(do_sample=True, **params), NEW)
+    counts, totals = sample_counts(engine, params, N, seed=7000)
+    assert totals["drafter_failures"] == 0 and totals["proposed"] >= N, totals
+    assert 0.05 * totals["proposed"] < totals["accepted"] < 0.9 * totals["proposed"], totals
+    stat, df, crit = gof(counts, joint)
+    print(f"{family} {options}: chi2 {stat:.1f} df {df} critical {crit:.1f}")
+    assert stat < crit, f"{family} {options}: chi2 {stat:.1f} >= critical {crit:.1f} (df {df})"
 
 
 # ----------------------------------------------------------------------------------------------
