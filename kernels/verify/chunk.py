@@ -11,8 +11,11 @@ ancestors (a chain: tokens 1..t) and `G_t` = the log-decays summed over `path(t)
 
 `d_t` is the record the per-token step writes (`beta (v - S'^T k)`), so the rings hold the same quantities, and
 each node's output and state are those of its own root-to-node chain: the causal mask of the chunk is the
-ancestor mask (`common.ancestor_mask`), a chain's is the lower triangle. The triangular solve and the masked
-products are batched over requests, heads and nodes (`chunk.wy_terms`, shared with the chunked prefill).
+ancestor mask (`common.ancestor_mask`), a chain's is the lower triangle. One triangular solve and a few masked
+matmuls, batched over requests and heads, with the decays factored per channel (`chunk_step`); gates too strong
+for the factors take the pairwise decays of `chunk.wy_terms`, the intra-chunk part of the chunked prefill. (The
+embedded model's KDA gates reach -47 per token; a 49-node tree spans up to ~70 in one channel, inside the
+factored range.)
 
 Exactness (DESIGN §5). The committed state never comes from here: the exact fold replays the records, which are
 the inputs (rawk, rawv, g, beta: copied bit for bit), step by step, so a committed state is still the one plain
