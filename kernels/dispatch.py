@@ -52,22 +52,28 @@ def reference_impl(name: str):
     return OPS[name][0]
 
 
-def pick(name: str, *tensors):
-    """Triton for CUDA tensors (or with SPECDEC_FORCE_TRITON=1), else the reference; fp64 -> reference.
+def uses_triton(*tensors) -> bool:
+    """Whether `pick` chooses the Triton kernels for these tensors."""
+    flat = _tensors(tensors)
+    return not any(t.dtype == torch.float64 for t in flat) and (force_triton() or any(t.is_cuda for t in flat))
 
-    `tensors` may hold None and tuples of tensors (rings); only tensors are looked at.
-    """
+
+def _tensors(tensors) -> list[torch.Tensor]:
     flat = []
     for t in tensors:
         if isinstance(t, (tuple, list)):
             flat.extend(x for x in t if isinstance(x, torch.Tensor))
         elif isinstance(t, torch.Tensor):
             flat.append(t)
-    if any(t.dtype == torch.float64 for t in flat):
-        return reference_impl(name)
-    if force_triton() or any(t.is_cuda for t in flat):
-        return triton_impl(name)
-    return reference_impl(name)
+    return flat
+
+
+def pick(name: str, *tensors):
+    """Triton for CUDA tensors (or with SPECDEC_FORCE_TRITON=1), else the reference; fp64 -> reference.
+
+    `tensors` may hold None and tuples of tensors (rings); only tensors are looked at.
+    """
+    return triton_impl(name) if uses_triton(*tensors) else reference_impl(name)
 
 
 def _dispatched(name: str):

@@ -316,7 +316,9 @@ class ReplayStrategy(StateStrategy):
 
     def _verify(self, layer, r, q, k, v, g, beta):
         nodes = None
-        if r.parent is not None:
+        # the Triton tree kernel reloads parent states from the node buffer; the CPU's chunk form needs none
+        # (commit folds the records)
+        if r.parent is not None and kernels.dispatch.uses_triton(q, self.pool.ssm):
             if self.node_states is None:  # allocated once, overwritten layer after layer
                 self.node_states = allocate(buffer_specs(self.cfg)["tree_node_states"], self.device)
             nodes = self.node_states
