@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common import check_delta_inputs, check_shape, delta_step, math_dtype, prepare_qk, valid_slots
+from ..common import (check_delta_inputs, check_shape, check_verify_buffers, delta_step, math_dtype, prepare_qk,
+                      valid_slots)
 from ..rebuild.naive import fast_rebuild
 from ..recurrent.naive import conv_taps
 
@@ -172,13 +173,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         o `[B, T, H, V]` in v.dtype.
     """
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
-    check_shape("ssm_state", ssm_state, (None, H, K, V))
-    check_shape("ssm_state_indices", ssm_state_indices, (B,))
-    if intermediate_states is not None and (intermediate_states.dim() != 5 or intermediate_states.shape[0] < B
-                                            or intermediate_states.shape[1] < T
-                                            or intermediate_states.shape[2:] != (H, K, V)):
-        raise ValueError(f"intermediate_states: expected [>={B}, >={T}, {H}, {K}, {V}], "
-                         f"got {list(intermediate_states.shape)}")
+    check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
     check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
     chain = parent is None
     parent = _parents(parent, B, T, k.device)

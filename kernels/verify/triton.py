@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import check_delta_inputs, check_shape
+from ..common import check_delta_inputs, check_shape, check_verify_buffers
 from .naive import check_ring_args
 from ..rebuild.triton import rebuild_tile
 from ..triton_utils import cast_to, check_float, delta_step, l2norm, load_gate, num_warps_for, readout, state_blocks
@@ -311,15 +311,9 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
     if g.shape[-1] not in (1, K):
         raise ValueError(f"g: expected last dim {K} (KDA) or none (GDN), got {list(g.shape)}")
-    check_shape("ssm_state", ssm_state, (None, H, K, V))
-    check_shape("ssm_state_indices", ssm_state_indices, (B,))
+    check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
     if norm not in ("rsqrt", "sqrt_div"):
         raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
-    if intermediate_states is not None and (intermediate_states.dim() != 5 or intermediate_states.shape[0] < B
-                                            or intermediate_states.shape[1] < T
-                                            or intermediate_states.shape[2:] != (H, K, V)):
-        raise ValueError(f"intermediate_states: expected [>={B}, >={T}, {H}, {K}, {V}], "
-                         f"got {list(intermediate_states.shape)}")
     par = _parents(parent, B, T, k.device)
     if par is not None and intermediate_states is None:
         raise ValueError("intermediate_states: required for tree verify (node states live there)")
