@@ -44,9 +44,20 @@ def gate_channels(g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     return g.unsqueeze(-1) if g.dim() == beta.dim() else g
 
 
+RULES = ("delta", "mamba2")
+
+
+def check_rule(rule: str) -> str:
+    """`rule` if known, else one `ValueError` naming it."""
+    if rule not in RULES:
+        raise ValueError(f"rule: expected 'delta' or 'mamba2', got {rule!r}")
+    return rule
+
+
 def delta_step(S: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """One token of the gated delta rule, in plain-decode op order.
+               beta: torch.Tensor, *,
+               rule: str = "delta") -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """One token of the gated delta rule (or the Mamba2 rule), in plain-decode op order.
 
     Args:
         S: state `[N, H, K, V]` in the math dtype.
@@ -55,17 +66,25 @@ def delta_step(S: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torc
     Returns:
         `(S_t [N, H, K, V], o_t [N, H, V], d_t [N, H, V])` with `S' = exp(g) S`,
         `d = beta (v - S'^T k)`, `S_t = S' + k d^T`, `o = S_t^T q`.
+        `rule="mamba2"`: no delta correction, `d = beta v` (a Mamba2 head: k = B, v = x, q = C, g = dt A,
+        beta = dt). The same `d` feeds the fast rebuild, so lazy commit holds for both rules.
     """
     S = S * g.exp()[..., None]
-    d = beta[..., None] * (v - dot(S, k))
+    if rule == "mamba2":
+        d = beta[..., None] * v
+    else:
+        d = beta[..., None] * (v - dot(S, k))
     S = S + k[..., None] * d[..., None, :]
     o = None if q is None else dot(S, q)
     return S, o, d
 
 
 def prepare_qk(q: torch.Tensor | None, k: torch.Tensor, *, scale: float, eps: float, norm: str,
-               dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Raw q/k `[..., K]` -> (normalized q * scale, normalized k) in `dtype`."""
+               dtype: torch.dtype, rule: str = "delta") -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Raw q/k `[..., K]` -> (normalized q * scale, normalized k) in `dtype`; the mamba2 rule uses C and B as
+    they come (cast only)."""
+    if check_rule(rule) == "mamba2":
+        return (None if q is None else q.to(dtype)), k.to(dtype)
     k = l2norm(k.to(dtype), eps=eps, norm=norm)
     if q is not None:
         q = l2norm(q.to(dtype), eps=eps, norm=norm) * scale

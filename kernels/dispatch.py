@@ -23,6 +23,7 @@ from .rebuild.naive import fast_rebuild as _ref_fast_rebuild
 from .scatter.naive import masked_scatter as _ref_masked_scatter
 from .verify.chunk import verify_delta_rule as _ref_verify_delta_rule
 from .verify.naive import short_conv_verify as _ref_short_conv_verify
+from .verify.naive import verify_delta_rule as _ref_verify_recurrent
 
 # op name -> (reference, Triton module relative to this package)
 OPS = {
@@ -76,11 +77,21 @@ def pick(name: str, *tensors):
     return triton_impl(name) if uses_triton(*tensors) else reference_impl(name)
 
 
+# the reference of each op for the mamba2 rule (the chunk-form verify is delta-rule only)
+MAMBA2_REFS = {"verify_delta_rule": _ref_verify_recurrent, "exact_fold": _ref_exact_fold}
+
+
 def _dispatched(name: str):
     ref = reference_impl(name)
 
     @functools.wraps(ref)
     def op(*args, **kwargs):
+        rule = kwargs.get("rule", "delta")
+        if rule != "delta":
+            if name not in MAMBA2_REFS:
+                raise ValueError(f"rule: {name} takes no rule, got {rule!r}")
+            return MAMBA2_REFS[name](*args, **kwargs)
+        kwargs.pop("rule", None)  # the delta rule is every kernel's default
         return pick(name, *args, *kwargs.values())(*args, **kwargs)
 
     op.__doc__ = (ref.__doc__ or "") + "\n    Dispatched: Triton on CUDA tensors (see specdec.kernels.dispatch).\n"

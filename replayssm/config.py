@@ -44,6 +44,9 @@ def check_ring_len(ring_len: int, num_verify_tokens: int) -> None:
 class StateConfig:
     """Shapes and dtypes of every buffer the state strategies hold.
 
+    `rule="mamba2"` (Mamba2 heads, DESIGN §2 with no delta correction): per token `S = exp(g) S + beta k v^T`,
+    `o = S^T q` with k = B `[K = N]`, v = x `[V = P]`, q = C, g = dt * A, beta = dt; no L2 norm, no scale.
+
     Pool: `conv[layer, slot, C, Kc-1]` in `act_dtype`, `ssm[layer, slot, H, K, V]` in `ssm_dtype`;
     `num_slots = max_requests + 1` (the last slot is the null slot). Rings: `[layer, running row, H, D, dim]`
     with eager commit, `[layer, slot, H, L, dim]` with lazy commit (`plan.buffer_specs`). Per-request verify
@@ -57,6 +60,7 @@ class StateConfig:
     conv_kernel: int = 4
     conv_dim: int | None = None  # C; default H * (2K + V): the [q, k, v] channels of the short conv
     gate: str = "kda"  # "kda": per-channel log-decay [K]; "gdn": scalar per head
+    rule: str = "delta"  # "delta": gated delta rule; "mamba2": S = exp(g) S + beta k v^T (k = B, v = x, beta = dt)
     max_requests: int = 8
     max_running: int | None = None  # rows of the per-request verify buffers; default max_requests
     num_verify_tokens: int = 8  # D = anchor + gamma drafts (or tree node budget T)
@@ -76,6 +80,10 @@ class StateConfig:
             raise ValueError(f"conv_kernel: expected >= 2, got {self.conv_kernel}")
         if self.gate not in ("kda", "gdn"):
             raise ValueError(f"gate: expected 'kda' or 'gdn', got {self.gate!r}")
+        if self.rule not in ("delta", "mamba2"):
+            raise ValueError(f"rule: expected 'delta' or 'mamba2', got {self.rule!r}")
+        if self.rule == "mamba2" and self.gate != "gdn":
+            raise ValueError(f"gate: the mamba2 rule decays each head by a scalar; expected 'gdn', got {self.gate!r}")
         if self.norm not in ("rsqrt", "sqrt_div"):
             raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {self.norm!r}")
         self.ssm_dtype = resolve_dtype(self.ssm_dtype, arg="ssm_dtype")

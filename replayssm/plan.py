@@ -147,7 +147,7 @@ def plan_json(cfg: StateConfig, *, layout: str = "eager") -> dict:
         "num_layers": cfg.num_layers, "num_slots": cfg.num_slots, "max_requests": cfg.max_requests,
         "max_running": cfg.max_running, "num_heads": cfg.num_heads, "head_k_dim": cfg.head_k_dim,
         "head_v_dim": cfg.head_v_dim, "conv_dim": cfg.conv_dim, "conv_kernel": cfg.conv_kernel,
-        "num_verify_tokens": cfg.num_verify_tokens, "ring_len": cfg.ring_len, "gate": cfg.gate,
+        "num_verify_tokens": cfg.num_verify_tokens, "ring_len": cfg.ring_len, "gate": cfg.gate, "rule": cfg.rule,
         "ssm_dtype": _dtype_name(cfg.ssm_dtype), "act_dtype": _dtype_name(cfg.act_dtype),
     }
     return out
@@ -182,6 +182,10 @@ def format_plan(cfg: StateConfig, *, layout: str = "eager") -> str:
                  f"ring total size: {gb(plan['ring_total'], 3)}")
     conv = conv_record_name(layout)
     conv_what = "conv windows" if conv == "intermediate_conv_window" else "conv inputs"
+    if cfg.rule == "mamba2":
+        lines.append(f"Mamba2 heads (rule mamba2): ssm_state holds h^T [N={cfg.head_k_dim}, P={cfg.head_v_dim}] per "
+                     f"head; ring_rawv = x [P], ring_rawk = B [N] (its group's, per head), ring_g = dt*A, "
+                     f"ring_beta = dt; conv channels [x, B, C] = {cfg.conv_dim}")
     lines.append(f"Spec state, layout {layout} (max_running={cfg.max_running}+1; snapshot: all-layer states + "
                  f"conv windows per token; ReplaySSM: rings + {conv_what}, trees + one layer's node states):")
     for key, label in [("chain", f"chain D={cfg.num_verify_tokens}"), *((f"tree_{t}", f"tree T={t}")

@@ -113,8 +113,9 @@ class StateStrategy(ABC):
 
     def mix(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor) -> torch.Tensor:
-        """Delta rule of one layer: raw q, k `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H, K]` (KDA) or
-        `[B, T, H]` (GDN), beta `[B, T, H]` -> o `[B, T, H, V]`."""
+        """Delta rule (or the Mamba2 rule: q = C, k = B, v = x, g = dt A, beta = dt) of one layer: raw q, k
+        `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H, K]` (KDA) or `[B, T, H]` (GDN), beta `[B, T, H]`
+        -> o `[B, T, H, V]`."""
         cfg = self.cfg
         H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
         r = self._open(layer, q, (H, K), "q")
@@ -238,7 +239,7 @@ class StateStrategy(ABC):
 
     def _kw(self) -> dict:
         c = self.cfg
-        return dict(scale=c.scale, eps=c.norm_eps, norm=c.norm, null_slot=self.pool.null_slot)
+        return dict(scale=c.scale, eps=c.norm_eps, norm=c.norm, null_slot=self.pool.null_slot, rule=c.rule)
 
     # ---- per strategy ------------------------------------------------------------------------------
     @abstractmethod
@@ -337,7 +338,7 @@ class ReplayStrategy(StateStrategy):
                            offsets=offsets, seq_lens=self.pool.seq_len if track else None,
                            track_interval=c.track_interval if track else None,
                            track_states=self.pool.track_ssm if track else None, eps=c.norm_eps, norm=c.norm,
-                           null_slot=self.pool.null_slot, **kw)
+                           null_slot=self.pool.null_slot, rule=c.rule, **kw)
 
     def _commit_state(self, r, path, n, before):
         slots = torch.where(valid_slots(r.slots, self.pool.null_slot), r.slots, self.pool.null_slot)

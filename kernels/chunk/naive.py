@@ -48,8 +48,10 @@ def wy_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
 
 def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      *, initial_state: torch.Tensor | None = None, scale: float | None = None,
-                     eps: float = 1e-6, norm: str = "rsqrt", chunk_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float = 1e-6, norm: str = "rsqrt", chunk_size: int = 16,
+                     rule: str = "delta") -> tuple[torch.Tensor, torch.Tensor]:
     """Gated delta rule over `T` tokens, chunked; same arguments and results as `recurrent_delta_rule`.
+    `rule="mamba2"`: no delta correction, the records are `u = beta v` whatever S0 (no solve needed).
 
     Args:
         q, k: raw (pre-L2-norm) `[B, T, H, K]`;  v: `[B, T, H, V]`.
@@ -64,7 +66,7 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         raise ValueError(f"chunk_size: expected >= 1, got {chunk_size}")
     dt = math_dtype(q, k, v, g, beta, initial_state)
     scale = K ** -0.5 if scale is None else scale
-    q, k = prepare_qk(q, k, scale=scale, eps=eps, norm=norm, dtype=dt)
+    q, k = prepare_qk(q, k, scale=scale, eps=eps, norm=norm, dtype=dt, rule=rule)
     C, out_dtype = chunk_size, v.dtype
     pad = (-T) % C
     N = (T + pad) // C
@@ -79,12 +81,14 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     b = chunks(beta[..., None])                                        # [B, H, N, C, 1]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     kd, P, W, Y, eG = wy_terms(q, k, v, b, G, causal)
+    if rule == "mamba2":
+        W, Y = b * v, None
     qG = q * eG
     kG = k * (G[..., -1:, :] - G).to(q.dtype).exp()                    # k_j exp(G_C - G_j)
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     outs = []
     for n in range(N):
-        u = W[:, :, n] - Y[:, :, n] @ S
+        u = W[:, :, n] if Y is None else W[:, :, n] - Y[:, :, n] @ S
         outs.append(qG[:, :, n] @ S + P[:, :, n] @ u)
         S = eG[:, :, n, -1, :, None] * S + kG[:, :, n].transpose(-1, -2) @ u
     o = torch.stack(outs, 2).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import delta_step, math_dtype, prepare_qk, valid_slots
+from ..common import check_rule, delta_step, math_dtype, prepare_qk, valid_slots
 from ..scatter.naive import commit_conv_windows
 
 
@@ -41,9 +41,10 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
                track_interval: int | None = None, track_states: torch.Tensor | None = None,
                conv_state: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
                conv_path: torch.Tensor | None = None, conv_count: torch.Tensor | None = None,
-               eps: float = 1e-6, norm: str = "rsqrt", null_slot: int = -1) -> None:
+               eps: float = 1e-6, norm: str = "rsqrt", null_slot: int = -1, rule: str = "delta") -> None:
     """Fold accepted records into the checkpoints of every layer, in place; optionally rebuild the rows' conv
-    windows from their input records.
+    windows from their input records. `rule`: the step of `common.delta_step` the records replay ("mamba2": rawv
+    = x, rawk = B, g = dt A, beta = dt).
 
     Args:
         ssm_state: checkpoints of all layers `[Lyr, N, H, K, V]` (updated in place).
@@ -62,6 +63,7 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
             the row's accepted tokens (`scatter.naive.rebuild_windows`): `conv_count [B]` tokens
             (default num_tokens) along `conv_path [B, M]` (default offsets; None: a chain).
     """
+    check_rule(rule)
     check_fold_args(ssm_state, ring_beta, ssm_state_indices, num_tokens, ring_indices, conv_state, conv_inputs,
                     conv_count)
     if conv_state is not None:
@@ -77,12 +79,13 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
         r = s if ring_indices is None else int(ring_indices[b])
         off = torch.arange(n, device=ring_beta.device) if offsets is None else offsets[b, :n]
         pos = off if ring_start is None else (ring_start[r] + off) % L
-        _, k = prepare_qk(None, ring_rawk[:, r][:, :, pos], scale=1.0, eps=eps, norm=norm, dtype=dt)
+        _, k = prepare_qk(None, ring_rawk[:, r][:, :, pos], scale=1.0, eps=eps, norm=norm, dtype=dt,
+                           rule=rule)
         v, g, beta = (ring_rawv[:, r][:, :, pos].to(dt), ring_g[:, r][:, :, pos].to(dt),
                       ring_beta[:, r][:, :, pos].to(dt))  # [Lyr, H, n, *]
         S = ssm_state[:, s].to(dt)
         for j in range(n):
-            S, _, _ = delta_step(S, None, k[:, :, j], v[:, :, j], g[:, :, j], beta[:, :, j])
+            S, _, _ = delta_step(S, None, k[:, :, j], v[:, :, j], g[:, :, j], beta[:, :, j], rule=rule)
             if track_interval is not None and seq_lens is not None:
                 count = int(seq_lens[s]) + j + 1
                 if count % track_interval == 0:

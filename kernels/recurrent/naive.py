@@ -78,8 +78,10 @@ def _silu(y: torch.Tensor) -> torch.Tensor:
 
 def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          *, initial_state: torch.Tensor | None = None, scale: float | None = None,
-                         eps: float = 1e-6, norm: str = "rsqrt") -> tuple[torch.Tensor, torch.Tensor]:
-    """Gated delta rule (KDA, or GDN when `g` has no channel dim) token by token, from raw q/k.
+                         eps: float = 1e-6, norm: str = "rsqrt",
+                         rule: str = "delta") -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule (KDA, or GDN when `g` has no channel dim) token by token, from raw q/k; `rule="mamba2"`:
+    a Mamba2 head (q = C, k = B, v = x, g = dt A `[B, T, H]`, beta = dt; no norm, no scale, no D skip).
 
     Args:
         q, k: raw (pre-L2-norm) `[B, T, H, K]`;  v: `[B, T, H, V]`.
@@ -91,9 +93,10 @@ def recurrent_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
     dt = math_dtype(q, k, v, g, beta, initial_state)
     scale = K ** -0.5 if scale is None else scale
-    q, k = prepare_qk(q, k, scale=scale, eps=eps, norm=norm, dtype=dt)
+    q, k = prepare_qk(q, k, scale=scale, eps=eps, norm=norm, dtype=dt, rule=rule)
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt).clone()
     o = q.new_zeros(B, T, H, V)
     for t in range(T):
-        S, o[:, t], _ = delta_step(S, q[:, t], k[:, t], v[:, t].to(dt), g[:, t].to(dt), beta[:, t].to(dt))
+        S, o[:, t], _ = delta_step(S, q[:, t], k[:, t], v[:, t].to(dt), g[:, t].to(dt), beta[:, t].to(dt),
+                                   rule=rule)
     return o.to(v.dtype), S

@@ -1,5 +1,8 @@
 """Verify in chunk form: the T tokens of a round (or the T nodes of a tree) as one WY chunk, no per-token loop.
 
+Delta rule only: `kernels.dispatch` sends the mamba2 rule (`rule="mamba2"`) to the per-token recurrence
+(`naive.verify_delta_rule`) on every device.
+
 Same arguments, outputs, ring records and node states as `naive.verify_delta_rule` (the per-token recurrence,
 kept as the independent oracle); this is what `kernels.dispatch` serves off the GPU. Per request and head, from
 the start state S0 (the checkpoint, or its fast rebuild with pending records), with `path(t)` = t and its

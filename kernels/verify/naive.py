@@ -151,8 +151,10 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
                       num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
-                      null_slot: int = -1) -> torch.Tensor:
+                      null_slot: int = -1, rule: str = "delta") -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint; the checkpoint is not written.
+    The per-token recurrence of either rule (`rule="mamba2"`: `common.delta_step` without the delta correction;
+    q = C, k = B, v = x, g = dt A, beta = dt, taken as they come).
 
     Args:
         q, k: raw `[B, T, H, K]`;  v: `[B, T, H, V]`;  g: `[B, T, H, K]` (KDA) or `[B, T, H]` (GDN);
@@ -184,7 +186,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     slots = ssm_state_indices[rows]
     dt = math_dtype(ssm_state, q, k, v, g, beta)
     scale = K ** -0.5 if scale is None else scale
-    qn, kn = prepare_qk(q[rows], k[rows], scale=scale, eps=eps, norm=norm, dtype=dt)
+    qn, kn = prepare_qk(q[rows], k[rows], scale=scale, eps=eps, norm=norm, dtype=dt, rule=rule)
     vv, gg, bb = v[rows].to(dt), g[rows].to(dt), beta[rows].to(dt)
     if num_pending is not None and bool((num_pending[slots] > 0).any()):
         d_ring, k_ring, g_ring = ring[0], ring[1], ring[2]
@@ -197,7 +199,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     for t in range(T):
         p = parent[rows, t]
         prev = _pick_parents(root, states, p, chain)
-        S, ot, d = delta_step(prev, qn[:, t], kn[:, t], vv[:, t], gg[:, t], bb[:, t])
+        S, ot, d = delta_step(prev, qn[:, t], kn[:, t], vv[:, t], gg[:, t], bb[:, t], rule=rule)
         states.append(S)
         outs.append(ot)
         ds.append(d)

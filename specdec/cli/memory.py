@@ -34,10 +34,23 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"argument {exc}")
 
     heads = args.heads // args.tp
-    k = v = args.head_dim
+    if args.rule == "mamba2":
+        if args.state_dim is None or args.state_dim < 1:
+            parser.error(f"argument --state-dim: the mamba2 rule needs N >= 1, got {args.state_dim}")
+        if args.groups < 1 or args.groups % args.tp or heads % max(args.groups // args.tp, 1):
+            parser.error(f"argument --groups: expected G >= 1 dividing the heads per rank after --tp {args.tp}, "
+                         f"got {args.groups}")
+        if args.gate == "kda":
+            parser.error("argument --gate: the mamba2 rule decays each head by a scalar; use --gate gdn")
+        # a Mamba2 head: K = N (B, C), V = P (x); the conv runs over [x, B, C] of the rank's groups
+        k, v = args.state_dim, args.head_dim
+        conv_dim = heads * v + 2 * (args.groups // args.tp) * k
+    else:
+        k = v = args.head_dim
+        conv_dim = heads * (2 * k + v)
     cfg = StateConfig(
         num_layers=args.layers, num_heads=heads, head_k_dim=k, head_v_dim=v, conv_kernel=args.conv_kernel,
-        conv_dim=heads * (2 * k + v), gate=args.gate, max_requests=max_requests, max_running=running,
+        conv_dim=conv_dim, gate=args.gate, rule=args.rule, max_requests=max_requests, max_running=running,
         num_verify_tokens=args.draft_tokens, ring_len=ring_len, ssm_dtype=ssm_dtype, act_dtype="bfloat16",
     )
     print(json.dumps(plan_json(cfg, layout=args.layout), indent=2) if args.json
@@ -55,7 +68,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--slots", type=int, required=True, help="pool slots, including the null slot")
     p.add_argument("--heads", type=int, required=True, help="linear-attention heads (all ranks)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; heads per rank = heads / tp")
-    p.add_argument("--head-dim", type=int, default=128, help="K = V")
+    p.add_argument("--head-dim", type=int, default=128, help="K = V (mamba2: P, the head dim)")
     p.add_argument("--conv-kernel", type=int, default=4, help="short-conv kernel width (window = kernel - 1)")
     p.add_argument("--draft-tokens", type=int, default=8, help="D: tokens per verify step")
     p.add_argument("--ring-len", type=int, default=None, help="L, a power of two >= 2*D (default next_pow2(2*D))")
@@ -63,6 +76,11 @@ def add_parser(subparsers) -> None:
                    help="running requests; spec buffers get running+1 rows (default slots-1)")
     p.add_argument("--ssm-dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
     p.add_argument("--gate", choices=("kda", "gdn"), default="kda", help="kda: per-channel g; gdn: scalar g")
+    p.add_argument("--rule", choices=("delta", "mamba2"), default="delta",
+                   help="delta: gated delta rule; mamba2: Mamba2 heads (with --gate gdn, --head-dim P, --state-dim "
+                        "N, --groups G)")
+    p.add_argument("--state-dim", type=int, default=None, help="mamba2: N, the SSM state size (K)")
+    p.add_argument("--groups", type=int, default=1, help="mamba2: G, the B / C groups (all ranks)")
     p.add_argument("--layout", choices=("eager", "lazy", "sglang"), default="eager",
                    help="ring layout: eager (eager commit: [layer, running row, H, D, dim], the fold's records, "
                         "conv inputs), lazy (lazy commit: per-slot rings, conv inputs), sglang (SGLang's: "
