@@ -1,5 +1,6 @@
 """Per-family linear-attention mixers: the model's own projections, gates and output norm around our
-short conv and delta rule. Each `run` mirrors the transformers module's forward op for op.
+short conv and delta rule (Mamba2 mixers: the mamba2 rule). Each `run` mirrors the transformers module's forward
+op for op.
 
 `HYBRID_FAMILIES` is the registry the hybrid runner dispatches on: per `config.model_type` the mixer and where
 the decoder layers put their norms."""
@@ -141,15 +142,66 @@ class OlmoGatedDeltaMixer(GatedDeltaMixer):
         return mod.o_proj(o.reshape(B, T, -1))
 
 
+class Mamba2Mixer:
+    """transformers' Mamba2 mixer of Bamba (`BambaMixer`, at `layer.mamba`): `in_proj` split into gate / xBC /
+    dt, short conv over `[x, B, C]` with its activation, dt = softplus(dt + dt_bias) clamped to
+    `time_step_limit`, the SSM through `ops.mix` (the mamba2 rule: q = C, k = B, v = x, g = dt A, beta = dt; the
+    group's B and C repeated for its heads), the D skip, the gated RMSNorm, `out_proj`."""
+
+    gate, norm, rule = "gdn", "rsqrt", "mamba2"
+    requires = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "time_step_limit")
+
+    @staticmethod
+    def module(layer):
+        return layer.mamba
+
+    @staticmethod
+    def dims(mod) -> dict:
+        return dict(num_heads=mod.num_heads, head_k_dim=mod.ssm_state_size, head_v_dim=mod.head_dim,
+                    conv_dim=mod.conv_dim, conv_kernel=mod.conv_kernel_size)
+
+    @staticmethod
+    def run(mod, x: torch.Tensor, ops: MixerOps) -> torch.Tensor:
+        """x `[B, T, hidden]` (after the input norm) -> `[B, T, hidden]`."""
+        B, T, _ = x.shape
+        H, P, N, G = mod.num_heads, mod.head_dim, mod.ssm_state_size, mod.n_groups
+        gate, xBC, dt = mod.in_proj(x).split([mod.intermediate_size, mod.conv_dim, H], dim=-1)
+        xBC = ops.conv(xBC, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, mod.activation)
+        xs, Bg, Cg = torch.split(xBC, [mod.intermediate_size, G * N, G * N], dim=-1)
+        v = xs.reshape(B, T, H, P)
+        k = Bg.reshape(B, T, G, N).repeat_interleave(H // G, dim=2)  # [B, T, H, N]: head h reads group h // (H/G)
+        q = Cg.reshape(B, T, G, N).repeat_interleave(H // G, dim=2)
+        lo, hi = mod.time_step_limit
+        dt = F.softplus(dt + mod.dt_bias.to(dt.dtype)).clamp(min=lo, max=hi)  # [B, T, H]
+        A = -torch.exp(mod.A_log.float())
+        o = ops.mix(q, k, v, dt * A, dt)  # [B, T, H, P]
+        y = o + v * mod.D[:, None].to(o.dtype)
+        y = mod.norm(y.reshape(B, T, -1), gate)
+        return mod.out_proj(y.to(x.dtype))
+
+
+class NemotronHMamba2Mixer(Mamba2Mixer):
+    """`NemotronHMamba2Mixer`: the same Mamba2 mixer, held as a Nemotron-H block's `mixer`."""
+
+    @staticmethod
+    def module(layer):
+        return layer.mixer
+
+
 @dataclass(frozen=True)
 class LayerLayout:
-    """Where a decoder layer puts its norms (attribute names; None: none there):
-    `h += post_mixer(mixer(pre_mixer(h)))`, then `h += post_mlp(mlp(pre_mlp(h)))`."""
+    """Where a decoder layer puts its norms and modules (attribute names; None: none there):
+    `h += post_mixer(mixer(pre_mixer(h)))`, then `h += post_mlp(mlp(pre_mlp(h)))`. `attn` names the attention
+    module of a full-attention layer; `mlp=None`: the layer has no MLP (Nemotron-H blocks hold one module);
+    `mixer=False`: the layer is an MLP alone (Nemotron-H's MLP / MoE blocks)."""
 
     pre_mixer: str | None = "input_layernorm"
     post_mixer: str | None = None
     pre_mlp: str | None = "post_attention_layernorm"
     post_mlp: str | None = None
+    mlp: str | None = "mlp"
+    attn: str = "self_attn"
+    mixer: bool = True
 
     def norms(self, layer) -> tuple:
         """The layer's four norm modules (None where the layout has none)."""
@@ -160,15 +212,39 @@ class LayerLayout:
 PRE_NORM = LayerLayout()
 # OLMo 2/3 attention blocks: no input norm, the norms on the outputs of attention and MLP
 POST_NORM = LayerLayout(None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+# Bamba: mamba or attention, then `feed_forward` after `pre_ff_layernorm`
+BAMBA = LayerLayout(pre_mlp="pre_ff_layernorm", mlp="feed_forward")
+# Nemotron-H blocks: `h += mixer(norm(h))`, the mixer a Mamba2 layer, an attention or an MLP / MoE
+NEMOTRON_MIXER = LayerLayout("norm", None, None, None, mlp=None, attn="mixer")
+NEMOTRON_MLP = LayerLayout(None, None, "norm", None, mlp="mixer", mixer=False)
+
+LINEAR_TYPES = ("linear_attention",)
+MLP_TYPES = ("mlp", "moe")  # Nemotron-H blocks holding an MLP / MoE alone
 
 
 @dataclass(frozen=True)
 class HybridFamily:
-    """One hybrid family: its linear-attention mixer and the layout of its linear / full-attention layers."""
+    """One hybrid family: its linear-attention mixer, the layout of its linear / full-attention layers (and of
+    its MLP-only layers, `config.layer_types` "mlp" / "moe"), and the names of the base model's embedding and
+    final norm."""
 
     mixer: type
     linear: LayerLayout = PRE_NORM
     attention: LayerLayout = PRE_NORM
+    mlp_only: LayerLayout | None = None
+    embed: str = "embed_tokens"
+    final_norm: str = "norm"
+
+    def layout(self, kind: str) -> LayerLayout | None:
+        """The layout of a layer of `kind` ("linear", "attention", "mlp"); None where the family has none."""
+        return {"linear": self.linear, "attention": self.attention, "mlp": self.mlp_only}[kind]
+
+
+def layer_kind(layer_type: str) -> str:
+    """`config.layer_types` entry -> "linear" / "mlp" / "attention" (every other type)."""
+    if layer_type in LINEAR_TYPES:
+        return "linear"
+    return "mlp" if layer_type in MLP_TYPES else "attention"
 
 
 HYBRID_FAMILIES = {
@@ -180,5 +256,13 @@ HYBRID_FAMILIES = {
     "qwen3_5_moe_text": HybridFamily(GatedDeltaMixer),
     "olmo_hybrid": HybridFamily(OlmoGatedDeltaMixer, attention=POST_NORM),
     "bailing_hybrid": HybridFamily(BailingDeltaMixer),
+    "nemotron_h": HybridFamily(NemotronHMamba2Mixer, linear=NEMOTRON_MIXER, attention=NEMOTRON_MIXER,
+                               mlp_only=NEMOTRON_MLP, embed="embeddings", final_norm="norm_f"),
+}
+# The Mamba2 hybrids with an adapter. Bamba's is held back from HYBRID_FAMILIES (so `wrap` keeps Bamba on the
+# generic path) while tests/test_generate.py uses Bamba as its example of a model without an adapter.
+MAMBA2_FAMILIES = {
+    "bamba": HybridFamily(Mamba2Mixer, linear=BAMBA, attention=BAMBA, final_norm="final_layernorm"),
+    "nemotron_h": HYBRID_FAMILIES["nemotron_h"],
 }
 MIXERS = {name: fam.mixer for name, fam in HYBRID_FAMILIES.items()}

@@ -16,7 +16,7 @@ import torch
 from specdec import kernels
 from specdec.replayssm import StateConfig, make_strategy
 
-from .adapters import HYBRID_FAMILIES
+from .adapters import HYBRID_FAMILIES, layer_kind
 from .kv_cache import KVCache
 
 
@@ -116,9 +116,10 @@ def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig, 
     A padded `chunk` (row b real at its first `n[b]` positions) runs on CUDA as fla varlen (`cu_seqlens`, the
     real tokens packed, no padding); elsewhere the padded positions get q = k = v = g = beta = 0, the values
     `chunk_delta_rule` pads its own chunks with, so the state passes them unchanged (no decay, no update) and
-    each row's S is its state after its last real token. o is 0 at padded positions."""
+    each row's S is its state after its last real token. o is 0 at padded positions. The mamba2 rule has no fla
+    kernel here: it takes the chunked reference on every device."""
     padded = chunk is not None and chunk.padded
-    if q.is_cuda:
+    if q.is_cuda and cfg.rule == "delta":
         try:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
             from fla.ops.kda import chunk_kda
@@ -146,26 +147,29 @@ def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig, 
 
         q, k, v, g, beta = real(q), real(k), real(v), real(g), real(beta)
     return kernels.chunk_delta_rule(q, k, v, g, beta, initial_state=state, scale=cfg.scale, eps=cfg.norm_eps,
-                                    norm=cfg.norm)
+                                    norm=cfg.norm, rule=cfg.rule)
 
 
-def _layer_plan(family: str, spec, layers, linear_index) -> tuple[list[tuple], dict[int, bool]]:
-    """Per decoder layer its four norms (`LayerLayout.norms`), and per attention layer whether its forward takes
-    `position_embeddings` (OLMo-Hybrid's does, None without RoPE). Every module the runner calls is looked up
-    here: a class transformers changed fails now, naming the family, layer and missing module."""
+def _layer_plan(family: str, spec, layers, kinds) -> tuple[list[tuple], dict[int, bool], list]:
+    """Per decoder layer its four norms (`LayerLayout.norms`), per attention layer whether its forward takes
+    `position_embeddings` (OLMo-Hybrid's does, None without RoPE), and per layer its MLP module (None: none).
+    Every module the runner calls is looked up here: a class transformers changed fails now, naming the family,
+    layer and missing module."""
     def missing(owner, name: str, what: str):
         cls = type(owner).__name__
         return ValueError(f"model: {family} layer {i} ({cls}) has no {what} {name!r}; the hybrid adapter expects "
                           f"it (has transformers changed {cls}?)")
 
-    norms, rope = [], {}
-    for i, layer in enumerate(layers):
-        linear = i in linear_index
-        layout = spec.linear if linear else spec.attention
-        for name in (layout.pre_mixer, layout.post_mixer, layout.pre_mlp, layout.post_mlp, "mlp"):
+    norms, rope, mlps = [], {}, []
+    for i, (layer, kind) in enumerate(zip(layers, kinds)):
+        layout = spec.layout(kind)
+        if layout is None:
+            raise ValueError(f"model: {family} layer {i} is an MLP-only layer, which the hybrid adapter of "
+                             f"{family} does not expect")
+        for name in (layout.pre_mixer, layout.post_mixer, layout.pre_mlp, layout.post_mlp, layout.mlp):
             if name is not None and not isinstance(getattr(layer, name, None), torch.nn.Module):
                 raise missing(layer, name, "module")
-        if linear:
+        if kind == "linear":
             try:
                 mod = spec.mixer.module(layer)
             except AttributeError as e:
@@ -173,18 +177,20 @@ def _layer_plan(family: str, spec, layers, linear_index) -> tuple[list[tuple], d
             for name in spec.mixer.requires:
                 if not hasattr(mod, name):
                     raise missing(mod, name, "attribute")
-        else:
-            attn = getattr(layer, "self_attn", None)
+        elif kind == "attention":
+            attn = getattr(layer, layout.attn, None)
             if not isinstance(attn, torch.nn.Module):
-                raise missing(layer, "self_attn", "module")
+                raise missing(layer, layout.attn, "module")
             rope[i] = "position_embeddings" in inspect.signature(attn.forward).parameters
         norms.append(layout.norms(layer))
-    return norms, rope
+        mlps.append(None if layout.mlp is None else getattr(layer, layout.mlp))
+    return norms, rope, mlps
 
 
 class HybridRunner:
     """A hybrid family of `adapters.HYBRID_FAMILIES` (Kimi-Linear, Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid,
-    Bailing-Hybrid) with ReplaySSM (or snapshot) state and a rollback KV cache."""
+    Bailing-Hybrid; the Mamba2 hybrid Nemotron-H, and Bamba through `adapters.MAMBA2_FAMILIES`) with ReplaySSM (or
+    snapshot) state and a rollback KV cache."""
 
     def __init__(self, model, *, strategy: str = "replay", commit: str = "eager", max_batch_size: int = 8,
                  max_length: int = 4096, num_verify_tokens: int = 8, track_interval: int | None = None,
@@ -197,16 +203,23 @@ class HybridRunner:
         base = model.model
         # bailing_hybrid appends its MTP layers to `layers`: the decoder is the first num_hidden_layers
         self.base, self.layers = base, list(base.layers)[:model.config.num_hidden_layers]
-        types = model.config.layer_types
-        self.linear_index = {i: n for n, i in enumerate(i for i, t in enumerate(types) if t == "linear_attention")}
+        self._kinds = [layer_kind(t) for t in model.config.layer_types[:len(self.layers)]]
+        self.linear_index = {i: n for n, i in enumerate(i for i, k in enumerate(self._kinds) if k == "linear")}
         if not self.linear_index:
             raise ValueError("model: no linear_attention layers")
-        self._norms, self._attn_rope = _layer_plan(family, spec, self.layers, self.linear_index)
+        self._norms, self._attn_rope, self._mlps = _layer_plan(family, spec, self.layers, self._kinds)
+        self._attn_name = {i: spec.layout(k).attn for i, k in enumerate(self._kinds) if k == "attention"}
+        for name in (spec.embed, spec.final_norm):
+            if not isinstance(getattr(base, name, None), torch.nn.Module):
+                raise ValueError(f"model: {family} base model ({type(base).__name__}) has no module {name!r}; the "
+                                 f"hybrid adapter expects it")
+        self.embed, self.final_norm = getattr(base, spec.embed), getattr(base, spec.final_norm)
         first = self.mixer.module(self.layers[next(iter(self.linear_index))])
-        self.dtype = base.embed_tokens.weight.dtype
-        self.device = base.embed_tokens.weight.device
+        self.dtype = self.embed.weight.dtype
+        self.device = self.embed.weight.device
         cfg = StateConfig(num_layers=len(self.linear_index), **self.mixer.dims(first), gate=self.mixer.gate,
-                          norm=self.mixer.norm, max_requests=max_batch_size, max_running=max_batch_size,
+                          norm=self.mixer.norm, rule=getattr(self.mixer, "rule", "delta"),
+                          max_requests=max_batch_size, max_running=max_batch_size,
                           num_verify_tokens=num_verify_tokens,
                           ssm_dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
                           act_dtype=self.dtype, track_interval=track_interval)
@@ -334,7 +347,7 @@ class HybridRunner:
             self.state._begin(slots_t, T, parent)
         try:
             self.kv.begin(slots_t, T, parent, host_slots=list(slots))
-            h = self.base.embed_tokens(ids)
+            h = self.embed(ids)
             positions = self.kv.positions()
             mask = self.kv.attention_mask(h.dtype)
             rotary = getattr(self.base, "rotary_emb", None)
@@ -342,24 +355,27 @@ class HybridRunner:
             captured = {}
             for i, layer in enumerate(self.layers):
                 pre, post, pre_mlp, post_mlp = self._norms[i]  # the family's layout; None: no norm there
-                residual = h
-                x = pre(h) if pre is not None else h
-                li = self.linear_index.get(i)
-                if li is not None:
-                    ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)
-                    x = self.mixer.run(self.mixer.module(layer), x, ops)
-                else:
-                    kw = dict(position_embeddings=pos_emb) if pos_emb is not None or self._attn_rope[i] else {}
-                    x = layer.self_attn(hidden_states=x, attention_mask=mask, position_ids=positions, cache=self.kv,
-                                        **kw)[0]
-                h = residual + (post(x) if post is not None else x)
-                residual = h
-                x = layer.mlp(pre_mlp(h) if pre_mlp is not None else h)
-                x = x[0] if isinstance(x, tuple) else x
-                h = residual + (post_mlp(x) if post_mlp is not None else x)
+                kind = self._kinds[i]
+                if kind != "mlp":  # an MLP-only layer (Nemotron-H) has no mixer
+                    residual = h
+                    x = pre(h) if pre is not None else h
+                    if kind == "linear":
+                        li = self.linear_index[i]
+                        ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)
+                        x = self.mixer.run(self.mixer.module(layer), x, ops)
+                    else:
+                        kw = dict(position_embeddings=pos_emb) if pos_emb is not None or self._attn_rope[i] else {}
+                        x = getattr(layer, self._attn_name[i])(hidden_states=x, attention_mask=mask,
+                                                               position_ids=positions, cache=self.kv, **kw)[0]
+                    h = residual + (post(x) if post is not None else x)
+                if self._mlps[i] is not None:
+                    residual = h
+                    x = self._mlps[i](pre_mlp(h) if pre_mlp is not None else h)
+                    x = x[0] if isinstance(x, tuple) else x
+                    h = residual + (post_mlp(x) if post_mlp is not None else x)
                 if i in capture:
                     captured[i] = h
-            hidden = self.base.norm(h)
+            hidden = self.final_norm(h)
             if chunk is not None and chunk.last_logits:  # [B, 1, vocab] at each row's last real token
                 logits = self.model.lm_head(hidden[torch.arange(B, device=self.device), chunk.n - 1][:, None])
             else:

@@ -19,6 +19,7 @@ import torch
 from tiny_models import float64_everywhere, greedy_reference
 
 import specdec
+import specdec.engine
 from specdec.runner import GenericRunner
 from specdec.testing import max_rel_err
 from specdec.verify import accept_chain_greedy
@@ -146,8 +147,11 @@ def test_verify_logits_equal_uncached_forward(family):
 
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_greedy_identity(family, drafter):
+def test_greedy_identity(family, drafter, monkeypatch):
     model = tiny(family)
+    # the generic runner for every family, those with a hybrid adapter too (tests/test_mamba2_adapters.py and
+    # the adapter tests run those on the hybrid runner)
+    monkeypatch.setattr(specdec.engine, "make_runner", GenericRunner)
     kw = dict(draft_model=noisy_copy(family)) if drafter == "model" else {}
     engine = specdec.wrap(model, drafter=drafter, num_draft_tokens=GAMMA, max_batch_size=1, **kw)
     assert type(engine.runner).__name__ == "GenericRunner"

@@ -1,0 +1,173 @@
+"""The Mamba2 hybrid adapters (Bamba, Nemotron-H) against transformers' own model (float64 tiny random models of
+transformers' classes, the configs of tests/test_generic_families.py):
+
+- teacher-forced logits of `HybridRunner` (chunked prefill, chain rounds with partial accepts, a tree round then
+  chains) == the model's uncached forward, for every strategy and commit mode; a foreign request's state and KV
+  length bitwise unchanged; the SSM state matters at that tolerance (a zeroed state is caught);
+- `specdec.wrap(model).generate` == transformers' greedy `generate` with the ngram, model and eagle (tree)
+  drafters, every strategy and commit mode;
+- a module the adapter expects but the model lacks fails at build, naming family, layer and module.
+
+transformers runs its Mamba2 scan in float32 even in a float64 model; both sides run under `float64_everywhere`.
+Bamba's adapter is not in `HYBRID_FAMILIES` by default (see `adapters.MAMBA2_FAMILIES`): a fixture registers it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_generic_families import noisy_copy, tiny
+from tiny_models import float64_everywhere, greedy_reference
+
+import specdec
+from specdec.adapters import HYBRID_FAMILIES, MAMBA2_FAMILIES
+from specdec.draft.eagle import EagleDrafter
+from specdec.runner import HybridRunner, make_runner
+from specdec.testing import max_rel_err, tree_node_sequences
+
+FAMILIES = ("bamba", "nemotron_h")
+MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
+TOL = 1e-10
+GAMMA, N = 4, 14
+PROMPTS = {"rep4": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "rep3": [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12, 13, 11]}
+TREE = dict(topk=3, depth=4, num_nodes=10)
+
+
+@pytest.fixture(autouse=True)
+def _registered(monkeypatch):
+    """Every Mamba2 adapter in the registry `wrap` and the runners read (Bamba's is held back from it)."""
+    for family, spec in MAMBA2_FAMILIES.items():
+        monkeypatch.setitem(HYBRID_FAMILIES, family, spec)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _reference(model, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' own uncached forward over `[P]` -> `[P, vocab]`."""
+    return model(ids[None], use_cache=False).logits[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dispatch_and_state_config(family):
+    model = tiny(family)
+    runner = make_runner(model, max_batch_size=1, max_length=16)
+    assert type(runner).__name__ == "HybridRunner"
+    cfg = runner.state.cfg
+    mixers = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
+    mod = runner.mixer.module(model.model.layers[mixers[0]])
+    assert (cfg.rule, cfg.gate, cfg.num_layers) == ("mamba2", "gdn", len(mixers))
+    assert (cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim) == (mod.num_heads, mod.ssm_state_size, mod.head_dim)
+
+
+@pytest.mark.parametrize("strategy, commit", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chain_and_tree_rounds_match_full_forward(family, strategy, commit):
+    """Chunked prefill, chain rounds with random partial accepts, then a tree round (every node == the full
+    forward of its root path), one path committed, and chain rounds after it."""
+    model = tiny(family)
+    V = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, V, (34,), generator=gen)
+    parent = [-1, 0, 0, 1, 2, 3, 1]  # path 0-1-3-5 follows the true sequence
+    with torch.no_grad(), float64_everywhere():
+        ref = _reference(model, ids)
+        runner = HybridRunner(model, strategy=strategy, commit=commit, max_batch_size=2, max_length=64,
+                              num_verify_tokens=len(parent), prefill_chunk=4)
+        other = runner.alloc(1)[0]  # a foreign request whose state must not move
+        runner.prefill(other, ids[:5])
+        slot = runner.alloc(1)[0]
+        out = runner.prefill(slot, ids[:11])  # chunks of 4, 4, 3
+        assert max_rel_err(out.logits[0], ref[:11]) < TOL
+        before = (runner.state.pool.ssm[:, other].clone(), runner.state.pool.conv[:, other].clone(),
+                  int(runner.kv.lengths[other]))
+        pos = 11
+        for _ in range(3):  # chain rounds, partial accepts
+            logits = runner.forward([slot], ids[None, pos:pos + 5]).logits[0]
+            assert max_rel_err(logits, ref[pos:pos + 5]) < TOL, f"chain round at {pos}"
+            n = int(torch.randint(1, 5, (), generator=gen))
+            runner.commit([n])
+            pos += n
+        true_nodes = {0: 0, 1: 1, 3: 2, 5: 3}
+        tokens = torch.tensor([int(ids[pos + true_nodes[i]]) if i in true_nodes
+                               else int(torch.randint(3, V, (), generator=gen)) for i in range(len(parent))])
+        logits = runner.forward([slot], tokens[None], parent=parent).logits[0]
+        for node, seq in enumerate(tree_node_sequences(ids[:pos], tokens, parent)):
+            assert max_rel_err(logits[node], _reference(model, seq)[-1]) < TOL, f"tree node {node}"
+        runner.commit(path=[[0, 1, 3, 5]])
+        pos += 4
+        while pos < ids.numel():
+            T = min(4, ids.numel() - pos)
+            got = runner.forward([slot], ids[None, pos:pos + T]).logits[0]
+            assert max_rel_err(got, ref[pos:pos + T]) < TOL, f"chain round after the tree at {pos}"
+            n = T if pos + T == ids.numel() else int(torch.randint(1, T + 1, (), generator=gen))
+            runner.commit([n])
+            pos += n
+        assert torch.equal(runner.state.pool.ssm[:, other], before[0])
+        assert torch.equal(runner.state.pool.conv[:, other], before[1])
+        assert int(runner.kv.lengths[other]) == before[2]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_ssm_state_matters(family):
+    """Teeth of the logit comparison: a verify from a zeroed Mamba2 state is far off the full forward."""
+    model = tiny(family)
+    ids = torch.randint(3, model.config.vocab_size, (16,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), float64_everywhere():
+        ref = _reference(model, ids)
+        runner = HybridRunner(model, max_batch_size=1, max_length=32, num_verify_tokens=4)
+        slot = runner.alloc(1)[0]
+        runner.prefill(slot, ids[:12])
+        runner.state.pool.ssm[:, slot] = 0
+        got = runner.forward([slot], ids[None, 12:16]).logits[0]
+    assert max_rel_err(got, ref[12:16]) > 1e3 * TOL
+
+
+@pytest.mark.parametrize("strategy, commit", MODES)
+@pytest.mark.parametrize("drafter", ["ngram", "model", "eagle"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity(family, drafter, strategy, commit):
+    target = tiny(family)
+    kw = dict(num_draft_tokens=GAMMA, strategy=strategy, commit=commit, max_batch_size=2)
+    names = ["rep4", "rep3"]  # one batch, prompts of different lengths
+    if drafter == "model":
+        engine = specdec.wrap(target, drafter="model", draft_model=noisy_copy(family, 3e-2), **kw)
+        names = ["rep4"]
+    elif drafter == "eagle":  # an untrained head: branching trees, verified as trees
+        torch.manual_seed(11)
+        engine = specdec.wrap(target, drafter="eagle", **kw, **TREE)
+        assert isinstance(engine.drafter, EagleDrafter)
+    else:
+        engine = specdec.wrap(target, drafter="ngram", **kw)
+    assert type(engine.runner).__name__ == "HybridRunner"
+    refs = [greedy_reference(target, PROMPTS[n], N) for n in names]
+    with float64_everywhere():
+        out = engine.generate([torch.tensor(PROMPTS[n]) for n in names], max_new_tokens=N, eos_token_id=None)
+    for b, ref in enumerate(refs):
+        assert out.sequences[b, :len(ref)].tolist() == ref, f"row {b} differs from transformers' greedy generate"
+    stats = out.stats
+    assert stats.proposed > 0 and stats.drafter_failures == 0, stats.as_dict()
+    if drafter == "model":  # the noisy copy: some drafts rejected, some accepted
+        assert 0.0 < stats.alpha < 1.0, stats.as_dict()
+    assert engine.runner.num_free == 2
+
+
+@pytest.mark.parametrize("family, layer_idx, path, name", [
+    ("bamba", 0, ("mamba",), "dt_bias"),
+    ("bamba", 2, (), "pre_ff_layernorm"),
+    ("nemotron_h", 0, ("mixer",), "D"),
+    ("nemotron_h", 2, (), "norm"),  # the MLP-only block
+])
+def test_missing_module_names_family_layer_and_module(family, layer_idx, path, name):
+    model = tiny(family, seed=3 + layer_idx)  # a model of its own: the cached models are shared
+    owner = model.model.layers[layer_idx]
+    for attr in path:
+        owner = getattr(owner, attr)
+    delattr(owner, name)
+    with pytest.raises(ValueError, match=rf"{family} layer {layer_idx} .*'{name}'"):
+        HybridRunner(model, max_batch_size=1, max_length=16)
