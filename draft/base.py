@@ -4,6 +4,7 @@ committed tokens (`observe`)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,15 +39,32 @@ class DraftBlock:
         return cls(packed[:, :G], packed[:, G])
 
 
+@dataclass(frozen=True)
+class TargetView:
+    """What a drafter sees of the target: its model (embeddings, lm_head, config), the attention layers' KV cache
+    (`specdec.kv_cache.KVCache` on the hybrid runner, else None), whether it verifies trees, the verify window
+    (`num_verify_tokens`, anchor included), the engine's `gamma` and `max_length`, and each request row's slot:
+    `slots(rows) -> [int]` and `slots_tensor([int]) -> [B]` long on the target's device (built once per list)."""
+
+    model: object
+    kv: object
+    supports_tree: bool
+    num_verify_tokens: int
+    gamma: int
+    max_length: int
+    slots: Callable[[list[int]], list[int]]
+    slots_tensor: Callable[[list[int]], torch.Tensor]
+
+
 class Drafter(ABC):
     """A drafter sees each request's full token history (prompt + committed tokens + the anchor)."""
 
     name = "drafter"
     feature_layers: tuple[int, ...] = ()  # target decoder layers whose outputs `observe` receives
 
-    def bind(self, engine) -> None:
-        """Called once by the engine (target runner, sampling settings are reachable through it)."""
-        self.engine = engine
+    def bind(self, target: TargetView) -> None:
+        """Called once by the engine with its view of the target."""
+        self.target = target
 
     def max_verify_tokens(self, gamma: int) -> int:
         """Most tokens one verify window needs (anchor included): a chain's gamma + 1, a tree's node budget."""
@@ -73,8 +91,7 @@ class Drafter(ABC):
         drafter's own runner (`self.runner`, as `ModelDrafter` keeps one); drafters with other mid-round state
         override it."""
         runner = getattr(self, "runner", None)
-        if runner is not None and runner is not getattr(getattr(self, "engine", None), "runner", None) \
-                and callable(getattr(runner, "abort", None)):
+        if runner is not None and callable(getattr(runner, "abort", None)):
             runner.abort()
 
     def release(self, rows: list[int]) -> None:

@@ -242,9 +242,9 @@ class EagleDrafter(Drafter):
         self.cache = [(torch.zeros(**empty), torch.zeros(**empty)) for _ in net.layers]  # per layer K, V
         self.rows: dict[int, _Row] = {}
 
-    def bind(self, engine) -> None:
-        super().bind(engine)
-        model = engine.model
+    def bind(self, target) -> None:
+        super().bind(target)
+        model = target.model
         check_target(self.net.config, model)
         L = model.config.get_text_config().num_hidden_layers
         bad = [i for i in self.feature_layers if not 0 <= i < L]
@@ -254,7 +254,7 @@ class EagleDrafter(Drafter):
                 self.net.target_embed.weight, model.get_input_embeddings().weight):
             raise ValueError("drafter: this eagle net shares the embedding of another target model")
         # the generic runner verifies chains only: draft the single most likely path there
-        self.tree = hasattr(engine.runner, "state")
+        self.tree = target.supports_tree
 
     def max_verify_tokens(self, gamma: int) -> int:
         return self.num_nodes + 1

@@ -360,12 +360,11 @@ class MTPDrafter(Drafter):
         self.net, self.gamma = net.eval(), gamma
         self.h: dict[int, torch.Tensor] = {}
 
-    def bind(self, engine) -> None:
-        runner = engine.runner
-        if getattr(runner, "kv", None) is None:
-            raise ValueError(f"drafter: mtp reads the target's KV cache, which {type(runner).__name__} does not "
-                             f"expose (hybrid targets only: {', '.join(FAMILIES[:3])})")
-        super().bind(engine)
+    def bind(self, target) -> None:
+        if target.kv is None:
+            raise ValueError(f"drafter: mtp reads the target's KV cache, which {type(target.model).__name__} does "
+                             f"not expose on its own-forward path (hybrid targets only: {', '.join(FAMILIES[:3])})")
+        super().bind(target)
 
     def begin(self, rows, prompts):
         for r in rows:
@@ -386,9 +385,7 @@ class MTPDrafter(Drafter):
         gamma = min(gamma, self.gamma)
         if not rows or gamma < 1:
             return DraftBlock.empty(len(rows), device)
-        runner = self.engine.runner
-        ctx = self.net.context_from_cache(runner.kv, [self.engine.slots[r] for r in rows],
-                                          getattr(runner, "slots_tensor", None))
+        ctx = self.net.context_from_cache(self.target.kv, self.target.slots(rows), self.target.slots_tensor)
         anchors = torch.stack([c[-1] for c in contexts]).to(device)
         h = torch.stack([self.h[r] for r in rows])
         tokens, probs = self.net.draft(anchors, h, ctx, gamma, sampling=sampling, generator=generator)

@@ -383,14 +383,14 @@ class NativeDrafter(Drafter):
         self.length: dict[int, int] = {}  # committed pairs in the cache, per row
         self.pending: dict[int, list[torch.Tensor]] = {}  # target hidden states `[n, d]` not yet run
 
-    def bind(self, engine) -> None:
+    def bind(self, target) -> None:
         from specdec.kv_cache import KVCache  # the runner's rollback cache, used here for the drafter's own K/V
-        model = engine.model
+        model = target.model
         check_target(self.net.config, model)
         if self.net.target_embed is not _base(model).embed_tokens:
             raise ValueError("drafter: this native net was read for another target model")
-        super().bind(engine)
-        room = engine.max_length + 2 * max(self.gamma, engine.gamma) + 2
+        super().bind(target)
+        room = target.max_length + 2 * max(self.gamma, target.gamma) + 2
         self.kv = KVCache(self.max_batch_size, room, device=self.net.fc.weight.device)
 
     def begin(self, rows, prompts) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from specdec.draft import Drafter, DraftBlock, make_drafter
+from specdec.draft import Drafter, DraftBlock, TargetView, make_drafter
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
 
@@ -178,7 +178,15 @@ class SpecEngine:
         self._graphs = RoundGraphs(self) if cfg.cuda_graph else None
         self.slots: list[int] = []  # target slot of each request row of the running generate call
         self._row_index: dict[tuple[int, ...], torch.Tensor] = {}
-        self.drafter.bind(self)
+        runner = self.runner
+        self.target = TargetView(model=model, kv=getattr(runner, "kv", None),
+                                 supports_tree=isinstance(runner, HybridRunner),
+                                 num_verify_tokens=getattr(runner, "num_verify_tokens", self.gamma + 1),
+                                 gamma=self.gamma, max_length=self.max_length,
+                                 slots=lambda rows: [self.slots[r] for r in rows],
+                                 slots_tensor=lambda slots: index_tensor(self._slot_index, slots, runner.device))
+        self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
+        self.drafter.bind(self.target)
         gen = getattr(model, "generation_config", None)
         self.eos_token_id = getattr(gen, "eos_token_id", None)
         pad = getattr(gen, "pad_token_id", None)

@@ -256,7 +256,7 @@ def test_save_load_round_trip(targets, trained):
     loaded = engine.drafter
     assert loaded.net is not net and loaded.net.target_embed is target.model.embed_tokens
     mine = mtp.make_drafter(net, gamma=4)
-    mine.bind(engine)
+    mine.bind(engine.target)
     slots = engine.runner.alloc(2)
     engine.slots = slots
     try:

@@ -142,9 +142,9 @@ class ChaosDrafter(Drafter):
         self.bag: list[str] = []
         self.kinds_seen: set[str] = set()
 
-    def bind(self, engine):
-        super().bind(engine)
-        self.budget = engine.runner.num_verify_tokens - 1  # tree drafts per round
+    def bind(self, target):
+        super().bind(target)
+        self.budget = target.num_verify_tokens - 1  # tree drafts per round
 
     def _kind(self) -> str:
         if not self.bag:  # every kind once per cycle, in random order
