@@ -143,10 +143,11 @@ class OlmoGatedDeltaMixer(GatedDeltaMixer):
 
 
 class Mamba2Mixer:
-    """transformers' Mamba2 mixer of Bamba (`BambaMixer`, at `layer.mamba`): `in_proj` split into gate / xBC /
-    dt, short conv over `[x, B, C]` with its activation, dt = softplus(dt + dt_bias) clamped to
-    `time_step_limit`, the SSM through `ops.mix` (the mamba2 rule: q = C, k = B, v = x, g = dt A, beta = dt; the
-    group's B and C repeated for its heads), the D skip, the gated RMSNorm, `out_proj`."""
+    """transformers' Mamba2 mixer of Bamba (`BambaMixer`, at `layer.mamba`) and GraniteMoeHybrid
+    (`GraniteMoeHybridMambaLayer`, the same module): `in_proj` split into gate / xBC / dt, short conv over
+    `[x, B, C]` with its activation, dt = softplus(dt + dt_bias) clamped to `time_step_limit`, the SSM through
+    `ops.mix` (the mamba2 rule: q = C, k = B, v = x, g = dt A, beta = dt; each group's B and C repeated for its
+    heads), the D skip, the gated RMSNorm, `out_proj`."""
 
     gate, norm, rule = "gdn", "rsqrt", "mamba2"
     requires = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "time_step_limit")
@@ -192,8 +193,11 @@ class NemotronHMamba2Mixer(Mamba2Mixer):
 class LayerLayout:
     """Where a decoder layer puts its norms and modules (attribute names; None: none there):
     `h += post_mixer(mixer(pre_mixer(h)))`, then `h += post_mlp(mlp(pre_mlp(h)))`. `attn` names the attention
-    module of a full-attention layer; `mlp=None`: the layer has no MLP (Nemotron-H blocks hold one module);
-    `mixer=False`: the layer is an MLP alone (Nemotron-H's MLP / MoE blocks)."""
+    module of a full-attention layer; `mlp=None`: the layer has no MLP (Nemotron-H blocks hold one module; an
+    MLP-only block, `HybridFamily.mlp_only`, has no mixer). `moe`: a module whose output is added
+    to the MLP's, on the same input (GraniteMoeHybrid's `block_sparse_moe` beside its `shared_mlp`; None on the
+    layer: a dense model). `residual_scale`: the layer's attribute scaling both branches before the residual add
+    (GraniteMoeHybrid's `residual_multiplier`)."""
 
     pre_mixer: str | None = "input_layernorm"
     post_mixer: str | None = None
@@ -201,7 +205,8 @@ class LayerLayout:
     post_mlp: str | None = None
     mlp: str | None = "mlp"
     attn: str = "self_attn"
-    mixer: bool = True
+    moe: str | None = None
+    residual_scale: str | None = None
 
     def norms(self, layer) -> tuple:
         """The layer's four norm modules (None where the layout has none)."""
@@ -216,7 +221,9 @@ POST_NORM = LayerLayout(None, "post_attention_layernorm", None, "post_feedforwar
 BAMBA = LayerLayout(pre_mlp="pre_ff_layernorm", mlp="feed_forward")
 # Nemotron-H blocks: `h += mixer(norm(h))`, the mixer a Mamba2 layer, an attention or an MLP / MoE
 NEMOTRON_MIXER = LayerLayout("norm", None, None, None, mlp=None, attn="mixer")
-NEMOTRON_MLP = LayerLayout(None, None, "norm", None, mlp="mixer", mixer=False)
+NEMOTRON_MLP = LayerLayout(None, None, "norm", None, mlp="mixer")
+# GraniteMoeHybrid (Granite-4.0-H): `shared_mlp` plus the routed experts, both branches scaled before the add
+GRANITE = LayerLayout(mlp="shared_mlp", moe="block_sparse_moe", residual_scale="residual_multiplier")
 
 LINEAR_TYPES = ("linear_attention",)
 MLP_TYPES = ("mlp", "moe")  # Nemotron-H blocks holding an MLP / MoE alone
@@ -225,8 +232,9 @@ MLP_TYPES = ("mlp", "moe")  # Nemotron-H blocks holding an MLP / MoE alone
 @dataclass(frozen=True)
 class HybridFamily:
     """One hybrid family: its linear-attention mixer, the layout of its linear / full-attention layers (and of
-    its MLP-only layers, `config.layer_types` "mlp" / "moe"), and the names of the base model's embedding and
-    final norm."""
+    its MLP-only layers, `config.layer_types` "mlp" / "moe"), the names of the base model's embedding and final
+    norm, the base model's attribute scaling the embeddings (`embed_scale`) and the config's dividing the logits
+    (`logits_scale`)."""
 
     mixer: type
     linear: LayerLayout = PRE_NORM
@@ -234,6 +242,8 @@ class HybridFamily:
     mlp_only: LayerLayout | None = None
     embed: str = "embed_tokens"
     final_norm: str = "norm"
+    embed_scale: str | None = None
+    logits_scale: str | None = None
 
     def layout(self, kind: str) -> LayerLayout | None:
         """The layout of a layer of `kind` ("linear", "attention", "mlp"); None where the family has none."""
@@ -258,11 +268,14 @@ HYBRID_FAMILIES = {
     "bailing_hybrid": HybridFamily(BailingDeltaMixer),
     "nemotron_h": HybridFamily(NemotronHMamba2Mixer, linear=NEMOTRON_MIXER, attention=NEMOTRON_MIXER,
                                mlp_only=NEMOTRON_MLP, embed="embeddings", final_norm="norm_f"),
+    "granitemoehybrid": HybridFamily(Mamba2Mixer, linear=GRANITE, attention=GRANITE,
+                                     embed_scale="embedding_multiplier", logits_scale="logits_scaling"),
 }
 # The Mamba2 hybrids with an adapter. Bamba's is held back from HYBRID_FAMILIES (so `wrap` keeps Bamba on the
 # generic path) while tests/test_generate.py uses Bamba as its example of a model without an adapter.
 MAMBA2_FAMILIES = {
     "bamba": HybridFamily(Mamba2Mixer, linear=BAMBA, attention=BAMBA, final_norm="final_layernorm"),
     "nemotron_h": HYBRID_FAMILIES["nemotron_h"],
+    "granitemoehybrid": HYBRID_FAMILIES["granitemoehybrid"],
 }
 MIXERS = {name: fam.mixer for name, fam in HYBRID_FAMILIES.items()}

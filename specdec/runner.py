@@ -150,9 +150,10 @@ def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig, 
                                     norm=cfg.norm, rule=cfg.rule)
 
 
-def _layer_plan(family: str, spec, layers, kinds) -> tuple[list[tuple], dict[int, bool], list]:
+def _layer_plan(family: str, spec, layers, kinds) -> tuple[list[tuple], dict[int, bool], list[tuple]]:
     """Per decoder layer its four norms (`LayerLayout.norms`), per attention layer whether its forward takes
-    `position_embeddings` (OLMo-Hybrid's does, None without RoPE), and per layer its MLP module (None: none).
+    `position_embeddings` (OLMo-Hybrid's does, None without RoPE), and per layer `(mlp, moe, residual scale)`
+    (each None where the layer has none).
     Every module the runner calls is looked up here: a class transformers changed fails now, naming the family,
     layer and missing module."""
     def missing(owner, name: str, what: str):
@@ -183,7 +184,14 @@ def _layer_plan(family: str, spec, layers, kinds) -> tuple[list[tuple], dict[int
                 raise missing(layer, layout.attn, "module")
             rope[i] = "position_embeddings" in inspect.signature(attn.forward).parameters
         norms.append(layout.norms(layer))
-        mlps.append(None if layout.mlp is None else getattr(layer, layout.mlp))
+        mlp = None if layout.mlp is None else getattr(layer, layout.mlp)
+        moe = None if layout.moe is None else getattr(layer, layout.moe, None)  # None: a dense layer
+        scale = None
+        if layout.residual_scale is not None:
+            scale = getattr(layer, layout.residual_scale, None)
+            if not isinstance(scale, (int, float)):
+                raise missing(layer, layout.residual_scale, "number")
+        mlps.append((mlp, moe, scale))
     return norms, rope, mlps
 
 
@@ -214,6 +222,9 @@ class HybridRunner:
                 raise ValueError(f"model: {family} base model ({type(base).__name__}) has no module {name!r}; the "
                                  f"hybrid adapter expects it")
         self.embed, self.final_norm = getattr(base, spec.embed), getattr(base, spec.final_norm)
+        # GraniteMoeHybrid scales the embeddings and divides the logits (None: the family does not)
+        self._embed_scale = None if spec.embed_scale is None else getattr(base, spec.embed_scale)
+        self._logits_scale = None if spec.logits_scale is None else getattr(model.config, spec.logits_scale)
         first = self.mixer.module(self.layers[next(iter(self.linear_index))])
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
@@ -348,6 +359,8 @@ class HybridRunner:
         try:
             self.kv.begin(slots_t, T, parent, host_slots=list(slots))
             h = self.embed(ids)
+            if self._embed_scale is not None:
+                h = h * self._embed_scale
             positions = self.kv.positions()
             mask = self.kv.attention_mask(h.dtype)
             rotary = getattr(self.base, "rotary_emb", None)
@@ -355,6 +368,7 @@ class HybridRunner:
             captured = {}
             for i, layer in enumerate(self.layers):
                 pre, post, pre_mlp, post_mlp = self._norms[i]  # the family's layout; None: no norm there
+                mlp, moe, scale = self._mlps[i]
                 kind = self._kinds[i]
                 if kind != "mlp":  # an MLP-only layer (Nemotron-H) has no mixer
                     residual = h
@@ -367,12 +381,18 @@ class HybridRunner:
                         kw = dict(position_embeddings=pos_emb) if pos_emb is not None or self._attn_rope[i] else {}
                         x = getattr(layer, self._attn_name[i])(hidden_states=x, attention_mask=mask,
                                                                position_ids=positions, cache=self.kv, **kw)[0]
-                    h = residual + (post(x) if post is not None else x)
-                if self._mlps[i] is not None:
+                    x = post(x) if post is not None else x
+                    h = residual + (x if scale is None else x * scale)
+                if mlp is not None:
                     residual = h
-                    x = self._mlps[i](pre_mlp(h) if pre_mlp is not None else h)
+                    x_in = pre_mlp(h) if pre_mlp is not None else h
+                    x = mlp(x_in)
                     x = x[0] if isinstance(x, tuple) else x
-                    h = residual + (post_mlp(x) if post_mlp is not None else x)
+                    if moe is not None:  # routed experts beside the shared MLP, on the same input
+                        routed = moe(x_in)
+                        x = (routed[0] if isinstance(routed, tuple) else routed) + x
+                    x = post_mlp(x) if post_mlp is not None else x
+                    h = residual + (x if scale is None else x * scale)
                 if i in capture:
                     captured[i] = h
             hidden = self.final_norm(h)
@@ -380,6 +400,8 @@ class HybridRunner:
                 logits = self.model.lm_head(hidden[torch.arange(B, device=self.device), chunk.n - 1][:, None])
             else:
                 logits = self.model.lm_head(hidden)
+            if self._logits_scale is not None:
+                logits = logits / self._logits_scale
         except BaseException:
             self.abort()
             raise

@@ -1,5 +1,6 @@
-"""The Mamba2 hybrid adapters (Bamba, Nemotron-H) against transformers' own model (float64 tiny random models of
-transformers' classes, the configs of tests/test_generic_families.py):
+"""The Mamba2 hybrid adapters (Bamba, Nemotron-H, GraniteMoeHybrid) against transformers' own model (float64 tiny
+random models of transformers' classes, the configs of tests/test_generic_families.py; Granite's multipliers set
+away from 1):
 
 - teacher-forced logits of `HybridRunner` (chunked prefill, chain rounds with partial accepts, a tree round then
   chains) == the model's uncached forward, for every strategy and commit mode; a foreign request's state and KV
@@ -14,9 +15,12 @@ Bamba's adapter is not in `HYBRID_FAMILIES` by default (see `adapters.MAMBA2_FAM
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import pytest
 import torch
-from test_generic_families import noisy_copy, tiny
+import test_generic_families as generic
 from tiny_models import float64_everywhere, greedy_reference
 
 import specdec
@@ -25,7 +29,36 @@ from specdec.draft.eagle import EagleDrafter
 from specdec.runner import HybridRunner, make_runner
 from specdec.testing import max_rel_err, tree_node_sequences
 
-FAMILIES = ("bamba", "nemotron_h")
+FAMILIES = ("bamba", "nemotron_h", "granitemoehybrid")
+# Granite's multipliers default to 1: other values, so that a missed one shows
+GRANITE_SCALES = dict(embedding_multiplier=3.0, residual_multiplier=0.7, logits_scaling=2.5, attention_multiplier=0.3)
+
+
+@functools.cache
+def tiny(family: str, seed: int = 0):
+    """`test_generic_families.tiny`, Granite with its multipliers set (a model of its own per seed)."""
+    if family != "granitemoehybrid":
+        return generic.tiny(family, seed)
+    model = copy.deepcopy(generic.tiny(family, seed))
+    for name, value in GRANITE_SCALES.items():
+        setattr(model.config, name, value)
+    model.model.embedding_multiplier = GRANITE_SCALES["embedding_multiplier"]
+    for layer in model.model.layers:
+        layer.residual_multiplier = GRANITE_SCALES["residual_multiplier"]
+        if layer.self_attn is not None:
+            layer.self_attn.scaling = GRANITE_SCALES["attention_multiplier"]
+    return model
+
+
+@functools.cache
+def noisy_copy(family: str, scale: float):
+    """The target plus `scale * randn` on every weight (the draft model)."""
+    draft = copy.deepcopy(tiny(family))
+    gen = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return draft
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
 TOL = 1e-10
 GAMMA, N = 4, 14
@@ -162,6 +195,8 @@ def test_greedy_identity(family, drafter, strategy, commit):
     ("bamba", 2, (), "pre_ff_layernorm"),
     ("nemotron_h", 0, ("mixer",), "D"),
     ("nemotron_h", 2, (), "norm"),  # the MLP-only block
+    ("granitemoehybrid", 1, (), "shared_mlp"),
+    ("granitemoehybrid", 0, (), "residual_multiplier"),
 ])
 def test_missing_module_names_family_layer_and_module(family, layer_idx, path, name):
     model = tiny(family, seed=3 + layer_idx)  # a model of its own: the cached models are shared
