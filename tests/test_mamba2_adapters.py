@@ -7,7 +7,8 @@ away from 1):
   length bitwise unchanged; the SSM state matters at that tolerance (a zeroed state is caught);
 - `specdec.wrap(model).generate` == transformers' greedy `generate` with the ngram, model and eagle (tree)
   drafters, every strategy and commit mode;
-- a module the adapter expects but the model lacks fails at build, naming family, layer and module.
+- a module the adapter expects but the model lacks fails at build, naming family, layer and module;
+- speculative sampling on Nemotron-H follows the target's exact joint distribution (chi-square).
 
 transformers runs its Mamba2 scan in float32 even in a float64 model; both sides run under `float64_everywhere`.
 Bamba's adapter is not in `HYBRID_FAMILIES` by default (see `adapters.MAMBA2_FAMILIES`): a fixture registers it.
@@ -19,15 +20,18 @@ import copy
 import functools
 
 import pytest
-import torch
 import test_generic_families as generic
-from tiny_models import float64_everywhere, greedy_reference
+import test_sampling_generate as sampling
+import torch
+import transformers
+from tiny_models import exact_joint, float64_everywhere, greedy_reference
 
 import specdec
 from specdec.adapters import HYBRID_FAMILIES, MAMBA2_FAMILIES
 from specdec.draft.eagle import EagleDrafter
 from specdec.runner import HybridRunner, make_runner
 from specdec.testing import max_rel_err, tree_node_sequences
+from specdec.verify import SamplingParams
 
 FAMILIES = ("bamba", "nemotron_h", "granitemoehybrid")
 # Granite's multipliers default to 1: other values, so that a missed one shows
@@ -206,3 +210,28 @@ def test_missing_module_names_family_layer_and_module(family, layer_idx, path, n
     delattr(owner, name)
     with pytest.raises(ValueError, match=rf"{family} layer {layer_idx} .*'{name}'"):
         HybridRunner(model, max_batch_size=1, max_length=16)
+
+
+def test_sampling_follows_the_target():
+    """Speculative sampling on Nemotron-H's adapter (model drafter, temperature 1) follows the target's exact joint
+    distribution of the first tokens: the chi-square test of tests/test_sampling_generate.py, vocabulary 8."""
+    def model(seed: int):
+        cfg = transformers.NemotronHConfig(**dict(generic._BASE, vocab_size=sampling.V),
+                                           **generic.CONFIGS["nemotron_h"])
+        torch.manual_seed(seed)
+        m = transformers.NemotronHForCausalLM._from_config(cfg, dtype=torch.float64, attn_implementation="eager")
+        with torch.no_grad():
+            m.lm_head.weight.mul_(sampling.LOGIT_SCALE)
+        return m.eval()
+
+    target, draft = model(0), model(1)
+    engine = specdec.wrap(target, drafter="model", draft_model=draft, num_draft_tokens=sampling.GAMMA,
+                          max_batch_size=sampling.BATCH, max_length=64)
+    assert type(engine.runner).__name__ == "HybridRunner"
+    params = sampling.SETTINGS["temperature=1"]
+    joint = exact_joint(target, sampling.PROMPT, SamplingParams(do_sample=True, **params), sampling.NEW)
+    counts, totals = sampling.sample_counts(engine, params, sampling.N, seed=7100)
+    assert totals["drafter_failures"] == 0 and totals["proposed"] >= sampling.N, totals
+    assert 0.05 * totals["proposed"] < totals["accepted"] < 0.9 * totals["proposed"], totals
+    stat, df, crit = sampling.gof(counts, joint)
+    assert stat < crit, f"chi2 {stat:.1f} >= critical {crit:.1f} (df {df})"
