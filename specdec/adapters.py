@@ -270,12 +270,8 @@ HYBRID_FAMILIES = {
                                mlp_only=NEMOTRON_MLP, embed="embeddings", final_norm="norm_f"),
     "granitemoehybrid": HybridFamily(Mamba2Mixer, linear=GRANITE, attention=GRANITE,
                                      embed_scale="embedding_multiplier", logits_scale="logits_scaling"),
-}
-# The Mamba2 hybrids with an adapter. Bamba's is held back from HYBRID_FAMILIES (so `wrap` keeps Bamba on the
-# generic path) while tests/test_generate.py uses Bamba as its example of a model without an adapter.
-MAMBA2_FAMILIES = {
     "bamba": HybridFamily(Mamba2Mixer, linear=BAMBA, attention=BAMBA, final_norm="final_layernorm"),
-    "nemotron_h": HYBRID_FAMILIES["nemotron_h"],
-    "granitemoehybrid": HYBRID_FAMILIES["granitemoehybrid"],
 }
+# The Mamba2 hybrids with an adapter
+MAMBA2_FAMILIES = {name: HYBRID_FAMILIES[name] for name in ("bamba", "nemotron_h", "granitemoehybrid")}
 MIXERS = {name: fam.mixer for name, fam in HYBRID_FAMILIES.items()}

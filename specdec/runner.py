@@ -197,8 +197,8 @@ def _layer_plan(family: str, spec, layers, kinds) -> tuple[list[tuple], dict[int
 
 class HybridRunner:
     """A hybrid family of `adapters.HYBRID_FAMILIES` (Kimi-Linear, Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid,
-    Bailing-Hybrid; the Mamba2 hybrid Nemotron-H, and Bamba through `adapters.MAMBA2_FAMILIES`) with ReplaySSM (or
-    snapshot) state and a rollback KV cache."""
+    Bailing-Hybrid; the Mamba2 hybrids Nemotron-H, Granite-4.0-H and Bamba) with ReplaySSM (or snapshot) state and a
+    rollback KV cache."""
 
     def __init__(self, model, *, strategy: str = "replay", commit: str = "eager", max_batch_size: int = 8,
                  max_length: int = 4096, num_verify_tokens: int = 8, track_interval: int | None = None,

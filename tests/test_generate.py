@@ -3,7 +3,7 @@
 Hybrid families (float64 tiny random models) through the hybrid runner, for every state strategy / commit
 mode and every drafter kind: ngram, a draft model that is a noisy copy of the target (partial acceptance)
 and the target itself as draft model (everything accepted). Any other causal LM (Llama, the Mamba2 hybrid
-Bamba) through the generic runner. Bad input raises one ValueError naming the argument and leaves every
+Zamba2, whose shared blocks have no adapter) through the generic runner. Bad input raises one ValueError naming the argument and leaves every
 slot as it was; a drafter that fails mid-generation costs a plain decode round, never correctness.
 """
 
@@ -187,20 +187,20 @@ def _llama():
     return LlamaForCausalLM(cfg).to(torch.float64).eval()
 
 
-def _bamba():
-    from transformers import BambaConfig, BambaForCausalLM
+def _zamba2():
+    from transformers import Zamba2Config, Zamba2ForCausalLM
     torch.manual_seed(0)
-    cfg = BambaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
-                      mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
-                      mamba_chunk_size=16, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-                      eos_token_id=2)
-    return BambaForCausalLM(cfg).to(torch.float64).eval()
+    cfg = Zamba2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=4, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=16,
+                       mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=8,
+                       num_mem_blocks=1, use_mem_rope=True, max_position_embeddings=256, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2)
+    return Zamba2ForCausalLM(cfg).to(torch.float64).eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "bamba"])
+@pytest.fixture(scope="module", params=["llama", "zamba2"])
 def generic_model(request):
-    return {"llama": _llama, "bamba": _bamba}[request.param]()
+    return {"llama": _llama, "zamba2": _zamba2}[request.param]()
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
