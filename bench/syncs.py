@@ -23,6 +23,7 @@ import argparse
 import collections
 import contextlib
 import importlib
+import functools
 import json
 import os
 import sys
@@ -55,11 +56,16 @@ def _is_view(func) -> bool:
         or func in ALLOC_OPS
 
 
+@functools.lru_cache(maxsize=None)
+def _real(fn: str) -> str:
+    return os.path.realpath(fn)  # a package imported through symlinks still counts as the package
+
+
 def where() -> tuple[str, str]:
     """(`pkg` or `model`, `file:line`) of the innermost frame outside torch and this script."""
     f = sys._getframe(2)
     while f is not None:
-        fn = f.f_code.co_filename
+        fn = _real(f.f_code.co_filename)
         if not fn.startswith(TORCH_DIR) and fn != HERE and "/contextlib.py" not in fn:
             origin = "pkg" if fn.startswith(PKG_DIRS) else "model"
             short = fn
