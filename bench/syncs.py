@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import importlib
 import functools
+import importlib
 import json
 import os
 import sys
