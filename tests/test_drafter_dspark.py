@@ -184,8 +184,9 @@ def _small_engine(target):
     torch.manual_seed(1)
     engine = specdec.wrap(target, drafter="dspark", num_draft_tokens=2, max_batch_size=BATCH, max_length=64)
     net = engine.drafter.net
-    with torch.no_grad():
-        net.markov_w.weight.normal_(0.0, 3.0, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # Markov rows (a free table, entries ~N(0, 1)) -> bias logits of std ~3
+        net.markov_w.weight.normal_(0.0, 3.0 / net.config.markov_rank ** 0.5,
+                                    generator=torch.Generator().manual_seed(2))
     return engine
 
 
