@@ -13,6 +13,7 @@ import time
 import torch
 
 from specdec.draft import train as _train
+from specdec.draft.registry import KINDS
 
 
 def train(target, ids, kind: str, **options):
@@ -42,7 +43,7 @@ def _reconfigured(net, target, overrides: dict, p):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m specdec.draft.train", description=_train.__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
-    p.add_argument("--drafter", required=True, choices=["mtp", "eagle", "dspark"])
+    p.add_argument("--drafter", required=True, choices=sorted(KINDS))
     p.add_argument("--data", required=True, help="a text file, or a corpus from python -m specdec.draft.data (.jsonl)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--steps", type=int, default=300)
