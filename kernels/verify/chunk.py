@@ -37,10 +37,8 @@ from __future__ import annotations
 import torch
 
 from ..chunk.naive import wy_terms
-from ..common import (ancestor_mask, check_delta_inputs, check_verify_buffers, delta_step, math_dtype, prepare_qk,
-                      valid_slots)
-from ..rebuild.naive import fast_rebuild
-from .naive import _parents, check_ring_args, store_ring_records
+from ..common import ancestor_mask, delta_step
+from .naive import store_ring_records, verify_inputs
 
 
 def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -127,25 +125,16 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     Returns:
         o `[B, T, H, V]` in v.dtype.
     """
-    B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
-    check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
-    check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
-    chain = parent is None
-    parent = _parents(parent, B, T, k.device)
-    rows = valid_slots(ssm_state_indices, null_slot).nonzero().flatten()
-    if rows.numel() == 0:
+    x = verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, parent=parent,
+                      intermediate_states=intermediate_states, ring=ring, ring_start=ring_start,
+                      num_pending=num_pending, ring_indices=ring_indices, scale=scale, eps=eps, norm=norm,
+                      null_slot=null_slot)
+    B, T, H, K, V = *q.shape[:4], v.shape[-1]
+    if x is None:
         return v.new_zeros(B, T, H, V)
-    full = rows.numel() == B  # every row valid (the usual case): no gathers, no scatter of the outputs
-    sel = (lambda x: x) if full else (lambda x: x[rows])  # noqa: E731
-    slots = sel(ssm_state_indices)
-    dt = math_dtype(ssm_state, q, k, v, g, beta)
-    scale = K ** -0.5 if scale is None else scale
-    qn, kn = prepare_qk(sel(q), sel(k), scale=scale, eps=eps, norm=norm, dtype=dt)
-    vv, gg, bb = sel(v).to(dt), sel(g).to(dt), sel(beta).to(dt)
-    if num_pending is not None and bool((num_pending[slots] > 0).any()):
-        root = fast_rebuild(ssm_state, slots, ring[0], ring[1], ring[2], ring_start, num_pending[slots]).to(dt)
-    else:
-        root = ssm_state[slots].to(dt)
+    chain, parent, rows, full, sel, slots, root = x.chain, x.parent, x.rows, x.full, x.sel, x.slots, x.root
+    qn, kn, vv, gg, bb = x.qn, x.kn, x.vv, x.gg, x.bb
+    dt = root.dtype
     S = None
     if intermediate_states is not None:  # all rows valid, same dtype: fill the caller's buffer in place
         in_place = full and intermediate_states.dtype == dt

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..common import (check_delta_inputs, check_shape, check_verify_buffers, delta_step, math_dtype, prepare_qk,
@@ -145,6 +147,53 @@ def store_ring_records(ring: tuple[torch.Tensor | None, ...], recs: tuple[torch.
             buf[ridx[:, None], :, pos] = rec.to(buf.dtype)
 
 
+@dataclass
+class VerifyInputs:
+    """A verify's checked inputs, restricted to its valid rows (`rows [R]`; `full`: all B rows, not gathered)."""
+
+    chain: bool
+    parent: torch.Tensor  # [B, T] long (a chain: t - 1)
+    rows: torch.Tensor  # [R] long: rows whose slot is valid
+    full: bool
+    slots: torch.Tensor  # [R]
+    qn: torch.Tensor  # [R, T, H, K] prepared q, k in the math dtype
+    kn: torch.Tensor
+    vv: torch.Tensor  # [R, T, H, V]
+    gg: torch.Tensor  # [R, T, H, K or 1]
+    bb: torch.Tensor  # [R, T, H]
+    root: torch.Tensor  # [R, H, K, V] the state the round starts from (checkpoint, + pending records if lazy)
+
+    def sel(self, x: torch.Tensor) -> torch.Tensor:
+        """`x [B, ...]` on the valid rows."""
+        return x if self.full else x[self.rows]
+
+
+def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent, intermediate_states, ring, ring_start,
+                  num_pending, ring_indices, scale, eps, norm, null_slot, rule="delta") -> VerifyInputs | None:
+    """The checks and preparation every CPU verify (per-token and chunk form) runs before computing: one error
+    naming the argument before anything is written. -> None when no row has a valid slot."""
+    B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
+    check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
+    check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
+    chain = parent is None
+    parent = _parents(parent, B, T, k.device)
+    rows = valid_slots(ssm_state_indices, null_slot).nonzero().flatten()
+    if rows.numel() == 0:
+        return None
+    full = rows.numel() == B  # every row valid (the usual case): no gathers
+    sel = (lambda x: x) if full else (lambda x: x[rows])  # noqa: E731
+    slots = sel(ssm_state_indices)
+    dt = math_dtype(ssm_state, q, k, v, g, beta)
+    scale = K ** -0.5 if scale is None else scale
+    qn, kn = prepare_qk(sel(q), sel(k), scale=scale, eps=eps, norm=norm, dtype=dt, rule=rule)
+    if num_pending is not None and bool((num_pending[slots] > 0).any()):
+        root = fast_rebuild(ssm_state, slots, ring[0], ring[1], ring[2], ring_start, num_pending[slots]).to(dt)
+    else:
+        root = ssm_state[slots].to(dt)
+    return VerifyInputs(chain, parent, rows, full, slots, qn, kn, sel(v).to(dt), sel(g).to(dt), sel(beta).to(dt),
+                        root)
+
+
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, *,
                       parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
@@ -174,25 +223,16 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     Returns:
         o `[B, T, H, V]` in v.dtype.
     """
-    B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
-    check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
-    check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
-    chain = parent is None
-    parent = _parents(parent, B, T, k.device)
-    rows = valid_slots(ssm_state_indices, null_slot).nonzero().flatten()
+    x = verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, parent=parent,
+                      intermediate_states=intermediate_states, ring=ring, ring_start=ring_start,
+                      num_pending=num_pending, ring_indices=ring_indices, scale=scale, eps=eps, norm=norm,
+                      null_slot=null_slot, rule=rule)
+    B, T, H, V = *q.shape[:3], v.shape[-1]
     o = v.new_zeros(B, T, H, V)
-    if rows.numel() == 0:
+    if x is None:
         return o
-    slots = ssm_state_indices[rows]
-    dt = math_dtype(ssm_state, q, k, v, g, beta)
-    scale = K ** -0.5 if scale is None else scale
-    qn, kn = prepare_qk(q[rows], k[rows], scale=scale, eps=eps, norm=norm, dtype=dt, rule=rule)
-    vv, gg, bb = v[rows].to(dt), g[rows].to(dt), beta[rows].to(dt)
-    if num_pending is not None and bool((num_pending[slots] > 0).any()):
-        d_ring, k_ring, g_ring = ring[0], ring[1], ring[2]
-        root = fast_rebuild(ssm_state, slots, d_ring, k_ring, g_ring, ring_start, num_pending[slots]).to(dt)
-    else:
-        root = ssm_state[slots].to(dt)
+    chain, parent, rows, slots, root = x.chain, x.parent, x.rows, x.slots, x.root
+    qn, kn, vv, gg, bb = x.qn, x.kn, x.vv, x.gg, x.bb
     states: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
     ds: list[torch.Tensor] = []
@@ -208,6 +248,6 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if intermediate_states is not None:
         intermediate_states[rows, :T] = torch.stack(states, 1).to(intermediate_states.dtype)
     if ring is not None:
-        store_ring_records(ring, (torch.stack(ds, 1), kn, gg, v[rows], k[rows], beta[rows]), slots, rows,
+        store_ring_records(ring, (torch.stack(ds, 1), kn, gg, x.sel(v), x.sel(k), x.sel(beta)), slots, rows,
                            ring_start=ring_start, num_pending=num_pending, ring_indices=ring_indices)
     return o
