@@ -14,6 +14,8 @@ import torch
 
 from specdec.draft import data as _data
 
+from .draft_train import load_target
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m specdec.draft.data", description=_data.__doc__.split("\n\n")[0])
@@ -34,16 +36,8 @@ def main(argv=None) -> int:
         temps = tuple(float(t) for t in args.temperatures.split(","))
     except ValueError:
         p.error(f"argument --temperatures: expected comma-separated numbers, got {args.temperatures!r}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    tok, target = load_target(p, args)
     import specdec
-    try:
-        tok = AutoTokenizer.from_pretrained(args.target)
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
-    except (OSError, ValueError) as e:
-        p.error(f"argument --target: cannot load {args.target!r} ({e})")
     try:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()

@@ -40,6 +40,19 @@ def _reconfigured(net, target, overrides: dict, p):
     return new
 
 
+def load_target(parser: argparse.ArgumentParser, args: argparse.Namespace):
+    """`--threads`, then the tokenizer and model of `--target` in `--dtype` -> (tokenizer, model); an unloadable
+    directory is a usage error naming `--target`."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(args.target)
+        return tok, AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
+    except (OSError, ValueError) as e:
+        parser.error(f"argument --target: cannot load {args.target!r} ({e})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m specdec.draft.train", description=_train.__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
@@ -66,16 +79,8 @@ def main(argv=None) -> int:
                    help="a drafter config field (JSON value), e.g. ttt_steps=6; with --init, fields that keep the "
                         "weights' shapes (training depth, loss weights)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    tok, target = load_target(p, args)
     from specdec.draft.registry import load_drafter, save_drafter
-    try:
-        tok = AutoTokenizer.from_pretrained(args.target)
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, args.dtype)).eval()
-    except (OSError, ValueError) as e:
-        p.error(f"argument --target: cannot load {args.target!r} ({e})")
     from specdec.draft.data import corpus_tokens
     try:
         if args.data.endswith(".jsonl"):
