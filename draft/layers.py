@@ -99,3 +99,25 @@ class Block(nn.Module):
 def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the drafter's `logits [..., V]` against the target's distribution (distillation)."""
     return -(target_logits.float().softmax(-1) * logits.float().log_softmax(-1)).sum(-1).mean()
+
+
+class SharesTarget(nn.Module):
+    """A drafter net that holds some of the target's own modules as `target_*` children (embedding, lm_head,
+    norms, layers) without owning them: `.to()` / `.float()` and `.train()` leave them as the target has them."""
+
+    def _apply(self, fn, recurse=True):
+        saved = dict(self._modules)
+        for n in [n for n in self._modules if n.startswith("target_")]:
+            del self._modules[n]
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._modules.clear()
+            self._modules.update(saved)
+
+    def train(self, mode: bool = True):
+        self.training = mode
+        for name, mod in self.named_children():
+            if not name.startswith("target_"):
+                mod.train(mode)
+        return self

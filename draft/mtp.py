@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import DraftBlock, Drafter
-from .layers import MLP, RMSNorm, soft_ce
+from .layers import MLP, RMSNorm, SharesTarget, soft_ce
 from .registry import DraftConfig
 
 FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5", "qwen3_5_text")
@@ -127,7 +127,7 @@ class MTPBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class Net(nn.Module):
+class Net(SharesTarget):
     """The MTP head. Shared target modules are attributes named `target_*` (not saved, not trained)."""
 
     def __init__(self, config: Config, target):
@@ -174,26 +174,6 @@ class Net(nn.Module):
 
     # The shared target modules belong to the target: `.to()` / `.double()` / `.train()` on the net leave them
     # (and the target's numerics, e.g. a float32 rotary buffer in a bf16 model) exactly as they are.
-    def _shared(self) -> list[str]:
-        return [n for n in self._modules if n.startswith("target_")]
-
-    def _apply(self, fn, recurse=True):
-        saved = dict(self._modules)
-        for n in self._shared():
-            del self._modules[n]
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            self._modules.clear()
-            self._modules.update(saved)
-
-    def train(self, mode: bool = True):
-        self.training = mode
-        for name, mod in self.named_children():
-            if not name.startswith("target_"):
-                mod.train(mode)
-        return self
-
     # ---- shared target pieces (never receive gradients) ----------------------------------------------
     @property
     def dtype(self) -> torch.dtype:

@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import DraftBlock, Drafter
-from .layers import soft_ce
+from .layers import SharesTarget, soft_ce
 from .registry import DraftConfig, check_target
 
 QWEN = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -195,7 +195,7 @@ def _base(target):
 
 
 # ---- the net -------------------------------------------------------------------------------------------
-class Net(nn.Module):
+class Net(SharesTarget):
     """The checkpoint's MTP head. Shared target modules are attributes named `target_*` (not saved, not trained)."""
 
     def __init__(self, config: Config, target, head: dict[str, torch.Tensor], layer: nn.Module):
@@ -252,23 +252,6 @@ class Net(nn.Module):
         return cls(config, target, head, layer)
 
     # The shared target modules belong to the target: `.to()` / `.double()` / `.train()` leave them as they are.
-    def _apply(self, fn, recurse=True):
-        saved = dict(self._modules)
-        for n in [n for n in self._modules if n.startswith("target_")]:
-            del self._modules[n]
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            self._modules.clear()
-            self._modules.update(saved)
-
-    def train(self, mode: bool = True):
-        self.training = mode
-        for name, mod in self.named_children():
-            if not name.startswith("target_"):
-                mod.train(mode)
-        return self
-
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
