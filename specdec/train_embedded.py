@@ -1,6 +1,15 @@
 """Train the embedded default model: a small Kimi-Linear (KDA + MLA, 3:1) on the CPython standard library.
 
     python -m specdec.train_embedded --out specdec/embedded --minutes 45
+    python -m specdec.train_embedded --family qwen3_5 --tokenizer specdec/embedded --out DIR --minutes 30 \\
+        --checkpoint DIR.ckpt --prompts ""
+
+`--family qwen3_5` trains a small Qwen3.5 text model (Gated DeltaNet + gated full attention, 3:1) with the same loop
+and data, and saves it with one freshly initialized MTP layer under the published checkpoints' names (`mtp.fc`,
+`mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm`: what `drafter="native"`
+reads; fine-tune it with `python -m specdec.draft.train --drafter native`). `--tokenizer DIR` reuses that
+directory's tokenizer (the embedded model's) instead of training one. `--checkpoint FILE` keeps a resumable
+training state there at every validation (a rerun with the same arguments continues from it).
 
 Data: the stdlib `.py` sources (test folders excluded) plus the prose of `pydoc_data/topics.py`. A fixed
 set of files and topics (chosen by a hash of their name) is held out for validation and for the
@@ -66,8 +75,23 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tok._tokenizer, eos_token=EOS, pad_token=PAD, bos_token=EOS)
 
 
-def model_config(vocab_size: int, eos_id: int, pad_id: int):
-    """~8M parameters: 8 layers, KDA on 6, MLA on 2 (layers 3 and 7: the published 3:1 pattern)."""
+FAMILIES = ("kimi_linear", "qwen3_5")
+CHUNK = {"kimi_linear": 8, "qwen3_5": 16}  # the CPU chunked delta rule's chunk size in training
+
+
+def model_config(vocab_size: int, eos_id: int, pad_id: int, family: str = "kimi_linear"):
+    """kimi_linear: ~8M parameters, 8 layers, KDA on 6, MLA on 2 (layers 3 and 7: the published 3:1 pattern).
+    qwen3_5: ~1.4M parameters, hidden 128, 4 layers (Gated DeltaNet on 0-2, gated attention on 3), tied embeddings."""
+    if family == "qwen3_5":
+        from transformers import Qwen3_5TextConfig
+        layers = 4
+        return Qwen3_5TextConfig(
+            vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+            layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)],
+            rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+            bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id)
     from transformers import KimiLinearConfig
     layers = 8
     return KimiLinearConfig(
@@ -78,6 +102,35 @@ def model_config(vocab_size: int, eos_id: int, pad_id: int):
         mlp_layer_types=["dense"] * layers, num_experts=1, num_experts_per_token=1, num_shared_experts=0,
         rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=False,
         bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+
+
+def fresh_mtp_tensors(config, seed: int = 0) -> dict[str, torch.Tensor]:
+    """One freshly initialized Qwen3.5 MTP layer under the published names: the decoder layer is a full-attention
+    `Qwen3_5DecoderLayer` initialized by transformers (`_init_weights`), `fc` normal(0, initializer_range), the
+    zero-centred norms zero (scale 1)."""
+    import copy
+
+    from transformers import Qwen3_5ForCausalLM
+    cfg = copy.deepcopy(config)
+    cfg.num_hidden_layers, cfg.layer_types, cfg.vocab_size = 1, ["full_attention"], 2
+    torch.manual_seed(seed)
+    layer = Qwen3_5ForCausalLM(cfg).model.layers[0]
+    d = config.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    out = {f"mtp.layers.0.{k}": v.detach().clone() for k, v in layer.state_dict().items()}
+    out["mtp.fc.weight"] = torch.randn(d, 2 * d, generator=gen) * config.initializer_range
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        out[f"mtp.{name}.weight"] = torch.zeros(d)
+    return out
+
+
+def add_tensors(path: str, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Add `tensors` (in `dtype`) to the single safetensors file of the checkpoint directory `path`."""
+    from safetensors.torch import load_file, save_file
+    file = os.path.join(path, "model.safetensors")
+    state = load_file(file)
+    state.update({k: v.to(dtype).contiguous() for k, v in tensors.items()})
+    save_file(state, file, metadata={"format": "pt"})
 
 
 def make_prompts(held: dict[str, str], tok, n_code: int = 30, n_prose: int = 10, seed: int = 0) -> list[dict]:
@@ -112,6 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--val-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--family", choices=FAMILIES, default="kimi_linear", help="the model to train (see above)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR", help="use this directory's tokenizer (default: train one)")
+    p.add_argument("--checkpoint", default=None, metavar="FILE", help="resumable training state (resumed if present)")
     p.add_argument("--dump-corpus", metavar="FILE", default=None,
                    help="write the training text (the drafters' distillation data) to FILE and exit")
     p.add_argument("--corpus-mb", type=float, default=2.0, help="with --dump-corpus: megabytes of text to write")
@@ -130,14 +186,15 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from transformers import KimiLinearForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec.hf_compat import torch_fallbacks
 
     torch.manual_seed(args.seed)
     t0 = time.time()
     train_docs, held_docs = corpus()
-    tok = train_tokenizer(list(train_docs.values()), args.vocab_size)
+    tok = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else \
+        train_tokenizer(list(train_docs.values()), args.vocab_size)
     eos = tok.convert_tokens_to_ids(EOS)
 
     def stream(docs):
@@ -149,7 +206,7 @@ def main(argv=None) -> int:
     train_ids, val_ids = stream(train_docs), stream(held_docs)
     print(json.dumps({"train_docs": len(train_docs), "held_docs": len(held_docs), "train_tokens": train_ids.numel(),
                       "val_tokens": val_ids.numel(), "prep_s": round(time.time() - t0, 1)}), flush=True)
-    model = KimiLinearForCausalLM(model_config(len(tok), eos, tok.convert_tokens_to_ids(PAD)))
+    model = AutoModelForCausalLM.from_config(model_config(len(tok), eos, tok.convert_tokens_to_ids(PAD), args.family))
     model.config._experts_implementation = "eager"
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -174,7 +231,24 @@ def main(argv=None) -> int:
 
     log = []
     step, t_train = 0, time.time()
-    with torch_fallbacks("kimi_linear", chunked=True, chunk_size=8):
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        state = torch.load(args.checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        torch.set_rng_state(state["rng"])
+        step, log = state["step"], state["log"]
+        t_train -= state["elapsed"]  # the schedule continues where it stopped
+        print(json.dumps({"resumed": args.checkpoint, "step": step, "s": round(state["elapsed"])}), flush=True)
+
+    def save_state():
+        if args.checkpoint:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                        "rng": torch.get_rng_state(), "step": step, "log": log, "elapsed": time.time() - t_train},
+                       args.checkpoint + ".tmp")
+            os.replace(args.checkpoint + ".tmp", args.checkpoint)  # never a torn checkpoint
+
+    with torch_fallbacks(args.family, chunked=True, chunk_size=CHUNK[args.family]):
         model.train()
         while True:
             elapsed = time.time() - t_train
@@ -199,14 +273,18 @@ def main(argv=None) -> int:
             if step % 10 == 0 or "val_loss" in entry:
                 print(json.dumps(entry), flush=True)
             log.append(entry)
+            if "val_loss" in entry:
+                save_state()
         final_val = validate()
-    summary = {"params": n_params, "steps": step, "tokens_seen": step * B * S, "train_seconds": round(time.time() - t_train),
+    summary = {"family": args.family, "params": n_params, "steps": step, "tokens_seen": step * B * S, "train_seconds": round(time.time() - t_train),
                "final_train_loss": sum(e["loss"] for e in log[-20:]) / max(1, len(log[-20:])),
                "final_val_loss": round(final_val, 4), "seq_len": S, "batch_size": B, "vocab_size": len(tok)}
     print(json.dumps(summary), flush=True)
     os.makedirs(args.out, exist_ok=True)
     model.config._experts_implementation = None
     model.to(torch.bfloat16).save_pretrained(args.out)
+    if args.family == "qwen3_5":  # the MTP layer the published Qwen3.5 checkpoints ship, freshly initialized
+        add_tensors(args.out, fresh_mtp_tensors(model.config, args.seed), torch.bfloat16)
     tok.save_pretrained(args.out)
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump({"summary": summary, "log": [e for e in log if e["step"] % 10 == 0 or "val_loss" in e]}, f)
