@@ -35,6 +35,10 @@ state, the anchor) sits at p = committed tokens - 1 and gives draft 1. Draft ste
 `out` and draft k-1 at position p + k - 1; those K/V are dropped when the block is done, so nothing of a
 round survives it. Every step runs the first MTP layer (the published checkpoints ship one).
 
+Shipping a fine-tune: `write_mtp(net, DIR)` (command line: `python -m specdec.draft.native --target DIR --drafter
+TRAINED [--out NEW]`) writes the net's weights back into a checkpoint under the same names, so the checkpoint's own
+`drafter="native"` is the fine-tuned one.
+
 Training (the distillation loop of `draft/train.py`, kind `native`): `Net.loss` distils the target over a window: every
 pair `(hidden[t], tokens[t+1])` predicts the target's distribution `logits[t+1]`, and `train_depth - 1` further
 chained steps (teacher-forced tokens, the drafter's own `out`, the masks of drafting) follow; this fine-tunes
@@ -474,6 +478,102 @@ class NativeDrafter(Drafter):
                           torch.stack(qs, 1) if sample else None)
 
 
+# ---- writing a fine-tune back ---------------------------------------------------------------------------
+def checkpoint_tensors(net: Net, target) -> dict[str, torch.Tensor]:
+    """The net's own weights under the checkpoint's names (the inverse of `split_mtp_tensors`), checked by reading
+    the layer back through `decoder_layer` (a layer whose stored form differs from its modules', such as fused
+    experts, is refused)."""
+    prefix = mtp_prefix(target)
+    names = LING_HEAD if target.config.model_type == "bailing_hybrid" else QWEN_HEAD
+    ours = {v: k for k, v in names.items()}
+    layer_prefix = "" if target.config.model_type == "bailing_hybrid" else "layers.0."
+    layer = {k: v.detach().cpu() for k, v in net.layer.state_dict().items()}
+    back = decoder_layer(target, layer, where="the fine-tuned net").state_dict()
+    if back.keys() != layer.keys() or any(not torch.equal(back[k].cpu(), v.to(back[k].dtype)) for k, v in layer.items()):
+        raise ValueError("write_mtp: this MTP layer's stored form differs from its modules (fused experts?); "
+                         "only layers whose tensors round-trip can be written back")
+    out = {prefix + ours[n]: p.detach().cpu() for n, p in net.named_parameters() if n in ours}
+    out.update({prefix + layer_prefix + k: v for k, v in layer.items()})
+    return out
+
+
+def write_mtp(net: Net, target, path: str) -> list[str]:
+    """Replace the MTP tensors in the checkpoint directory `path` (the file(s) holding them, in their stored dtype)
+    with `net`'s weights. -> the files written."""
+    from safetensors.torch import load_file, save_file
+    files = checkpoint_files(path)
+    new = checkpoint_tensors(net, target)
+    prefix = mtp_prefix(target)
+    holding = [f for f in files if any(k.startswith(prefix) for k in _keys(f))]
+    if not holding:
+        raise ValueError(f"write_mtp: no MTP tensors ('{prefix}*') in {', '.join(files)} to replace")
+    written = []
+    for f in holding:
+        state = load_file(f)
+        stored = {k: v for k, v in state.items() if k.startswith(prefix)}
+        missing = sorted(set(stored) - set(new))
+        if missing:
+            raise ValueError(f"write_mtp: {f} holds MTP tensors the net has none for: {missing[:4]}")
+        for k, v in stored.items():
+            if v.shape != new[k].shape:
+                raise ValueError(f"write_mtp: {k} is {list(v.shape)} in {f}, {list(new[k].shape)} in the net")
+            state[k] = new[k].to(v.dtype).contiguous()
+        save_file(state, f + ".tmp", metadata={"format": "pt"})
+        os.replace(f + ".tmp", f)
+        written.append(f)
+    stored = set().union(*(set(k for k in _keys(f) if k.startswith(prefix)) for f in holding))
+    if stored != set(new):
+        raise ValueError(f"write_mtp: the net has tensors the checkpoint does not: {sorted(set(new) - stored)[:4]}")
+    return written
+
+
+def _keys(file: str) -> list[str]:
+    from safetensors import safe_open
+    with safe_open(file, "pt") as f:
+        return list(f.keys())
+
+
+def main(argv=None) -> int:
+    """`python -m specdec.draft.native --target DIR --drafter TRAINED [--out NEW]`: write a fine-tuned native
+    drafter (from `python -m specdec.draft.train --drafter native`) into a checkpoint's MTP tensors (a copy at
+    `--out`, or the target itself)."""
+    import argparse
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from . import native  # this module by its package name (run as `-m`, it is `__main__` here)
+    from .registry import load_drafter
+    p = argparse.ArgumentParser(prog="python -m specdec.draft.native", description=main.__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="checkpoint directory whose MTP tensors are replaced")
+    p.add_argument("--drafter", required=True, help="a trained native drafter directory")
+    p.add_argument("--out", default=None, help="write a copy of --target here instead of replacing in place")
+    args = p.parse_args(argv)
+    try:
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    except (OSError, ValueError) as e:
+        p.error(f"argument --target: cannot load {args.target!r} ({e})")
+    try:
+        net = load_drafter(args.drafter, target)
+    except ValueError as e:
+        p.error(f"argument --drafter: {e}")
+    if not isinstance(net, native.Net):
+        p.error(f"argument --drafter: {args.drafter!r} holds a {net.config.kind} drafter, not native")
+    dest = args.target
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        for name in os.listdir(args.target):
+            if os.path.isfile(os.path.join(args.target, name)):
+                shutil.copy2(os.path.join(args.target, name), os.path.join(args.out, name))
+        dest = args.out
+    try:
+        files = native.write_mtp(net, target, dest)
+    except ValueError as e:
+        p.error(str(e))
+    print(json.dumps({"written": files}))
+    return 0
+
+
 def build(target, *, native_path: str | os.PathLike | None = None) -> Net:
     """The native net of `target` (its checkpoint's MTP layers)."""
     config = Config.for_target(target, native_path=os.fspath(native_path) if native_path else None)
@@ -484,3 +584,7 @@ def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, **kwargs)
     if kwargs:
         raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the native drafter (expected native_path)")
     return NativeDrafter(net, gamma=gamma, max_batch_size=max_batch_size)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
