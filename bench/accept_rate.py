@@ -4,7 +4,8 @@
     python bench/accept_rate.py --model DIR --device cuda --dtype bfloat16 --max-prompts 20 --kinds code
 
 `--model embedded` is the package's own small Kimi-Linear (`specdec/embedded`, made by
-`python -m specdec.train_embedded`). `ngram` is prompt lookup; any other drafter name is a trained drafter
+`python -m specdec.train_embedded`). `ngram` is prompt lookup, `native` the MTP layers the model's checkpoint
+ships (Qwen3-Next / Qwen3.5 / Bailing, `specdec.draft.native`); any other drafter name is a trained drafter
 loaded from `MODEL/drafters/NAME` and reported as skipped (with the reason) when that directory is
 missing or does not load: an untrained drafter is never used in its place.
 
@@ -116,8 +117,8 @@ def parse_drafter(spec: str) -> tuple[str, dict]:
 
 def resolve_drafter(model_dir: Path, name: str) -> tuple[str | None, str | None]:
     """-> (the `drafter=` argument for `specdec.wrap`, None) or (None, why it is skipped)."""
-    if name == "ngram":
-        return "ngram", None
+    if name in ("ngram", "native"):  # built in: prompt lookup; the checkpoint's own MTP layers
+        return name, None
     path = model_dir / "drafters" / name
     if not path.is_dir():
         return None, f"no trained drafter at {path}"
