@@ -143,11 +143,13 @@ class OlmoGatedDeltaMixer(GatedDeltaMixer):
 
 
 class Mamba2Mixer:
-    """transformers' Mamba2 mixer of Bamba (`BambaMixer`, at `layer.mamba`) and GraniteMoeHybrid
-    (`GraniteMoeHybridMambaLayer`, the same module): `in_proj` split into gate / xBC / dt, short conv over
-    `[x, B, C]` with its activation, dt = softplus(dt + dt_bias) clamped to `time_step_limit`, the SSM through
-    `ops.mix` (the mamba2 rule: q = C, k = B, v = x, g = dt A, beta = dt; each group's B and C repeated for its
-    heads), the D skip, the gated RMSNorm, `out_proj`."""
+    """transformers' Mamba2 mixer of Bamba (`BambaMixer`, at `layer.mamba`), GraniteMoeHybrid
+    (`GraniteMoeHybridMambaLayer`, the same module) and Zamba2 (`Zamba2MambaMixer`: its gated norm gates before
+    the grouped norm, its `time_step_limit` floors dt at `time_step_min`): `in_proj` split into gate / xBC / dt,
+    short conv over `[x, B, C]` with its activation, dt = softplus(dt + dt_bias) clamped to `time_step_limit`, the
+    SSM through `ops.mix` (the mamba2 rule: q = C, k = B, v = x, g = dt A, beta = dt; each group's B and C repeated
+    for its heads), the D skip, the gated RMSNorm, `out_proj`. Subclasses change `project` (what feeds the split)
+    and `gated_norm` (gate and norm of the scan output)."""
 
     gate, norm, rule = "gdn", "rsqrt", "mamba2"
     requires = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "time_step_limit")
@@ -162,11 +164,21 @@ class Mamba2Mixer:
                     conv_dim=mod.conv_dim, conv_kernel=mod.conv_kernel_size)
 
     @staticmethod
-    def run(mod, x: torch.Tensor, ops: MixerOps) -> torch.Tensor:
+    def project(mod, x: torch.Tensor) -> torch.Tensor:
+        """`[B, T, hidden]` -> the projection split into gate / xBC / dt: `in_proj(x)`."""
+        return mod.in_proj(x)
+
+    @staticmethod
+    def gated_norm(mod, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The scan output `[B, T, intermediate]` gated by `gate` and normed: the module's gated RMSNorm."""
+        return mod.norm(y, gate)
+
+    @classmethod
+    def run(cls, mod, x: torch.Tensor, ops: MixerOps) -> torch.Tensor:
         """x `[B, T, hidden]` (after the input norm) -> `[B, T, hidden]`."""
         B, T, _ = x.shape
         H, P, N, G = mod.num_heads, mod.head_dim, mod.ssm_state_size, mod.n_groups
-        gate, xBC, dt = mod.in_proj(x).split([mod.intermediate_size, mod.conv_dim, H], dim=-1)
+        gate, xBC, dt = cls.project(mod, x).split([mod.intermediate_size, mod.conv_dim, H], dim=-1)
         xBC = ops.conv(xBC, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, mod.activation)
         xs, Bg, Cg = torch.split(xBC, [mod.intermediate_size, G * N, G * N], dim=-1)
         v = xs.reshape(B, T, H, P)
@@ -177,7 +189,7 @@ class Mamba2Mixer:
         A = -torch.exp(mod.A_log.float())
         o = ops.mix(q, k, v, dt * A, dt)  # [B, T, H, P]
         y = o + v * mod.D[:, None].to(o.dtype)
-        y = mod.norm(y.reshape(B, T, -1), gate)
+        y = cls.gated_norm(mod, y.reshape(B, T, -1), gate)
         return mod.out_proj(y.to(x.dtype))
 
 
@@ -189,15 +201,41 @@ class NemotronHMamba2Mixer(Mamba2Mixer):
         return layer.mixer
 
 
+class FalconH1Mamba2Mixer(Mamba2Mixer):
+    """`FalconH1Mixer`: the Mamba2 mixer with its input scaled by `ssm_in_multiplier` and the `in_proj` output by
+    the muP vector (`mup_vector` `[1, 1, 2 I + 2 G N + H]`: one multiplier per gate / x / B / C / dt section); the
+    gated RMSNorm only with `mamba_rms_norm` (the module's `FalconH1RMSNormGated`, grouped, norm before or after
+    the gate as configured), else the scan output times silu(gate)."""
+
+    requires = Mamba2Mixer.requires + ("mup_vector", "ssm_in_multiplier", "mamba_rms_norm")
+
+    @staticmethod
+    def project(mod, x: torch.Tensor) -> torch.Tensor:
+        return mod.in_proj(x * mod.ssm_in_multiplier) * mod.mup_vector
+
+    @staticmethod
+    def gated_norm(mod, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return mod.norm(y, gate) if mod.mamba_rms_norm else y * F.silu(gate)
+
+
 @dataclass(frozen=True)
 class LayerLayout:
-    """Where a decoder layer puts its norms and modules (attribute names; None: none there):
-    `h += post_mixer(mixer(pre_mixer(h)))`, then `h += post_mlp(mlp(pre_mlp(h)))`. `attn` names the attention
-    module of a full-attention layer; `mlp=None`: the layer has no MLP (Nemotron-H blocks hold one module; an
-    MLP-only block, `HybridFamily.mlp_only`, has no mixer). `moe`: a module whose output is added
+    """Where a decoder layer puts its norms and modules (attribute names, dotted for a sub-module's; None: none
+    there): `h += post_mixer(mixer(pre_mixer(h)))`, then `h += post_mlp(mlp(pre_mlp(h)))`. `attn` names the
+    attention module of a full-attention layer; `mlp=None`: the layer has no MLP (Nemotron-H blocks hold one
+    module; an MLP-only block, `HybridFamily.mlp_only`, has no mixer). `moe`: a module whose output is added
     to the MLP's, on the same input (GraniteMoeHybrid's `block_sparse_moe` beside its `shared_mlp`; None on the
     layer: a dense model). `residual_scale`: the layer's attribute scaling both branches before the residual add
-    (GraniteMoeHybrid's `residual_multiplier`)."""
+    (GraniteMoeHybrid's `residual_multiplier`). `mixer`: the linear mixer's path where it is not where the family's
+    mixer class finds it (`module`).
+
+    A "hybrid" layer (`HybridFamily.hybrid`) runs its mixer with an attention, one of two ways:
+    - `shared` None: `attn` beside the mixer on the same normed input x = pre_mixer(h) (Falcon-H1):
+      `h += post_mixer(mixer(x) * mixer_out_scale + attn(x * attn_in_scale) * attn_out_scale)`, the scales the
+      layer's attributes (None: 1);
+    - `shared`: a transformer block (the attention inside it) on h and the model's input embeddings, through
+      `shared_proj`, joins the mixer's input, not the residual (Zamba2):
+      `h += post_mixer(mixer(pre_mixer(h + shared_proj(shared(h, embeddings)))))`."""
 
     pre_mixer: str | None = "input_layernorm"
     post_mixer: str | None = None
@@ -207,11 +245,24 @@ class LayerLayout:
     attn: str = "self_attn"
     moe: str | None = None
     residual_scale: str | None = None
+    mixer: str | None = None
+    shared: str | None = None
+    shared_proj: str | None = None
+    attn_in_scale: str | None = None
+    attn_out_scale: str | None = None
+    mixer_out_scale: str | None = None
 
     def norms(self, layer) -> tuple:
         """The layer's four norm modules (None where the layout has none)."""
-        return tuple(None if name is None else getattr(layer, name)
+        return tuple(None if name is None else attr_path(layer, name)
                      for name in (self.pre_mixer, self.post_mixer, self.pre_mlp, self.post_mlp))
+
+
+def attr_path(obj, path: str):
+    """`obj.a.b` for `path` "a.b"."""
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
 
 
 PRE_NORM = LayerLayout()
@@ -224,36 +275,51 @@ NEMOTRON_MIXER = LayerLayout("norm", None, None, None, mlp=None, attn="mixer")
 NEMOTRON_MLP = LayerLayout(None, None, "norm", None, mlp="mixer")
 # GraniteMoeHybrid (Granite-4.0-H): `shared_mlp` plus the routed experts, both branches scaled before the add
 GRANITE = LayerLayout(mlp="shared_mlp", moe="block_sparse_moe", residual_scale="residual_multiplier")
+# Falcon-H1: every layer mamba and attention in parallel on the normed input, each branch with its multipliers
+FALCON_H1 = LayerLayout(pre_mlp="pre_ff_layernorm", mlp="feed_forward", attn_in_scale="attention_in_multiplier",
+                        attn_out_scale="attn_out_multiplier", mixer_out_scale="ssm_out_multiplier")
+# Zamba2: mamba layers without an MLP; a hybrid layer runs the shared transformer block (attention + MLP, with
+# its per-invocation adapters) and `linear` before its own mamba layer `mamba_decoder`
+ZAMBA2_MAMBA = LayerLayout(pre_mlp=None, mlp=None)
+ZAMBA2_HYBRID = LayerLayout("mamba_decoder.input_layernorm", pre_mlp=None, mlp=None, mixer="mamba_decoder.mamba",
+                            shared="shared_transformer", shared_proj="linear")
 
 LINEAR_TYPES = ("linear_attention",)
 MLP_TYPES = ("mlp", "moe")  # Nemotron-H blocks holding an MLP / MoE alone
+HYBRID_TYPES = ("hybrid",)  # Falcon-H1 / Zamba2 layers running a mixer and an attention
 
 
 @dataclass(frozen=True)
 class HybridFamily:
     """One hybrid family: its linear-attention mixer, the layout of its linear / full-attention layers (and of
-    its MLP-only layers, `config.layer_types` "mlp" / "moe"), the names of the base model's embedding and final
-    norm, the base model's attribute scaling the embeddings (`embed_scale`) and the config's dividing the logits
+    its MLP-only layers, `config.layer_types` "mlp" / "moe", and its "hybrid" layers: mixer plus attention), the
+    names of the base model's embedding and final norm, the base model's attributes scaling the embeddings
+    (`embed_scale`) and multiplying the logits (`logits_multiplier`), and the config's dividing the logits
     (`logits_scale`)."""
 
     mixer: type
     linear: LayerLayout = PRE_NORM
     attention: LayerLayout = PRE_NORM
     mlp_only: LayerLayout | None = None
+    hybrid: LayerLayout | None = None
     embed: str = "embed_tokens"
     final_norm: str = "norm"
     embed_scale: str | None = None
     logits_scale: str | None = None
+    logits_multiplier: str | None = None
 
     def layout(self, kind: str) -> LayerLayout | None:
-        """The layout of a layer of `kind` ("linear", "attention", "mlp"); None where the family has none."""
-        return {"linear": self.linear, "attention": self.attention, "mlp": self.mlp_only}[kind]
+        """The layout of a layer of `kind` ("linear", "attention", "mlp", "hybrid"); None where the family has
+        none."""
+        return {"linear": self.linear, "attention": self.attention, "mlp": self.mlp_only, "hybrid": self.hybrid}[kind]
 
 
 def layer_kind(layer_type: str) -> str:
-    """`config.layer_types` entry -> "linear" / "mlp" / "attention" (every other type)."""
+    """`config.layer_types` entry -> "linear" / "mlp" / "hybrid" / "attention" (every other type)."""
     if layer_type in LINEAR_TYPES:
         return "linear"
+    if layer_type in HYBRID_TYPES:
+        return "hybrid"
     return "mlp" if layer_type in MLP_TYPES else "attention"
 
 
@@ -271,7 +337,11 @@ HYBRID_FAMILIES = {
     "granitemoehybrid": HybridFamily(Mamba2Mixer, linear=GRANITE, attention=GRANITE,
                                      embed_scale="embedding_multiplier", logits_scale="logits_scaling"),
     "bamba": HybridFamily(Mamba2Mixer, linear=BAMBA, attention=BAMBA, final_norm="final_layernorm"),
+    "falcon_h1": HybridFamily(FalconH1Mamba2Mixer, hybrid=FALCON_H1, final_norm="final_layernorm",
+                              embed_scale="embedding_multiplier", logits_multiplier="lm_head_multiplier"),
+    "zamba2": HybridFamily(Mamba2Mixer, linear=ZAMBA2_MAMBA, hybrid=ZAMBA2_HYBRID, final_norm="final_layernorm"),
 }
 # The Mamba2 hybrids with an adapter
-MAMBA2_FAMILIES = {name: HYBRID_FAMILIES[name] for name in ("bamba", "nemotron_h", "granitemoehybrid")}
+MAMBA2_FAMILIES = {name: HYBRID_FAMILIES[name]
+                   for name in ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")}
 MIXERS = {name: fam.mixer for name, fam in HYBRID_FAMILIES.items()}

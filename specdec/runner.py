@@ -16,7 +16,7 @@ import torch
 from specdec import kernels
 from specdec.replayssm import StateConfig, make_strategy
 
-from .adapters import HYBRID_FAMILIES, layer_kind
+from .adapters import HYBRID_FAMILIES, attr_path, layer_kind
 from .kv_cache import KVCache
 
 
@@ -150,10 +150,23 @@ def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig, 
                                     norm=cfg.norm, rule=cfg.rule)
 
 
-def _layer_plan(family: str, spec, layers, kinds) -> tuple[list[tuple], dict[int, bool], list[tuple]]:
-    """Per decoder layer its four norms (`LayerLayout.norms`), per attention layer whether its forward takes
-    `position_embeddings` (OLMo-Hybrid's does, None without RoPE), and per layer `(mlp, moe, residual scale)`
-    (each None where the layer has none).
+@dataclass(frozen=True)
+class _Join:
+    """How a "hybrid" layer runs its attention with its mixer (`adapters.LayerLayout`): `attn` beside the mixer
+    (with the layer's scales, None: 1), or the `shared` block through `proj` before it."""
+    attn: torch.nn.Module | None = None
+    shared: torch.nn.Module | None = None
+    proj: torch.nn.Module | None = None
+    attn_in: float | None = None
+    attn_out: float | None = None
+    mixer_out: float | None = None
+
+
+def _layer_plan(family: str, spec, layers, kinds) -> tuple[list[tuple], dict, list[tuple], dict, dict]:
+    """Per decoder layer its four norms (`LayerLayout.norms`), per attention (called by the runner) whether its
+    forward takes `position_embeddings` (OLMo-Hybrid's does, None without RoPE), per layer `(mlp, moe, residual
+    scale)` (each None where the layer has none), per layer with a mixer its mixer module, per attention its
+    module, and per "hybrid" layer its `_Join`.
     Every module the runner calls is looked up here: a class transformers changed fails now, naming the family,
     layer and missing module."""
     def missing(owner, name: str, what: str):
@@ -161,44 +174,59 @@ def _layer_plan(family: str, spec, layers, kinds) -> tuple[list[tuple], dict[int
         return ValueError(f"model: {family} layer {i} ({cls}) has no {what} {name!r}; the hybrid adapter expects "
                           f"it (has transformers changed {cls}?)")
 
-    norms, rope, mlps = [], {}, []
+    def lookup(path: str, what: str = "module"):
+        """`layer.<path>`: a module (or with `what` "number", a number at the end of the path)."""
+        names, owner = path.split("."), layer
+        for j, name in enumerate(names):
+            value, last = getattr(owner, name, None), j == len(names) - 1
+            if not isinstance(value, (int, float) if last and what == "number" else torch.nn.Module):
+                raise missing(owner, name, what if last else "module")
+            owner = value
+        return owner
+
+    norms, rope, mlps, mixers, attns, joins = [], {}, [], {}, {}, {}
     for i, (layer, kind) in enumerate(zip(layers, kinds)):
         layout = spec.layout(kind)
         if layout is None:
-            raise ValueError(f"model: {family} layer {i} is an MLP-only layer, which the hybrid adapter of "
+            what = "an MLP-only" if kind == "mlp" else f"a {kind}"
+            raise ValueError(f"model: {family} layer {i} is {what} layer, which the hybrid adapter of "
                              f"{family} does not expect")
         for name in (layout.pre_mixer, layout.post_mixer, layout.pre_mlp, layout.post_mlp, layout.mlp):
-            if name is not None and not isinstance(getattr(layer, name, None), torch.nn.Module):
-                raise missing(layer, name, "module")
-        if kind == "linear":
-            try:
-                mod = spec.mixer.module(layer)
-            except AttributeError as e:
-                raise missing(layer, getattr(e, "name", None) or "linear-attention mixer", "module") from None
+            if name is not None:
+                lookup(name)
+        if kind in ("linear", "hybrid"):
+            if layout.mixer is not None:
+                mod = lookup(layout.mixer)
+            else:
+                try:
+                    mod = spec.mixer.module(layer)
+                except AttributeError as e:
+                    raise missing(layer, getattr(e, "name", None) or "linear-attention mixer", "module") from None
             for name in spec.mixer.requires:
                 if not hasattr(mod, name):
                     raise missing(mod, name, "attribute")
-        elif kind == "attention":
-            attn = getattr(layer, layout.attn, None)
-            if not isinstance(attn, torch.nn.Module):
-                raise missing(layer, layout.attn, "module")
-            rope[i] = "position_embeddings" in inspect.signature(attn.forward).parameters
+            mixers[i] = mod
+        if kind == "hybrid" and layout.shared is not None:
+            joins[i] = _Join(shared=lookup(layout.shared), proj=lookup(layout.shared_proj))
+        elif kind in ("attention", "hybrid"):
+            attns[i] = lookup(layout.attn)
+            rope[i] = "position_embeddings" in inspect.signature(attns[i].forward).parameters
+            if kind == "hybrid":
+                joins[i] = _Join(attns[i], **{k: None if name is None else lookup(name, "number") for k, name in (
+                    ("attn_in", layout.attn_in_scale), ("attn_out", layout.attn_out_scale),
+                    ("mixer_out", layout.mixer_out_scale))})
         norms.append(layout.norms(layer))
-        mlp = None if layout.mlp is None else getattr(layer, layout.mlp)
+        mlp = None if layout.mlp is None else attr_path(layer, layout.mlp)
         moe = None if layout.moe is None else getattr(layer, layout.moe, None)  # None: a dense layer
-        scale = None
-        if layout.residual_scale is not None:
-            scale = getattr(layer, layout.residual_scale, None)
-            if not isinstance(scale, (int, float)):
-                raise missing(layer, layout.residual_scale, "number")
+        scale = None if layout.residual_scale is None else lookup(layout.residual_scale, "number")
         mlps.append((mlp, moe, scale))
-    return norms, rope, mlps
+    return norms, rope, mlps, mixers, attns, joins
 
 
 class HybridRunner:
     """A hybrid family of `adapters.HYBRID_FAMILIES` (Kimi-Linear, Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid,
-    Bailing-Hybrid; the Mamba2 hybrids Nemotron-H, Granite-4.0-H and Bamba) with ReplaySSM (or snapshot) state and a
-    rollback KV cache."""
+    Bailing-Hybrid; the Mamba2 hybrids Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1 and Zamba2) with ReplaySSM (or
+    snapshot) state and a rollback KV cache."""
 
     def __init__(self, model, *, strategy: str = "replay", commit: str = "eager", max_batch_size: int = 8,
                  max_length: int = 4096, num_verify_tokens: int = 8, track_interval: int | None = None,
@@ -212,20 +240,24 @@ class HybridRunner:
         # bailing_hybrid appends its MTP layers to `layers`: the decoder is the first num_hidden_layers
         self.base, self.layers = base, list(base.layers)[:model.config.num_hidden_layers]
         self._kinds = [layer_kind(t) for t in model.config.layer_types[:len(self.layers)]]
-        self.linear_index = {i: n for n, i in enumerate(i for i, k in enumerate(self._kinds) if k == "linear")}
+        # every layer with a mixer: linear-attention layers and "hybrid" ones (mixer plus attention)
+        mixed = (i for i, k in enumerate(self._kinds) if k in ("linear", "hybrid"))
+        self.linear_index = {i: n for n, i in enumerate(mixed)}
         if not self.linear_index:
             raise ValueError("model: no linear_attention layers")
-        self._norms, self._attn_rope, self._mlps = _layer_plan(family, spec, self.layers, self._kinds)
-        self._attn_name = {i: spec.layout(k).attn for i, k in enumerate(self._kinds) if k == "attention"}
+        (self._norms, self._attn_rope, self._mlps, self._mixers, self._attn,
+         self._joins) = _layer_plan(family, spec, self.layers, self._kinds)
         for name in (spec.embed, spec.final_norm):
             if not isinstance(getattr(base, name, None), torch.nn.Module):
                 raise ValueError(f"model: {family} base model ({type(base).__name__}) has no module {name!r}; the "
                                  f"hybrid adapter expects it")
         self.embed, self.final_norm = getattr(base, spec.embed), getattr(base, spec.final_norm)
-        # GraniteMoeHybrid scales the embeddings and divides the logits (None: the family does not)
+        # GraniteMoeHybrid scales the embeddings and divides the logits, Falcon-H1 scales both (None: the family
+        # does not)
         self._embed_scale = None if spec.embed_scale is None else getattr(base, spec.embed_scale)
         self._logits_scale = None if spec.logits_scale is None else getattr(model.config, spec.logits_scale)
-        first = self.mixer.module(self.layers[next(iter(self.linear_index))])
+        self._logits_multiplier = None if spec.logits_multiplier is None else getattr(base, spec.logits_multiplier)
+        first = self._mixers[next(iter(self.linear_index))]
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
         cfg = StateConfig(num_layers=len(self.linear_index), **self.mixer.dims(first), gate=self.mixer.gate,
@@ -361,26 +393,38 @@ class HybridRunner:
             h = self.embed(ids)
             if self._embed_scale is not None:
                 h = h * self._embed_scale
+            embeddings = h  # the input of Zamba2's shared blocks, beside the hidden state
             positions = self.kv.positions()
             mask = self.kv.attention_mask(h.dtype)
             rotary = getattr(self.base, "rotary_emb", None)
             pos_emb = rotary(h, positions) if rotary is not None else None
             captured = {}
-            for i, layer in enumerate(self.layers):
+            for i in range(len(self.layers)):
                 pre, post, pre_mlp, post_mlp = self._norms[i]  # the family's layout; None: no norm there
                 mlp, moe, scale = self._mlps[i]
                 kind = self._kinds[i]
                 if kind != "mlp":  # an MLP-only layer (Nemotron-H) has no mixer
                     residual = h
-                    x = pre(h) if pre is not None else h
-                    if kind == "linear":
+                    join, x = self._joins.get(i), h
+                    if join is not None and join.shared is not None:  # Zamba2: into the mixer's input only
+                        t = join.shared(h, original_hidden_states=embeddings, layer_idx=i, attention_mask=mask,
+                                        cache=self.kv, position_embeddings=pos_emb, position_ids=positions)
+                        x = h + join.proj(t)
+                    x = pre(x) if pre is not None else x
+                    if kind == "attention" or (join is not None and join.attn is not None):
+                        a = x if join is None or join.attn_in is None else x * join.attn_in
+                        kw = dict(position_embeddings=pos_emb) if pos_emb is not None or self._attn_rope[i] else {}
+                        a = self._attn[i](hidden_states=a, attention_mask=mask, position_ids=positions, cache=self.kv,
+                                          **kw)[0]
+                    if kind != "attention":
                         li = self.linear_index[i]
                         ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)
-                        x = self.mixer.run(self.mixer.module(layer), x, ops)
+                        x = self.mixer.run(self._mixers[i], x, ops)
+                        if join is not None and join.attn is not None:  # Falcon-H1: both branches, scaled
+                            x = x if join.mixer_out is None else x * join.mixer_out
+                            x = x + (a if join.attn_out is None else a * join.attn_out)
                     else:
-                        kw = dict(position_embeddings=pos_emb) if pos_emb is not None or self._attn_rope[i] else {}
-                        x = getattr(layer, self._attn_name[i])(hidden_states=x, attention_mask=mask,
-                                                               position_ids=positions, cache=self.kv, **kw)[0]
+                        x = a
                     x = post(x) if post is not None else x
                     h = residual + (x if scale is None else x * scale)
                 if mlp is not None:
@@ -402,6 +446,8 @@ class HybridRunner:
                 logits = self.model.lm_head(hidden)
             if self._logits_scale is not None:
                 logits = logits / self._logits_scale
+            if self._logits_multiplier is not None:
+                logits = logits * self._logits_multiplier
         except BaseException:
             self.abort()
             raise

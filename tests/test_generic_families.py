@@ -85,11 +85,16 @@ CONFIGS = {  # model_type -> tiny config kwargs (hidden 32)
 @functools.cache
 def tiny(family: str, seed: int = 0):
     """A float64 random model of `family` built from its config class; `lm_head` x4 so logits are spread."""
+    return build(family, seed)
+
+
+def build(family: str, seed: int = 0, **overrides):
+    """`tiny(family, seed)` with `overrides` on its config (not cached)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     # the classes by name: fla registers its own "mamba" / "mamba2" models with the Auto classes
-    cfg = getattr(transformers, CONFIG_MAPPING_NAMES[family])(**_BASE, **CONFIGS[family])
+    cfg = getattr(transformers, CONFIG_MAPPING_NAMES[family])(**_BASE, **dict(CONFIGS[family], **overrides))
     cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
     torch.manual_seed(seed)
     model = cls._from_config(cfg, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager")

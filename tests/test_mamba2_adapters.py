@@ -1,6 +1,6 @@
-"""The Mamba2 hybrid adapters (Bamba, Nemotron-H, GraniteMoeHybrid) against transformers' own model (float64 tiny
-random models of transformers' classes, the configs of tests/test_generic_families.py; Granite's multipliers set
-away from 1):
+"""The Mamba2 hybrid adapters (Bamba, Nemotron-H, GraniteMoeHybrid, Falcon-H1, Zamba2) against transformers' own
+model (float64 tiny random models of transformers' classes, the configs of tests/test_generic_families.py; Granite's
+and Falcon-H1's multipliers set away from 1; Zamba2 with two invocations of one shared block, LoRA adapters on):
 
 - teacher-forced logits of `HybridRunner` (chunked prefill, chain rounds with partial accepts, a tree round then
   chains) == the model's uncached forward, for every strategy and commit mode; a foreign request's state and KV
@@ -32,14 +32,30 @@ from specdec.runner import HybridRunner, make_runner
 from specdec.testing import max_rel_err, tree_node_sequences
 from specdec.verify import SamplingParams
 
-FAMILIES = ("bamba", "nemotron_h", "granitemoehybrid")
+FAMILIES = ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
 # Granite's multipliers default to 1: other values, so that a missed one shows
 GRANITE_SCALES = dict(embedding_multiplier=3.0, residual_multiplier=0.7, logits_scaling=2.5, attention_multiplier=0.3)
+# the config overrides of the families built here: Falcon-H1's multipliers (all 1 by default; the muP vector, one
+# per in_proj section, is computed from `ssm_multipliers` at build), Zamba2 with one shared block invoked by two
+# hybrid layers (a KV cache each) and the per-invocation LoRA adapters of its attention and MLP
+FALCON_SCALES = dict(embedding_multiplier=3.0, lm_head_multiplier=0.6, key_multiplier=0.8, attention_in_multiplier=1.3,
+                     attention_out_multiplier=0.7, ssm_in_multiplier=1.4, ssm_out_multiplier=0.6,
+                     ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9], mlp_multipliers=[1.3, 0.7])
+OVERRIDES = {
+    "falcon_h1": FALCON_SCALES,
+    # the gated RMSNorm (grouped, gate before the norm) and a dt ceiling that binds (dt_bias starts at 1)
+    "falcon_h1_rms_norm": dict(FALCON_SCALES, mamba_rms_norm=True, mamba_norm_before_gate=False,
+                               time_step_limit=(0.0, 1.0)),
+    "zamba2": dict(layers_block_type=["hybrid", "mamba", "hybrid"], use_shared_attention_adapter=True, adapter_rank=4),
+}
 
 
 @functools.cache
 def tiny(family: str, seed: int = 0):
-    """`test_generic_families.tiny`, Granite with its multipliers set (a model of its own per seed)."""
+    """`test_generic_families.tiny`, Granite with its multipliers set, Falcon-H1 and Zamba2 with `OVERRIDES` (a
+    model of its own per seed)."""
+    if family in OVERRIDES:
+        return generic.build(family.removesuffix("_rms_norm"), seed, **OVERRIDES[family])
     if family != "granitemoehybrid":
         return generic.tiny(family, seed)
     model = copy.deepcopy(generic.tiny(family, seed))
@@ -92,14 +108,16 @@ def test_dispatch_and_state_config(family):
     runner = make_runner(model, max_batch_size=1, max_length=16)
     assert type(runner).__name__ == "HybridRunner"
     cfg = runner.state.cfg
-    mixers = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
-    mod = runner.mixer.module(model.model.layers[mixers[0]])
+    # the layers with a Mamba2 mixer: "linear_attention", and Falcon-H1's / Zamba2's "hybrid"
+    mixers = [i for i, t in enumerate(model.config.layer_types) if t in ("linear_attention", "hybrid")]
+    assert list(runner.linear_index) == mixers
+    mod = runner._mixers[mixers[0]]
     assert (cfg.rule, cfg.gate, cfg.num_layers) == ("mamba2", "gdn", len(mixers))
     assert (cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim) == (mod.num_heads, mod.ssm_state_size, mod.head_dim)
 
 
 @pytest.mark.parametrize("strategy, commit", MODES)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + ("falcon_h1_rms_norm",))
 def test_chain_and_tree_rounds_match_full_forward(family, strategy, commit):
     """Chunked prefill, chain rounds with random partial accepts, then a tree round (every node == the full
     forward of its root path), one path committed, and chain rounds after it."""
@@ -197,6 +215,12 @@ def test_greedy_identity(family, drafter, strategy, commit):
     ("nemotron_h", 2, (), "norm"),  # the MLP-only block
     ("granitemoehybrid", 1, (), "shared_mlp"),
     ("granitemoehybrid", 0, (), "residual_multiplier"),
+    ("falcon_h1", 0, ("mamba",), "mup_vector"),
+    ("falcon_h1", 1, (), "attn_out_multiplier"),
+    ("falcon_h1", 1, (), "self_attn"),
+    ("zamba2", 0, (), "shared_transformer"),
+    ("zamba2", 2, ("mamba_decoder",), "input_layernorm"),
+    ("zamba2", 1, ("mamba",), "D"),
 ])
 def test_missing_module_names_family_layer_and_module(family, layer_idx, path, name):
     model = tiny(family, seed=3 + layer_idx)  # a model of its own: the cached models are shared
