@@ -5,6 +5,9 @@ Triton runs when the tensors are on CUDA, or everywhere when the environment set
 reference (the kernels compute in fp32). The Triton modules are imported on first use only, so
 importing `specdec.kernels` never imports triton.
 
+The mamba2 rule (`rule="mamba2"`) takes the same Triton kernels (a constexpr flag of each); its torch side is the
+per-token recurrence (`verify/naive.py`) and the reference fold.
+
 The torch side of `verify_delta_rule` is the chunk form (`verify/chunk.py`: one WY chunk per round, no
 per-token loop), fp64 included, so the float64 property tests check the path the CPU runs; the per-token
 recurrence (`verify/naive.py`) is the independent oracle the tests compare it with.
@@ -77,7 +80,9 @@ def pick(name: str, *tensors):
     return triton_impl(name) if uses_triton(*tensors) else reference_impl(name)
 
 
-# the reference of each op for the mamba2 rule (the chunk-form verify is delta-rule only)
+# the reference of each op that takes the mamba2 rule, where the Triton kernel does not run (the chunk-form
+# verify is delta-rule only: the CPU runs the per-token recurrence); on CUDA tensors (or forced) the rule runs
+# the Triton kernels like the delta rule (their MAMBA2 flag)
 MAMBA2_REFS = {"verify_delta_rule": _ref_verify_recurrent, "exact_fold": _ref_exact_fold}
 
 
@@ -90,7 +95,8 @@ def _dispatched(name: str):
         if rule != "delta":
             if name not in MAMBA2_REFS:
                 raise ValueError(f"rule: {name} takes no rule, got {rule!r}")
-            return MAMBA2_REFS[name](*args, **kwargs)
+            impl = triton_impl(name) if uses_triton(*args, *kwargs.values()) else MAMBA2_REFS[name]
+            return impl(*args, **kwargs)
         kwargs.pop("rule", None)  # the delta rule is every kernel's default
         return pick(name, *args, *kwargs.values())(*args, **kwargs)
 

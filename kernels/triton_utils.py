@@ -1,4 +1,5 @@
-"""Jit helpers shared by the Triton kernels: the one delta-rule step, the norm, the gate, casts.
+"""Jit helpers shared by the Triton kernels: the one delta-rule step (and its Mamba2 form), the norm, the gate,
+casts.
 
 Every kernel that advances a state (verify, exact fold, fast rebuild's callers) calls `delta_step` from here,
 and every launch passes `enable_fp_fusion=False`: the step's fused multiply-adds are the explicit `tl.fma`
@@ -78,13 +79,39 @@ def load_gate(ptr, offs_k, mask_k, stride_k, BK: tl.constexpr, GDN: tl.constexpr
 
 
 @triton.jit
-def delta_step(S, k, v, alpha, beta):
+def prepare_k(k, eps, SQRT_DIV: tl.constexpr, MAMBA2: tl.constexpr):
+    """The key as the step takes it (kernels/common.py `prepare_qk`): normalized (delta rule), or B as it comes
+    (`MAMBA2`), `[BK]` fp32."""
+    if MAMBA2:
+        kn = k
+    else:
+        kn = l2norm(k, eps, SQRT_DIV)
+    return kn
+
+
+@triton.jit
+def prepare_q(q, eps, scale, SQRT_DIV: tl.constexpr, MAMBA2: tl.constexpr):
+    """The query as the readout takes it: normalized and scaled (delta rule), or C as it comes (`MAMBA2`: no
+    norm, no scale), `[BK]` fp32."""
+    if MAMBA2:
+        qn = q
+    else:
+        qn = l2norm(q, eps, SQRT_DIV) * scale
+    return qn
+
+
+@triton.jit
+def delta_step(S, k, v, alpha, beta, MAMBA2: tl.constexpr):
     """One token: `S' = alpha S`; `d = beta (v - S'^T k)`; `S = S' + k d^T` (kernels/common.py `delta_step`).
+    `MAMBA2`: the Mamba2 rule, no delta correction: `d = beta v` (k = B, v = x, alpha = exp(dt A), beta = dt).
 
     S `[BK, BV]`, k / alpha `[BK]`, v `[BV]`, beta scalar, all fp32. Returns `(S, d [BV])`.
     """
     S = S * alpha[:, None]
-    d = beta * (v - tl.sum(S * k[:, None], axis=0))
+    if MAMBA2:
+        d = beta * v
+    else:
+        d = beta * (v - tl.sum(S * k[:, None], axis=0))
     S = tl.fma(k[:, None], d[None, :], S)
     return S, d
 

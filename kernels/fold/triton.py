@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from ..scatter.triton import conv_commit_tile
-from ..triton_utils import cast_to, check_float, delta_step, l2norm, load_gate, state_blocks
+from ..triton_utils import cast_to, check_float, delta_step, load_gate, prepare_k, state_blocks
+from ..common import check_rule
 from .naive import check_fold_args
 
 
@@ -32,7 +33,7 @@ def _exact_fold_kernel(
         B, H, C, null_slot, track_interval, eps,
         L: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GDN: tl.constexpr,
         HAS_OFFSETS: tl.constexpr, HAS_START: tl.constexpr, HAS_TRACK: tl.constexpr, SQRT_DIV: tl.constexpr,
-        W: tl.constexpr, BC: tl.constexpr, HAS_CPATH: tl.constexpr):
+        W: tl.constexpr, BC: tl.constexpr, HAS_CPATH: tl.constexpr, MAMBA2: tl.constexpr):
     # grid (Lyr * B, H + conv channel blocks, V blocks): heads fold the state, the extra programs (first V block
     # only) rebuild the conv window of the same (layer, row)
     pid = tl.program_id(0).to(tl.int64)
@@ -86,7 +87,7 @@ def _exact_fold_kernel(
         vr = tl.load(v_base + pos * s_vt + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
         _, alpha = load_gate(g_base + pos * s_gt, offs_k, mask_k, s_gk, BK, GDN)
         bt = tl.load(b_base + pos * s_bt).to(tl.float32)
-        S, _ = delta_step(S, l2norm(kr, eps, SQRT_DIV), vr, alpha, bt)
+        S, _ = delta_step(S, prepare_k(kr, eps, SQRT_DIV, MAMBA2), vr, alpha, bt, MAMBA2)
         if HAS_TRACK:
             if seq0 + j + 1 == nxt:
                 t_off = lyr * s_tl + s * s_tn + par * s_tp + i_h * s_th
@@ -104,12 +105,14 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
                track_interval: int | None = None, track_states: torch.Tensor | None = None,
                conv_state: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
                conv_path: torch.Tensor | None = None, conv_count: torch.Tensor | None = None,
-               eps: float = 1e-6, norm: str = "rsqrt", null_slot: int = -1) -> None:
+               eps: float = 1e-6, norm: str = "rsqrt", null_slot: int = -1, rule: str = "delta") -> None:
     """Fold accepted records into the checkpoints of every layer, in place (see `naive.exact_fold`).
 
     One launch over (layer x request, head + conv channel block, V block); per program the K x BV state tile
-    stays in registers while the records are stepped through in plain-decode op order.
+    stays in registers while the records are stepped through in plain-decode op order. `rule="mamba2"`: the
+    records replay the Mamba2 step (rawk = B, not normalized), a constexpr flag of the same kernel.
     """
+    check_rule(rule)
     check_float("exact_fold", ssm_state, ring_rawv, ring_rawk, ring_g, ring_beta, track_states, conv_state,
                 conv_inputs)
     if norm not in ("rsqrt", "sqrt_div"):
@@ -162,5 +165,5 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
         B, H, C, int(null_slot), int(track_interval) if has_track else 1, float(eps),
         L=L, K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[4] == 1 and K != 1, HAS_OFFSETS=has_off,
         HAS_START=ring_start is not None, HAS_TRACK=has_track, SQRT_DIV=norm == "sqrt_div",
-        W=W, BC=BC, HAS_CPATH=has_conv and cpath is not None, num_warps=num_warps,
+        W=W, BC=BC, HAS_CPATH=has_conv and cpath is not None, MAMBA2=rule == "mamba2", num_warps=num_warps,
         enable_fp_fusion=False)

@@ -12,7 +12,8 @@ Same signatures and semantics as `kernels/verify/naive.py`. One program per (req
   `d`, `k` rings only the four records the fold reads;
 - lazy: with `num_pending`, the start state is the fast rebuild of the checkpoint and the pending
   `(d, k, g)` records, computed in the same program (no separate launch).
-The step is `triton_utils.delta_step`, the one the exact fold takes. The checkpoint is never written.
+The step is `triton_utils.delta_step`, the one the exact fold takes (`rule="mamba2"`: its Mamba2 form, a
+constexpr flag of the same kernel). The checkpoint is never written.
 Rows whose slot is -1 or `null_slot` write zero outputs and nothing else.
 """
 
@@ -22,10 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import check_delta_inputs, check_shape, check_verify_buffers
+from ..common import check_delta_inputs, check_rule, check_shape, check_verify_buffers
 from .naive import check_ring_args
 from ..rebuild.triton import rebuild_tile
-from ..triton_utils import cast_to, check_float, delta_step, l2norm, load_gate, num_warps_for, readout, state_blocks
+from ..triton_utils import (cast_to, check_float, delta_step, load_gate, num_warps_for, prepare_k, prepare_q, readout,
+                           state_blocks)
 
 
 def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor | None:
@@ -205,7 +207,7 @@ def _verify_kernel(
         L: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         GDN: tl.constexpr, RING_GDN: tl.constexpr, RGK, IS_TREE: tl.constexpr, HAS_INTER: tl.constexpr,
         HAS_RING: tl.constexpr, HAS_START: tl.constexpr, HAS_DK: tl.constexpr, HAS_PENDING: tl.constexpr,
-        SQRT_DIV: tl.constexpr, STAGES: tl.constexpr):
+        SQRT_DIV: tl.constexpr, STAGES: tl.constexpr, MAMBA2: tl.constexpr):
     # inputs [B, T, H, *] at any strides; o [B, T, H, V] contiguous; parent [B, T] contiguous int32.
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -264,9 +266,9 @@ def _verify_kernel(
         vt = tl.load(p_v, mask=mask_v, other=0.0).to(tl.float32)
         gt, alpha = load_gate(p_g, offs_k, mask_k, sg_k, BK, GDN)
         bt = tl.load(p_b).to(tl.float32)
-        kn = l2norm(kt, eps, SQRT_DIV)
-        S, d = delta_step(S, kn, vt, alpha, bt)
-        ot = readout(S, l2norm(qt, eps, SQRT_DIV) * scale)
+        kn = prepare_k(kt, eps, SQRT_DIV, MAMBA2)
+        S, d = delta_step(S, kn, vt, alpha, bt, MAMBA2)
+        ot = readout(S, prepare_q(qt, eps, scale, SQRT_DIV, MAMBA2))
         tl.store(o_ptr, cast_to(ot, o), mask=mask_v)
         if HAS_INTER:
             tl.store(inter + i_b * s_ib + t * s_it + i_h * s_ih + kv_inter, cast_to(S, inter), mask=mask_kv)
@@ -300,12 +302,14 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
                       num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
-                      null_slot: int = -1) -> torch.Tensor:
+                      null_slot: int = -1, rule: str = "delta") -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint (see `naive.verify_delta_rule`).
 
     Trees need `intermediate_states` (node states live there); ring records are stored in the ring
-    tensors' dtypes; the checkpoint is read only.
+    tensors' dtypes; the checkpoint is read only. `rule="mamba2"`: the same kernel with the Mamba2 step
+    (q = C, k = B taken as they come: no norm, no scale; the `k` ring holds B).
     """
+    check_rule(rule)
     check_float("verify_delta_rule", q, k, v, g, beta, ssm_state, intermediate_states,
                 *(t for t in (ring or ()) if t is not None))
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
@@ -362,5 +366,5 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         RGK=RGK, IS_TREE=par is not None, HAS_INTER=has_inter, HAS_RING=has_ring,
         HAS_START=has_ring and ring_start is not None, HAS_DK=has_dk,
         HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", STAGES=1 if par is not None else 2,
-        num_warps=num_warps, enable_fp_fusion=False, **({"maxnreg": 128} if par is not None else {}))
+        MAMBA2=rule == "mamba2", num_warps=num_warps, enable_fp_fusion=False, **({"maxnreg": 128} if par is not None else {}))
     return o
