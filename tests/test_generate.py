@@ -2,8 +2,8 @@
 
 Hybrid families (float64 tiny random models) through the hybrid runner, for every state strategy / commit
 mode and every drafter kind: ngram, a draft model that is a noisy copy of the target (partial acceptance)
-and the target itself as draft model (everything accepted). Any other causal LM (Llama, the Mamba2 hybrid
-Zamba2, whose shared blocks have no adapter) through the generic runner. Bad input raises one ValueError naming the argument and leaves every
+and the target itself as draft model (everything accepted). Any other causal LM (Llama, the Mamba-1 hybrid
+Jamba, which has no adapter) through the generic runner. Bad input raises one ValueError naming the argument and leaves every
 slot as it was; a drafter that fails mid-generation costs a plain decode round, never correctness.
 """
 
@@ -187,20 +187,19 @@ def _llama():
     return LlamaForCausalLM(cfg).to(torch.float64).eval()
 
 
-def _zamba2():
-    from transformers import Zamba2Config, Zamba2ForCausalLM
+def _jamba():
+    from transformers import JambaConfig, JambaForCausalLM
     torch.manual_seed(0)
-    cfg = Zamba2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                       num_key_value_heads=4, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=16,
-                       mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=8,
-                       num_mem_blocks=1, use_mem_rope=True, max_position_embeddings=256, pad_token_id=0,
-                       bos_token_id=1, eos_token_id=2)
-    return Zamba2ForCausalLM(cfg).to(torch.float64).eval()
+    cfg = JambaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                      expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+                      mamba_expand=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return JambaForCausalLM._from_config(cfg, dtype=torch.float64, experts_implementation="eager").eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "zamba2"])
+@pytest.fixture(scope="module", params=["llama", "jamba"])
 def generic_model(request):
-    return {"llama": _llama, "zamba2": _zamba2}[request.param]()
+    return {"llama": _llama, "jamba": _jamba}[request.param]()
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
