@@ -3,8 +3,8 @@
 Hybrid families (float64 tiny random models) through the hybrid runner, for every state strategy / commit
 mode and every drafter kind: ngram, a draft model that is a noisy copy of the target (partial acceptance)
 and the target itself as draft model (everything accepted). Any other causal LM (Llama, the Mamba-1 hybrid
-Jamba, which has no adapter) through the generic runner. Bad input raises one ValueError naming the argument and leaves every
-slot as it was; a drafter that fails mid-generation costs a plain decode round, never correctness.
+Jamba, which has no adapter) through the generic runner. Bad input raises one ValueError naming the argument and
+leaves every slot as it was; a drafter that fails mid-generation costs a plain decode round, never correctness.
 """
 
 from __future__ import annotations
