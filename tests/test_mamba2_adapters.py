@@ -43,7 +43,9 @@ FALCON_SCALES = dict(embedding_multiplier=3.0, lm_head_multiplier=0.6, key_multi
                      ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9], mlp_multipliers=[1.3, 0.7])
 OVERRIDES = {
     "falcon_h1": FALCON_SCALES,
-    # the gated RMSNorm (grouped, gate before the norm) and a dt ceiling that binds (dt_bias starts at 1)
+    # the gated RMSNorm (grouped, gate before the norm) and a dt ceiling that binds (dt_bias starts at 1); teacher-
+    # forced only: transformers' one-token decode step does not apply `time_step_limit`, so its generate would not
+    # be the forward this checks against
     "falcon_h1_rms_norm": dict(FALCON_SCALES, mamba_rms_norm=True, mamba_norm_before_gate=False,
                                time_step_limit=(0.0, 1.0)),
     "zamba2": dict(layers_block_type=["hybrid", "mamba", "hybrid"], use_shared_attention_adapter=True, adapter_rank=4),
