@@ -3,6 +3,7 @@
     python bench/sass_report.py                         # Kimi-Linear shapes, table on stdout
     python bench/sass_report.py --json sass.json        # + JSON
     python bench/sass_report.py --heads 2 --head-dim 16 --requests 2 --layers 2   # small (the CI test)
+    python bench/sass_report.py --rule mamba2           # verify and fold with the Mamba2 step (GDN gates)
 
 Each kernel is launched through its public wrapper exactly as the package launches it, with the launch
 intercepted: triton specializes the arguments (dtypes, 16-byte alignment, strides divisible by 16) as it
@@ -214,10 +215,12 @@ def _empty(*shape, dtype=torch.float32):
     return torch.empty(1, *shape[1:], dtype=dtype).expand(*shape)
 
 
-def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype = torch.bfloat16, gdn: bool = False):
+def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype = torch.bfloat16, gdn: bool = False,
+          rule: str = "delta"):
     """`[(name, jit_fns, call, bytes)]`: the package's launches at these shapes (activations and rings in `act`;
     fp32 state, gates and beta; KDA gates, or GDN's one per head), and fla's fused_recurrent_kda on the same
-    tokens (KDA)."""
+    tokens (KDA). `rule="mamba2"`: verify and fold run the Mamba2 step (their MAMBA2 flag); the other kernels
+    do not depend on the rule."""
     from specdec.kernels.fold import triton as tf
     from specdec.kernels.rebuild import triton as tr
     from specdec.kernels.scatter import triton as ts
@@ -247,17 +250,17 @@ def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype
     win = _empty(B, D, C, Kc - 1, dtype=bf)
     res = [
         ("verify_chain", [tv._verify_kernel],
-         lambda: tv.verify_delta_rule(q, k, v, g, beta, state, idx, ring=ring, ring_start=start),
+         lambda: tv.verify_delta_rule(q, k, v, g, beta, state, idx, ring=ring, ring_start=start, rule=rule),
          tokens_in + state_b + out + ring_rec),
         ("verify_tree", [tv._verify_kernel],
          lambda: tv.verify_delta_rule(q, k, v, g, beta, state, idx, parent=parent, intermediate_states=inter,
-                                      ring=ring, ring_start=start),
+                                      ring=ring, ring_start=start, rule=rule),
          tokens_in + state_b + out + ring_rec + 2 * D * state_b),
         ("exact_fold", [tf._exact_fold_kernel],
          lambda: tf.exact_fold(_empty(Lyr, N, H, K, V), _empty(Lyr, N, H, L, V, dtype=bf),
                                _empty(Lyr, N, H, L, K, dtype=bf), _empty(Lyr, N, H, L, GK), _empty(Lyr, N, H, L), idx,
                                start, torch.full((B,), D), seq_lens=torch.zeros(N, dtype=i64), track_interval=256,
-                               track_states=_empty(Lyr, N, 2, H, K, V)),
+                               track_states=_empty(Lyr, N, 2, H, K, V), rule=rule),
          Lyr * (2 * state_b + fold_rec)),
         ("fast_rebuild", [tr._fast_rebuild_kernel],
          lambda: tr.fast_rebuild(state, idx, ring[0], ring[1], ring[2], start, torch.full((B,), D)),
@@ -269,7 +272,7 @@ def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype
          lambda: ts.masked_scatter(_empty(Lyr, B, D, H, K, V), _empty(Lyr, N, H, K, V), idx, torch.zeros(B, dtype=i64)),
          2 * Lyr * state_b),
     ]
-    if gdn:
+    if gdn or rule != "delta":
         return res, None
     try:
         from fla.ops.kda import fused_recurrent as fr
@@ -284,10 +287,13 @@ def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype
     return res, fla
 
 
-def report(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: str = "bf16", gdn: bool = False) -> dict:
-    ours, fla = cases(H, K, D, B, Lyr, Kc, act=torch.bfloat16 if act == "bf16" else torch.float32, gdn=gdn)
+def report(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: str = "bf16", gdn: bool = False,
+           rule: str = "delta") -> dict:
+    gdn = gdn or rule == "mamba2"  # a Mamba2 head decays by one scalar
+    ours, fla = cases(H, K, D, B, Lyr, Kc, act=torch.bfloat16 if act == "bf16" else torch.float32, gdn=gdn, rule=rule)
     result = {"shapes": dict(heads=H, head_dim=K, draft_tokens=D, requests=B, layers=Lyr, conv_kernel=Kc,
-                             act_dtype=act, state_dtype="fp32", gate="gdn" if gdn else "kda"), "kernels": {}}
+                             act_dtype=act, state_dtype="fp32", gate="gdn" if gdn else "kda", rule=rule),
+              "kernels": {}}
     for name, fns, call, nbytes in ours:
         (_, kernel, grid), = capture(fns, call)
         result["kernels"][name] = summarize(kernel, grid, nbytes)
@@ -307,7 +313,7 @@ COLS = [("regs", "regs"), ("spill_bytes", "spill"), ("smem", "smem"), ("ctas_per
 def print_table(r: dict) -> None:
     s = r["shapes"]
     print(f"# sm_90 SASS, H={s['heads']} K=V={s['head_dim']} D={s['draft_tokens']} requests={s['requests']} "
-          f"layers={s['layers']} {s['act_dtype']} activations, fp32 state, {s['gate']} gates")
+          f"layers={s['layers']} {s['act_dtype']} activations, fp32 state, {s['gate']} gates, {s['rule']} rule")
     print(f"{'kernel':26s} " + " ".join(f"{h:>8s}" for _, h in COLS) + "  grid")
     rows = list(r["kernels"].items()) + ([("fla_fused_recurrent_kda", r["fla_fused_recurrent_kda"])]
                                          if "fla_fused_recurrent_kda" in r else [])
@@ -329,9 +335,12 @@ def main(argv=None) -> int:
     p.add_argument("--conv-kernel", type=int, default=KIMI["conv_kernel"])
     p.add_argument("--act-dtype", choices=["bf16", "fp32"], default="bf16", help="activations and rings")
     p.add_argument("--gdn", action="store_true", help="GDN gates (one per head) instead of KDA's per channel")
+    p.add_argument("--rule", choices=["delta", "mamba2"], default="delta",
+                   help="the step of verify and fold (mamba2: no delta correction, no q/k norm; implies --gdn)")
     p.add_argument("--json", default=None, help="write the report here")
     a = p.parse_args(argv)
-    r = report(a.heads, a.head_dim, a.draft_tokens, a.requests, a.layers, a.conv_kernel, act=a.act_dtype, gdn=a.gdn)
+    r = report(a.heads, a.head_dim, a.draft_tokens, a.requests, a.layers, a.conv_kernel, act=a.act_dtype, gdn=a.gdn,
+               rule=a.rule)
     print_table(r)
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))
