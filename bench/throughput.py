@@ -3,9 +3,11 @@
     python bench/throughput.py                                  # embedded model, batch 1 / 8 / 32, mtp + ngram
     python bench/throughput.py --batch-sizes 1,2 --drafters ngram --max-new-tokens 8 --repeats 1 --json out.json
 
-For each batch size B the first B prompts of `--prompts` (round-robin over `--kinds`, as in
-bench/accept_rate.py; cycling when B is larger) are cut to their first `--prompt-tokens` tokens and
-generated greedily for `--max-new-tokens` tokens (no early stop at EOS) in one `generate` call by:
+Every batch size serves the same workload: the first `--requests` prompts of `--prompts` (default: the largest
+batch size; round-robin over `--kinds`, as in bench/accept_rate.py; cycling when there are fewer), cut to their
+first `--prompt-tokens` tokens and generated greedily for `--max-new-tokens` tokens (no early stop at EOS). At
+batch size B they go in `generate` calls of B prompts, one after the other (batch 1: one request at a time), so
+`xB1` compares serving the same requests batched and one by one. The modes:
 
 - each drafter of `--drafters`: `specdec.wrap(model, drafter=D, max_batch_size=B)` (`ngram` is prompt lookup;
   other names are trained drafters in MODEL/drafters/NAME, reported as skipped when missing);
@@ -14,7 +16,7 @@ generated greedily for `--max-new-tokens` tokens (no early stop at EOS) in one `
 - `hf`: transformers' own `model.generate` (greedy, left-padded batch with its attention mask, the model's
   pure-torch layers), a second baseline; reported as not run, with the reason, when it fails.
 
-tokens/s = new tokens of the whole batch / wall time of the call. Every configuration is warmed up once, then
+tokens/s = new tokens of the whole workload / wall time of its calls. Every configuration is warmed up once, then
 the modes run `--repeats` times, interleaved (round-robin, the starting mode rotating per repeat); the table
 shows the median, the spread (max / min over the repeats), tau (tokens per verify round, from the engine's
 stats), the speedup over `plain` at the same batch and the scaling `xB1` (tokens/s at B over tokens/s at
@@ -94,20 +96,45 @@ class Runner:
         t = time.perf_counter()
         out = self.engine.generate(self.prompts, max_new_tokens=self.max_new, eos_token_id=None)
         dt = time.perf_counter() - t
+        self.last_stats = out.stats
         new = [out.sequences[i, len(p):len(p) + self.max_new].tolist() for i, p in enumerate(self.prompts)]
         return new, dt, out.stats.tau
 
 
+class Workload:
+    """One mode serving every prompt in calls of at most B prompts: `run()` as `Runner.run`, over all the calls
+    (tau: tokens per verify round over all of them)."""
+
+    def __init__(self, mode, model, prompts, B, max_new, drafter=None, pad_token_id=None):
+        chunks = [prompts[i:i + B] for i in range(0, len(prompts), B)]
+        # one engine (and drafter) serves every call; transformers' generate takes each call's own padding
+        self.runners = [Runner(mode, model, c, max_new, drafter=drafter, pad_token_id=pad_token_id)
+                        for c in (chunks if mode == HF else chunks[:1])]
+        self.chunks, self.mode, self.max_new = chunks, mode, max_new
+
+    def run(self) -> tuple[list[list[int]], float, float | None]:
+        new, dt, tokens, rounds = [], 0.0, 0, 0
+        for i, chunk in enumerate(self.chunks):
+            r = self.runners[i if self.mode == HF else 0]
+            r.prompts = chunk
+            rows, t, tau = r.run()
+            new, dt = new + rows, dt + t
+            if tau is not None:
+                st = r.last_stats
+                tokens, rounds = tokens + st.tokens, rounds + st.rounds
+        return new, dt, (tokens / rounds if rounds else None) if self.mode != HF else None
+
+
 def bench_batch(B, modes, model, texts, tok, a, pad) -> tuple[dict, list[str]]:
     """-> ({mode: result}, errors): warmup, then `a.repeats` interleaved timed runs of every mode."""
-    prompts = [tok(texts[i % len(texts)])["input_ids"][:a.prompt_tokens] for i in range(B)]
+    prompts = [tok(texts[i % len(texts)])["input_ids"][:a.prompt_tokens] for i in range(a.requests)]
     res: dict[str, dict] = {}
     runners: dict[str, Runner] = {}
     outputs: dict[str, list[list[int]]] = {}
     errors: list[str] = []
     for mode, drafter in modes.items():
         try:
-            r = Runner(mode, model, prompts, a.max_new_tokens, drafter=drafter, pad_token_id=pad)
+            r = Workload(mode, model, prompts, B, a.max_new_tokens, drafter=drafter, pad_token_id=pad)
             new, _, _ = r.run()  # warmup: first-call costs stay out of the timings
         except Exception as e:  # noqa: BLE001 - a mode that does not run is reported, the rest go on
             first = (str(e).strip().splitlines() or [""])[0]
@@ -177,6 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--prompts", default=str(ROOT / "bench" / "data" / "prompts.jsonl"), help="JSONL prompt file")
     p.add_argument("--kinds", default="code,prose", help="comma-separated prompt kinds, taken round-robin")
+    p.add_argument("--requests", type=int, default=None,
+                   help="prompts every batch size serves (default: the largest batch size)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompts are cut to their first N tokens")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of every configuration (after one warmup)")
@@ -200,7 +229,8 @@ def main(argv=None) -> int:
         parser.error(f"--drafters: a drafter is named twice or is named {PLAIN!r} / {HF!r}: {a.drafters}")
     if not kinds:
         parser.error("--kinds: no kind named")
-    for flag, val in (("--prompt-tokens", a.prompt_tokens), ("--max-new-tokens", a.max_new_tokens),
+    a.requests = max(sizes) if a.requests is None else a.requests
+    for flag, val in (("--requests", a.requests), ("--prompt-tokens", a.prompt_tokens), ("--max-new-tokens", a.max_new_tokens),
                       ("--repeats", a.repeats), ("--threads", a.threads)):
         if val < 1:
             parser.error(f"{flag}: expected >= 1, got {val}")
@@ -240,7 +270,7 @@ def main(argv=None) -> int:
         modes[HF] = None
 
     print(f"# bench/throughput.py: {a.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-          f"float32, cpu), greedy, prompts cut to {a.prompt_tokens} tokens, {a.max_new_tokens} new tokens, "
+          f"float32, cpu), greedy, {a.requests} requests at every batch size, prompts cut to {a.prompt_tokens} tokens, {a.max_new_tokens} new tokens, "
           f"{a.repeats} repeats (medians), torch threads {torch.get_num_threads()}", flush=True)
     rows: list[dict] = []
     errors: list[str] = []
@@ -276,7 +306,7 @@ def main(argv=None) -> int:
     if a.json:
         out = {"machine": machine_info("cpu"),
                "settings": {"model": str(model_dir), "drafters": drafters, "skipped_drafters": skipped,
-                            "batch_sizes": sizes, "prompts_file": str(a.prompts), "kinds": kinds,
+                            "batch_sizes": sizes, "requests": a.requests, "prompts_file": str(a.prompts), "kinds": kinds,
                             "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens,
                             "repeats": a.repeats, "threads": torch.get_num_threads(), "greedy": True,
                             "hf_baseline": not a.no_hf, "elapsed_s": elapsed},

@@ -34,6 +34,7 @@ def test_tiny_run_json_shape_and_lossless(tmp_path):
     assert set(res) == {"machine", "settings", "rows", "errors", "lossless"}
     assert res["errors"] == [] and res["lossless"] is True
     assert res["settings"]["batch_sizes"] == [1, 2] and res["settings"]["threads"] == 1
+    assert res["settings"]["requests"] == 2  # default: the largest batch size
     assert res["machine"]["threads"] == 1
     rows = {(r["batch"], r["mode"]): r for r in res["rows"]}
     hf_ran = not rows[(1, "hf")].get("skipped")
@@ -45,7 +46,7 @@ def test_tiny_run_json_shape_and_lossless(tmp_path):
             continue
         assert set(r) == ROW_KEYS, (B, mode)
         assert len(r["tokens_per_s"]) == 1 and r["tokens_per_s_median"] > 0
-        assert r["new_tokens"] == B * NEW and r["new_tokens_per_row"] == [NEW]
+        assert r["new_tokens"] == 2 * NEW and r["new_tokens_per_row"] == [NEW]  # every batch size serves 2 requests
         assert r["spread"] >= 1.0 and r["identical_to_plain"] is True
         assert r["scaling_vs_batch1"] == pytest.approx(
             r["tokens_per_s_median"] / rows[(1, mode)]["tokens_per_s_median"])
