@@ -143,6 +143,58 @@ def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
     return reach > 0
 
 
+def tree_stack_slots(num_nodes: int) -> int:
+    """States a tree verify keeps at once under `tree_schedule`, for any tree of `num_nodes` nodes (at least 1).
+
+    A node's state is kept only while a later child still needs it, and children go smaller subtree first, so a
+    state kept under s others sits in a subtree at least twice as large as the one under it at each level: a
+    kept node (two children or more, 3 nodes) at stack depth s needs `2^(s+2) - 1` nodes. Hence
+    `floor(log2(T + 1)) - 1` slots: 5 for 64 nodes, 2 for 8.
+    """
+    return max((num_nodes + 1).bit_length() - 2, 1)
+
+
+def tree_schedule(parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The order a tree verify walks the nodes in, and where it keeps and reloads states (no host reads).
+
+    Depth first, children smaller subtree first: a node's state stays in registers for its first child, is
+    kept in a stack slot only when it has a second child, and the last (largest) child reloads it last, so the
+    stack never holds more than `tree_stack_slots(T)` states.
+
+    Args:
+        parent: `[B, T]` topological parents (-1: a root, restarted from the checkpoint).
+    Returns:
+        `(order, load, store)`, each `[B, T]` int32 indexed by step: `order[b, i]` the node of step i;
+        `load[b, i]`: -2 go on from the state in registers (the parent was step i-1), -1 restart from the
+        checkpoint (a root), s >= 0 reload stack slot s; `store[b, i]`: the slot the step's state goes to, or -1.
+    """
+    B, T = parent.shape
+    dev = parent.device
+    p = parent.long()
+    anc = ancestor_mask(parent).to(torch.float32)  # [B, node, ancestor-or-self]
+    size = anc.sum(1)  # [B, T]: nodes in each node's subtree
+    idx = torch.arange(T, device=dev)
+    # before[b, i, j]: sibling j is walked before i (smaller subtree first, ties by index)
+    smaller = (size[:, None, :] < size[:, :, None]) | ((size[:, None, :] == size[:, :, None]) & (idx < idx[:, None]))
+    before = (p[:, :, None] == p[:, None, :]) & smaller
+    offset = 1 + (before.to(torch.float32) * size[:, None, :]).sum(2)  # position after the parent's
+    pre = ((anc @ offset[..., None])[..., 0] - 1).long()  # [B, T]: each node's step (float sums of ints: exact)
+    last = ~before.any(1)  # no sibling walked after it
+    # a node's ancestors whose states are kept while its subtree runs: one per non-last child on its path
+    kept_above = (anc @ ((~last) & (p >= 0)).to(torch.float32)[..., None])[..., 0].long()
+    children = torch.zeros(B, T + 1, dtype=torch.long, device=dev).scatter_add_(
+        1, p.where(p >= 0, T), torch.ones_like(p))[:, :T]
+    store = kept_above.where(children >= 2, -1)
+    pre_parent = pre.gather(1, p.clamp(min=0))
+    slot_parent = kept_above.gather(1, p.clamp(min=0))
+    load = torch.where(p < 0, -1, torch.where(pre_parent == pre - 1, -2, slot_parent))
+    load = load.where(pre > 0, -2)  # step 0 starts from the checkpoint already
+    order = torch.empty_like(p).scatter_(1, pre, idx.expand(B, T))
+    by_step = pre.argsort(1)  # == order
+    return (order.to(torch.int32), load.gather(1, by_step).to(torch.int32),
+            store.gather(1, by_step).to(torch.int32))
+
+
 def conv_step(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the causal depthwise short conv.

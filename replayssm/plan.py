@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.kernels.common import tree_stack_slots
 from .config import StateConfig, next_pow2
 
 GIB = 2 ** 30
@@ -73,13 +74,13 @@ def conv_record_name(layout: str) -> str:
 
 
 def replay_names(layout: str, *, tree: bool = False) -> tuple[str, ...]:
-    """Buffers the ReplaySSM scheme holds for speculation (tree: plus one layer's node states)."""
-    return (*ring_names(layout), conv_record_name(layout), *(("tree_node_states",) if tree else ()))
+    """Buffers the ReplaySSM scheme holds for speculation (tree: plus one layer's stack of parent states)."""
+    return (*ring_names(layout), conv_record_name(layout), *(("tree_state_stack",) if tree else ()))
 
 
 def buffer_specs(cfg: StateConfig, *, layout: str = "eager") -> dict[str, BufferSpec]:
     """Every buffer of the memory plan for `layout`, keyed by name (see the module docstring): the pool
-    (`conv_state`, `ssm_state`), the ReplaySSM buffers of the layout, one layer's tree node states, and the
+    (`conv_state`, `ssm_state`), the ReplaySSM buffers of the layout, one layer's tree state stack, and the
     full-snapshot scheme's `snapshot_intermediate_ssm` and `intermediate_conv_window`."""
     n, s, h = cfg.num_layers, cfg.num_slots, cfg.num_heads
     k, v, c, w = cfg.head_k_dim, cfg.head_v_dim, cfg.conv_dim, cfg.conv_kernel - 1
@@ -101,8 +102,9 @@ def buffer_specs(cfg: StateConfig, *, layout: str = "eager") -> dict[str, Buffer
         "intermediate_conv_window": ((n, rows, d, c, w), act),
         **{name: rings[name] for name in ring_names(layout)},
         "snapshot_intermediate_ssm": ((n, rows, d, h, k, v), ssm),
-        # tree verify with ReplaySSM: node states of ONE layer, reused layer after layer (never committed)
-        "tree_node_states": ((rows, d, h, k, v), torch.promote_types(ssm, torch.float32)),
+        # tree verify with ReplaySSM: the parent states a later child reloads, of ONE layer, reused layer after
+        # layer (never committed): log2 of the node count (kernels/common.py `tree_stack_slots`)
+        "tree_state_stack": ((rows, tree_stack_slots(d), h, k, v), torch.promote_types(ssm, torch.float32)),
     }
     if layout != "sglang":
         shapes["conv_inputs"] = ((n, rows, d, c), act)
@@ -187,7 +189,7 @@ def format_plan(cfg: StateConfig, *, layout: str = "eager") -> str:
                      f"head; ring_rawv = x [P], ring_rawk = B [N] (its group's, per head), ring_g = dt*A, "
                      f"ring_beta = dt; conv channels [x, B, C] = {cfg.conv_dim}")
     lines.append(f"Spec state, layout {layout} (max_running={cfg.max_running}+1; snapshot: all-layer states + "
-                 f"conv windows per token; ReplaySSM: rings + {conv_what}, trees + one layer's node states):")
+                 f"conv windows per token; ReplaySSM: rings + {conv_what}, trees + one layer's stack of parent states):")
     for key, label in [("chain", f"chain D={cfg.num_verify_tokens}"), *((f"tree_{t}", f"tree T={t}")
                                                                          for t in TREE_SIZES)]:
         sb = plan["spec_bytes"][key]

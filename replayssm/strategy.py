@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import kernels
-from specdec.kernels.common import valid_slots
+from specdec.kernels.common import tree_schedule, valid_slots
 from specdec.kernels.scatter.naive import rebuild_windows
 
 from .config import StateConfig
@@ -33,6 +33,7 @@ class Round:
     slots: torch.Tensor  # [B] slot per request row
     num_tokens: int  # T
     parent: torch.Tensor | None  # [B, T] tree parents; None = chain
+    schedule: tuple | None = None  # the Triton tree kernel's walk (kernels.common.tree_schedule), once per round
     conv_done: set[int] = field(default_factory=set)
     mix_done: set[int] = field(default_factory=set)
 
@@ -306,7 +307,8 @@ class ReplayStrategy(StateStrategy):
         self.commit_mode = commit
         self.rings = RingBuffers(cfg, layout=commit, device=self.device)
         self.conv_inputs = allocate(buffer_specs(cfg, layout=commit)["conv_inputs"], self.device)  # [Lyr, R, T, C]
-        self.node_states: torch.Tensor | None = None  # [R, T, H, K, V]: one layer's tree node states, reused
+        # [R, tree_stack_slots(T), H, K, V]: one layer's kept parent states of a tree verify, reused
+        self.tree_stack: torch.Tensor | None = None
 
     def _conv_out(self, layer):
         return dict(conv_inputs=self.conv_inputs[layer])
@@ -316,19 +318,21 @@ class ReplayStrategy(StateStrategy):
         return torch.arange(r.slots.shape[0], device=self.device)
 
     def _verify(self, layer, r, q, k, v, g, beta):
-        nodes = None
-        # the Triton tree kernel reloads parent states from the node buffer; the CPU's chunk form needs none
-        # (commit folds the records)
+        tree = {}
+        # the Triton tree kernel reloads parent states from a stack; the CPU's chunk form needs none (commit
+        # folds the records)
         if r.parent is not None and kernels.dispatch.uses_triton(q, self.pool.ssm):
-            if self.node_states is None:  # allocated once, overwritten layer after layer
-                self.node_states = allocate(buffer_specs(self.cfg)["tree_node_states"], self.device)
-            nodes = self.node_states
+            if self.tree_stack is None:  # allocated once, overwritten layer after layer
+                self.tree_stack = allocate(buffer_specs(self.cfg)["tree_state_stack"], self.device)
+            if r.schedule is None:  # one walk order for every layer of the round
+                r.schedule = tree_schedule(r.parent)
+            tree = dict(tree_stack=self.tree_stack, tree_schedule=r.schedule)
         if self.commit_mode == "lazy":
             ring_kw = dict(ring_start=self.rings.start, num_pending=self.rings.pending)
         else:
             ring_kw = dict(ring_indices=self._rows(r))
         return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
-                                         intermediate_states=nodes, ring=self.rings.layer(layer), **ring_kw,
+                                         ring=self.rings.layer(layer), **tree, **ring_kw,
                                          **self._kw())
 
     def _fold(self, ssm: torch.Tensor, slots: torch.Tensor, num: torch.Tensor, offsets=None, *,

@@ -5,7 +5,7 @@
 2. Sampling: spec sampling with eagle trees follows the target's exact joint distribution of the first
    tokens (chi-square), and a wrong tree rule run through the same engine is detected.
 3. Tree state: after every tree round the committed linear-attention state (ssm + conv) equals a plain
-   prefill of the committed tokens; the tree node buffer is allocated once per engine.
+   prefill of the committed tokens; the tree state stack is allocated once per engine.
 4. Training: a few dozen distillation steps lower the validation loss and raise tau; a save / load round
    trip through `specdec.wrap(model, drafter=DIR)` drafts identically.
 5. Errors: bad tree options, gamma, a drafter trained for another target.
@@ -23,6 +23,7 @@ from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_
 
 import specdec
 import specdec.engine as engine_mod
+from specdec.kernels.common import tree_stack_slots
 from specdec.kernels.dispatch import uses_triton
 from specdec.draft.registry import build_drafter_net, save_drafter
 from specdec.draft.eagle import EagleDrafter, Net, make_drafter
@@ -263,7 +264,7 @@ def test_tree_rounds_commit_plain_decode_state(setup, strategy, commit):
         paths.append(None if path is None else path.clone())
         commit_fn(num_accepted, path=path, **kw)
         if strategy == "replay":
-            nodes = engine.runner.state.node_states
+            nodes = engine.runner.state.tree_stack
             ptrs.add(None if nodes is None else nodes.data_ptr())
 
     engine.runner.commit = record_commit
@@ -284,10 +285,10 @@ def test_tree_rounds_commit_plain_decode_state(setup, strategy, commit):
     deep = sum(int(((p >= 0).sum(1) >= 3).sum()) for p in paths)  # a depth-2 node is never index 2 in these trees
     assert deep >= 1, "no round accepted a path through the tree"
     if strategy == "replay":
-        nodes = engine.runner.state.node_states
-        assert len(ptrs) == 1, "the tree node buffer was reallocated"
-        if uses_triton(engine.runner.state.pool.ssm):  # the Triton tree kernel reloads parents from the buffer
-            assert nodes.dim() == 5 and nodes.shape[1] == TREE["num_nodes"] + 1
+        nodes = engine.runner.state.tree_stack
+        assert len(ptrs) == 1, "the tree state stack was reallocated"
+        if uses_triton(engine.runner.state.pool.ssm):  # the Triton tree kernel reloads parents from the stack
+            assert nodes.dim() == 5 and nodes.shape[1] == tree_stack_slots(TREE["num_nodes"] + 1)
             assert nodes.shape[2:] == engine.runner.state.pool.ssm.shape[2:]  # one layer: [rows, T, H, K, V]
         else:  # the chunk form needs none
             assert nodes is None

@@ -152,7 +152,7 @@ def test_buffer_specs_contract():
     cfg = StateConfig(num_layers=3, num_heads=2, head_k_dim=8, head_v_dim=16, conv_kernel=4, max_requests=5,
                       max_running=3, num_verify_tokens=4, ring_len=8, ssm_dtype="bfloat16", act_dtype="bfloat16")
     c = 2 * (8 + 8 + 16)
-    common = {"conv_state", "ssm_state", "intermediate_conv_window", "snapshot_intermediate_ssm", "tree_node_states"}
+    common = {"conv_state", "ssm_state", "intermediate_conv_window", "snapshot_intermediate_ssm", "tree_state_stack"}
     sglang = buffer_specs(cfg, layout="sglang")
     assert set(sglang) == common | set(RINGS)
     assert set(buffer_specs(cfg, layout="lazy")) == common | set(RINGS) | {"conv_inputs"}
@@ -163,9 +163,9 @@ def test_buffer_specs_contract():
         assert specs["ssm_state"].shape == (3, 6, 2, 8, 16)
         assert specs["intermediate_conv_window"].shape == (3, 4, 4, c, 3)
         assert specs["snapshot_intermediate_ssm"].shape == (3, 4, 4, 2, 8, 16)
-        # one layer's node states, kept in fp32 even with a bf16 checkpoint
-        assert specs["tree_node_states"].shape == (4, 4, 2, 8, 16)
-        assert specs["tree_node_states"].dtype == torch.float32
+        # one layer's stack of parent states (floor(log2(4 + 1)) - 1 = 1 slot), fp32 even with a bf16 checkpoint
+        assert specs["tree_state_stack"].shape == (4, 1, 2, 8, 16)
+        assert specs["tree_state_stack"].dtype == torch.float32
     # per slot, depth L: SGLang's layout (and lazy commit's)
     assert sglang["ring_d"].shape == (3, 6, 2, 8, 16)
     assert sglang["ring_k"].shape == (3, 6, 2, 8, 8)
@@ -199,12 +199,13 @@ def test_buffer_specs_contract():
 
 def test_tree_report_kimi_linear_shapes():
     """Tree verify at T=64 on Kimi-Linear shapes (20 KDA layers, 32 heads, K=V=128, 64 requests): the
-    ReplaySSM spec state (rings, conv records or windows, one layer's node states) vs an all-layer snapshot."""
+    ReplaySSM spec state (rings, conv records or windows, one layer's stack of parent states) vs an all-layer
+    snapshot."""
     cfg = StateConfig(num_layers=20, num_heads=32, head_k_dim=128, head_v_dim=128, max_requests=64,
                       num_verify_tokens=64, act_dtype="bfloat16")
     rows, T, H, K, C = 65, 64, 32, 128, 32 * 3 * 128
     snapshot = 20 * rows * T * H * K * K * 4 + 20 * rows * T * C * 3 * 2
-    nodes = rows * T * H * K * K * 4
+    nodes = rows * 5 * H * K * K * 4  # a 64-node tree keeps at most 5 parent states (floor(log2 65) - 1)
     sglang_rings = 20 * 65 * H * 128 * (4 * K * 2 + K * 4 + 4)  # d k rawv rawk bf16, g fp32 [K], beta fp32
     eager_rings = 20 * rows * H * T * (2 * K * 2 + K * 4 + 4)  # rawv rawk bf16, g fp32 [K], beta fp32
     for layout, replay in (("sglang", sglang_rings + 20 * rows * T * C * 3 * 2),
@@ -237,7 +238,7 @@ def test_published_settings_lean_layout(capsys):
     assert plan["spec_bytes"]["chain"] == {"snapshot": snap, "replayssm": rec}
     for T in (8, 16, 64):
         snap, rec = schemes(T)
-        nodes = rows * T * H * K * K * 4  # one layer's fp32 node states
+        nodes = rows * {8: 2, 16: 3, 64: 5}[T] * H * K * K * 4  # one layer's fp32 stack: floor(log2(T + 1)) - 1
         assert plan["spec_bytes"][f"tree_{T}"] == {"snapshot": snap, "replayssm": rec + nodes}
     chain = plan["spec_bytes"]["chain"]
     assert chain["snapshot"] / chain["replayssm"] >= 15
@@ -270,7 +271,7 @@ def allocated_bytes(obj, seen: set) -> int:
 @pytest.mark.parametrize("strategy,commit", [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")])
 def test_allocation_equals_plan(strategy, commit, monkeypatch):
     """What a strategy actually allocates equals the plan of its layout: the pool (conv_state + ssm_state), and
-    the speculative state (rings + conv inputs; + one layer's node states once a tree ran; snapshot: states and
+    the speculative state (rings + conv inputs; + one layer's tree state stack once a tree ran; snapshot: states and
     conv windows per token)."""
     cfg = StateConfig(num_layers=2, num_heads=3, head_k_dim=5, head_v_dim=7, conv_kernel=4, max_requests=6,
                       max_running=3, num_verify_tokens=5, ssm_dtype="bfloat16", act_dtype="bfloat16",
@@ -281,7 +282,7 @@ def test_allocation_equals_plan(strategy, commit, monkeypatch):
     seen = {t.untyped_storage().data_ptr() for t in (st.pool.conv, st.pool.ssm)}
     plan = spec_bytes(cfg, layout=commit)
     assert allocated_bytes(st, seen) == plan["snapshot" if strategy == "snapshot" else "replayssm"]
-    if strategy == "replay":  # a tree round allocates one layer's node states, once
+    if strategy == "replay":  # a tree round allocates one layer's state stack, once
         monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")  # the plan is the GPU's: the Triton tree kernel's buffer
         g = torch.Generator().manual_seed(0)
         r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731

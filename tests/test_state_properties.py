@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from state_harness import Harness, check_verify_value, rel_tol, root_path
 
+from specdec.kernels.common import tree_stack_slots
 from specdec.replayssm import StateConfig
 from specdec.testing import assert_close, max_rel_err
 
@@ -151,9 +152,9 @@ def test_bf16_ring_storage_matches_decode_of_same_bf16_activations():
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_tree_node_buffer_only_for_the_triton_kernel(backend, monkeypatch):
-    """The Triton tree kernel reloads parent states from one layer's node buffer, allocated once and reused;
-    the CPU's chunk form needs none (commit folds the records), so none is allocated there."""
+def test_tree_state_stack_only_for_the_triton_kernel(backend, monkeypatch):
+    """The Triton tree kernel reloads parent states from one layer's stack (log2 of the node count), allocated
+    once and reused; the CPU's chunk form needs none (commit folds the records), so none is allocated there."""
     if backend == "triton":
         monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")
     cfg = StateConfig.tiny(num_layers=3, ssm_dtype=torch.float32, act_dtype=torch.float32)
@@ -166,15 +167,15 @@ def test_tree_node_buffer_only_for_the_triton_kernel(backend, monkeypatch):
         for layer in range(cfg.num_layers):
             strat.conv(layer, inp["x"][layer], h.weights[layer])
             strat.mix(layer, *(inp[n][layer] for n in ("q", "k", "v", "g", "beta")))
-            ptrs.add(None if strat.node_states is None else strat.node_states.data_ptr())
+            ptrs.add(None if strat.tree_stack is None else strat.tree_stack.data_ptr())
         strat.commit(path=[[0, 1, 3], [0, 2, -1]])
     if backend == "reference":
         assert ptrs == {None}
         return
     assert len(ptrs) == 1 and None not in ptrs
     # one layer's size: [rows, T, H, K, V], not [layers, ...]
-    assert strat.node_states.shape == (cfg.max_running + 1, cfg.num_verify_tokens, cfg.num_heads,
-                                       cfg.head_k_dim, cfg.head_v_dim)
+    assert strat.tree_stack.shape == (cfg.max_running + 1, tree_stack_slots(cfg.num_verify_tokens), cfg.num_heads,
+                                      cfg.head_k_dim, cfg.head_v_dim)
 
 
 @pytest.mark.parametrize("name", ["replay-eager", "replay-lazy"])

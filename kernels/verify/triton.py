@@ -2,10 +2,12 @@
 
 Same signatures and semantics as `kernels/verify/naive.py`. One program per (request, head, V block):
 - chain: the state stays in registers across the tokens;
-- tree: each node's state is written to `intermediate_states` and a node whose parent is not the node
-  just before it reloads its parent's state from there (so trees need `intermediate_states`, and an
-  fp32 one for parents taken bit for bit; a bf16 buffer rounds those parents); a second root (parent -1
-  after node 0) restarts from the checkpoint;
+- tree: the nodes run in the order of `common.tree_schedule` (depth first, smaller subtree first); a node
+  whose parent ran just before goes on from the state in registers, any other reloads its parent's state,
+  from `tree_stack` (`[>= B, tree_stack_slots(T), H, K, V]`: a state is kept only while a later child needs
+  it) or, without it, from `intermediate_states` (every node's state, the snapshot strategy's buffer); an
+  fp32 buffer takes parents bit for bit, a bf16 one rounds them; a root (parent -1) restarts from the
+  checkpoint;
 - rings: `d`, `k` (normalized), `g`, `rawv`, `rawk`, `beta` of token t go to position
   `(ring_start[r] + num_pending[r] + t) & (L - 1)` of the request's ring row r (its slot, or with
   `ring_indices` its running row); without `ring_start` (eager layout) to position t, and without the
@@ -23,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import check_delta_inputs, check_rule, check_shape, check_verify_buffers
+from ..common import check_delta_inputs, check_rule, check_shape, check_verify_buffers, tree_stack_slots
+from ..common import tree_schedule as _schedule
 from .naive import check_ring_args
 from ..rebuild.triton import rebuild_tile
 from ..triton_utils import (cast_to, check_float, delta_step, load_gate, num_warps_for, prepare_k, prepare_q, readout,
@@ -191,12 +194,13 @@ def _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_
 
 @triton.jit
 def _verify_kernel(
-        q, k, v, g, beta, state, idx, parent, inter, o,
+        q, k, v, g, beta, state, idx, parent, order, load, store, inter, stack, o,
         rd, rk, rg, rrv, rrk, rb, ring_start, num_pending, ring_idx,
         sq_b, sq_t, sq_h, sq_k, sk_b, sk_t, sk_h, sk_k, sv_b, sv_t, sv_h, sv_v,
         sg_b, sg_t, sg_h, sg_k, sb_b, sb_t, sb_h,
         s_sn, s_sh, s_sk, s_sv,
         s_ib, s_it, s_ih, s_ik, s_iv,
+        s_tb, s_tt, s_th, s_tk, s_tv,
         s_dn, s_dh, s_dt, s_dv,
         s_kn, s_kh, s_kt, s_kk,
         s_gn, s_gh, s_gt, s_gk,
@@ -206,9 +210,11 @@ def _verify_kernel(
         T, H, null_slot, scale, eps,
         L: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         GDN: tl.constexpr, RING_GDN: tl.constexpr, RGK, IS_TREE: tl.constexpr, HAS_INTER: tl.constexpr,
+        HAS_STACK: tl.constexpr,
         HAS_RING: tl.constexpr, HAS_START: tl.constexpr, HAS_DK: tl.constexpr, HAS_PENDING: tl.constexpr,
         SQRT_DIV: tl.constexpr, STAGES: tl.constexpr, MAMBA2: tl.constexpr):
-    # inputs [B, T, H, *] at any strides; o [B, T, H, V] contiguous; parent [B, T] contiguous int32.
+    # inputs [B, T, H, *] at any strides; o [B, T, H, V] contiguous; parent, order, load, store [B, T]
+    # contiguous int32.
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2)
@@ -245,21 +251,32 @@ def _verify_kernel(
     S = _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_base, start, m,
                     s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, L, BK, RING_GDN, HAS_PENDING)
     kv_inter = offs_k[:, None] * s_ik + offs_v[None, :] * s_iv
-    p_q = q + i_b * sq_b + i_h * sq_h + offs_k * sq_k
-    p_k = k + i_b * sk_b + i_h * sk_h + offs_k * sk_k
-    p_v = v + i_b * sv_b + i_h * sv_h + offs_v * sv_v
-    p_g = g + i_b * sg_b + i_h * sg_h
-    p_b = beta + i_b * sb_b + i_h * sb_h
+    kv_stack = offs_k[:, None] * s_tk + offs_v[None, :] * s_tv
+    q0 = q + i_b * sq_b + i_h * sq_h + offs_k * sq_k
+    k0 = k + i_b * sk_b + i_h * sk_h + offs_k * sk_k
+    v0 = v + i_b * sv_b + i_h * sv_h + offs_v * sv_v
+    g0 = g + i_b * sg_b + i_h * sg_h
+    b0 = beta + i_b * sb_b + i_h * sb_h
+    o0 = o_ptr
+    p_q, p_k, p_v, p_g, p_b = q0, k0, v0, g0, b0
     for t in tl.range(0, T, num_stages=STAGES):
-        if IS_TREE:
-            p = tl.load(parent + i_b * T + t)
-            if p != t - 1:
-                if p < 0:
-                    S = _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_base, start, m,
-                                    s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, L, BK,
-                                    RING_GDN, HAS_PENDING)
+        n = t  # the node of this step (a chain: the token)
+        if IS_TREE:  # the schedule's node, its inputs and output, and where its start state is
+            n = tl.load(order + i_b * T + t).to(tl.int64)
+            p_q, p_k, p_v, p_g, p_b = q0 + n * sq_t, k0 + n * sk_t, v0 + n * sv_t, g0 + n * sg_t, b0 + n * sb_t
+            o_ptr = o0 + n * H * V
+            ld = tl.load(load + i_b * T + t)
+            if ld == -1:
+                S = _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_base, start, m,
+                                s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, L, BK,
+                                RING_GDN, HAS_PENDING)
+            elif ld >= 0:
+                if HAS_STACK:
+                    S = tl.load(stack + i_b * s_tb + ld.to(tl.int64) * s_tt + i_h * s_th + kv_stack,
+                                mask=mask_kv, other=0.0).to(tl.float32)
                 else:
-                    S = tl.load(inter + i_b * s_ib + p.to(tl.int64) * s_it + i_h * s_ih + kv_inter,
+                    pn = tl.load(parent + i_b * T + n).to(tl.int64)
+                    S = tl.load(inter + i_b * s_ib + pn * s_it + i_h * s_ih + kv_inter,
                                 mask=mask_kv, other=0.0).to(tl.float32)
         qt = tl.load(p_q, mask=mask_k, other=0.0).to(tl.float32)
         kt = tl.load(p_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -271,14 +288,19 @@ def _verify_kernel(
         ot = readout(S, prepare_q(qt, eps, scale, SQRT_DIV, MAMBA2))
         tl.store(o_ptr, cast_to(ot, o), mask=mask_v)
         if HAS_INTER:
-            tl.store(inter + i_b * s_ib + t * s_it + i_h * s_ih + kv_inter, cast_to(S, inter), mask=mask_kv)
-            if IS_TREE:
-                tl.debug_barrier()
+            tl.store(inter + i_b * s_ib + n * s_it + i_h * s_ih + kv_inter, cast_to(S, inter), mask=mask_kv)
+        if IS_TREE:
+            if HAS_STACK:
+                st = tl.load(store + i_b * T + t)
+                if st >= 0:
+                    tl.store(stack + i_b * s_tb + st.to(tl.int64) * s_tt + i_h * s_th + kv_stack,
+                             cast_to(S, stack), mask=mask_kv)
+            tl.debug_barrier()  # a later step's reload reads what other threads of this program stored
         if HAS_RING:
             if HAS_START:
-                pos = (base + t) & (L - 1)
-            else:  # eager layout: record t at position t
-                pos = t
+                pos = (base + n) & (L - 1)
+            else:  # eager layout: record n at position n
+                pos = n
             if HAS_DK:
                 tl.store(d_base + pos * s_dt + offs_v * s_dv, cast_to(d, rd), mask=mask_v)
             tl.store(v_base + pos * s_vt + offs_v * s_vv, cast_to(vt, rrv), mask=mask_v)
@@ -288,12 +310,13 @@ def _verify_kernel(
                 tl.store(g_base + pos * s_gt + offs_k * s_gk, cast_to(gt, rg), mask=offs_k < RGK)
                 tl.store(r_base + pos * s_rt + offs_k * s_rk, cast_to(kt, rrk), mask=mask_k)
                 tl.store(b_base + pos * s_bt, cast_to(bt, rb))
-        p_q += sq_t
-        p_k += sk_t
-        p_v += sv_t
-        p_g += sg_t
-        p_b += sb_t
-        o_ptr += H * V
+        if not IS_TREE:
+            p_q += sq_t
+            p_k += sk_t
+            p_v += sv_t
+            p_g += sg_t
+            p_b += sb_t
+            o_ptr += H * V
 
 
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -301,16 +324,19 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
                       ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
                       num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
+                      tree_stack: torch.Tensor | None = None, tree_schedule: tuple | None = None,
                       scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
                       null_slot: int = -1, rule: str = "delta") -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint (see `naive.verify_delta_rule`).
 
-    Trees need `intermediate_states` (node states live there); ring records are stored in the ring
-    tensors' dtypes; the checkpoint is read only. `rule="mamba2"`: the same kernel with the Mamba2 step
-    (q = C, k = B taken as they come: no norm, no scale; the `k` ring holds B).
+    Trees need `tree_stack` `[>= B, common.tree_stack_slots(T), H, K, V]` (the parent states a later child
+    reloads) or `intermediate_states` (every node's state); `tree_schedule`: `common.tree_schedule(parent)`,
+    when the caller computed it once for every layer of a round. Ring records are stored in the ring tensors'
+    dtypes; the checkpoint is read only. `rule="mamba2"`: the same kernel with the Mamba2 step (q = C, k = B
+    taken as they come: no norm, no scale; the `k` ring holds B).
     """
     check_rule(rule)
-    check_float("verify_delta_rule", q, k, v, g, beta, ssm_state, intermediate_states,
+    check_float("verify_delta_rule", q, k, v, g, beta, ssm_state, intermediate_states, tree_stack,
                 *(t for t in (ring or ()) if t is not None))
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
     if g.shape[-1] not in (1, K):
@@ -319,8 +345,19 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if norm not in ("rsqrt", "sqrt_div"):
         raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
     par = _parents(parent, B, T, k.device)
-    if par is not None and intermediate_states is None:
-        raise ValueError("intermediate_states: required for tree verify (node states live there)")
+    if par is not None and intermediate_states is None and tree_stack is None:
+        raise ValueError("tree_stack: a tree verify needs tree_stack or intermediate_states (where parent states "
+                         "are kept)")
+    if tree_stack is not None:
+        slots = tree_stack_slots(T)
+        if tree_stack.dim() != 5 or tree_stack.shape[0] < B or tree_stack.shape[1] < slots \
+                or tree_stack.shape[2:] != (H, K, V):
+            raise ValueError(f"tree_stack: expected [>={B}, >={slots}, {H}, {K}, {V}], got {list(tree_stack.shape)}")
+    if par is not None:
+        sched = tree_schedule if tree_schedule is not None else _schedule(par)
+        for name, t in zip(("order", "load", "store"), sched):
+            check_shape(f"tree_schedule[{name}]", t, (B, T))
+        order, load, store = (t.to(torch.int32).contiguous() for t in sched)
     check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
     has_dk = False
     if ring is not None:
@@ -343,6 +380,9 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     BK, BV, num_warps = state_blocks(K, V)
     has_ring = ring is not None
     has_inter = intermediate_states is not None
+    has_stack = par is not None and tree_stack is not None
+    if par is None:
+        order = load = store = ssm_state_indices
     if has_ring:
         if not has_dk:  # eager layout: no d / k records (never written)
             rd, rk = rrv, rrk
@@ -355,15 +395,16 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         L, RGK = 1, 1
     _verify_kernel[(B, H, triton.cdiv(V, BV))](
         q, k, v, g, beta, ssm_state, ssm_state_indices, par if par is not None else ssm_state_indices,
-        intermediate_states if has_inter else o, o, *ring_args,
+        order, load, store, intermediate_states if has_inter else o, tree_stack if has_stack else o, o, *ring_args,
         ring_start if ring_start is not None else ssm_state_indices,
         num_pending if num_pending is not None else ssm_state_indices,
         ring_indices if ring_indices is not None else ssm_state_indices,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-        *ssm_state.stride(), *(intermediate_states.stride() if has_inter else (0,) * 5), *ring_strides,
+        *ssm_state.stride(), *(intermediate_states.stride() if has_inter else (0,) * 5),
+        *(tree_stack.stride() if has_stack else (0,) * 5), *ring_strides,
         T, H, int(null_slot), scale, float(eps),
         L=L, K=K, V=V, BK=BK, BV=BV, GDN=g.shape[-1] == 1 and K != 1, RING_GDN=has_ring and RGK == 1 and K != 1,
-        RGK=RGK, IS_TREE=par is not None, HAS_INTER=has_inter, HAS_RING=has_ring,
+        RGK=RGK, IS_TREE=par is not None, HAS_INTER=has_inter, HAS_STACK=has_stack, HAS_RING=has_ring,
         HAS_START=has_ring and ring_start is not None, HAS_DK=has_dk,
         HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", STAGES=1 if par is not None else 2,
         MAMBA2=rule == "mamba2", num_warps=num_warps, enable_fp_fusion=False, **({"maxnreg": 128} if par is not None else {}))
