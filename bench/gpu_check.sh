@@ -46,9 +46,9 @@ except Exception as e:
     print('fla unavailable:', type(e).__name__, e)
 ") || { echo "specdec does not import"; exit 1; }
 
-echo "== pytest tests/test_triton_kernels.py tests/test_fold_exactness.py tests/test_mamba2_triton.py (CUDA) =="
+echo "== pytest tests/test_triton_kernels.py tests/test_fold_exactness.py tests/test_mamba2_triton.py tests/test_tree_stack.py (CUDA) =="
 (cd /tmp && timeout 330 $PY -m pytest "$REPO/tests/test_triton_kernels.py" "$REPO/tests/test_fold_exactness.py" \
-    "$REPO/tests/test_mamba2_triton.py" -q -rfEs \
+    "$REPO/tests/test_mamba2_triton.py" "$REPO/tests/test_tree_stack.py" -q -rfEs \
     -k "not sm90" -p no:cacheprovider \
     --junitxml="$OUTDIR/pytest.xml" 2>&1) | tee "$OUTDIR/pytest.log"
 TEST_RC=${PIPESTATUS[0]}
