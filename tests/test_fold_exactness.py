@@ -2,13 +2,15 @@
 the state of n single-token verify steps from the same checkpoint.
 
 Both backends are checked, each against itself: the torch reference, and the Triton kernels (in the
-interpreter on CPU, compiled on a GPU). Hypothesis draws shapes (K, V not powers of two), KDA and GDN gates,
-both norms, fp32 and bf16 activations, chains and trees (with second roots), and eager and lazy commit
-(lazy: records of an earlier verify still pending, the fold replays them first). The ring positions wrap.
+interpreter on CPU, compiled on a GPU). Hypothesis draws shapes (K, V not powers of two), the delta rule with
+KDA and GDN gates and the Mamba2 rule, both norms, fp32 and bf16 activations, chains and trees (with second
+roots), and eager and lazy commit (lazy: records of an earlier verify still pending, the fold replays them first).
+The ring positions wrap.
 
 A single step is a one-token verify, which on either backend is the fold's own step. The node states of a
-T-token verify are the same steps in the Triton kernel (bitwise), but the torch verify is the chunk form
-(`kernels/verify/chunk.py`), the recurrence in another op order: there they are held to the fp32 tolerance.
+T-token verify are the same steps in the Triton kernel (bitwise), but the torch verify of the delta rule is the
+chunk form (`kernels/verify/chunk.py`), the recurrence in another op order: there they are held to the fp32
+tolerance (the torch verify of the Mamba2 rule is the recurrence: bitwise).
 """
 
 from __future__ import annotations
@@ -28,9 +30,16 @@ BACKENDS = ["reference"] + (["triton"] if INTERPRET or torch.cuda.is_available()
 F32, BF16 = torch.float32, torch.bfloat16
 
 
-def ops(backend: str):
-    get = dispatch.reference_impl if backend == "reference" else dispatch.triton_impl
-    return get("verify_delta_rule"), get("exact_fold")
+def ops(backend: str, rule: str = "delta"):
+    """(verify, fold) of `backend` for `rule`, each taking `rule=` (the torch verify of the Mamba2 rule is
+    the recurrence, dispatch's `MAMBA2_REFS`)."""
+    if backend == "triton":
+        return dispatch.triton_impl("verify_delta_rule"), dispatch.triton_impl("exact_fold")
+    verify = dispatch.MAMBA2_REFS["verify_delta_rule"] if rule == "mamba2" else dispatch.reference_impl(
+        "verify_delta_rule")
+    if rule == "delta":  # the chunk form takes no rule
+        return (lambda *a, rule="delta", **kw: verify(*a, **kw)), dispatch.reference_impl("exact_fold")
+    return verify, dispatch.reference_impl("exact_fold")
 
 
 def device_of(backend: str) -> str:
@@ -54,14 +63,19 @@ def cases(draw):
             node = parent[node]
     return dict(K=K, V=V, H=H, T=T, parent=parent, pending=pending, L=L, path=path,
                 start=draw(st.integers(0, L - 1)), gdn=draw(st.booleans()),
+                rule=draw(st.sampled_from(["delta", "delta", "mamba2"])),
                 norm=draw(st.sampled_from(["rsqrt", "sqrt_div"])), act=draw(st.sampled_from([F32, BF16])),
                 seed=draw(st.integers(0, 2**16)))
 
 
-def tokens(g, T, H, K, V, gdn, act, dev):
-    """Raw verify inputs of T tokens for one request: q, k `[1, T, H, K]`, v, gate, beta."""
+def tokens(g, T, H, K, V, gdn, act, dev, rule="delta"):
+    """Raw verify inputs of T tokens for one request: q, k `[1, T, H, K]`, v, gate, beta (Mamba2: C, B, x,
+    g = dt A per head, dt)."""
     r = lambda *s: torch.randn(*s, generator=g).to(dev)  # noqa: E731
     q, k, v = r(1, T, H, K).to(act), r(1, T, H, K).to(act), r(1, T, H, V).to(act)
+    if rule == "mamba2":
+        dt = (0.05 + 0.9 * torch.rand(1, T, H, generator=g)).to(dev)
+        return q, k, v, dt * -(0.2 + torch.rand(H, generator=g)).to(dev), dt
     gate = -torch.rand(*((1, T, H) if gdn else (1, T, H, K)), generator=g).to(dev) * 0.7
     beta = 0.05 + 0.9 * torch.rand(1, T, H, generator=g).to(dev)
     return q, k, v, gate, beta
@@ -71,24 +85,26 @@ def tokens(g, T, H, K, V, gdn, act, dev):
 @settings(max_examples=20 if INTERPRET else 60)
 @given(c=cases())
 def test_fold_equals_single_steps(backend, c):
-    verify, fold = ops(backend)
+    rule = c["rule"]
+    verify, fold = ops(backend, rule)
     dev = device_of(backend)
     K, V, H, T, L, act, norm = c["K"], c["V"], c["H"], c["T"], c["L"], c["act"], c["norm"]
+    gdn = c["gdn"] or rule == "mamba2"  # a Mamba2 head's decay is one scalar
     g = torch.Generator().manual_seed(c["seed"])
     N, slot = 3, 1
     S0 = torch.randn(N, H, K, V, generator=g).to(dev)
-    gk = 1 if c["gdn"] else K
+    gk = 1 if gdn else K
     ring = tuple(torch.full((N, H, L, d), float("nan"), dtype=dt, device=dev)
                  for d, dt in ((V, act), (K, act), (gk, F32), (V, act), (K, act)))
     ring = ring + (torch.full((N, H, L), float("nan"), device=dev),)
     start = torch.full((N,), c["start"], dtype=torch.long, device=dev)
     idx = torch.tensor([slot], device=dev)
-    kw = dict(ring=ring, ring_start=start, norm=norm)
+    kw = dict(ring=ring, ring_start=start, norm=norm, rule=rule)
     m = c["pending"]
-    pend = tokens(g, m, H, K, V, c["gdn"], act, dev) if m else None
+    pend = tokens(g, m, H, K, V, gdn, act, dev, rule) if m else None
     if m:  # lazy: an earlier round's accepted records, written into the ring and not folded yet
         verify(*pend, S0, idx, num_pending=torch.zeros(N, dtype=torch.long, device=dev), **kw)
-    new = tokens(g, T, H, K, V, c["gdn"], act, dev)
+    new = tokens(g, T, H, K, V, gdn, act, dev, rule)
     inter = torch.full((1, T, H, K, V), float("nan"), device=dev)
     parent = None if c["parent"] is None else torch.tensor(c["parent"], device=dev)
     verify(*new, S0, idx, parent=parent, intermediate_states=inter,
@@ -98,18 +114,18 @@ def test_fold_equals_single_steps(backend, c):
     offsets = torch.tensor([list(range(m)) + [m + p for p in path]], device=dev)
     state = S0.clone()[None]
     fold(state, ring[3][None], ring[4][None], ring[2][None], ring[5][None], idx, start,
-         torch.tensor([m + len(path)], device=dev), offsets=offsets, norm=norm)
+         torch.tensor([m + len(path)], device=dev), offsets=offsets, norm=norm, rule=rule)
 
     # the oracle: one verify step per token from the checkpoint, each step's state read back in fp32
     steps = [tuple(t[:, j:j + 1] for t in pend) for j in range(m)] + [tuple(t[:, j:j + 1] for t in new) for j in path]
     cur = S0[slot:slot + 1].clone()
     for tok in steps:
         out = torch.full((1, 1, H, K, V), float("nan"), device=dev)
-        verify(*tok, cur, torch.tensor([0], device=dev), intermediate_states=out, norm=norm)
+        verify(*tok, cur, torch.tensor([0], device=dev), intermediate_states=out, norm=norm, rule=rule)
         cur = out[:, 0]
     assert torch.equal(state[0, slot], cur[0]), (
         f"fold differs from {len(steps)} single steps: max abs {(state[0, slot] - cur[0]).abs().max().item():.3e}")
-    if m == 0 and backend == "triton":  # eager: the node buffer of the round holds that state, bit for bit
+    if m == 0 and (backend == "triton" or rule == "mamba2"):  # eager: the round's node state, bit for bit
         assert torch.equal(inter[0, path[-1]], cur[0]), "node state differs from single steps"
     elif m == 0:  # the chunk form: the same state in another op order
         assert_close(inter[0, path[-1]], cur[0], dtype=F32, msg="node state vs single steps")

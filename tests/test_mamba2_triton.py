@@ -7,8 +7,8 @@ verify and fold kernels; the lazy rebuild replays `(d, k, g)` records and needs 
   lazy verify (pending records rebuilt in the kernel), the exact fold (offsets, track states); buffers are
   NaN-filled, so null, skipped and foreign slots must stay bitwise unchanged; fp32 tolerance (the fp32 rtol of
   `specdec.testing.TOLERANCES`, as in tests/test_triton_kernels.py);
-- within the Triton backend (hypothesis): the fold of n records == n single-token verify steps, bitwise (the rule
-  of tests/test_fold_exactness.py);
+- (the fold of n records == n single-token verify steps, bitwise on each backend, is drawn for the Mamba2 rule
+  too by tests/test_fold_exactness.py);
 - one corrupted ring record changes the folded state; the flag changes the step (mamba2 != delta);
 - the dispatcher runs the Triton kernels for the rule where it runs them for the delta rule, the recurrent
   reference elsewhere;
@@ -27,12 +27,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from state_harness import root_path
 from test_mamba2_state import Mamba2Harness
-from test_triton_kernels import (DEVICES, L, N, NULL, RING_START, check_values, check_written, fold_case, gen, nan,
-                                 rand, run_verify, to, verify_case)
+from test_triton_kernels import (DEVICES, FOLD_SLOTS, FOLD_TOKENS, L, NULL, RING_START, check_fold, check_values,
+                                 check_verify, check_verify_bf16, fold_case, gen, rand, to, verify_case)
 
 from specdec import kernels
 from specdec.kernels import dispatch
@@ -92,22 +90,14 @@ def test_verify_mamba2(device, case):
     lazy: the start state is the rebuild of the pending records; skipped rows give zeros and write nothing."""
     K, V, tree, lazy, inter, ring = VERIFY_CASES[case]
     kw = mamba2_gate(verify_case(31, K=K, V=V, gdn=True, tree=tree, lazy=lazy, inter=inter, ring=ring), 32)
-    kr = {n: to(t, "cpu") for n, t in kw.items()}
-    o_ref = ref_verify_delta_rule(**kr)
-    o, kt = run_verify(kw, device)
-    check_values(f"{case}: o", o, o_ref)
-    assert bool((o.cpu()[[1, 3]] == 0).all()), f"{case}: skipped rows must give zero outputs"
-    assert_close(kt["ssm_state"].cpu(), kw["ssm_state"], exact=True, msg=f"{case}: checkpoint written")
-    if inter:
-        check_written(f"{case}: intermediate_states", kt["intermediate_states"], kr["intermediate_states"])
+    o_ref, kt = check_verify(case, kw, device)
     if ring:
-        for name, got, want in zip(("d", "k", "g", "rawv", "rawk", "beta"), kt["ring"], kr["ring"]):
-            check_written(f"{case}: ring {name}", got, want)
         # k = B is stored as it came (no norm): bitwise the raw key record wherever this verify wrote one
         k_rec, raw = kt["ring"][1].cpu(), kt["ring"][4].cpu()
         written = ~raw.isnan()
         assert bool(written.any()) and torch.equal(k_rec[written], raw[written]), f"{case}: k record != rawk"
     # the rule matters: the delta rule on the same inputs gives other outputs
+    kr = {n: to(t, "cpu") for n, t in kw.items()}
     assert max_rel_err(o_ref, ref_verify_delta_rule(**{**kr, "rule": "delta"})) > 1e-2
 
 
@@ -116,55 +106,26 @@ def test_verify_mamba2(device, case):
 def test_verify_mamba2_bf16(device):
     """bf16 activations and d / k / rawv / rawk rings (lazy, wrapping) vs the all-fp32 reference."""
     kw = mamba2_gate(verify_case(33, K=5, V=6, gdn=True, tree=False, lazy=True, inter=True, ring=True), 34)
-    kr = {n: to(t, "cpu") for n, t in kw.items()}
-    o_ref = ref_verify_delta_rule(**kr)
-    o, kt = run_verify(kw, device, act=BF16, ring_act=BF16)
-    assert o.dtype == BF16
-    check_values("o", o, o_ref, tol_dtype=BF16)
-    check_written("intermediate_states", kt["intermediate_states"], kr["intermediate_states"], tol_dtype=BF16)
-    for name, got, want in zip(("d", "k", "g", "rawv", "rawk", "beta"), kt["ring"], kr["ring"]):
-        check_written(f"ring {name}", got, want, tol_dtype=BF16 if got.dtype == BF16 else F32)
-        if name in ("k", "rawv", "rawk", "beta"):  # copies of bf16-representable inputs (k = B: no norm)
-            assert_close(got.cpu().float(), want, exact=True, msg=f"ring {name}")
+    check_verify_bf16(kw, device, exact=("k", "rawv", "rawk", "beta"))  # k = B: no norm, a copy too
 
 
 # -------------------------------------------------------------------------------------------- fold
-
-FOLD_SLOTS = [5, -1, 3, 4, 0, 2]
-FOLD_TOKENS = [5, 3, 0, 4, 8, 2]   # row 2 folds nothing; rows 1 and 3 are skipped
-SEQ_LENS = [3, 0, 5, 6, 1, 250]
-
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["offsets-track", "bf16ring-multi-vblock"])
 def test_exact_fold_mamba2(device, case):
     Lyr, K, V, rdt = (2, 5, 6, F32) if case == "offsets-track" else (1, 3, 70, BF16)
-    S, rv, rk, rg, rb = fold_case(35, Lyr=Lyr, K=K, V=V, gdn=True, ring_dt=rdt)
-    idx, rs, nt = torch.tensor(FOLD_SLOTS), torch.tensor(RING_START), torch.tensor(FOLD_TOKENS)
+    inputs = fold_case(35, Lyr=Lyr, K=K, V=V, gdn=True, ring_dt=rdt)
     kw = dict(null_slot=NULL, rule=M2)
     track = case == "offsets-track"
-    if track:
-        kw["offsets"] = torch.tensor([[0, 2, 3, 5, 6, 7, 1, 4]] * len(FOLD_SLOTS))
-        kw.update(seq_lens=torch.tensor(SEQ_LENS), track_interval=4)
-    S_ref = S.clone()
-    tr_ref = nan(Lyr, N, 2, S.shape[2], K, V) if track else None
-    ref_exact_fold(S_ref, rv, rk, rg, rb, idx, rs, nt, track_states=tr_ref, **kw)
-    S_tri = S.clone().to(device)
-    tr = nan(Lyr, N, 2, S.shape[2], K, V).to(device) if track else None
-    tfold.exact_fold(S_tri, *(to(t, device) for t in (rv, rk, rg, rb, idx, rs, nt)), track_states=tr,
-                     **{n: to(t, device) for n, t in kw.items()})
+    S_tri = check_fold(case, device, inputs, kw, offsets=track, track=track)
+    S, rv, rk, rg, rb = inputs
+    idx, rs, nt = torch.tensor(FOLD_SLOTS), torch.tensor(RING_START), torch.tensor(FOLD_TOKENS)
     folded = [5, 0, 2]
-    untouched = [s for s in range(N) if s not in folded]
-    assert_close(S_tri.cpu()[:, untouched], S[:, untouched], exact=True, msg=f"{case}: untouched slots")
-    check_values(f"{case}: ssm_state", S_tri[:, folded], S_ref[:, folded])
-    assert max_rel_err(S_ref[:, folded], S[:, folded]) > 1e-2  # the fold did something
-    if track:
-        assert not bool(tr_ref.isnan().all())
-        check_written(f"{case}: track_states", tr, tr_ref)
     # the flag matters: the delta-rule fold of the same records gives another state
     S_delta = S.clone().to(device)
-    tfold.exact_fold(S_delta, *(to(t, device) for t in (rv, rk, rg, rb, idx, rs, nt)), track_states=tr,
-                     **{n: to(t, device) for n, t in {**kw, "rule": "delta"}.items()})
+    delta = {n: to(t, device) for n, t in kw.items() if n not in ("seq_lens", "track_interval")}  # no track copies
+    tfold.exact_fold(S_delta, *(to(t, device) for t in (rv, rk, rg, rb, idx, rs, nt)), **{**delta, "rule": "delta"})
     assert max_rel_err(S_delta.cpu()[:, folded], S_tri.cpu()[:, folded]) > 1e-2
 
 
@@ -190,82 +151,6 @@ def test_teeth_corrupt_one_record_changes_the_fold(device):
             got = fold(bad_v, bad_k)
             assert torch.equal(got[:, [0, 1, 2, 3, 4]], clean[:, [0, 1, 2, 3, 4]]), f"{name}: another slot changed"
             assert torch.equal(got[:, 5], clean[:, 5]) != changes, f"{name} at {pos}: changes={changes} expected"
-
-
-# ----------------------------------------------------------------------------- fold == single steps
-
-@st.composite
-def cases(draw):
-    K, V, H = draw(st.integers(1, 9)), draw(st.integers(1, 9)), draw(st.integers(1, 2))
-    T = draw(st.integers(1, 5))
-    tree = draw(st.booleans())
-    parent = [-1] + [draw(st.integers(-1, i - 1)) for i in range(1, T)] if tree else None
-    pending = draw(st.integers(1, 3)) if draw(st.booleans()) else 0
-    Lr = 1 << max(1, (2 * (pending + T) - 1).bit_length())
-    if parent is None:
-        path = list(range(draw(st.integers(1, T))))
-    else:
-        path = root_path(parent, draw(st.integers(0, T - 1)))
-    return dict(K=K, V=V, H=H, T=T, parent=parent, pending=pending, L=Lr, path=path,
-                start=draw(st.integers(0, Lr - 1)), act=draw(st.sampled_from([F32, BF16])),
-                seed=draw(st.integers(0, 2**16)))
-
-
-def tokens(g, T, H, K, V, act, dev):
-    """Raw Mamba2 verify inputs of T tokens for one request: C, B `[1, T, H, K]`, x, g = dt A, dt."""
-    r = lambda *s: torch.randn(*s, generator=g).to(dev)  # noqa: E731
-    q, k, v = r(1, T, H, K).to(act), r(1, T, H, K).to(act), r(1, T, H, V).to(act)
-    dt = (0.05 + 0.9 * torch.rand(1, T, H, generator=g)).to(dev)
-    A = -(0.2 + torch.rand(H, generator=g)).to(dev)
-    return q, k, v, dt * A, dt
-
-
-@settings(max_examples=8 if INTERPRET else 20, deadline=None)
-@given(c=cases())
-def test_fold_equals_single_steps_mamba2(c):
-    """Triton, bitwise: folding the accepted records (pending ones of a lazy round first, a tree's node path, a
-    wrapping ring) == one single-token verify step per record from the checkpoint; with nothing pending, the
-    round's node state too. Foreign slots stay bitwise unchanged."""
-    verify, fold = tverify.verify_delta_rule, tfold.exact_fold
-    dev = "cpu" if INTERPRET else "cuda"
-    K, V, H, T, Lr, act = c["K"], c["V"], c["H"], c["T"], c["L"], c["act"]
-    g = torch.Generator().manual_seed(c["seed"])
-    Ns, slot = 3, 1
-    S0 = torch.randn(Ns, H, K, V, generator=g).to(dev)
-    ring = tuple(torch.full((Ns, H, Lr, d), float("nan"), dtype=dt, device=dev)
-                 for d, dt in ((V, act), (K, act), (1, F32), (V, act), (K, act)))
-    ring = ring + (torch.full((Ns, H, Lr), float("nan"), device=dev),)
-    start = torch.full((Ns,), c["start"], dtype=torch.long, device=dev)
-    idx = torch.tensor([slot], device=dev)
-    kw = dict(ring=ring, ring_start=start, rule=M2)
-    m = c["pending"]
-    pend = tokens(g, m, H, K, V, act, dev) if m else None
-    if m:  # lazy: an earlier round's accepted records, written into the ring and not folded yet
-        verify(*pend, S0, idx, num_pending=torch.zeros(Ns, dtype=torch.long, device=dev), **kw)
-    new = tokens(g, T, H, K, V, act, dev)
-    inter = torch.full((1, T, H, K, V), float("nan"), device=dev)
-    parent = None if c["parent"] is None else torch.tensor(c["parent"], device=dev)
-    verify(*new, S0, idx, parent=parent, intermediate_states=inter,
-           num_pending=torch.full((Ns,), m, dtype=torch.long, device=dev), **kw)
-
-    path = c["path"]
-    offsets = torch.tensor([list(range(m)) + [m + p for p in path]], device=dev)
-    state = S0.clone()[None]
-    fold(state, ring[3][None], ring[4][None], ring[2][None], ring[5][None], idx, start,
-         torch.tensor([m + len(path)], device=dev), offsets=offsets, rule=M2)
-
-    steps = [tuple(t[:, j:j + 1] for t in pend) for j in range(m)] + [tuple(t[:, j:j + 1] for t in new) for j in path]
-    cur = S0[slot:slot + 1].clone()
-    for tok in steps:
-        out = torch.full((1, 1, H, K, V), float("nan"), device=dev)
-        verify(*tok, cur, torch.tensor([0], device=dev), intermediate_states=out, rule=M2)
-        cur = out[:, 0]
-    assert torch.equal(state[0, slot], cur[0]), (
-        f"fold differs from {len(steps)} single steps: max abs {(state[0, slot] - cur[0]).abs().max().item():.3e}")
-    if m == 0:
-        assert torch.equal(inter[0, path[-1]], cur[0]), "node state differs from single steps"
-    others = [s for s in range(Ns) if s != slot]
-    assert torch.equal(state[0, others], S0[others]), "a foreign slot was written"
 
 
 # ---------------------------------------------------------------------------------------- dispatch

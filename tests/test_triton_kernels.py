@@ -185,17 +185,24 @@ def test_verify_delta_rule(device, case):
     K, V, gdn, tree, lazy, inter, ring, norm, rgd = VERIFY_CASES[case]
     kw = verify_case(1, K=K, V=V, gdn=gdn, tree=tree, lazy=lazy, inter=inter, ring=ring, ring_g_dim=rgd)
     kw["norm"] = norm
+    check_verify(case, kw, device)
+
+
+def check_verify(case: str, kw: dict, device):
+    """Triton vs the reference on the inputs of `verify_case`: outputs, node states and ring records where the
+    case has them; skipped rows give zeros, the checkpoint is never written. -> (o_ref, Triton's arguments)."""
     kr = {n: to(t, "cpu") for n, t in kw.items()}
     o_ref = ref_verify_delta_rule(**kr)
     o, kt = run_verify(kw, device)
     check_values(f"{case}: o", o, o_ref)
     assert bool((o.cpu()[[1, 3]] == 0).all()), f"{case}: skipped rows must give zero outputs"
     assert_close(kt["ssm_state"].cpu(), kw["ssm_state"], exact=True, msg=f"{case}: checkpoint written")
-    if inter:
+    if "intermediate_states" in kw:
         check_written(f"{case}: intermediate_states", kt["intermediate_states"], kr["intermediate_states"])
-    if ring:
+    if "ring" in kw:
         for name, got, want in zip(("d", "k", "g", "rawv", "rawk", "beta"), kt["ring"], kr["ring"]):
             check_written(f"{case}: ring {name}", got, want)
+    return o_ref, kt
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -258,6 +265,12 @@ def test_verify_strided_inputs(device):
 def test_verify_bf16_storage(device):
     """bf16 activations and bf16 d/k/rawv/rawk rings (lazy, wrapping) vs the all-fp32 reference."""
     kw = verify_case(2, K=5, V=6, gdn=False, tree=False, lazy=True, inter=True, ring=True)
+    check_verify_bf16(kw, device, exact=("rawv", "rawk", "beta"))  # d / k are rounded results
+
+
+def check_verify_bf16(kw: dict, device, *, exact: tuple[str, ...]) -> None:
+    """Triton with bf16 activations and d / k / rawv / rawk rings vs the all-fp32 reference, at the bf16
+    tolerance; the records named in `exact` are copies of bf16-representable inputs: bitwise."""
     kr = {n: to(t, "cpu") for n, t in kw.items()}
     o_ref = ref_verify_delta_rule(**kr)
     o, kt = run_verify(kw, device, act=BF16, ring_act=BF16)
@@ -265,9 +278,8 @@ def test_verify_bf16_storage(device):
     check_values("o", o, o_ref, tol_dtype=BF16)
     check_written("intermediate_states", kt["intermediate_states"], kr["intermediate_states"], tol_dtype=BF16)
     for name, got, want in zip(("d", "k", "g", "rawv", "rawk", "beta"), kt["ring"], kr["ring"]):
-        # raw copies of bf16-representable inputs are exact; d / k are rounded results
         check_written(f"ring {name}", got, want, tol_dtype=BF16 if got.dtype == BF16 else F32)
-        if name in ("rawv", "rawk", "beta"):
+        if name in exact:
             assert_close(got.cpu().float(), want, exact=True, msg=f"ring {name}")
 
 
@@ -411,18 +423,26 @@ FOLD_CASES = {
 @pytest.mark.parametrize("case", list(FOLD_CASES))
 def test_exact_fold(device, case):
     Lyr, K, V, gdn, norm, use_off, track, rdt = FOLD_CASES[case]
-    S, rv, rk, rg, rb = fold_case(5, Lyr=Lyr, K=K, V=V, gdn=gdn, ring_dt=rdt)
+    check_fold(case, device, fold_case(5, Lyr=Lyr, K=K, V=V, gdn=gdn, ring_dt=rdt), dict(norm=norm, null_slot=NULL),
+               offsets=use_off, track=track)
+
+
+def check_fold(case: str, device, inputs: tuple, kw: dict, *, offsets: bool, track: bool) -> torch.Tensor:
+    """Triton's fold of `fold_case` records (`FOLD_SLOTS` / `FOLD_TOKENS`, optionally tree-path `offsets` and
+    track states) vs the reference: folded slots within the fp32 tolerance, every other slot bitwise unchanged;
+    -> Triton's state."""
+    S, rv, rk, rg, rb = inputs
+    Lyr, _, Hh, K, V = S.shape
     idx, rs, nt = torch.tensor(FOLD_SLOTS), torch.tensor(RING_START), torch.tensor(FOLD_TOKENS)
-    kw = dict(norm=norm, null_slot=NULL)
-    if use_off:  # an accepted tree path: node offsets in any order
+    if offsets:  # an accepted tree path: node offsets in any order
         kw["offsets"] = torch.tensor([[0, 2, 3, 5, 6, 7, 1, 4]] * len(FOLD_SLOTS))
     if track:
         kw.update(seq_lens=torch.tensor(SEQ_LENS), track_interval=4)
     S_ref = S.clone()
-    tr_ref = nan(Lyr, N, 2, H, K, V) if track else None
+    tr_ref = nan(Lyr, N, 2, Hh, K, V) if track else None
     ref_exact_fold(S_ref, rv, rk, rg, rb, idx, rs, nt, track_states=tr_ref, **kw)
     S_tri = S.clone().to(device)
-    tr = nan(Lyr, N, 2, H, K, V).to(device) if track else None
+    tr = nan(Lyr, N, 2, Hh, K, V).to(device) if track else None
     tfold.exact_fold(S_tri, *(to(t, device) for t in (rv, rk, rg, rb, idx, rs, nt)), track_states=tr,
                      **{n: to(t, device) for n, t in kw.items()})
     folded = [5, 0, 2]  # slots with tokens to fold
@@ -433,6 +453,7 @@ def test_exact_fold(device, case):
     if track:
         assert not bool(tr_ref.isnan().all())
         check_written(f"{case}: track_states", tr, tr_ref)
+    return S_tri
 
 
 # -------------------------------------------------------------------------------------- fast rebuild
