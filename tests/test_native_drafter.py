@@ -280,3 +280,33 @@ def test_errors(saved, tmp_path):
         specdec.wrap(tiny_model("kimi_linear"), drafter="native")
     with pytest.raises(ValueError, match="bogus"):
         specdec.wrap(model, drafter="native", bogus=1)
+
+
+# ---- 5. a trained model: tests/data/qwen35_native (bench/native_finetune.sh) -------------------------------------
+
+SHIPPED = os.path.join(os.path.dirname(__file__), "data", "qwen35_native")
+CODE_PROMPTS = ["import os\nimport sys\n\n\ndef main(argv=None):\n    ",
+                "class Queue:\n    def __init__(self, maxsize=0):\n        self.maxsize = maxsize\n        ",
+                "    def __repr__(self):\n        return '<%s %r>' % (self.__class__.__name__, "]
+
+
+def test_shipped_qwen35_native_is_lossless_and_accepts():
+    """The shipped tiny Qwen3.5 (trained on the stdlib, its MTP layer fine-tuned with `--drafter native`): greedy
+    output with `drafter="native"` equals transformers' own greedy `generate`, and tau (tokens per verify round,
+    gamma 7) on these fixed prompts is above 1.5 (deterministic: greedy on the shipped weights, float64)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float64, attn_implementation="eager").eval()
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    assert model.config.model_type == "qwen3_5_text"
+    prompts = [tok(p)["input_ids"] for p in CODE_PROMPTS]
+    engine = specdec.wrap(model, drafter="native", num_draft_tokens=7, max_batch_size=len(prompts))
+    assert type(engine.drafter).__name__ == "NativeDrafter"
+    new = 32
+    with torch_fallbacks(), float64_everywhere():
+        out = engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=new, eos_token_id=None)
+    for b, p in enumerate(prompts):
+        assert out.sequences[b].tolist()[:len(p) + new] == greedy_reference(model, p, new), f"prompt {b} differs"
+    stats = out.stats.as_dict()
+    print(f"shipped qwen35 native: {stats}")
+    assert out.stats.drafter_failures == 0
+    assert out.stats.tau > 1.5, stats
