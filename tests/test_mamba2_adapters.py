@@ -210,6 +210,25 @@ def test_greedy_identity(family, drafter, strategy, commit):
     assert engine.runner.num_free == 2
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identity_dspark(family):
+    """The block drafter (an untrained DSpark net: context K/V from the target's captured hidden states) on every
+    Mamba2 family, replay with eager commit; the frozen-KV MTP head, which reads a full-attention layer's cache in
+    the layouts of Kimi-Linear and Qwen3-Next / Qwen3.5, refuses these targets with one clear error."""
+    target = tiny(family)
+    torch.manual_seed(3)
+    engine = specdec.wrap(target, drafter="dspark", num_draft_tokens=GAMMA, max_batch_size=2)
+    names = ["rep4", "rep3"]
+    refs = [greedy_reference(target, PROMPTS[n], N) for n in names]
+    with float64_everywhere():
+        out = engine.generate([torch.tensor(PROMPTS[n]) for n in names], max_new_tokens=N, eos_token_id=None)
+    for b, ref in enumerate(refs):
+        assert out.sequences[b, :len(ref)].tolist() == ref, f"row {b} differs from transformers' greedy generate"
+    assert out.stats.proposed > 0 and out.stats.drafter_failures == 0, out.stats.as_dict()
+    with pytest.raises(ValueError, match=f"drafter: mtp .*{family}"):
+        specdec.wrap(target, drafter="mtp", num_draft_tokens=GAMMA, max_batch_size=2)
+
+
 @pytest.mark.parametrize("family, layer_idx, path, name", [
     ("bamba", 0, ("mamba",), "dt_bias"),
     ("bamba", 2, (), "pre_ff_layernorm"),
