@@ -12,7 +12,9 @@ of its own and never writes the target's cache, and its query sits at position `
 committed token) for every step. Kimi-Linear (MLA, NoPE) stores compressed latents, expanded here with the
 target attention module's own `expand_kv`; Qwen3-Next / Qwen3.5 store keys after `k_norm` and RoPE, so the
 query gets the target's rotary embedding at that position and the key heads are shared across query
-groups (GQA) as in the target. Step i+1 feeds `emb(draft_i)` and step i's block output as the new h.
+groups (GQA) as in the target. The Mamba2 hybrids' attention layers store plain projected keys (rotated
+where the model has a rotary embedding; Falcon-H1's scaled by `key_multiplier`, its input by
+`attention_in_multiplier`); Zamba2's one attention is a shared block and is not read. Step i+1 feeds `emb(draft_i)` and step i's block output as the new h.
 
 Training (`Net.loss`) distils the target: at every position t of a window, from `(hidden[t], tokens[t+1])`
 and the target attention layer's keys/values over positions <= t (recomputed with the target's own
@@ -34,7 +36,6 @@ from .base import DraftBlock, Drafter
 from .layers import MLP, RMSNorm, SharesTarget, soft_ce
 from .registry import DraftConfig
 
-FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5", "qwen3_5_text")
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Config(DraftConfig):
     @classmethod
     def for_target(cls, target, **overrides) -> "Config":
         layer = resolve_attn_layer(target, overrides.get("attn_layer", -1))
-        attn = target.model.layers[layer].self_attn
+        attn = target_attention(target, layer).attn
         base = dict(attn_layer=layer, feature_layers=[layer - 1] if layer > 0 else [],
                     num_heads=target.config.get_text_config().num_attention_heads, head_dim=_qk_dim(attn))
         base.update(overrides)
@@ -63,14 +64,45 @@ def _qk_dim(attn) -> int:
     return attn.qk_head_dim if hasattr(attn, "kv_b_proj") else attn.head_dim
 
 
+@dataclass(frozen=True)
+class TargetAttention:
+    """A target full-attention layer as the head reads it: the module, the norm in front of it, and the layer's
+    scale of the normed input (Falcon-H1's `attention_in_multiplier`; None: 1)."""
+
+    attn: nn.Module
+    norm: nn.Module
+    in_scale: float | None = None
+
+
+def _attention_layers(target) -> dict[int, TargetAttention]:
+    """Every decoder layer whose own attention caches keys/values (not a shared block, Zamba2's), by the family's
+    adapter layout (`specdec.adapters.HYBRID_FAMILIES`)."""
+    from specdec.adapters import HYBRID_FAMILIES, attr_path, layer_kind
+    spec = HYBRID_FAMILIES.get(target.config.model_type)
+    types = getattr(target.config.get_text_config(), "layer_types", None) or []
+    out = {}
+    for i, t in enumerate(types[:target.config.get_text_config().num_hidden_layers]):
+        kind = layer_kind(t)
+        layout = None if spec is None or kind not in ("attention", "hybrid") else spec.layout(kind)
+        if layout is None or layout.shared is not None:
+            continue
+        layer = target.model.layers[i]
+        scale = None if layout.attn_in_scale is None else float(attr_path(layer, layout.attn_in_scale))
+        out[i] = TargetAttention(attr_path(layer, layout.attn), attr_path(layer, layout.pre_mixer), scale)
+    return out
+
+
+def target_attention(target, layer: int) -> TargetAttention:
+    return _attention_layers(target)[layer]
+
+
 def resolve_attn_layer(target, layer: int) -> int:
     """Index of a full-attention layer of `target` (`-1`: the last one); ValueError naming the drafter."""
-    types = getattr(target.config.get_text_config(), "layer_types", None) or []
-    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    full = sorted(_attention_layers(target))
     family = target.config.model_type
-    if family not in FAMILIES or not full:
-        raise ValueError(f"drafter: mtp reads the KV cache of a hybrid target ({', '.join(FAMILIES[:3])}); "
-                         f"model_type {family!r} is not one")
+    if not full:
+        raise ValueError(f"drafter: mtp reads the KV cache of one of a hybrid target's own full-attention layers; "
+                         f"model_type {family!r} has none it can read")
     if layer == -1:
         return full[-1]
     if layer not in full:
@@ -136,9 +168,10 @@ class Net(SharesTarget):
         tc = target.config.get_text_config()
         layer = resolve_attn_layer(target, config.attn_layer)
         base = target.model
-        attn = base.layers[layer].self_attn
+        where = target_attention(target, layer)
+        attn = where.attn
         self.mla = hasattr(attn, "kv_b_proj")
-        if not self.mla and not all(hasattr(attn, n) for n in ("k_proj", "v_proj", "k_norm")):
+        if not self.mla and not all(hasattr(attn, n) for n in ("k_proj", "v_proj", "head_dim")):
             raise ValueError(f"drafter: mtp does not know the attention module {type(attn).__name__}")
         d = tc.hidden_size
         num_heads = tc.num_attention_heads
@@ -152,12 +185,15 @@ class Net(SharesTarget):
             if v < 1:
                 raise ValueError(f"drafter: mtp {name} must be >= 1, got {v}")
         self.layer = layer
-        self.target_embed = base.embed_tokens
+        self.target_embed = target.get_input_embeddings()
         self.target_lm_head = target.lm_head
         self.target_attn = attn
-        self.target_attn_norm = base.layers[layer].input_layernorm
-        self.target_rotary = None if self.mla else base.rotary_emb
-        apply_rope = None if self.mla else sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        self.target_attn_norm = where.norm
+        self.attn_in_scale = where.in_scale
+        # keys in the cache: after k_norm (Qwen), times key_multiplier (Falcon-H1), rotated where the model
+        # has a rotary embedding (not MLA's latents, not Nemotron-H)
+        self.target_rotary = None if self.mla else getattr(base, "rotary_emb", None)
+        apply_rope = None if self.target_rotary is None else sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.embed_norm = RMSNorm(d, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.fc = nn.Linear(2 * d, d, bias=False)
@@ -169,7 +205,7 @@ class Net(SharesTarget):
     @classmethod
     def from_target(cls, target, config: Config) -> "Net":
         """A net in the target's device and dtype (so loaded weights are copied in at full precision)."""
-        w = target.model.embed_tokens.weight
+        w = target.get_input_embeddings().weight
         return cls(config, target).to(device=w.device, dtype=w.dtype)
 
     # The shared target modules belong to the target: `.to()` / `.double()` / `.train()` on the net leave them
@@ -229,6 +265,8 @@ class Net(SharesTarget):
         B, S = tokens.shape
         inp = features[self.layer - 1] if self.layer > 0 else self.target_embed(tokens)
         x = self.target_attn_norm(inp.to(self.target_embed.weight.dtype))
+        if self.attn_in_scale is not None:
+            x = x * self.attn_in_scale
         attn = self.target_attn
         pos = torch.arange(S, device=tokens.device)[None].expand(B, S)
         if self.mla:
@@ -237,9 +275,13 @@ class Net(SharesTarget):
             b = k_rot.view(B, 1, S, attn.qk_rope_head_dim)
         else:
             shape = (B, S, -1, attn.head_dim)
-            a = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
+            a = attn.k_proj(x).view(shape)
+            a = (attn.k_norm(a) if hasattr(attn, "k_norm") else a).transpose(1, 2)
+            if hasattr(attn, "key_multiplier"):
+                a = a * attn.key_multiplier
             b = attn.v_proj(x).view(shape).transpose(1, 2)
-            a, _ = sys.modules[type(attn).__module__].apply_rotary_pos_emb(a, a, *self.target_rotary(x, pos))
+            if self.target_rotary is not None:
+                a, _ = sys.modules[type(attn).__module__].apply_rotary_pos_emb(a, a, *self.target_rotary(x, pos))
         keys, values = self._expand(a, b)
         causal = torch.ones(S, S, dtype=torch.bool, device=tokens.device).tril()[None]  # [1, S, S]
         return self._context(keys, values, causal, x, pos)
@@ -343,7 +385,7 @@ class MTPDrafter(Drafter):
     def bind(self, target) -> None:
         if target.kv is None:
             raise ValueError(f"drafter: mtp reads the target's KV cache, which {type(target.model).__name__} does "
-                             f"not expose on its own-forward path (hybrid targets only: {', '.join(FAMILIES[:3])})")
+                             f"not expose on its own-forward path (targets of the hybrid runner only)")
         super().bind(target)
 
     def begin(self, rows, prompts):

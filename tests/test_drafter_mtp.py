@@ -87,16 +87,25 @@ def generate(engine, prompts, **kw):
 # ---- 1. inference path == training path --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES + ("qwen3_5",))
+MAMBA2 = ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1")
+
+
+@pytest.mark.parametrize("family", FAMILIES + ("qwen3_5",) + MAMBA2)
 def test_cache_reads_match_training_path(targets, family):
     """Two requests of different lengths in one batch: drafting from the target's cache (padded, masked) gives
     the logits the training path computes at the same positions, for two chained steps; the cache is untouched.
     (Kimi: MLA latents expanded by the target's kv_b_proj; Qwen3-Next / Qwen3.5: roped GQA keys, their own
-    rotary embeddings.)"""
-    target = targets[family] if family in targets else sharpened(family)
+    rotary embeddings; the Mamba2 hybrids (tests/test_mamba2_adapters.py's models, multipliers away from 1):
+    plain keys, roped or not (Nemotron-H), Falcon-H1's key and attention-input multipliers.)"""
+    if family in MAMBA2:
+        import test_mamba2_adapters
+        target = test_mamba2_adapters.tiny(family)
+    else:
+        target = targets[family] if family in targets else sharpened(family)
     torch.manual_seed(1)
     net = build_drafter_net("mtp", target)
-    assert net.config.attn_layer == 3 and net.config.feature_layers == [2]
+    last = max(i for i, t in enumerate(target.config.layer_types) if t in ("full_attention", "attention", "hybrid"))
+    assert net.config.attn_layer == last and net.config.feature_layers == [last - 1]
     assert not any(k.startswith("target_") for k in own_state_dict(net))
     seq = torch.tensor([[7, 30, 2, 55, 61, 9, 14, 88, 23, 5, 40, 71, 12, 3]])
     # float64 throughout: transformers' modules take some steps in float32 (Qwen3.5's eager attention its
