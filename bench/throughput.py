@@ -230,7 +230,8 @@ def main(argv=None) -> int:
     if not kinds:
         parser.error("--kinds: no kind named")
     a.requests = max(sizes) if a.requests is None else a.requests
-    for flag, val in (("--requests", a.requests), ("--prompt-tokens", a.prompt_tokens), ("--max-new-tokens", a.max_new_tokens),
+    for flag, val in (("--requests", a.requests), ("--prompt-tokens", a.prompt_tokens),
+                      ("--max-new-tokens", a.max_new_tokens),
                       ("--repeats", a.repeats), ("--threads", a.threads)):
         if val < 1:
             parser.error(f"{flag}: expected >= 1, got {val}")
@@ -270,7 +271,8 @@ def main(argv=None) -> int:
         modes[HF] = None
 
     print(f"# bench/throughput.py: {a.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-          f"float32, cpu), greedy, {a.requests} requests at every batch size, prompts cut to {a.prompt_tokens} tokens, {a.max_new_tokens} new tokens, "
+          f"float32, cpu), greedy, {a.requests} requests at every batch size, prompts cut to {a.prompt_tokens} "
+          f"tokens, {a.max_new_tokens} new tokens, "
           f"{a.repeats} repeats (medians), torch threads {torch.get_num_threads()}", flush=True)
     rows: list[dict] = []
     errors: list[str] = []
@@ -306,7 +308,8 @@ def main(argv=None) -> int:
     if a.json:
         out = {"machine": machine_info("cpu"),
                "settings": {"model": str(model_dir), "drafters": drafters, "skipped_drafters": skipped,
-                            "batch_sizes": sizes, "requests": a.requests, "prompts_file": str(a.prompts), "kinds": kinds,
+                            "batch_sizes": sizes, "requests": a.requests, "prompts_file": str(a.prompts),
+                            "kinds": kinds,
                             "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens,
                             "repeats": a.repeats, "threads": torch.get_num_threads(), "greedy": True,
                             "hf_baseline": not a.no_hf, "elapsed_s": elapsed},

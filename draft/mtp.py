@@ -14,7 +14,8 @@ target attention module's own `expand_kv`; Qwen3-Next / Qwen3.5 store keys after
 query gets the target's rotary embedding at that position and the key heads are shared across query
 groups (GQA) as in the target. The Mamba2 hybrids' attention layers store plain projected keys (rotated
 where the model has a rotary embedding; Falcon-H1's scaled by `key_multiplier`, its input by
-`attention_in_multiplier`); Zamba2's one attention is a shared block and is not read. Step i+1 feeds `emb(draft_i)` and step i's block output as the new h.
+`attention_in_multiplier`); Zamba2's one attention is a shared block and is not read. Step i+1 feeds
+`emb(draft_i)` and step i's block output as the new h.
 
 Training (`Net.loss`) distils the target: at every position t of a window, from `(hidden[t], tokens[t+1])`
 and the target attention layer's keys/values over positions <= t (recomputed with the target's own

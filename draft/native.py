@@ -489,7 +489,8 @@ def checkpoint_tensors(net: Net, target) -> dict[str, torch.Tensor]:
     layer_prefix = "" if target.config.model_type == "bailing_hybrid" else "layers.0."
     layer = {k: v.detach().cpu() for k, v in net.layer.state_dict().items()}
     back = decoder_layer(target, layer, where="the fine-tuned net").state_dict()
-    if back.keys() != layer.keys() or any(not torch.equal(back[k].cpu(), v.to(back[k].dtype)) for k, v in layer.items()):
+    if back.keys() != layer.keys() or any(not torch.equal(back[k].cpu(), v.to(back[k].dtype))
+                                          for k, v in layer.items()):
         raise ValueError("write_mtp: this MTP layer's stored form differs from its modules (fused experts?); "
                          "only layers whose tensors round-trip can be written back")
     out = {prefix + ours[n]: p.detach().cpu() for n, p in net.named_parameters() if n in ours}

@@ -189,7 +189,8 @@ def format_plan(cfg: StateConfig, *, layout: str = "eager") -> str:
                      f"head; ring_rawv = x [P], ring_rawk = B [N] (its group's, per head), ring_g = dt*A, "
                      f"ring_beta = dt; conv channels [x, B, C] = {cfg.conv_dim}")
     lines.append(f"Spec state, layout {layout} (max_running={cfg.max_running}+1; snapshot: all-layer states + "
-                 f"conv windows per token; ReplaySSM: rings + {conv_what}, trees + one layer's stack of parent states):")
+                 f"conv windows per token; ReplaySSM: rings + {conv_what}, trees + one layer's stack of parent "
+                 f"states):")
     for key, label in [("chain", f"chain D={cfg.num_verify_tokens}"), *((f"tree_{t}", f"tree T={t}")
                                                                          for t in TREE_SIZES)]:
         sb = plan["spec_bytes"][key]

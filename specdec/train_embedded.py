@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--family", choices=FAMILIES, default="kimi_linear", help="the model to train (see above)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR", help="use this directory's tokenizer (default: train one)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="use this directory's tokenizer (default: train one)")
     p.add_argument("--checkpoint", default=None, metavar="FILE", help="resumable training state (resumed if present)")
     p.add_argument("--dump-corpus", metavar="FILE", default=None,
                    help="write the training text (the drafters' distillation data) to FILE and exit")
@@ -276,7 +277,8 @@ def main(argv=None) -> int:
             if "val_loss" in entry:
                 save_state()
         final_val = validate()
-    summary = {"family": args.family, "params": n_params, "steps": step, "tokens_seen": step * B * S, "train_seconds": round(time.time() - t_train),
+    summary = {"family": args.family, "params": n_params, "steps": step, "tokens_seen": step * B * S,
+               "train_seconds": round(time.time() - t_train),
                "final_train_loss": sum(e["loss"] for e in log[-20:]) / max(1, len(log[-20:])),
                "final_val_loss": round(final_val, 4), "seq_len": S, "batch_size": B, "vocab_size": len(tok)}
     print(json.dumps(summary), flush=True)

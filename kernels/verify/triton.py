@@ -407,5 +407,6 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         RGK=RGK, IS_TREE=par is not None, HAS_INTER=has_inter, HAS_STACK=has_stack, HAS_RING=has_ring,
         HAS_START=has_ring and ring_start is not None, HAS_DK=has_dk,
         HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", STAGES=1 if par is not None else 2,
-        MAMBA2=rule == "mamba2", num_warps=num_warps, enable_fp_fusion=False, **({"maxnreg": 128} if par is not None else {}))
+        MAMBA2=rule == "mamba2", num_warps=num_warps, enable_fp_fusion=False,
+        **({"maxnreg": 128} if par is not None else {}))
     return o
