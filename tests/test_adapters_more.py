@@ -80,13 +80,19 @@ def test_dispatch_and_model_type(family):
 def test_chain_and_tree_rounds_match_full_forward(family, strategy, commit):
     """Chunked prefill, chain rounds with random partial accepts, then a tree round (every node == the full
     forward of its root path), one path committed, and chain rounds after it."""
-    model = _model(family)
+    check_rounds_match_full_forward(_model(family), strategy, commit, _reference)
+
+
+def check_rounds_match_full_forward(model, strategy: str, commit: str, reference) -> None:
+    """The rounds of `test_chain_and_tree_rounds_match_full_forward` on `model` (float64), each round's logits
+    against `reference(model, ids [P]) -> [P, vocab]` (transformers' own uncached forward) within `TOL`; a
+    foreign request's SSM state, conv window and KV length stay bitwise unchanged."""
     V = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, V, (34,), generator=gen)
     parent = [-1, 0, 0, 1, 2, 3, 1]  # path 0-1-3-5 follows the true sequence
     with torch.no_grad(), torch_fallbacks(), float64_everywhere():
-        ref = _reference(model, ids)
+        ref = reference(model, ids)
         runner = HybridRunner(model, strategy=strategy, commit=commit, max_batch_size=2, max_length=64,
                               num_verify_tokens=len(parent), prefill_chunk=4)
         other = runner.alloc(1)[0]  # a foreign request whose state must not move
@@ -108,7 +114,7 @@ def test_chain_and_tree_rounds_match_full_forward(family, strategy, commit):
                                else int(torch.randint(3, V, (), generator=gen)) for i in range(len(parent))])
         logits = runner.forward([slot], tokens[None], parent=parent).logits[0]
         for node, seq in enumerate(tree_node_sequences(ids[:pos], tokens, parent)):
-            assert max_rel_err(logits[node], _reference(model, seq)[-1]) < TOL, f"tree node {node}"
+            assert max_rel_err(logits[node], reference(model, seq)[-1]) < TOL, f"tree node {node}"
         runner.commit(path=[[0, 1, 3, 5]])
         pos += 4
         while pos < ids.numel():

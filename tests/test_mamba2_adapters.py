@@ -20,6 +20,7 @@ import functools
 
 import pytest
 import test_generic_families as generic
+from test_adapters_more import check_rounds_match_full_forward
 import test_sampling_generate as sampling
 import torch
 import transformers
@@ -29,7 +30,7 @@ import specdec
 from specdec.adapters import HYBRID_FAMILIES, MAMBA2_FAMILIES
 from specdec.draft.eagle import EagleDrafter
 from specdec.runner import HybridRunner, make_runner
-from specdec.testing import max_rel_err, tree_node_sequences
+from specdec.testing import max_rel_err
 from specdec.verify import SamplingParams
 
 FAMILIES = ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
@@ -122,48 +123,8 @@ def test_dispatch_and_state_config(family):
 @pytest.mark.parametrize("family", FAMILIES + ("falcon_h1_rms_norm",))
 def test_chain_and_tree_rounds_match_full_forward(family, strategy, commit):
     """Chunked prefill, chain rounds with random partial accepts, then a tree round (every node == the full
-    forward of its root path), one path committed, and chain rounds after it."""
-    model = tiny(family)
-    V = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, V, (34,), generator=gen)
-    parent = [-1, 0, 0, 1, 2, 3, 1]  # path 0-1-3-5 follows the true sequence
-    with torch.no_grad(), float64_everywhere():
-        ref = _reference(model, ids)
-        runner = HybridRunner(model, strategy=strategy, commit=commit, max_batch_size=2, max_length=64,
-                              num_verify_tokens=len(parent), prefill_chunk=4)
-        other = runner.alloc(1)[0]  # a foreign request whose state must not move
-        runner.prefill(other, ids[:5])
-        slot = runner.alloc(1)[0]
-        out = runner.prefill(slot, ids[:11])  # chunks of 4, 4, 3
-        assert max_rel_err(out.logits[0], ref[:11]) < TOL
-        before = (runner.state.pool.ssm[:, other].clone(), runner.state.pool.conv[:, other].clone(),
-                  int(runner.kv.lengths[other]))
-        pos = 11
-        for _ in range(3):  # chain rounds, partial accepts
-            logits = runner.forward([slot], ids[None, pos:pos + 5]).logits[0]
-            assert max_rel_err(logits, ref[pos:pos + 5]) < TOL, f"chain round at {pos}"
-            n = int(torch.randint(1, 5, (), generator=gen))
-            runner.commit([n])
-            pos += n
-        true_nodes = {0: 0, 1: 1, 3: 2, 5: 3}
-        tokens = torch.tensor([int(ids[pos + true_nodes[i]]) if i in true_nodes
-                               else int(torch.randint(3, V, (), generator=gen)) for i in range(len(parent))])
-        logits = runner.forward([slot], tokens[None], parent=parent).logits[0]
-        for node, seq in enumerate(tree_node_sequences(ids[:pos], tokens, parent)):
-            assert max_rel_err(logits[node], _reference(model, seq)[-1]) < TOL, f"tree node {node}"
-        runner.commit(path=[[0, 1, 3, 5]])
-        pos += 4
-        while pos < ids.numel():
-            T = min(4, ids.numel() - pos)
-            got = runner.forward([slot], ids[None, pos:pos + T]).logits[0]
-            assert max_rel_err(got, ref[pos:pos + T]) < TOL, f"chain round after the tree at {pos}"
-            n = T if pos + T == ids.numel() else int(torch.randint(1, T + 1, (), generator=gen))
-            runner.commit([n])
-            pos += n
-        assert torch.equal(runner.state.pool.ssm[:, other], before[0])
-        assert torch.equal(runner.state.pool.conv[:, other], before[1])
-        assert int(runner.kv.lengths[other]) == before[2]
+    forward of its root path), one path committed, and chain rounds after it (tests/test_adapters_more.py)."""
+    check_rounds_match_full_forward(tiny(family), strategy, commit, _reference)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
