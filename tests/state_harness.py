@@ -27,6 +27,14 @@ def check_verify_value(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
         assert_close(got, want, dtype=dtype, msg=msg)
 
 
+def first_record(strat, slot: int = 1) -> tuple[int, int]:
+    """(ring row, position) of the open round's first record of request `slot` (its first running row in the
+    eager layout: the teeth tests run one request), where a corrupted record must show in the committed state."""
+    if strat.rings.layout == "lazy":
+        return slot, int(strat.rings.start[slot] + strat.rings.pending[slot]) % strat.cfg.ring_len
+    return 0, 0
+
+
 def root_path(parent: list[int], node: int) -> list[int]:
     """Node indices from the root down to `node`."""
     path = []

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from state_harness import Harness
+from state_harness import Harness, first_record
 from test_state_properties import run_round, slot_map
 
 from specdec import kernels
@@ -121,10 +121,7 @@ def test_teeth_corrupt_one_x_record_fails(name):
                            track_interval=None)
 
     def corrupt(strat):
-        if strat.rings.layout == "lazy":
-            row, pos = 1, int(strat.rings.start[1] + strat.rings.pending[1]) % cfg.ring_len
-        else:
-            row, pos = 0, 0
+        row, pos = first_record(strat)
         strat.rings.rawv[0, row, 0, pos, 0] += 1e-3
 
     h = Mamba2Harness(cfg, seed=7, strategies=(name,))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from state_harness import Harness, check_verify_value, rel_tol, root_path
+from state_harness import Harness, check_verify_value, first_record, rel_tol, root_path
 
 from specdec.kernels.common import tree_stack_slots
 from specdec.replayssm import StateConfig
@@ -184,10 +184,7 @@ def test_teeth_corrupt_one_rawk_record_fails(name):
     cfg = StateConfig.tiny(ssm_dtype=torch.float64, act_dtype=torch.float64, track_interval=None)
 
     def corrupt(strat):  # the first record of this round: slot 1's ring (lazy) or running row 0 (eager)
-        if strat.rings.layout == "lazy":
-            row, pos = 1, int(strat.rings.start[1] + strat.rings.pending[1]) % cfg.ring_len
-        else:
-            row, pos = 0, 0
+        row, pos = first_record(strat)
         strat.rings.rawk[0, row, 0, pos, 0] += 1e-3
 
     h = Harness(cfg, seed=7, strategies=(name,))
