@@ -189,10 +189,8 @@ def tree_schedule(parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     slot_parent = kept_above.gather(1, p.clamp(min=0))
     load = torch.where(p < 0, -1, torch.where(pre_parent == pre - 1, -2, slot_parent))
     load = load.where(pre > 0, -2)  # step 0 starts from the checkpoint already
-    order = torch.empty_like(p).scatter_(1, pre, idx.expand(B, T))
-    by_step = pre.argsort(1)  # == order
-    return (order.to(torch.int32), load.gather(1, by_step).to(torch.int32),
-            store.gather(1, by_step).to(torch.int32))
+    order = torch.empty_like(p).scatter_(1, pre, idx.expand(B, T))  # the node of each step
+    return order.to(torch.int32), load.gather(1, order).to(torch.int32), store.gather(1, order).to(torch.int32)
 
 
 def conv_step(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -238,6 +238,15 @@ class StateStrategy(ABC):
         self.flush(slots)
         self.pool.free(list(slots))
 
+    def _tree_walk(self, r: Round, q: torch.Tensor) -> dict:
+        """`tree_schedule=` for the Triton tree kernel (`kernels.common.tree_schedule`), computed once per round
+        for every layer; nothing for a chain or the torch reference."""
+        if r.parent is None or not kernels.dispatch.uses_triton(q, self.pool.ssm):
+            return {}
+        if r.schedule is None:
+            r.schedule = tree_schedule(r.parent)
+        return {"tree_schedule": r.schedule}
+
     def _kw(self) -> dict:
         c = self.cfg
         return dict(scale=c.scale, eps=c.norm_eps, norm=c.norm, null_slot=self.pool.null_slot, rule=c.rule)
@@ -273,7 +282,8 @@ class SnapshotStrategy(StateStrategy):
 
     def _verify(self, layer, r, q, k, v, g, beta):
         return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
-                                         intermediate_states=self.states[layer], **self._kw())
+                                         intermediate_states=self.states[layer], **self._tree_walk(r, q),
+                                         **self._kw())
 
     def _commit_state(self, r, path, n, before):
         self._track(r, path, n, before, self.states, self.pool.track_ssm)
@@ -318,15 +328,13 @@ class ReplayStrategy(StateStrategy):
         return torch.arange(r.slots.shape[0], device=self.device)
 
     def _verify(self, layer, r, q, k, v, g, beta):
-        tree = {}
+        tree = self._tree_walk(r, q)
         # the Triton tree kernel reloads parent states from a stack; the CPU's chunk form needs none (commit
         # folds the records)
-        if r.parent is not None and kernels.dispatch.uses_triton(q, self.pool.ssm):
+        if tree:
             if self.tree_stack is None:  # allocated once, overwritten layer after layer
                 self.tree_stack = allocate(buffer_specs(self.cfg)["tree_state_stack"], self.device)
-            if r.schedule is None:  # one walk order for every layer of the round
-                r.schedule = tree_schedule(r.parent)
-            tree = dict(tree_stack=self.tree_stack, tree_schedule=r.schedule)
+            tree["tree_stack"] = self.tree_stack
         if self.commit_mode == "lazy":
             ring_kw = dict(ring_start=self.rings.start, num_pending=self.rings.pending)
         else:
