@@ -194,12 +194,14 @@ class Net(SharesTarget):
         # keys in the cache: after k_norm (Qwen), times key_multiplier (Falcon-H1), rotated where the model
         # has a rotary embedding (not MLA's latents, not Nemotron-H)
         self.target_rotary = None if self.mla else getattr(base, "rotary_emb", None)
-        apply_rope = None if self.target_rotary is None else sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        # the target module's own rotation (queries here, keys of the training path)
+        self.apply_rope = None if self.target_rotary is None else \
+            sys.modules[type(attn).__module__].apply_rotary_pos_emb
         self.embed_norm = RMSNorm(d, config.rms_norm_eps)
         self.hidden_norm = RMSNorm(d, config.rms_norm_eps)
         self.fc = nn.Linear(2 * d, d, bias=False)
         attn_kw = dict(num_heads=num_heads, qk_dim=qk_dim, v_dim=v_dim, scale=float(attn.scaling),
-                       q_norm=not self.mla, apply_rope=apply_rope)
+                       q_norm=not self.mla, apply_rope=self.apply_rope)
         self.layers = nn.ModuleList(MTPBlock(config, d, attn_kw) for _ in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_norm_eps)
 
@@ -282,7 +284,7 @@ class Net(SharesTarget):
                 a = a * attn.key_multiplier
             b = attn.v_proj(x).view(shape).transpose(1, 2)
             if self.target_rotary is not None:
-                a, _ = sys.modules[type(attn).__module__].apply_rotary_pos_emb(a, a, *self.target_rotary(x, pos))
+                a, _ = self.apply_rope(a, a, *self.target_rotary(x, pos))
         keys, values = self._expand(a, b)
         causal = torch.ones(S, S, dtype=torch.bool, device=tokens.device).tril()[None]  # [1, S, S]
         return self._context(keys, values, causal, x, pos)
