@@ -4,6 +4,8 @@
     python bench/sass_report.py --json sass.json        # + JSON
     python bench/sass_report.py --heads 2 --head-dim 16 --requests 2 --layers 2   # small (the CI test)
     python bench/sass_report.py --rule mamba2           # verify and fold with the Mamba2 step (GDN gates)
+    python bench/sass_report.py --gate-in-kernel        # Kimi's gate computed from its bf16 input records
+                                                        # (fla with use_gate_in_kernel too)
 
 Each kernel is launched through its public wrapper exactly as the package launches it, with the launch
 intercepted: triton specializes the arguments (dtypes, 16-byte alignment, strides divisible by 16) as it
@@ -216,11 +218,12 @@ def _empty(*shape, dtype=torch.float32):
 
 
 def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype = torch.bfloat16, gdn: bool = False,
-          rule: str = "delta"):
+          rule: str = "delta", gate_in_kernel: bool = False):
     """`[(name, jit_fns, call, bytes)]`: the package's launches at these shapes (activations and rings in `act`;
     fp32 state, gates and beta; KDA gates, or GDN's one per head), and fla's fused_recurrent_kda on the same
     tokens (KDA). `rule="mamba2"`: verify and fold run the Mamba2 step (their MAMBA2 flag); the other kernels
-    do not depend on the rule."""
+    do not depend on the rule. `gate_in_kernel`: the gate inputs and g records are Kimi's gate input in `act`,
+    and verify, fold, rebuild and fla's kernel compute the gate (A_log, dt_bias)."""
     from specdec.kernels.fold import triton as tf
     from specdec.kernels.rebuild import triton as tr
     from specdec.kernels.scatter import triton as ts
@@ -232,38 +235,43 @@ def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype
     GK = 1 if gdn else K
     C = 3 * H * K  # the q, k and v convs of one layer
     q, k, v = (_empty(B, D, H, K, dtype=bf) for _ in range(3))
-    g, beta = _empty(B, D, H, K) if not gdn else _empty(B, D, H), _empty(B, D, H)
+    gk_dt = bf if gate_in_kernel else f  # the gate's input in act, or the fp32 log-decay
+    gk_b = torch.tensor([], dtype=gk_dt).element_size()
+    g, beta = _empty(B, D, H, K, dtype=gk_dt) if not gdn else _empty(B, D, H), _empty(B, D, H)
+    gate = dict(A_log=_empty(H), dt_bias=_empty(H, K)) if gate_in_kernel else {}
+    gate_all = dict(A_log=_empty(Lyr, H), dt_bias=_empty(Lyr, H, K)) if gate_in_kernel else {}
     state = _empty(N, H, K, V)
     idx = torch.arange(B)
-    ring = (_empty(N, H, L, V, dtype=bf), _empty(N, H, L, K, dtype=bf), _empty(N, H, L, GK), _empty(N, H, L, V, dtype=bf),
-            _empty(N, H, L, K, dtype=bf), _empty(N, H, L))
+    ring = (_empty(N, H, L, V, dtype=bf), _empty(N, H, L, K, dtype=bf), _empty(N, H, L, GK, dtype=gk_dt),
+            _empty(N, H, L, V, dtype=bf), _empty(N, H, L, K, dtype=bf), _empty(N, H, L))
     start = torch.zeros(N, dtype=i64)
     parent = torch.tensor([-1] + [0] * (D - 1)).expand(B, D)  # a star: every node reloads its parent's state
     inter = _empty(B, D, H, K, V)
     state_b = B * H * K * V * 4
-    tokens_in = B * D * H * ((2 * K + V) * ab + K * 4 + 4)
+    tokens_in = B * D * H * ((2 * K + V) * ab + K * gk_b + 4)
     out = B * D * H * V * ab
-    ring_rec = B * D * H * ((2 * V + 2 * K) * ab + K * 4 + 4)
-    pending = B * D * H * ((V + K) * ab + K * 4)
-    fold_rec = B * D * H * ((V + K) * ab + K * 4 + 4)
+    ring_rec = B * D * H * ((2 * V + 2 * K) * ab + K * gk_b + 4)
+    pending = B * D * H * ((V + K) * ab + K * gk_b)
+    fold_rec = B * D * H * ((V + K) * ab + K * gk_b + 4)
     x, w, conv_state = _empty(B, D, C, dtype=bf), _empty(C, Kc, dtype=bf), _empty(N, C, Kc - 1, dtype=bf)
     win = _empty(B, D, C, Kc - 1, dtype=bf)
     res = [
         ("verify_chain", [tv._verify_kernel],
-         lambda: tv.verify_delta_rule(q, k, v, g, beta, state, idx, ring=ring, ring_start=start, rule=rule),
+         lambda: tv.verify_delta_rule(q, k, v, g, beta, state, idx, ring=ring, ring_start=start, rule=rule, **gate),
          tokens_in + state_b + out + ring_rec),
         ("verify_tree", [tv._verify_kernel],
          lambda: tv.verify_delta_rule(q, k, v, g, beta, state, idx, parent=parent, intermediate_states=inter,
-                                      ring=ring, ring_start=start, rule=rule),
+                                      ring=ring, ring_start=start, rule=rule, **gate),
          tokens_in + state_b + out + ring_rec + 2 * D * state_b),
         ("exact_fold", [tf._exact_fold_kernel],
          lambda: tf.exact_fold(_empty(Lyr, N, H, K, V), _empty(Lyr, N, H, L, V, dtype=bf),
-                               _empty(Lyr, N, H, L, K, dtype=bf), _empty(Lyr, N, H, L, GK), _empty(Lyr, N, H, L), idx,
-                               start, torch.full((B,), D), seq_lens=torch.zeros(N, dtype=i64), track_interval=256,
-                               track_states=_empty(Lyr, N, 2, H, K, V), rule=rule),
+                               _empty(Lyr, N, H, L, K, dtype=bf), _empty(Lyr, N, H, L, GK, dtype=gk_dt),
+                               _empty(Lyr, N, H, L), idx, start, torch.full((B,), D),
+                               seq_lens=torch.zeros(N, dtype=i64), track_interval=256,
+                               track_states=_empty(Lyr, N, 2, H, K, V), rule=rule, **gate_all),
          Lyr * (2 * state_b + fold_rec)),
         ("fast_rebuild", [tr._fast_rebuild_kernel],
-         lambda: tr.fast_rebuild(state, idx, ring[0], ring[1], ring[2], start, torch.full((B,), D)),
+         lambda: tr.fast_rebuild(state, idx, ring[0], ring[1], ring[2], start, torch.full((B,), D), **gate),
          2 * state_b + pending),
         ("short_conv_verify", [tv._short_conv_verify_kernel],
          lambda: tv.short_conv_verify(x, w, None, conv_state, idx, window_states=win),
@@ -282,17 +290,22 @@ def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype
     h0 = _empty(B, H, K, V)
     fla = ("fla_fused_recurrent_kda", [fr.fused_recurrent_kda_fwd_kernel],
            lambda: fr.fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True,
-                                              inplace_final_state=False, use_qk_l2norm_in_kernel=True),
+                                              inplace_final_state=False, use_qk_l2norm_in_kernel=True,
+                                              use_gate_in_kernel=gate_in_kernel, **gate),
            tokens_in + state_b + out + state_b)  # reads the state, writes the final state
     return res, fla
 
 
 def report(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: str = "bf16", gdn: bool = False,
-           rule: str = "delta") -> dict:
+           rule: str = "delta", gate_in_kernel: bool = False) -> dict:
     gdn = gdn or rule == "mamba2"  # a Mamba2 head decays by one scalar
-    ours, fla = cases(H, K, D, B, Lyr, Kc, act=torch.bfloat16 if act == "bf16" else torch.float32, gdn=gdn, rule=rule)
+    if gate_in_kernel and gdn:
+        raise ValueError("gate_in_kernel: Kimi's gate is per channel (KDA); not with --gdn or --rule mamba2")
+    ours, fla = cases(H, K, D, B, Lyr, Kc, act=torch.bfloat16 if act == "bf16" else torch.float32, gdn=gdn, rule=rule,
+                      gate_in_kernel=gate_in_kernel)
+    gate = "gdn" if gdn else ("kda, computed from its input" if gate_in_kernel else "kda")
     result = {"shapes": dict(heads=H, head_dim=K, draft_tokens=D, requests=B, layers=Lyr, conv_kernel=Kc,
-                             act_dtype=act, state_dtype="fp32", gate="gdn" if gdn else "kda", rule=rule),
+                             act_dtype=act, state_dtype="fp32", gate=gate, rule=rule),
               "kernels": {}}
     for name, fns, call, nbytes in ours:
         (_, kernel, grid), = capture(fns, call)
@@ -337,10 +350,15 @@ def main(argv=None) -> int:
     p.add_argument("--gdn", action="store_true", help="GDN gates (one per head) instead of KDA's per channel")
     p.add_argument("--rule", choices=["delta", "mamba2"], default="delta",
                    help="the step of verify and fold (mamba2: no delta correction, no q/k norm; implies --gdn)")
+    p.add_argument("--gate-in-kernel", action="store_true",
+                   help="KDA: g records are the gate's input (act dtype); the kernels compute Kimi's gate, as the "
+                        "package runs Kimi-Linear (and fla with use_gate_in_kernel)")
     p.add_argument("--json", default=None, help="write the report here")
     a = p.parse_args(argv)
+    if a.gate_in_kernel and (a.gdn or a.rule == "mamba2"):
+        p.error("argument --gate-in-kernel: Kimi's gate is per channel (KDA); not with --gdn or --rule mamba2")
     r = report(a.heads, a.head_dim, a.draft_tokens, a.requests, a.layers, a.conv_kernel, act=a.act_dtype, gdn=a.gdn,
-               rule=a.rule)
+               rule=a.rule, gate_in_kernel=a.gate_in_kernel)
     print_table(r)
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))

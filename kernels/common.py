@@ -44,6 +44,39 @@ def gate_channels(g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     return g.unsqueeze(-1) if g.dim() == beta.dim() else g
 
 
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """Kimi-Linear's forget gate from its input, op for op as the model computes it (`KimiLinearForgetGate`;
+    fla's `use_gate_in_kernel`): `g = -exp(A_log) * softplus(f + dt_bias)` in fp32 whatever the model's dtype (the
+    model casts to fp32 too), softplus as `log(1 + exp(x))` (x itself above 20).
+
+    Args:
+        f: the gate's input (`f_b_proj(f_a_proj(x))`) `[..., H, K]`, any float dtype.
+        A_log: `[..., H]`;  dt_bias: `[..., H, K]` (both broadcast against f's leading dims).
+    Returns:
+        g `[..., H, K]` fp32. `exp` and `log` give the same bits for an element wherever it sits in a tensor, so
+        the verify (a round of tokens) and the fold (one record at a time) agree bit for bit.
+    """
+    x = f.float() + dt_bias.float()
+    return -A_log.float().exp()[..., None] * torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
+
+
+def check_gate_params(A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, lead: tuple, H: int, K: int,
+                      g: torch.Tensor | None = None) -> bool:
+    """Whether the gate is computed from its input (`A_log` `[*lead, H]` and `dt_bias` `[*lead, H, K]` given,
+    both or neither; then `g` (inputs or ring), when passed, must be KDA-shaped: K channels last). One `ValueError`
+    naming the argument."""
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log: pass A_log and dt_bias together (the gate computed from its input) or neither")
+    if A_log is None:
+        return False
+    check_shape("A_log", A_log, (*lead, H))
+    check_shape("dt_bias", dt_bias, (*lead, H, K))
+    if g is not None and (g.dim() < 2 or g.shape[-1] != K or K == 1):
+        raise ValueError(f"g: with A_log / dt_bias, g is the KDA gate's input [..., {K}] (per channel), got "
+                         f"{list(g.shape)}")
+    return True
+
+
 RULES = ("delta", "mamba2")
 
 

@@ -1,5 +1,5 @@
-"""Jit helpers shared by the Triton kernels: the one delta-rule step (and its Mamba2 form), the norm, the gate,
-casts.
+"""Jit helpers shared by the Triton kernels: the one delta-rule step (and its Mamba2 form), the norm, the gate
+(a log-decay record, or Kimi's gate computed from its input record), casts.
 
 Every kernel that advances a state (verify, exact fold, fast rebuild's callers) calls `delta_step` from here,
 and every launch passes `enable_fp_fusion=False`: the step's fused multiply-adds are the explicit `tl.fma`
@@ -65,17 +65,50 @@ def l2norm(x, eps, SQRT_DIV: tl.constexpr):
 
 
 @triton.jit
-def load_gate(ptr, offs_k, mask_k, stride_k, BK: tl.constexpr, GDN: tl.constexpr):
-    """The log-decay of one token and its `exp`, as `[BK]` fp32 vectors `(g, alpha)`; GDN: one scalar and
-    one exp, broadcast over K."""
+def kda_gate(f, neg_a, bias):
+    """Kimi-Linear's log-decay from the gate's input (kernels/common.py `kda_gate`): `neg_a * softplus(f + bias)`
+    with `neg_a = -exp(A_log)` of the head and softplus as `log(1 + exp(x))` (x above 20); `[BK]` fp32."""
+    x = f + bias
+    return neg_a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+
+
+@triton.jit
+def gate_params(a_log, dt_bias, i_h, offs_k, mask_k, s_ah, s_bh, s_bk, BK: tl.constexpr, GATE_IN: tl.constexpr):
+    """A head's `(neg_a, bias)` for `kda_gate`, loaded once per program: `-exp(A_log[h])` and `dt_bias[h]`
+    `[BK]` (zeros when the gate records are log-decays)."""
+    if GATE_IN:
+        neg_a = -tl.exp(tl.load(a_log + i_h * s_ah).to(tl.float32))
+        bias = tl.load(dt_bias + i_h * s_bh + offs_k * s_bk, mask=mask_k, other=0.0).to(tl.float32)
+    else:
+        neg_a = 0.0
+        bias = tl.zeros([BK], dtype=tl.float32)
+    return neg_a, bias
+
+
+@triton.jit
+def log_decay(rec, neg_a, bias, GATE_IN: tl.constexpr):
+    """The log-decay a gate record stands for: the record itself, or (`GATE_IN`) `kda_gate` of it."""
+    if GATE_IN:
+        g = kda_gate(rec, neg_a, bias)
+    else:
+        g = rec
+    return g
+
+
+@triton.jit
+def load_gate(ptr, offs_k, mask_k, stride_k, BK: tl.constexpr, GDN: tl.constexpr, GATE_IN: tl.constexpr, neg_a,
+              bias):
+    """One token's gate record and its decay, as `[BK]` fp32 vectors `(rec, alpha)`: rec is the log-decay g, or
+    with `GATE_IN` the KDA gate's input f (what the ring keeps), and `alpha = exp(g)`; GDN: one scalar and one
+    exp, broadcast over K."""
     if GDN:
         g0 = tl.load(ptr).to(tl.float32)
-        g = tl.zeros([BK], dtype=tl.float32) + g0
+        rec = tl.zeros([BK], dtype=tl.float32) + g0
         a = tl.zeros([BK], dtype=tl.float32) + tl.exp(g0)
     else:
-        g = tl.load(ptr + offs_k * stride_k, mask=mask_k, other=0.0).to(tl.float32)
-        a = tl.exp(g)
-    return g, a
+        rec = tl.load(ptr + offs_k * stride_k, mask=mask_k, other=0.0).to(tl.float32)
+        a = tl.exp(log_decay(rec, neg_a, bias, GATE_IN))
+    return rec, a
 
 
 @triton.jit

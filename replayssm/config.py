@@ -60,6 +60,10 @@ class StateConfig:
     conv_kernel: int = 4
     conv_dim: int | None = None  # C; default H * (2K + V): the [q, k, v] channels of the short conv
     gate: str = "kda"  # "kda": per-channel log-decay [K]; "gdn": scalar per head
+    # KDA only: the g ring keeps the gate's input f [K] in act_dtype, and verify and fold compute Kimi's
+    # g = -exp(A_log) softplus(f + dt_bias) per token (fla's use_gate_in_kernel; `kernels.common.kda_gate`), from
+    # the per-layer A_log / dt_bias given to the strategy's `set_gate`
+    gate_in_kernel: bool = False
     rule: str = "delta"  # "delta": gated delta rule; "mamba2": S = exp(g) S + beta k v^T (k = B, v = x, beta = dt)
     max_requests: int = 8
     max_running: int | None = None  # rows of the per-request verify buffers; default max_requests
@@ -84,6 +88,9 @@ class StateConfig:
             raise ValueError(f"rule: expected 'delta' or 'mamba2', got {self.rule!r}")
         if self.rule == "mamba2" and self.gate != "gdn":
             raise ValueError(f"gate: the mamba2 rule decays each head by a scalar; expected 'gdn', got {self.gate!r}")
+        if self.gate_in_kernel and (self.gate != "kda" or self.rule != "delta"):
+            raise ValueError(f"gate_in_kernel: computes Kimi's per-channel KDA gate; expected gate='kda' and "
+                             f"rule='delta', got gate={self.gate!r}, rule={self.rule!r}")
         if self.norm not in ("rsqrt", "sqrt_div"):
             raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {self.norm!r}")
         self.ssm_dtype = resolve_dtype(self.ssm_dtype, arg="ssm_dtype")
@@ -122,6 +129,11 @@ class StateConfig:
     def record_dtype(self) -> torch.dtype:
         """Ring g and beta: fp32, or fp64 when the checkpoint is fp64 (exactness tests)."""
         return torch.float64 if self.ssm_dtype == torch.float64 else torch.float32
+
+    @property
+    def gate_dtype(self) -> torch.dtype:
+        """Ring g: the gate's input in act_dtype (`gate_in_kernel`), else the log-decay in `record_dtype`."""
+        return self.act_dtype if self.gate_in_kernel else self.record_dtype
 
     @classmethod
     def tiny(cls, **overrides) -> "StateConfig":

@@ -8,6 +8,8 @@ Three ring layouts (`layout=`):
 - `"eager"` (eager commit): the accepted records are folded in the round that wrote them, so nothing in a
   ring outlives a round. Rings `[layer, running row, H, D, dim]` hold only what the exact fold reads
   (rawv, rawk, g, beta); the conv keeps each verify token's pre-conv input `conv_inputs [layer, row, D, C]`.
+  With `gate_in_kernel` (KDA) the g ring holds the gate's input in the activation dtype (bf16: half the bytes
+  of an fp32 log-decay) and the kernels compute the gate.
 - `"lazy"` (lazy commit): records stay pending across rounds, so the rings are per slot,
   `[layer, slot, H, L, dim]`, with all six records (`d`, `k` feed the fast rebuild); conv inputs as eager.
 - `"sglang"`: SGLang's layout (the rings of lazy, conv window snapshots `[layer, row, D, C, Kc-1]`), which its
@@ -91,7 +93,7 @@ def buffer_specs(cfg: StateConfig, *, layout: str = "eager") -> dict[str, Buffer
     rings = {
         "ring_d": ((*ring_lead, v), act),
         "ring_k": ((*ring_lead, k), act),
-        "ring_g": ((*ring_lead, cfg.gate_dim), f32),
+        "ring_g": ((*ring_lead, cfg.gate_dim), cfg.gate_dtype),
         "ring_rawv": ((*ring_lead, v), act),
         "ring_rawk": ((*ring_lead, k), act),
         "ring_beta": (ring_lead, f32),
@@ -108,6 +110,9 @@ def buffer_specs(cfg: StateConfig, *, layout: str = "eager") -> dict[str, Buffer
     }
     if layout != "sglang":
         shapes["conv_inputs"] = ((n, rows, d, c), act)
+    if cfg.gate_in_kernel:  # weights, not speculative state: every layer's A_log and dt_bias, read by verify and fold
+        shapes["gate_A_log"] = ((n, h), f32)
+        shapes["gate_dt_bias"] = ((n, h, k), f32)
     return {name: BufferSpec(name, tuple(int(x) for x in shape), dtype) for name, (shape, dtype) in shapes.items()}
 
 

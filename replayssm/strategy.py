@@ -48,6 +48,38 @@ class StateStrategy(ABC):
         self.pool = pool if pool is not None else SlotPool(cfg, device=device)
         self.device = self.pool.device
         self._round: Round | None = None
+        if cfg.gate_in_kernel:  # every layer's A_log [Lyr, H] and dt_bias [Lyr, H, K], read by verify and fold
+            specs = buffer_specs(cfg)
+            self.gate_A_log = allocate(specs["gate_A_log"], self.device)
+            self.gate_dt_bias = allocate(specs["gate_dt_bias"], self.device)
+            self._gate_set: set[int] = set()
+
+    def set_gate(self, layer: int, A_log: torch.Tensor, dt_bias: torch.Tensor) -> None:
+        """The gate parameters of one layer (`cfg.gate_in_kernel`): `A_log` with H entries (Kimi's `[1, 1, H, 1]`),
+        `dt_bias` with H * K (`[H * K]`), copied in `cfg.record_dtype` (fp32, as the model computes its gate; fp64
+        for a float64 state, which the float64 tests run the model's own gate in)."""
+        cfg = self.cfg
+        if not cfg.gate_in_kernel:
+            raise ValueError("set_gate: this state takes log-decays (StateConfig.gate_in_kernel is False)")
+        if not 0 <= layer < cfg.num_layers:
+            raise ValueError(f"layer: expected 0..{cfg.num_layers - 1}, got {layer}")
+        H, K = cfg.num_heads, cfg.head_k_dim
+        if A_log.numel() != H:
+            raise ValueError(f"A_log: expected {H} entries (one per head), got shape {list(A_log.shape)}")
+        if dt_bias.numel() != H * K:
+            raise ValueError(f"dt_bias: expected {H * K} entries (heads x K), got shape {list(dt_bias.shape)}")
+        self.gate_A_log[layer] = A_log.detach().reshape(H)
+        self.gate_dt_bias[layer] = dt_bias.detach().reshape(H, K)
+        self._gate_set.add(layer)
+
+    def gate(self, layer: int | None = None) -> dict:
+        """`A_log=`, `dt_bias=` of one layer (`[H]`, `[H, K]`) or of all (`[Lyr, H]`, `[Lyr, H, K]`) for the kernels;
+        nothing when the g records are log-decays."""
+        if not self.cfg.gate_in_kernel:
+            return {}
+        if layer is None:
+            return dict(A_log=self.gate_A_log, dt_bias=self.gate_dt_bias)
+        return dict(A_log=self.gate_A_log[layer], dt_bias=self.gate_dt_bias[layer])
 
     # ---- round -------------------------------------------------------------------------------------
     def begin(self, slots, *, num_tokens: int | None = None, parent=None) -> None:
@@ -115,11 +147,13 @@ class StateStrategy(ABC):
     def mix(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor) -> torch.Tensor:
         """Delta rule (or the Mamba2 rule: q = C, k = B, v = x, g = dt A, beta = dt) of one layer: raw q, k
-        `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H, K]` (KDA) or `[B, T, H]` (GDN), beta `[B, T, H]`
-        -> o `[B, T, H, V]`."""
+        `[B, T, H, K]`, v `[B, T, H, V]`, g `[B, T, H, K]` (KDA; with `cfg.gate_in_kernel` the gate's input f) or
+        `[B, T, H]` (GDN), beta `[B, T, H]` -> o `[B, T, H, V]`."""
         cfg = self.cfg
         H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
         r = self._open(layer, q, (H, K), "q")
+        if cfg.gate_in_kernel and layer not in self._gate_set:
+            raise RuntimeError(f"mix: gate_in_kernel needs layer {layer}'s A_log and dt_bias: call set_gate first")
         self._open(layer, k, (H, K), "k")
         self._open(layer, v, (H, V), "v")
         self._open(layer, g, (H, K) if cfg.gate == "kda" else (H,), "g")
@@ -247,9 +281,10 @@ class StateStrategy(ABC):
             r.schedule = tree_schedule(r.parent)
         return {"tree_schedule": r.schedule}
 
-    def _kw(self) -> dict:
+    def _kw(self, layer: int) -> dict:
         c = self.cfg
-        return dict(scale=c.scale, eps=c.norm_eps, norm=c.norm, null_slot=self.pool.null_slot, rule=c.rule)
+        return dict(scale=c.scale, eps=c.norm_eps, norm=c.norm, null_slot=self.pool.null_slot, rule=c.rule,
+                    **self.gate(layer))
 
     # ---- per strategy ------------------------------------------------------------------------------
     @abstractmethod
@@ -283,7 +318,7 @@ class SnapshotStrategy(StateStrategy):
     def _verify(self, layer, r, q, k, v, g, beta):
         return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
                                          intermediate_states=self.states[layer], **self._tree_walk(r, q),
-                                         **self._kw())
+                                         **self._kw(layer))
 
     def _commit_state(self, r, path, n, before):
         self._track(r, path, n, before, self.states, self.pool.track_ssm)
@@ -341,7 +376,7 @@ class ReplayStrategy(StateStrategy):
             ring_kw = dict(ring_indices=self._rows(r))
         return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
                                          ring=self.rings.layer(layer), **tree, **ring_kw,
-                                         **self._kw())
+                                         **self._kw(layer))
 
     def _fold(self, ssm: torch.Tensor, slots: torch.Tensor, num: torch.Tensor, offsets=None, *,
               track: bool = True, **kw) -> None:
@@ -350,7 +385,7 @@ class ReplayStrategy(StateStrategy):
                            offsets=offsets, seq_lens=self.pool.seq_len if track else None,
                            track_interval=c.track_interval if track else None,
                            track_states=self.pool.track_ssm if track else None, eps=c.norm_eps, norm=c.norm,
-                           null_slot=self.pool.null_slot, rule=c.rule, **kw)
+                           null_slot=self.pool.null_slot, rule=c.rule, **self.gate(), **kw)
 
     def _commit_state(self, r, path, n, before):
         slots = torch.where(valid_slots(r.slots, self.pool.null_slot), r.slots, self.pool.null_slot)

@@ -25,9 +25,12 @@ class MixerOps(Protocol):
 
 
 class KimiDeltaMixer:
-    """`KimiLinearDeltaAttention`: KDA (per-channel decay), l2norm as x / sqrt(|x|^2 + eps)."""
+    """`KimiLinearDeltaAttention`: KDA (per-channel decay), l2norm as x / sqrt(|x|^2 + eps). The forget gate
+    `-exp(A_log) softplus(f_b_proj(f_a_proj(x)) + dt_bias)` is computed by the kernels from its input
+    (`gate_in_kernel`), so the rings keep f in the model's dtype, not an fp32 log-decay."""
 
     gate, norm = "kda", "sqrt_div"
+    gate_in_kernel = True
     requires = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
                 "o_proj")
 
@@ -47,10 +50,21 @@ class KimiDeltaMixer:
         mixed = torch.cat([mod.q_proj(x), mod.k_proj(x), mod.v_proj(x)], dim=-1)
         y = ops.conv(mixed, mod.conv1d.weight.squeeze(1), mod.conv1d.bias, mod.activation)
         q, k, v = (t.reshape(B, T, -1, mod.head_dim) for t in torch.split(y, [mod.qkv_dim] * 3, dim=-1))
-        g = mod.forget_gate(x)
+        g = cls.gate_input(mod, x) if cls.gate_in_kernel else mod.forget_gate(x)
         beta = torch.sigmoid(mod.b_proj(x))
         o = ops.mix(q, k, v, g, beta)
         return mod.o_proj(mod.o_norm(o, cls.output_gate(mod, x)).reshape(B, T, -1))
+
+    @staticmethod
+    def gate_input(mod, x: torch.Tensor) -> torch.Tensor:
+        """The forget gate's input f `[B, T, H, head_dim]`: `f_b_proj(f_a_proj(x))` (`KimiLinearForgetGate`)."""
+        fg = mod.forget_gate
+        return fg.f_b_proj(fg.f_a_proj(x)).view(*x.shape[:2], -1, mod.head_dim)
+
+    @staticmethod
+    def gate_params(mod) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(A_log, dt_bias)` of the forget gate (`[1, 1, H, 1]`, `[H * head_dim]`)."""
+        return mod.forget_gate.A_log, mod.forget_gate.dt_bias
 
     @staticmethod
     def output_gate(mod, x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +80,7 @@ class BailingDeltaMixer(KimiDeltaMixer):
     models, as transformers' conv does."""
 
     requires = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_proj", "o_norm", "o_proj")
+    gate_in_kernel = False  # its gate may be the bounded one: the module computes it, the rings keep log-decays
 
     @staticmethod
     def output_gate(mod, x: torch.Tensor) -> torch.Tensor:

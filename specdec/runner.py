@@ -93,6 +93,8 @@ class _PrefillOps:
 
     def mix(self, q, k, v, g, beta):
         pool, cfg = self.r.state.pool, self.r.state.cfg
+        if cfg.gate_in_kernel:  # g is the gate's input: the verify kernels compute the gate, prefill does it here
+            g = kernels.kda_gate(g, **self.r.state.gate(self.li))
         o, S = prefill_delta_rule(q, k, v, g, beta, pool.ssm[self.li, self.slots], cfg, chunk=self.chunk)
         pool.ssm[self.li, self.slots] = S.to(pool.ssm.dtype)
         return o
@@ -260,13 +262,17 @@ class HybridRunner:
         first = self._mixers[next(iter(self.linear_index))]
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
+        gate_in_kernel = getattr(self.mixer, "gate_in_kernel", False)
         cfg = StateConfig(num_layers=len(self.linear_index), **self.mixer.dims(first), gate=self.mixer.gate,
-                          norm=self.mixer.norm, rule=getattr(self.mixer, "rule", "delta"),
+                          norm=self.mixer.norm, rule=getattr(self.mixer, "rule", "delta"), gate_in_kernel=gate_in_kernel,
                           max_requests=max_batch_size, max_running=max_batch_size,
                           num_verify_tokens=num_verify_tokens,
                           ssm_dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
                           act_dtype=self.dtype, track_interval=track_interval)
         self.state = make_strategy(cfg, strategy, commit=commit, device=self.device)
+        if gate_in_kernel:
+            for i, n in self.linear_index.items():
+                self.state.set_gate(n, *self.mixer.gate_params(self._mixers[i]))
         self.kv = KVCache(cfg.num_slots, max_length, device=self.device, static=static)
         self.max_length, self.prefill_chunk = max_length, prefill_chunk
         self.num_verify_tokens = num_verify_tokens

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels import recurrent_delta_rule, short_conv
+from specdec.kernels import kda_gate, recurrent_delta_rule, short_conv
 from specdec.replayssm import StateConfig, make_strategy
 from specdec.testing import assert_close, max_rel_err
 
@@ -64,20 +64,31 @@ class Harness:
             for s in self.slots:
                 st.pool.load(s, conv=self.conv[:, s], ssm=self.ssm[:, s])
         self.conv, self.ssm = self.conv.clone(), self.ssm.clone()
+        if c.gate_in_kernel:  # Kimi's gate parameters per layer: decays exp(A_log) * softplus(f + dt_bias)
+            self.A_log = (0.5 * self.randn(c.num_layers, c.num_heads) - 1.0).float()
+            self.dt_bias = self.randn(c.num_layers, c.num_heads, c.head_k_dim).float()
+            for st in self.strats.values():
+                for layer in range(c.num_layers):
+                    st.set_gate(layer, self.A_log[layer], self.dt_bias[layer])
 
     def randn(self, *shape, dtype=torch.float64):
         return torch.randn(*shape, generator=self.gen, dtype=torch.float64).to(dtype)
 
     def inputs(self, B: int, T: int) -> dict[str, torch.Tensor]:
-        """Random activations; q/k/v/x in act dtype, g/beta in the record dtype."""
+        """Random activations; q/k/v/x in act dtype, g/beta in the record dtype (`gate_in_kernel`: g is the gate's
+        input f, in act dtype, spanning softplus's curved part and both signs)."""
         c, act, rec = self.cfg, self.cfg.act_dtype, self.cfg.record_dtype
         g_shape = (B, T, c.num_heads, c.head_k_dim) if c.gate == "kda" else (B, T, c.num_heads)
+        if c.gate_in_kernel:
+            g = (2.0 * self.randn(c.num_layers, *g_shape) - 1.0).to(act)
+        else:
+            g = (-0.5 * torch.rand(c.num_layers, *g_shape, generator=self.gen, dtype=torch.float64)).to(rec)
         return dict(
             x=self.randn(c.num_layers, B, T, c.conv_dim).to(act),
             q=self.randn(c.num_layers, B, T, c.num_heads, c.head_k_dim).to(act),
             k=self.randn(c.num_layers, B, T, c.num_heads, c.head_k_dim).to(act),
             v=self.randn(c.num_layers, B, T, c.num_heads, c.head_v_dim).to(act),
-            g=(-0.5 * torch.rand(c.num_layers, *g_shape, generator=self.gen, dtype=torch.float64)).to(rec),
+            g=g,
             beta=torch.rand(c.num_layers, B, T, c.num_heads, generator=self.gen, dtype=torch.float64).to(rec),
         )
 
@@ -100,6 +111,8 @@ class Harness:
         out = []
         for layer in range(self.cfg.num_layers):
             sel = {n: t[layer, b, path][None] for n, t in inp.items()}
+            if self.cfg.gate_in_kernel:
+                sel["g"] = kda_gate(sel["g"], self.A_log[layer], self.dt_bias[layer])
             y, win = short_conv(sel["x"], self.weights[layer], conv_state=self.conv[layer, slot][None])
             o, S = recurrent_delta_rule(sel["q"], sel["k"], sel["v"], sel["g"], sel["beta"],
                                         initial_state=self.ssm[layer, slot][None], scale=self.cfg.scale,

@@ -3,7 +3,7 @@ the state of n single-token verify steps from the same checkpoint.
 
 Both backends are checked, each against itself: the torch reference, and the Triton kernels (in the
 interpreter on CPU, compiled on a GPU). Hypothesis draws shapes (K, V not powers of two), the delta rule with
-KDA and GDN gates and the Mamba2 rule, both norms, fp32 and bf16 activations, chains and trees (with second
+KDA (log-decay records, or Kimi's gate computed from its input records) and GDN gates and the Mamba2 rule, both norms, fp32 and bf16 activations, chains and trees (with second
 roots), and eager and lazy commit (lazy: records of an earlier verify still pending, the fold replays them first).
 The ring positions wrap.
 
@@ -62,21 +62,23 @@ def cases(draw):
             path.insert(0, node)
             node = parent[node]
     return dict(K=K, V=V, H=H, T=T, parent=parent, pending=pending, L=L, path=path,
-                start=draw(st.integers(0, L - 1)), gdn=draw(st.booleans()),
+                start=draw(st.integers(0, L - 1)), gdn=draw(st.booleans()), gate_in=draw(st.booleans()),
                 rule=draw(st.sampled_from(["delta", "delta", "mamba2"])),
                 norm=draw(st.sampled_from(["rsqrt", "sqrt_div"])), act=draw(st.sampled_from([F32, BF16])),
                 seed=draw(st.integers(0, 2**16)))
 
 
-def tokens(g, T, H, K, V, gdn, act, dev, rule="delta"):
+def tokens(g, T, H, K, V, gdn, act, dev, rule="delta", gate_in=False):
     """Raw verify inputs of T tokens for one request: q, k `[1, T, H, K]`, v, gate, beta (Mamba2: C, B, x,
-    g = dt A per head, dt)."""
+    g = dt A per head, dt; `gate_in`: the gate is Kimi's gate input f, in act dtype)."""
     r = lambda *s: torch.randn(*s, generator=g).to(dev)  # noqa: E731
     q, k, v = r(1, T, H, K).to(act), r(1, T, H, K).to(act), r(1, T, H, V).to(act)
     if rule == "mamba2":
         dt = (0.05 + 0.9 * torch.rand(1, T, H, generator=g)).to(dev)
         return q, k, v, dt * -(0.2 + torch.rand(H, generator=g)).to(dev), dt
     gate = -torch.rand(*((1, T, H) if gdn else (1, T, H, K)), generator=g).to(dev) * 0.7
+    if gate_in:
+        gate = (2 * torch.randn(1, T, H, K, generator=g) - 1).to(act).to(dev)
     beta = 0.05 + 0.9 * torch.rand(1, T, H, generator=g).to(dev)
     return q, k, v, gate, beta
 
@@ -90,21 +92,25 @@ def test_fold_equals_single_steps(backend, c):
     dev = device_of(backend)
     K, V, H, T, L, act, norm = c["K"], c["V"], c["H"], c["T"], c["L"], c["act"], c["norm"]
     gdn = c["gdn"] or rule == "mamba2"  # a Mamba2 head's decay is one scalar
+    gate_in = c["gate_in"] and not gdn and K > 1
     g = torch.Generator().manual_seed(c["seed"])
     N, slot = 3, 1
     S0 = torch.randn(N, H, K, V, generator=g).to(dev)
     gk = 1 if gdn else K
     ring = tuple(torch.full((N, H, L, d), float("nan"), dtype=dt, device=dev)
-                 for d, dt in ((V, act), (K, act), (gk, F32), (V, act), (K, act)))
+                 for d, dt in ((V, act), (K, act), (gk, act if gate_in else F32), (V, act), (K, act)))
     ring = ring + (torch.full((N, H, L), float("nan"), device=dev),)
     start = torch.full((N,), c["start"], dtype=torch.long, device=dev)
     idx = torch.tensor([slot], device=dev)
-    kw = dict(ring=ring, ring_start=start, norm=norm, rule=rule)
+    gate = {}
+    if gate_in:  # Kimi's gate from its input: A_log [H], dt_bias [H, K] (the fold takes them per layer)
+        gate = dict(A_log=(torch.randn(H, generator=g) - 1).to(dev), dt_bias=torch.randn(H, K, generator=g).to(dev))
+    kw = dict(ring=ring, ring_start=start, norm=norm, rule=rule, **gate)
     m = c["pending"]
-    pend = tokens(g, m, H, K, V, gdn, act, dev, rule) if m else None
+    pend = tokens(g, m, H, K, V, gdn, act, dev, rule, gate_in) if m else None
     if m:  # lazy: an earlier round's accepted records, written into the ring and not folded yet
         verify(*pend, S0, idx, num_pending=torch.zeros(N, dtype=torch.long, device=dev), **kw)
-    new = tokens(g, T, H, K, V, gdn, act, dev, rule)
+    new = tokens(g, T, H, K, V, gdn, act, dev, rule, gate_in)
     inter = torch.full((1, T, H, K, V), float("nan"), device=dev)
     parent = None if c["parent"] is None else torch.tensor(c["parent"], device=dev)
     verify(*new, S0, idx, parent=parent, intermediate_states=inter,
@@ -114,14 +120,15 @@ def test_fold_equals_single_steps(backend, c):
     offsets = torch.tensor([list(range(m)) + [m + p for p in path]], device=dev)
     state = S0.clone()[None]
     fold(state, ring[3][None], ring[4][None], ring[2][None], ring[5][None], idx, start,
-         torch.tensor([m + len(path)], device=dev), offsets=offsets, norm=norm, rule=rule)
+         torch.tensor([m + len(path)], device=dev), offsets=offsets, norm=norm, rule=rule,
+         **{name: t[None] for name, t in gate.items()})
 
     # the oracle: one verify step per token from the checkpoint, each step's state read back in fp32
     steps = [tuple(t[:, j:j + 1] for t in pend) for j in range(m)] + [tuple(t[:, j:j + 1] for t in new) for j in path]
     cur = S0[slot:slot + 1].clone()
     for tok in steps:
         out = torch.full((1, 1, H, K, V), float("nan"), device=dev)
-        verify(*tok, cur, torch.tensor([0], device=dev), intermediate_states=out, norm=norm, rule=rule)
+        verify(*tok, cur, torch.tensor([0], device=dev), intermediate_states=out, norm=norm, rule=rule, **gate)
         cur = out[:, 0]
     assert torch.equal(state[0, slot], cur[0]), (
         f"fold differs from {len(steps)} single steps: max abs {(state[0, slot] - cur[0]).abs().max().item():.3e}")

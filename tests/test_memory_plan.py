@@ -127,6 +127,7 @@ def test_default_ring_len(capsys, draft, ring_len):
     (["--slots", "10"], "--running"),        # 23 running requests do not fit 9 slots
     (["--layers", "0"], "--layers"),
     (["--layout", "slots"], "--layout"),
+    (["--gate", "gdn", "--gate-record", "input"], "--gate-record"),  # the gate's input is KDA's
 ])
 def test_bad_arguments(capsys, args, flag):
     code = main([*BASE, "--slots", "120", *args])
@@ -231,7 +232,8 @@ def test_published_settings_lean_layout(capsys):
 
     def schemes(T):
         snapshot = 69 * rows * T * (H * K * K * 2 + C * W * 2)  # bf16 states + bf16 conv windows
-        records = 69 * rows * T * (H * (2 * K * 2 + K * 4 + 4) + C * 2)  # rawv rawk g beta + conv inputs
+        # rawv rawk bf16, g = the KDA gate's input bf16 (the kernels compute the gate), beta fp32; conv inputs
+        records = 69 * rows * T * (H * (3 * K * 2 + 4) + C * 2)
         return snapshot, records
 
     snap, rec = schemes(8)
@@ -240,8 +242,15 @@ def test_published_settings_lean_layout(capsys):
         snap, rec = schemes(T)
         nodes = rows * {8: 2, 16: 3, 64: 5}[T] * H * K * K * 4  # one layer's fp32 stack: floor(log2(T + 1)) - 1
         assert plan["spec_bytes"][f"tree_{T}"] == {"snapshot": snap, "replayssm": rec + nodes}
-    chain = plan["spec_bytes"]["chain"]
+    chain, tree64 = plan["spec_bytes"]["chain"], plan["spec_bytes"]["tree_64"]
     assert chain["snapshot"] / chain["replayssm"] >= 15
+    assert tree64["snapshot"] / tree64["replayssm"] >= 20
+    assert plan["dtypes"]["ring_g"] == "bfloat16"
+    # with fp32 log-decay records instead (--gate-record g): every other buffer the same, g twice the bytes
+    code, out, _ = run_main(capsys, "--slots", "120", "--ssm-dtype", "bfloat16", "--json", "--gate-record", "g")
+    g32 = json.loads(out)
+    assert g32["dtypes"]["ring_g"] == "float32" and g32["ring_g"] == 2 * plan["ring_g"]
+    assert g32["spec_bytes"]["chain"]["replayssm"] - chain["replayssm"] == plan["ring_g"]
     code, text, _ = run_main(capsys, "--slots", "120", "--ssm-dtype", "bfloat16")
     assert "layout: eager [layer, running row, H, D, dim]" in text
     line = next(x for x in text.splitlines() if x.strip().startswith("chain D=8"))
@@ -268,18 +277,26 @@ def allocated_bytes(obj, seen: set) -> int:
     return total
 
 
+@pytest.mark.parametrize("gate_in_kernel", [False, True], ids=["g-records", "gate-input-records"])
 @pytest.mark.parametrize("strategy,commit", [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")])
-def test_allocation_equals_plan(strategy, commit, monkeypatch):
+def test_allocation_equals_plan(strategy, commit, gate_in_kernel, monkeypatch):
     """What a strategy actually allocates equals the plan of its layout: the pool (conv_state + ssm_state), and
     the speculative state (rings + conv inputs; + one layer's tree state stack once a tree ran; snapshot: states and
-    conv windows per token)."""
+    conv windows per token); with `gate_in_kernel` also the gate parameters (weights, outside the spec state)."""
     cfg = StateConfig(num_layers=2, num_heads=3, head_k_dim=5, head_v_dim=7, conv_kernel=4, max_requests=6,
                       max_running=3, num_verify_tokens=5, ssm_dtype="bfloat16", act_dtype="bfloat16",
-                      track_interval=None)
+                      track_interval=None, gate_in_kernel=gate_in_kernel)
     st = make_strategy(cfg, strategy, commit=commit)
     specs = buffer_specs(cfg, layout=commit)
     assert allocated_bytes(st.pool, set()) == specs["conv_state"].nbytes + specs["ssm_state"].nbytes
     seen = {t.untyped_storage().data_ptr() for t in (st.pool.conv, st.pool.ssm)}
+    if gate_in_kernel:
+        assert specs["ring_g"].dtype == torch.bfloat16
+        assert allocated_bytes((st.gate_A_log, st.gate_dt_bias), set()) == (specs["gate_A_log"].nbytes
+                                                                           + specs["gate_dt_bias"].nbytes)
+        seen |= {t.untyped_storage().data_ptr() for t in (st.gate_A_log, st.gate_dt_bias)}
+        for layer in range(cfg.num_layers):
+            st.set_gate(layer, -torch.rand(3), torch.randn(15))
     plan = spec_bytes(cfg, layout=commit)
     assert allocated_bytes(st, seen) == plan["snapshot" if strategy == "snapshot" else "replayssm"]
     if strategy == "replay":  # a tree round allocates one layer's state stack, once
@@ -288,12 +305,14 @@ def test_allocation_equals_plan(strategy, commit, monkeypatch):
         r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
         slots = st.pool.alloc(2)
         st.begin(slots, parent=[-1, 0, 0, 1, 1])
+        seen = {t.untyped_storage().data_ptr() for t in (st.pool.conv, st.pool.ssm)}
+        if gate_in_kernel:
+            seen |= {t.untyped_storage().data_ptr() for t in (st.gate_A_log, st.gate_dt_bias)}
         for layer in range(cfg.num_layers):
             st.conv(layer, r(2, 5, cfg.conv_dim), r(cfg.conv_dim, 4))
             st.mix(layer, r(2, 5, 3, 5), r(2, 5, 3, 5), r(2, 5, 3, 7), -torch.rand(2, 5, 3, 5, generator=g),
                    torch.rand(2, 5, 3, generator=g))
         st.commit(path=[[0, 1, 3], [0, 2, -1]])
-        seen = {t.untyped_storage().data_ptr() for t in (st.pool.conv, st.pool.ssm)}
         assert allocated_bytes(st, seen) == spec_bytes(cfg, layout=commit, tree=True)["replayssm"]
     # a tree of T nodes is the plan of T verify tokens
     assert spec_bytes(with_tokens(cfg, 16), layout=commit, tree=True)["replayssm"] > plan["replayssm"]

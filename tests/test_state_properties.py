@@ -83,9 +83,14 @@ def configs(draw, dtype=torch.float64):
     return StateConfig(
         num_layers=draw(st.integers(1, 2)), num_heads=draw(st.integers(1, 3)),
         head_k_dim=draw(st.sampled_from([3, 4, 5, 8])), head_v_dim=draw(st.sampled_from([2, 3, 6, 7])),
-        conv_kernel=draw(st.integers(2, 4)), gate=draw(st.sampled_from(["kda", "gdn"])),
-        max_requests=draw(st.integers(2, 4)), num_verify_tokens=D, ring_len=L, ssm_dtype=dtype, act_dtype=dtype,
+        conv_kernel=draw(st.integers(2, 4)), max_requests=draw(st.integers(2, 4)), num_verify_tokens=D,
+        ring_len=L, ssm_dtype=dtype, act_dtype=dtype, **draw(gates()),
         track_interval=draw(st.sampled_from([None, 3, 7])), norm=draw(st.sampled_from(["rsqrt", "sqrt_div"])))
+
+
+def gates():
+    """KDA with log-decay records, KDA with the gate computed from its input records (Kimi), or GDN."""
+    return st.sampled_from([dict(gate="kda"), dict(gate="kda", gate_in_kernel=True), dict(gate="gdn")])
 
 
 def slot_map(draw, cfg: StateConfig) -> list[int]:
@@ -136,10 +141,13 @@ def test_256_chained_rounds(dtype):
     assert int(snap.track_len.max()) >= 16 * 20  # boundaries were crossed many times
 
 
-def test_bf16_ring_storage_matches_decode_of_same_bf16_activations():
-    """bf16 activations and rings, fp32 checkpoint: committed state == plain decode fed the same bf16 inputs."""
+@pytest.mark.parametrize("gate_in_kernel", [False, True], ids=["g-records", "gate-input-records"])
+def test_bf16_ring_storage_matches_decode_of_same_bf16_activations(gate_in_kernel):
+    """bf16 activations and rings, fp32 checkpoint: committed state == plain decode fed the same bf16 inputs
+    (with `gate_in_kernel` the g ring holds the bf16 gate input itself: nothing is rounded on the way)."""
     cfg = StateConfig(num_layers=2, num_heads=2, head_k_dim=6, head_v_dim=5, max_requests=3, num_verify_tokens=4,
-                      ssm_dtype=torch.float32, act_dtype=torch.bfloat16, track_interval=None)
+                      ssm_dtype=torch.float32, act_dtype=torch.bfloat16, track_interval=None,
+                      gate_in_kernel=gate_in_kernel)
     h = Harness(cfg, seed=3)
     gen = torch.Generator().manual_seed(4)
 
@@ -178,14 +186,17 @@ def test_tree_state_stack_only_for_the_triton_kernel(backend, monkeypatch):
                                       cfg.head_k_dim, cfg.head_v_dim)
 
 
+@pytest.mark.parametrize("record", ["rawk", "g"])
 @pytest.mark.parametrize("name", ["replay-eager", "replay-lazy"])
-def test_teeth_corrupt_one_rawk_record_fails(name):
-    """The comparison has teeth: one corrupted rawk record makes the committed state differ."""
-    cfg = StateConfig.tiny(ssm_dtype=torch.float64, act_dtype=torch.float64, track_interval=None)
+def test_teeth_corrupt_one_record_fails(name, record):
+    """The comparison has teeth: one corrupted rawk record, or gate-input record (`gate_in_kernel`), makes the
+    committed state differ."""
+    cfg = StateConfig.tiny(ssm_dtype=torch.float64, act_dtype=torch.float64, track_interval=None,
+                           gate_in_kernel=record == "g")
 
     def corrupt(strat):  # the first record of this round: slot 1's ring (lazy) or running row 0 (eager)
         row, pos = first_record(strat)
-        strat.rings.rawk[0, row, 0, pos, 0] += 1e-3
+        getattr(strat.rings, record)[0, row, 0, pos, 0] += 1e-3
 
     h = Harness(cfg, seed=7, strategies=(name,))
     draws = iter([4, 3])  # T = 4 tokens, accept 3

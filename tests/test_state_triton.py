@@ -19,13 +19,14 @@ pytest.importorskip("triton")
 FP32_REL = 1e-5  # Triton vs the torch oracle (tests/test_triton_kernels.py)
 
 
+@pytest.mark.parametrize("gate_in_kernel", [False, True], ids=["g-records", "gate-input-records"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_triton_strategies_agree(monkeypatch, tree):
+def test_triton_strategies_agree(monkeypatch, tree, gate_in_kernel):
     monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")
     for op in ("verify_delta_rule", "short_conv_verify", "exact_fold", "masked_scatter"):
         assert dispatch.pick(op, torch.zeros(1)) is dispatch.triton_impl(op)
     cfg = StateConfig(num_layers=2, num_heads=2, head_k_dim=5, head_v_dim=3, conv_kernel=4, max_requests=4,
-                      num_verify_tokens=4, track_interval=3, norm="sqrt_div")
+                      num_verify_tokens=4, track_interval=3, norm="sqrt_div", gate_in_kernel=gate_in_kernel)
     h = Harness(cfg, seed=21)
     gen = torch.Generator().manual_seed(22)
     slots = [2, cfg.null_slot, 0, -1, 3]  # max_running + 1 rows: reversed slots, a null row, a skipped row

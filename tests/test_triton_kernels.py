@@ -604,17 +604,19 @@ SASS_REPORT = Path(__file__).resolve().parents[1] / "bench" / "sass_report.py"
 SMALL = ["--heads", "2", "--head-dim", "16", "--draft-tokens", "3", "--requests", "2", "--layers", "2"]
 
 
-@pytest.mark.parametrize("shapes,act,gate", [("small", "bf16", "kda"), ("small", "fp32", "gdn"), ("kimi", "bf16", "kda")])
+@pytest.mark.parametrize("shapes,act,gate", [("small", "bf16", "kda"), ("small", "fp32", "gdn"),
+                                             ("kimi", "bf16", "kda-input")])
 def test_kernels_compile_for_sm90(tmp_path, shapes, act, gate):
     """The interpreter runs Python, so it accepts code the compiler rejects: compile every kernel for an
     H100/H200 target through bench/sass_report.py (no GPU needed) and read its SASS. The per-token (per
     record) loops of verify, fold and rebuild hold no fp64 work and no f32<->f64 conversion; nothing spills.
-    At Kimi-Linear shapes (the script's defaults) the chain verify loop is at most 1.3x the instructions of
-    fla's fused_recurrent_kda loop, and tree verify fits 128 registers."""
+    At Kimi-Linear shapes (the script's defaults), with the gate computed from its input records as the package
+    runs Kimi-Linear, the chain verify loop is at most 1.3x the instructions of fla's fused_recurrent_kda loop (its
+    `use_gate_in_kernel` too), and tree verify fits 128 registers."""
     out = tmp_path / "sass.json"
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, str(SASS_REPORT), *(SMALL if shapes == "small" else []), "--act-dtype", act,
-           "--json", str(out)] + (["--gdn"] if gate == "gdn" else [])
+           "--json", str(out)] + {"gdn": ["--gdn"], "kda-input": ["--gate-in-kernel"]}.get(gate, [])
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     rep = json.loads(out.read_text())

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..common import check_rule, delta_step, math_dtype, prepare_qk, valid_slots
+from ..common import check_gate_params, check_rule, delta_step, math_dtype, prepare_qk, valid_slots
+from ..rebuild.naive import ring_log_decay
 from ..scatter.naive import commit_conv_windows
 
 
@@ -41,6 +42,7 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
                track_interval: int | None = None, track_states: torch.Tensor | None = None,
                conv_state: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
                conv_path: torch.Tensor | None = None, conv_count: torch.Tensor | None = None,
+               A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                eps: float = 1e-6, norm: str = "rsqrt", null_slot: int = -1, rule: str = "delta") -> None:
     """Fold accepted records into the checkpoints of every layer, in place; optionally rebuild the rows' conv
     windows from their input records. `rule`: the step of `common.delta_step` the records replay ("mamba2": rawv
@@ -62,8 +64,11 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
             `[Lyr, R >= B, T, C]` (row b's pre-conv verify inputs): the slot's window becomes the one after
             the row's accepted tokens (`scatter.naive.rebuild_windows`): `conv_count [B]` tokens
             (default num_tokens) along `conv_path [B, M]` (default offsets; None: a chain).
+        A_log `[Lyr, H]`, dt_bias `[Lyr, H, K]`: given, ring_g holds the KDA gate's input f and each step's
+            log-decay is `common.kda_gate(f)`, as in the verify that wrote it.
     """
     check_rule(rule)
+    check_gate_params(A_log, dt_bias, (ssm_state.shape[0],), ssm_state.shape[2], ssm_state.shape[3], ring_g)
     check_fold_args(ssm_state, ring_beta, ssm_state_indices, num_tokens, ring_indices, conv_state, conv_inputs,
                     conv_count)
     if conv_state is not None:
@@ -81,8 +86,8 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
         pos = off if ring_start is None else (ring_start[r] + off) % L
         _, k = prepare_qk(None, ring_rawk[:, r][:, :, pos], scale=1.0, eps=eps, norm=norm, dtype=dt,
                            rule=rule)
-        v, g, beta = (ring_rawv[:, r][:, :, pos].to(dt), ring_g[:, r][:, :, pos].to(dt),
-                      ring_beta[:, r][:, :, pos].to(dt))  # [Lyr, H, n, *]
+        v, beta = ring_rawv[:, r][:, :, pos].to(dt), ring_beta[:, r][:, :, pos].to(dt)  # [Lyr, H, n, *]
+        g = ring_log_decay(ring_g[:, r][:, :, pos], dt, A_log, dt_bias, 1)
         S = ssm_state[:, s].to(dt)
         for j in range(n):
             S, _, _ = delta_step(S, None, k[:, :, j], v[:, :, j], g[:, :, j], beta[:, :, j], rule=rule)

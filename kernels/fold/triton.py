@@ -13,15 +13,15 @@ import triton
 import triton.language as tl
 
 from ..scatter.triton import conv_commit_tile
-from ..triton_utils import cast_to, check_float, delta_step, load_gate, prepare_k, state_blocks
-from ..common import check_rule
+from ..triton_utils import cast_to, check_float, delta_step, gate_params, load_gate, prepare_k, state_blocks
+from ..common import check_gate_params, check_rule
 from .naive import check_fold_args
 
 
 @triton.jit
 def _exact_fold_kernel(
         state, rawv, rawk, rg, rbeta, idx, ring_idx, ring_start, num_tokens, offsets, seq_lens, track,
-        conv, xin, cpath, ccount,
+        conv, xin, cpath, ccount, a_log, dt_bias,
         s_sl, s_sn, s_sh, s_sk, s_sv,
         s_vl, s_vn, s_vh, s_vt, s_vv,
         s_kl, s_kn, s_kh, s_kt, s_kk,
@@ -30,10 +30,11 @@ def _exact_fold_kernel(
         s_ob, s_om,
         s_tl, s_tn, s_tp, s_th, s_tk, s_tv,
         s_cl, s_cn, s_cc, s_ck, s_xl, s_xr, s_xt, s_xc, s_pb, s_pm,
+        s_al, s_ah, s_el, s_eh, s_ek,
         B, H, C, null_slot, track_interval, eps,
         L: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, GDN: tl.constexpr,
         HAS_OFFSETS: tl.constexpr, HAS_START: tl.constexpr, HAS_TRACK: tl.constexpr, SQRT_DIV: tl.constexpr,
-        W: tl.constexpr, BC: tl.constexpr, HAS_CPATH: tl.constexpr, MAMBA2: tl.constexpr):
+        W: tl.constexpr, BC: tl.constexpr, HAS_CPATH: tl.constexpr, MAMBA2: tl.constexpr, GATE_IN: tl.constexpr):
     # grid (Lyr * B, H + conv channel blocks, V blocks): heads fold the state, the extra programs (first V block
     # only) rebuild the conv window of the same (layer, row)
     pid = tl.program_id(0).to(tl.int64)
@@ -64,6 +65,8 @@ def _exact_fold_kernel(
     st_off = lyr * s_sl + s * s_sn + i_h * s_sh
     kv_off = offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
     S = tl.load(state + st_off + kv_off, mask=mask_kv, other=0.0).to(tl.float32)
+    neg_a, bias = gate_params(a_log + lyr * s_al, dt_bias + lyr * s_el, i_h, offs_k, mask_k, s_ah, s_eh, s_ek, BK,
+                              GATE_IN)
     v_base = rawv + lyr * s_vl + r * s_vn + i_h * s_vh
     k_base = rawk + lyr * s_kl + r * s_kn + i_h * s_kh
     g_base = rg + lyr * s_gl + r * s_gn + i_h * s_gh
@@ -85,7 +88,7 @@ def _exact_fold_kernel(
             pos = off
         kr = tl.load(k_base + pos * s_kt + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
         vr = tl.load(v_base + pos * s_vt + offs_v * s_vv, mask=mask_v, other=0.0).to(tl.float32)
-        _, alpha = load_gate(g_base + pos * s_gt, offs_k, mask_k, s_gk, BK, GDN)
+        _, alpha = load_gate(g_base + pos * s_gt, offs_k, mask_k, s_gk, BK, GDN, GATE_IN, neg_a, bias)
         bt = tl.load(b_base + pos * s_bt).to(tl.float32)
         S, _ = delta_step(S, prepare_k(kr, eps, SQRT_DIV, MAMBA2), vr, alpha, bt, MAMBA2)
         if HAS_TRACK:
@@ -105,12 +108,15 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
                track_interval: int | None = None, track_states: torch.Tensor | None = None,
                conv_state: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
                conv_path: torch.Tensor | None = None, conv_count: torch.Tensor | None = None,
+               A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                eps: float = 1e-6, norm: str = "rsqrt", null_slot: int = -1, rule: str = "delta") -> None:
     """Fold accepted records into the checkpoints of every layer, in place (see `naive.exact_fold`).
 
     One launch over (layer x request, head + conv channel block, V block); per program the K x BV state tile
     stays in registers while the records are stepped through in plain-decode op order. `rule="mamba2"`: the
-    records replay the Mamba2 step (rawk = B, not normalized), a constexpr flag of the same kernel.
+    records replay the Mamba2 step (rawk = B, not normalized), a constexpr flag of the same kernel. `A_log`
+    `[Lyr, H]`, `dt_bias` `[Lyr, H, K]`: ring_g holds the KDA gate's input and each step computes the gate as the
+    verify kernel does (`triton_utils.kda_gate`).
     """
     check_rule(rule)
     check_float("exact_fold", ssm_state, ring_rawv, ring_rawk, ring_g, ring_beta, track_states, conv_state,
@@ -128,6 +134,7 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
                          f"got {list(ring_rawv.shape)} / {list(ring_rawk.shape)}")
     if ring_g.shape[:4] != (Lyr, R, H, L) or ring_g.dim() != 5 or ring_g.shape[4] not in (1, K):
         raise ValueError(f"ring_g: expected [{Lyr}, {R}, {H}, {L}, {K} or 1], got {list(ring_g.shape)}")
+    gate_in = check_gate_params(A_log, dt_bias, (Lyr,), H, K, ring_g)
     B = ssm_state_indices.shape[0]
     if B == 0 or Lyr == 0:
         return
@@ -157,13 +164,16 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
         conv_state if has_conv else ssm_state, conv_inputs if has_conv else ssm_state,
         cpath if (has_conv and cpath is not None) else num_tokens,
         (num_tokens if conv_count is None else conv_count) if has_conv else num_tokens,
+        A_log if gate_in else ssm_state, dt_bias if gate_in else ssm_state,
         *ssm_state.stride(), *ring_rawv.stride(), *ring_rawk.stride(), *ring_g.stride(), *ring_beta.stride(),
         *(offsets.stride() if has_off else (0, 0)),
         *(track_states.stride() if has_track else (0,) * 6),
         *(conv_state.stride() if has_conv else (0,) * 4), *(conv_inputs.stride() if has_conv else (0,) * 4),
         *(cpath.stride() if (has_conv and cpath is not None) else (0, 0)),
+        *(A_log.stride() + dt_bias.stride() if gate_in else (0,) * 5),
         B, H, C, int(null_slot), int(track_interval) if has_track else 1, float(eps),
         L=L, K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[4] == 1 and K != 1, HAS_OFFSETS=has_off,
         HAS_START=ring_start is not None, HAS_TRACK=has_track, SQRT_DIV=norm == "sqrt_div",
-        W=W, BC=BC, HAS_CPATH=has_conv and cpath is not None, MAMBA2=rule == "mamba2", num_warps=num_warps,
+        W=W, BC=BC, HAS_CPATH=has_conv and cpath is not None, MAMBA2=rule == "mamba2", GATE_IN=gate_in,
+        num_warps=num_warps,
         enable_fp_fusion=False)

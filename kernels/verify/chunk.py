@@ -105,6 +105,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
                       ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
                       num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
+                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
                       null_slot: int = -1) -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint, as one chunk; the checkpoint is not written.
@@ -122,13 +123,15 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         ring_start, num_pending: `[N']` long. With pending records the start state is the fast rebuild
             of checkpoint + pending `(d, k, g)` (lazy commit).
         ring_indices: `[B]` long ring row per request (eager layout: the running row 0..B-1).
+        A_log `[H]`, dt_bias `[H, K]`: given, g is the KDA gate's input f; the log-decays are
+            `common.kda_gate(f)` and the g ring keeps f.
     Returns:
         o `[B, T, H, V]` in v.dtype.
     """
     x = verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, parent=parent,
                       intermediate_states=intermediate_states, ring=ring, ring_start=ring_start,
                       num_pending=num_pending, ring_indices=ring_indices, scale=scale, eps=eps, norm=norm,
-                      null_slot=null_slot)
+                      null_slot=null_slot, A_log=A_log, dt_bias=dt_bias)
     B, T, H, K, V = *q.shape[:4], v.shape[-1]
     if x is None:
         return v.new_zeros(B, T, H, V)
@@ -156,6 +159,6 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if S is not None and not in_place:
         intermediate_states[rows, :T] = S.to(intermediate_states.dtype)
     if ring is not None:
-        store_ring_records(ring, (d, kn, gg, sel(v), sel(k), sel(beta)), slots, rows, ring_start=ring_start,
+        store_ring_records(ring, (d, kn, x.grec, sel(v), sel(k), sel(beta)), slots, rows, ring_start=ring_start,
                            num_pending=num_pending, ring_indices=ring_indices)
     return o

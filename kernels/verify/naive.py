@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..common import (check_delta_inputs, check_shape, check_verify_buffers, delta_step, math_dtype, prepare_qk,
-                      valid_slots)
+from ..common import (check_delta_inputs, check_gate_params, check_shape, check_verify_buffers, delta_step, kda_gate,
+                      math_dtype, prepare_qk, valid_slots)
 from ..rebuild.naive import fast_rebuild
 from ..recurrent.naive import conv_taps
 
@@ -159,7 +159,8 @@ class VerifyInputs:
     qn: torch.Tensor  # [R, T, H, K] prepared q, k in the math dtype
     kn: torch.Tensor
     vv: torch.Tensor  # [R, T, H, V]
-    gg: torch.Tensor  # [R, T, H, K or 1]
+    gg: torch.Tensor  # [R, T, H, K or 1] log-decays
+    grec: torch.Tensor  # [R, T, H, K or 1] what the g ring keeps: gg, or the KDA gate's input (A_log / dt_bias given)
     bb: torch.Tensor  # [R, T, H]
     root: torch.Tensor  # [R, H, K, V] the state the round starts from (checkpoint, + pending records if lazy)
 
@@ -169,10 +170,12 @@ class VerifyInputs:
 
 
 def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent, intermediate_states, ring, ring_start,
-                  num_pending, ring_indices, scale, eps, norm, null_slot, rule="delta") -> VerifyInputs | None:
+                  num_pending, ring_indices, scale, eps, norm, null_slot, rule="delta", A_log=None,
+                  dt_bias=None) -> VerifyInputs | None:
     """The checks and preparation every CPU verify (per-token and chunk form) runs before computing: one error
     naming the argument before anything is written. -> None when no row has a valid slot."""
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
+    gate_in = check_gate_params(A_log, dt_bias, (), H, K, g)
     check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
     check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
     chain = parent is None
@@ -187,11 +190,14 @@ def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent, int
     scale = K ** -0.5 if scale is None else scale
     qn, kn = prepare_qk(sel(q), sel(k), scale=scale, eps=eps, norm=norm, dtype=dt, rule=rule)
     if num_pending is not None and bool((num_pending[slots] > 0).any()):
-        root = fast_rebuild(ssm_state, slots, ring[0], ring[1], ring[2], ring_start, num_pending[slots]).to(dt)
+        root = fast_rebuild(ssm_state, slots, ring[0], ring[1], ring[2], ring_start, num_pending[slots],
+                            A_log=A_log, dt_bias=dt_bias).to(dt)
     else:
         root = ssm_state[slots].to(dt)
-    return VerifyInputs(chain, parent, rows, full, slots, qn, kn, sel(v).to(dt), sel(g).to(dt), sel(beta).to(dt),
-                        root)
+    grec = sel(g)
+    gg = kda_gate(grec, A_log, dt_bias).to(dt) if gate_in else grec.to(dt)
+    return VerifyInputs(chain, parent, rows, full, slots, qn, kn, sel(v).to(dt), gg, grec if gate_in else gg,
+                        sel(beta).to(dt), root)
 
 
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -199,6 +205,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
                       ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
                       num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
+                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
                       null_slot: int = -1, rule: str = "delta") -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint; the checkpoint is not written.
@@ -220,13 +227,15 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         ring_start, num_pending: `[N']` long. With pending records the start state is the fast rebuild
             of checkpoint + pending `(d, k, g)` (lazy commit: rings per slot, so no `ring_indices`).
         ring_indices: `[B]` long ring row per request (eager layout: the running row 0..B-1).
+        A_log `[H]`, dt_bias `[H, K]`: given, g is the KDA gate's input f `[B, T, H, K]`; the log-decay is
+            `common.kda_gate(f)` and the g ring keeps f (fla's `use_gate_in_kernel`).
     Returns:
         o `[B, T, H, V]` in v.dtype.
     """
     x = verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, parent=parent,
                       intermediate_states=intermediate_states, ring=ring, ring_start=ring_start,
                       num_pending=num_pending, ring_indices=ring_indices, scale=scale, eps=eps, norm=norm,
-                      null_slot=null_slot, rule=rule)
+                      null_slot=null_slot, rule=rule, A_log=A_log, dt_bias=dt_bias)
     B, T, H, V = *q.shape[:3], v.shape[-1]
     o = v.new_zeros(B, T, H, V)
     if x is None:
@@ -248,6 +257,6 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if intermediate_states is not None:
         intermediate_states[rows, :T] = torch.stack(states, 1).to(intermediate_states.dtype)
     if ring is not None:
-        store_ring_records(ring, (torch.stack(ds, 1), kn, gg, x.sel(v), x.sel(k), x.sel(beta)), slots, rows,
+        store_ring_records(ring, (torch.stack(ds, 1), kn, x.grec, x.sel(v), x.sel(k), x.sel(beta)), slots, rows,
                            ring_start=ring_start, num_pending=num_pending, ring_indices=ring_indices)
     return o

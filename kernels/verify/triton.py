@@ -25,12 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import check_delta_inputs, check_rule, check_shape, check_verify_buffers, tree_stack_slots
+from ..common import (check_delta_inputs, check_gate_params, check_rule, check_shape, check_verify_buffers,
+                      tree_stack_slots)
 from ..common import tree_schedule as _schedule
 from .naive import check_ring_args
 from ..rebuild.triton import rebuild_tile
-from ..triton_utils import (cast_to, check_float, delta_step, load_gate, num_warps_for, prepare_k, prepare_q, readout,
-                           state_blocks)
+from ..triton_utils import (cast_to, check_float, delta_step, gate_params, load_gate, num_warps_for, prepare_k,
+                           prepare_q, readout, state_blocks)
 
 
 def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor | None:
@@ -182,20 +183,21 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 @triton.jit
 def _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_base, start, m,
-                s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v,
-                L: tl.constexpr, BK: tl.constexpr, RING_GDN: tl.constexpr, HAS_PENDING: tl.constexpr):
+                s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, neg_a, bias,
+                L: tl.constexpr, BK: tl.constexpr, RING_GDN: tl.constexpr, HAS_PENDING: tl.constexpr,
+                GATE_IN: tl.constexpr):
     """The state a request's verify starts from: its checkpoint, plus the pending records (lazy)."""
     S = tl.load(state + s * s_sn + i_h * s_sh + kv_state, mask=mask_kv, other=0.0).to(tl.float32)
     if HAS_PENDING:
         S = rebuild_tile(S, d_base, k_base, g_base, start, m, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk,
-                         offs_k, offs_v, mask_k, mask_v, L, BK, RING_GDN)
+                         offs_k, offs_v, mask_k, mask_v, neg_a, bias, L, BK, RING_GDN, GATE_IN)
     return S
 
 
 @triton.jit
 def _verify_kernel(
         q, k, v, g, beta, state, idx, parent, order, load, store, inter, stack, o,
-        rd, rk, rg, rrv, rrk, rb, ring_start, num_pending, ring_idx,
+        rd, rk, rg, rrv, rrk, rb, ring_start, num_pending, ring_idx, a_log, dt_bias,
         sq_b, sq_t, sq_h, sq_k, sk_b, sk_t, sk_h, sk_k, sv_b, sv_t, sv_h, sv_v,
         sg_b, sg_t, sg_h, sg_k, sb_b, sb_t, sb_h,
         s_sn, s_sh, s_sk, s_sv,
@@ -207,12 +209,13 @@ def _verify_kernel(
         s_vn, s_vh, s_vt, s_vv,
         s_rn, s_rh, s_rt, s_rk,
         s_bn, s_bh, s_bt,
+        s_ah, s_ch, s_ck,
         T, H, null_slot, scale, eps,
         L: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
         GDN: tl.constexpr, RING_GDN: tl.constexpr, RGK, IS_TREE: tl.constexpr, HAS_INTER: tl.constexpr,
         HAS_STACK: tl.constexpr,
         HAS_RING: tl.constexpr, HAS_START: tl.constexpr, HAS_DK: tl.constexpr, HAS_PENDING: tl.constexpr,
-        SQRT_DIV: tl.constexpr, STAGES: tl.constexpr, MAMBA2: tl.constexpr):
+        SQRT_DIV: tl.constexpr, STAGES: tl.constexpr, MAMBA2: tl.constexpr, GATE_IN: tl.constexpr):
     # inputs [B, T, H, *] at any strides; o [B, T, H, V] contiguous; parent, order, load, store [B, T]
     # contiguous int32.
     i_b = tl.program_id(0).to(tl.int64)
@@ -230,6 +233,7 @@ def _verify_kernel(
             tl.store(o_ptr + t * H * V, cast_to(tl.zeros([BV], dtype=tl.float32), o), mask=mask_v)
         return
     kv_state = offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
+    neg_a, bias = gate_params(a_log, dt_bias, i_h, offs_k, mask_k, s_ah, s_ch, s_ck, BK, GATE_IN)
     base = 0
     m = 0
     start = 0
@@ -249,7 +253,8 @@ def _verify_kernel(
             m = tl.load(num_pending + ri).to(tl.int32)
             base = start + m
     S = _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_base, start, m,
-                    s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, L, BK, RING_GDN, HAS_PENDING)
+                    s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, neg_a, bias, L, BK, RING_GDN,
+                    HAS_PENDING, GATE_IN)
     kv_inter = offs_k[:, None] * s_ik + offs_v[None, :] * s_iv
     kv_stack = offs_k[:, None] * s_tk + offs_v[None, :] * s_tv
     q0 = q + i_b * sq_b + i_h * sq_h + offs_k * sq_k
@@ -268,8 +273,8 @@ def _verify_kernel(
             ld = tl.load(load + i_b * T + t)
             if ld == -1:
                 S = _root_state(state, s, i_h, s_sn, s_sh, kv_state, mask_kv, d_base, k_base, g_base, start, m,
-                                s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, L, BK,
-                                RING_GDN, HAS_PENDING)
+                                s_dt, s_dv, s_kt, s_kk, s_gt, s_gk, offs_k, offs_v, mask_k, mask_v, neg_a, bias,
+                                L, BK, RING_GDN, HAS_PENDING, GATE_IN)
             elif ld >= 0:
                 if HAS_STACK:
                     S = tl.load(stack + i_b * s_tb + ld.to(tl.int64) * s_tt + i_h * s_th + kv_stack,
@@ -281,7 +286,7 @@ def _verify_kernel(
         qt = tl.load(p_q, mask=mask_k, other=0.0).to(tl.float32)
         kt = tl.load(p_k, mask=mask_k, other=0.0).to(tl.float32)
         vt = tl.load(p_v, mask=mask_v, other=0.0).to(tl.float32)
-        gt, alpha = load_gate(p_g, offs_k, mask_k, sg_k, BK, GDN)
+        gt, alpha = load_gate(p_g, offs_k, mask_k, sg_k, BK, GDN, GATE_IN, neg_a, bias)
         bt = tl.load(p_b).to(tl.float32)
         kn = prepare_k(kt, eps, SQRT_DIV, MAMBA2)
         S, d = delta_step(S, kn, vt, alpha, bt, MAMBA2)
@@ -325,6 +330,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
                       num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
                       tree_stack: torch.Tensor | None = None, tree_schedule: tuple | None = None,
+                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
                       null_slot: int = -1, rule: str = "delta") -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint (see `naive.verify_delta_rule`).
@@ -333,7 +339,9 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     reloads) or `intermediate_states` (every node's state); `tree_schedule`: `common.tree_schedule(parent)`,
     when the caller computed it once for every layer of a round. Ring records are stored in the ring tensors'
     dtypes; the checkpoint is read only. `rule="mamba2"`: the same kernel with the Mamba2 step (q = C, k = B
-    taken as they come: no norm, no scale; the `k` ring holds B).
+    taken as they come: no norm, no scale; the `k` ring holds B). `A_log` `[H]`, `dt_bias` `[H, K]`: g is the KDA
+    gate's input f, the kernel computes `common.kda_gate(f)` per token and the g ring keeps f (in its dtype: a
+    bf16 ring holds a bf16 model's f exactly, half the bytes of an fp32 log-decay).
     """
     check_rule(rule)
     check_float("verify_delta_rule", q, k, v, g, beta, ssm_state, intermediate_states, tree_stack,
@@ -341,6 +349,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
     if g.shape[-1] not in (1, K):
         raise ValueError(f"g: expected last dim {K} (KDA) or none (GDN), got {list(g.shape)}")
+    gate_in = check_gate_params(A_log, dt_bias, (), H, K, g)
     check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
     if norm not in ("rsqrt", "sqrt_div"):
         raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
@@ -399,14 +408,16 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         ring_start if ring_start is not None else ssm_state_indices,
         num_pending if num_pending is not None else ssm_state_indices,
         ring_indices if ring_indices is not None else ssm_state_indices,
+        A_log if gate_in else o, dt_bias if gate_in else o,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
         *ssm_state.stride(), *(intermediate_states.stride() if has_inter else (0,) * 5),
         *(tree_stack.stride() if has_stack else (0,) * 5), *ring_strides,
+        *(A_log.stride() + dt_bias.stride() if gate_in else (0, 0, 0)),
         T, H, int(null_slot), scale, float(eps),
         L=L, K=K, V=V, BK=BK, BV=BV, GDN=g.shape[-1] == 1 and K != 1, RING_GDN=has_ring and RGK == 1 and K != 1,
         RGK=RGK, IS_TREE=par is not None, HAS_INTER=has_inter, HAS_STACK=has_stack, HAS_RING=has_ring,
         HAS_START=has_ring and ring_start is not None, HAS_DK=has_dk,
         HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", STAGES=1 if par is not None else 2,
-        MAMBA2=rule == "mamba2", num_warps=num_warps, enable_fp_fusion=False,
+        MAMBA2=rule == "mamba2", GATE_IN=gate_in, num_warps=num_warps, enable_fp_fusion=False,
         **({"maxnreg": 128} if par is not None else {}))
     return o

@@ -48,10 +48,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     else:
         k = v = args.head_dim
         conv_dim = heads * (2 * k + v)
+    gate_record = args.gate_record
+    if gate_record is None:  # Kimi's gate from its input where the layout is ours; SGLang's keeps log-decays
+        gate_record = "input" if args.gate == "kda" and args.rule == "delta" and args.layout != "sglang" else "g"
+    if gate_record == "input" and (args.gate != "kda" or args.rule != "delta"):
+        parser.error("argument --gate-record: 'input' is the KDA gate's input (with --gate kda, --rule delta)")
     cfg = StateConfig(
         num_layers=args.layers, num_heads=heads, head_k_dim=k, head_v_dim=v, conv_kernel=args.conv_kernel,
         conv_dim=conv_dim, gate=args.gate, rule=args.rule, max_requests=max_requests, max_running=running,
         num_verify_tokens=args.draft_tokens, ring_len=ring_len, ssm_dtype=ssm_dtype, act_dtype="bfloat16",
+        gate_in_kernel=gate_record == "input",
     )
     print(json.dumps(plan_json(cfg, layout=args.layout), indent=2) if args.json
           else format_plan(cfg, layout=args.layout))
@@ -76,6 +82,10 @@ def add_parser(subparsers) -> None:
                    help="running requests; spec buffers get running+1 rows (default slots-1)")
     p.add_argument("--ssm-dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
     p.add_argument("--gate", choices=("kda", "gdn"), default="kda", help="kda: per-channel g; gdn: scalar g")
+    p.add_argument("--gate-record", choices=("input", "g"), default=None,
+                   help="what the g ring keeps: input (KDA: the gate's input f in bf16, the kernels compute Kimi's "
+                        "gate; the default for kda with our layouts), g (the fp32 log-decay; the default for gdn and "
+                        "with --layout sglang, as in SGLang's logs)")
     p.add_argument("--rule", choices=("delta", "mamba2"), default="delta",
                    help="delta: gated delta rule; mamba2: Mamba2 heads (with --gate gdn, --head-dim P, --state-dim "
                         "N, --groups G)")
