@@ -19,8 +19,10 @@ pytest.importorskip("triton")
 FP32_REL = 1e-5  # Triton vs the torch oracle (tests/test_triton_kernels.py)
 
 
-@pytest.mark.parametrize("gate_in_kernel", [False, True], ids=["g-records", "gate-input-records"])
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+# Kimi's gate from its input records on the tree (a superset of the chain's paths: roots, reloads, lazy rebuild);
+# chains with it: tests/test_gate_in_kernel.py and the fold property of tests/test_fold_exactness.py
+@pytest.mark.parametrize("tree,gate_in_kernel", [(False, False), (True, False), (True, True)],
+                         ids=["chain", "tree", "tree-gate-input-records"])
 def test_triton_strategies_agree(monkeypatch, tree, gate_in_kernel):
     monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")
     for op in ("verify_delta_rule", "short_conv_verify", "exact_fold", "masked_scatter"):
