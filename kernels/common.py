@@ -7,6 +7,9 @@ is bit for bit the state of n decode steps (DESIGN §5).
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 
 
@@ -162,6 +165,29 @@ def valid_slots(indices: torch.Tensor, null_slot: int) -> torch.Tensor:
     return (indices >= 0) & (indices != null_slot)
 
 
+def per_tensor(fn):
+    """Remember `fn(t, *args)` (args: hashable) for the last CPU tensor `t` and args it was called with, while `t` is that same object, unchanged
+    (its version counter, which every in-place write bumps). A forward passes one `parent` to every layer's conv,
+    verify and attention: the checks and the mask derived from it then run once per forward, not per layer.
+    Results are shared: callers do not write them. CUDA tensors are not remembered (a graph capture must see
+    every op), nor are inference tensors (no version counter)."""
+    last: list = [None, -1, None, None]  # weakref to t, t's version, the other arguments, the result
+
+    @functools.wraps(fn)
+    def remembered(t: torch.Tensor, *args):
+        if t.device.type != "cpu" or t.is_inference():
+            return fn(t, *args)
+        ref = last[0]
+        if ref is not None and ref() is t and last[1] == t._version and last[2] == args:
+            return last[3]
+        out = fn(t, *args)
+        last[:] = [weakref.ref(t), t._version, args, out]
+        return out
+
+    return remembered
+
+
+@per_tensor
 def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
     """Tree parents `[B, T]` (topological, -1 = a root) -> `[B, T, T]` bool: node t sees node u iff u is t or
     an ancestor of t. Pointer jumping: each boolean matrix product doubles the hops covered, so

@@ -36,25 +36,27 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if T == 0:
         return x.new_zeros(B, 0, C), conv_state.to(x.dtype)
     dt = math_dtype(conv_state, x, weight)
-    full = torch.cat([conv_state.to(dt), x.to(dt).transpose(1, 2)], dim=-1)  # [B, C, Kc-1+T]
-    y = conv_taps(full.unfold(2, Kc, 1), weight, bias, activation)  # token t reads columns t .. t+Kc-1
-    return y.to(x.dtype), full[..., T:].to(x.dtype)
+    full = torch.cat([conv_state.to(dt).transpose(1, 2), x.to(dt)], dim=1)  # [B, Kc-1+T, C]
+    # token t reads rows t .. t+Kc-1: `unfold` gives `[B, T, C, Kc]`, a view, read as `[B, T, Kc, C]`
+    y = conv_taps(full.unfold(1, Kc, 1).transpose(-1, -2), weight, bias, activation)
+    return y.to(x.dtype), full[:, T:].transpose(1, 2).to(x.dtype)
 
 
 def conv_taps(cols: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               activation: str | None) -> torch.Tensor:
-    """Depthwise conv of gathered inputs `cols [R, C, T, Kc]` with `weight [C, Kc]` -> `[R, T, C]` (math dtype).
+    """Depthwise conv of gathered inputs `cols [R, T, Kc, C]` (oldest tap first) with `weight [C, Kc]` ->
+    `[R, T, C]` (math dtype).
 
     One arithmetic for plain decode (`short_conv`: sliding windows of `[window, x]`) and the verify (the
     gathered inputs of each node's root path): taps multiplied and summed left to right, then the bias, then a
     silu whose rounding does not depend on the tensor's size. So every verify token's output equals plain
-    decode of its root path, bit for bit.
+    decode of its root path, bit for bit. Channels are the innermost dimension, so each tap is one contiguous
+    multiply-add per token.
     """
-    w = weight.to(cols.dtype)
-    y = cols[..., 0] * w[:, :1]  # [R, C, T]
-    for j in range(1, cols.shape[-1]):
-        y = y + cols[..., j] * w[:, j:j + 1]
-    y = y.transpose(1, 2).contiguous()
+    w = weight.to(cols.dtype).t()  # [Kc, C]
+    y = cols[..., 0, :] * w[0]  # [R, T, C]
+    for j in range(1, cols.shape[-2]):
+        y = y + cols[..., j, :] * w[j]
     if bias is not None:
         y = y + bias.to(cols.dtype)
     if activation == "silu":

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..common import (check_delta_inputs, check_gate_params, check_shape, check_verify_buffers, delta_step, kda_gate,
-                      math_dtype, prepare_qk, valid_slots)
+                      math_dtype, per_tensor, prepare_qk, valid_slots)
 from ..rebuild.naive import fast_rebuild
 from ..recurrent.naive import conv_taps
 
@@ -24,42 +24,60 @@ def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tenso
     """`None` (chain) / `[T]` / `[B, T]` -> `[B, T]` long, checked: -1 <= parent[i] < i."""
     if parent is None:
         return torch.arange(-1, T - 1, device=device).expand(B, T)
+    given = parent
     if parent.dim() == 1:
         parent = parent.expand(B, -1)
     check_shape("parent", parent, (B, T))
-    idx = torch.arange(T, device=parent.device)
-    if bool(((parent < -1) | (parent >= idx)).any()):
+    if not _topological(given):
         raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
     return parent.long()
 
 
-def conv_columns(conv_state: torch.Tensor, x: torch.Tensor, parent: torch.Tensor, Kc: int) -> torch.Tensor:
-    """The `Kc` conv inputs of every verify token, oldest first, by one gather (no per-token loop).
+@per_tensor
+def _topological(parent: torch.Tensor) -> bool:
+    """`parent [..., T]`: -1 <= parent[i] < i everywhere (checked once per forward, see `common.per_tensor`)."""
+    idx = torch.arange(parent.shape[-1], device=parent.device)
+    return not bool(((parent < -1) | (parent >= idx)).any())
 
-    Column `Kc-1` of token t is `x_t`, column `Kc-2` its parent's input, ...; past the root the columns come
-    from the slot's window, newest first (a chain is the tree whose parent is t-1).
+
+def conv_columns(conv_state: torch.Tensor, x: torch.Tensor, parent: torch.Tensor | None, Kc: int) -> torch.Tensor:
+    """The `Kc` conv inputs of every verify token, oldest first, by one row gather (no per-token loop).
+
+    Tap `Kc-1` of token t is `x_t`, tap `Kc-2` its parent's input, ...; past the root the taps come from the
+    slot's window, newest first. A chain (`parent` None) reads sliding windows of `[window, x]`, a view.
 
     Args:
-        conv_state: windows `[R, C, Kc-1]`;  x: inputs `[R, T, C]`;  parent: `[R, T]` (-1 = the window).
+        conv_state: windows `[R, C, Kc-1]`;  x: inputs `[R, T, C]`;  parent: `[R, T]` (-1 = the window) or None.
     Returns:
-        `[R, C, T, Kc]` in the math dtype of `conv_state` and `x`.
+        `[R, T, Kc, C]` in the math dtype of `conv_state` and `x`.
     """
     R, T, C = x.shape
     W = Kc - 1
     dt = math_dtype(conv_state, x)
-    full = torch.cat([conv_state.to(dt), x.to(dt).transpose(1, 2)], dim=-1)  # [R, C, W + T]
-    # Walk up from each token Kc-1 times (a loop over taps): a node's input is column W + node of `full`;
-    # once past the root, the window's columns from the newest one down.
-    cur = torch.arange(T, device=x.device).expand(R, T)
-    wcol = torch.full((R, T), W - 1, dtype=torch.long, device=x.device)
+    full = torch.cat([conv_state.to(dt).transpose(1, 2), x.to(dt)], dim=1)  # [R, W + T, C]
+    if parent is None:
+        return full.unfold(1, Kc, 1).transpose(-1, -2)
+    rows = _conv_rows(parent, R, T, Kc)  # [R * T * Kc]
+    return full.reshape(R * (W + T), C).index_select(0, rows).view(R, T, Kc, C)
+
+
+@per_tensor
+def _conv_rows(parent: torch.Tensor, R: int, T: int, Kc: int) -> torch.Tensor:
+    """Rows of `full [R * (Kc-1 + T), C]` (see `conv_columns`) holding each token's `Kc` conv inputs, oldest
+    first, flattened from `[R, T, Kc]`. Depends on the tree alone, so it is built once per forward."""
+    W = Kc - 1
+    # Walk up from each token Kc-1 times (a loop over taps): a node's input is row W + node of `full`;
+    # once past the root, the window's rows from the newest one down.
+    cur = torch.arange(T, device=parent.device).expand(R, T)
+    wrow = torch.full((R, T), W - 1, dtype=torch.long, device=parent.device)
     idx = []
     for _ in range(Kc):
         in_seq = cur >= 0
-        idx.append(torch.where(in_seq, W + cur, wcol))
-        wcol = torch.where(in_seq, wcol, wcol - 1)
+        idx.append(torch.where(in_seq, W + cur, wrow))
+        wrow = torch.where(in_seq, wrow, wrow - 1)
         cur = torch.where(in_seq, parent.gather(1, cur.clamp(min=0)), -1)
-    idx = torch.stack(idx[::-1], -1)  # [R, T, Kc], oldest first
-    return full.gather(2, idx.reshape(R, 1, T * Kc).expand(R, C, T * Kc)).view(R, C, T, Kc)
+    idx = torch.stack(idx[::-1], -1) + (W + T) * torch.arange(R, device=parent.device)[:, None, None]
+    return idx.reshape(-1)
 
 
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -92,17 +110,24 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"conv_inputs: expected [>={B}, >={T}, {C}], got {list(conv_inputs.shape)}")
     if activation not in ("silu", None):
         raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
-    parent = _parents(parent, B, T, x.device)
+    chain = parent is None
+    parent = None if chain else _parents(parent, B, T, x.device)
     rows = valid_slots(conv_state_indices, null_slot).nonzero().flatten()
-    y = x.new_zeros(B, T, C)
     if rows.numel() == 0:
-        return y
-    cols = conv_columns(conv_state[conv_state_indices[rows]], x[rows], parent[rows], Kc)  # [R, C, T, Kc]
-    y[rows] = conv_taps(cols, weight, bias, activation).to(x.dtype)
+        return x.new_zeros(B, T, C)
+    full = rows.numel() == B  # every row valid: no gathers or scatters by row
+    sel = (lambda t: t) if full else (lambda t: t[rows])  # noqa: E731
+    cols = conv_columns(conv_state[sel(conv_state_indices)], sel(x), None if chain else sel(parent), Kc)
+    yr = conv_taps(cols, weight, bias, activation).to(x.dtype)  # [R, T, Kc, C] -> [R, T, C]
+    if full:
+        y = yr
+    else:
+        y = x.new_zeros(B, T, C)
+        y[rows] = yr
     if window_states is not None:
-        window_states[rows, :T] = cols[..., 1:].transpose(1, 2).to(window_states.dtype)
+        window_states[rows, :T] = cols[:, :, 1:].transpose(-1, -2).to(window_states.dtype)
     if conv_inputs is not None:
-        conv_inputs[rows, :T] = x[rows].to(conv_inputs.dtype)
+        conv_inputs[rows, :T] = sel(x).to(conv_inputs.dtype)
     return y
 
 

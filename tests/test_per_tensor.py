@@ -1,0 +1,59 @@
+"""`kernels.common.per_tensor`: what a forward derives from `parent` once (the ancestor mask, the conv rows, the
+topology check) is recomputed whenever the tensor is another object or was written in place. Each result is
+checked against a pure-python walk of the tree as it is at the time of the call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.kernels.common import ancestor_mask
+from specdec.kernels.verify import naive as verify_naive
+
+
+def py_ancestors(parent: list[int]) -> list[list[bool]]:
+    t = len(parent)
+    out = [[False] * t for _ in range(t)]
+    for j in range(t):
+        u = j
+        while u >= 0:
+            out[j][u] = True
+            u = parent[u]
+    return out
+
+
+def test_mask_follows_in_place_writes():
+    p = torch.tensor([[-1, 0, 0, 1, 2, 3]])
+    assert ancestor_mask(p)[0].tolist() == py_ancestors(p[0].tolist())
+    assert ancestor_mask(p) is ancestor_mask(p)  # the same forward: computed once
+    p[0, 4] = 1  # the next round reuses the buffer with another tree
+    assert ancestor_mask(p)[0].tolist() == py_ancestors(p[0].tolist())
+    p[:, 3:].copy_(torch.tensor([[0, 0, 2]]))
+    assert ancestor_mask(p)[0].tolist() == py_ancestors(p[0].tolist())
+    q = p.clone()
+    q[0, 5] = 4  # another object, never served p's mask
+    assert ancestor_mask(q)[0].tolist() == py_ancestors(q[0].tolist())
+    assert ancestor_mask(p)[0].tolist() == py_ancestors(p[0].tolist())
+
+
+def test_check_follows_in_place_writes():
+    p = torch.tensor([-1, 0, 1, 1])
+    verify_naive._parents(p, 2, 4, p.device)
+    p[2] = 3  # no longer topological: the check must run again
+    with pytest.raises(ValueError, match="parent"):
+        verify_naive._parents(p, 2, 4, p.device)
+
+
+def test_conv_rows_follow_the_arguments():
+    """Same tree, another window length or batch: other rows; checked against the chain's sliding windows."""
+    T = 5
+    chain = torch.arange(-1, T - 1).expand(2, T).clone()
+    for Kc in (2, 4, 3):
+        conv_state, x = torch.randn(2, 3, Kc - 1), torch.randn(2, T, 3)
+        full = torch.cat([conv_state.transpose(1, 2), x], 1)
+        want = full.unfold(1, Kc, 1).transpose(-1, -2)  # token t reads rows t .. t+Kc-1
+        assert torch.equal(verify_naive.conv_columns(conv_state, x, chain, Kc), want)
+    one = chain[:1]
+    conv_state, x = torch.randn(1, 3, 2), torch.randn(1, T, 3)
+    want = torch.cat([conv_state.transpose(1, 2), x], 1).unfold(1, 3, 1).transpose(-1, -2)
+    assert torch.equal(verify_naive.conv_columns(conv_state, x, one, 3), want)
