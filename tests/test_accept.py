@@ -173,12 +173,15 @@ def test_tree_greedy_matches_python(data):
                 tokens[r, j] = logits[r, par[j]].argmax()
 
     path, bonus = accept_tree_greedy(tokens, parent, logits)
+    fixed, fixed_bonus = accept_tree_greedy(tokens, parent, logits, validate=False)  # the engine's call: M = T
     m = max(tree_depth(p) for p in parents) + 1
     assert path.shape == (b, m) and path.dtype == torch.long
+    assert fixed.shape == (b, t)
     for r in range(b):
         ref_path, ref_bonus = py_tree_greedy(tokens[r].tolist(), parents[r if per_row else 0], logits[r].tolist())
         assert path[r].tolist() == ref_path + [-1] * (m - len(ref_path))
-        assert int(bonus[r]) == ref_bonus
+        assert fixed[r].tolist() == ref_path + [-1] * (t - len(ref_path))
+        assert int(bonus[r]) == ref_bonus == int(fixed_bonus[r])
 
 
 # ----------------------------------------------------------------------------------------------

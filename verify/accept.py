@@ -21,6 +21,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from ..kernels.common import ancestor_mask
+
 __all__ = ["accept_chain_greedy", "accept_chain_sampling", "accept_tree_greedy", "accept_tree_sampling"]
 
 
@@ -172,6 +174,31 @@ def _prefix_len(ok: Tensor, num_drafts: Tensor | None) -> Tensor:
     return ok.long().cumprod(1).sum(1)
 
 
+def _first_match_path(parent: Tensor, ok: Tensor, *, trim: bool = True) -> tuple[Tensor, Tensor]:
+    """The greedy walk of `_walk_tree` without a loop over the nodes: from the root, move to the first child (in
+    index order) that would be accepted, until there is none.
+
+    `parent` `[B, T]` (topological, -1 = root / padding); `ok` `[B, T]` bool: node `j` is accepted when its
+    parent is the current node. A node is on the path iff it and each of its ancestors below the root is its
+    parent's first acceptable child, so the path is read off the ancestor mask. Same results as `_walk_tree`.
+    """
+    b, t = parent.shape
+    idx = torch.arange(t, device=parent.device)
+    ok = ok & (parent >= 0)  # padding nodes (parent -1 past the root) are never taken
+    earlier_sibling = (parent[:, :, None] == parent[:, None, :]) & (idx[None, :] < idx[:, None])  # [B, j, k]: k < j
+    first = ok & ~(earlier_sibling & ok[:, None, :]).any(-1)
+    first[:, 0] = True  # the root
+    anc = ancestor_mask(parent)  # [B, node, ancestor-or-self]
+    on = ~(anc & ~first[:, None, :]).any(-1)  # [B, T]: every node from the root down to it taken
+    cur = torch.where(on, idx, 0).amax(1)  # the deepest node on the path has the largest index
+    path = torch.where(on, idx, t).sort(1).values
+    path = path.masked_fill(path == t, -1)
+    if not trim:
+        return path, cur
+    m = int(anc.sum(-1).max()) if b > 0 else 1  # tree depth + 1
+    return path[:, :m].contiguous(), cur
+
+
 def _walk_tree(parent: Tensor, try_child: Callable[[int, Tensor, Tensor], Tensor], *,
                trim: bool = True) -> tuple[Tensor, Tensor]:
     """Walk every row of a tree from the root, trying children in index order.
@@ -291,10 +318,8 @@ def accept_tree_greedy(tokens: Tensor, parent: Tensor, target_logits: Tensor, *,
     best = target_logits.argmax(-1)
     tok = tokens.long()
 
-    def try_child(j: int, m: Tensor, cur: Tensor) -> Tensor:
-        return m & (tok[:, j] == best.gather(1, cur[:, None]).squeeze(1))
-
-    path, cur = _walk_tree(parent, try_child, trim=validate)
+    ok = tok == best.gather(1, parent.clamp(min=0))  # node j's token is the argmax at its parent
+    path, cur = _first_match_path(parent, ok, trim=validate)
     return path, best.gather(1, cur[:, None]).squeeze(1)
 
 
