@@ -171,17 +171,17 @@ def per_tensor(fn):
     verify and attention: the checks and the mask derived from it then run once per forward, not per layer.
     Results are shared: callers do not write them. CUDA tensors are not remembered (a graph capture must see
     every op), nor are inference tensors (no version counter)."""
-    last: list = [None, -1, None, None]  # weakref to t, t's version, the other arguments, the result
+    last: list = [None]  # one tuple (weakref to t, t's version, the other arguments, the result), swapped whole
 
     @functools.wraps(fn)
     def remembered(t: torch.Tensor, *args):
         if t.device.type != "cpu" or t.is_inference():
             return fn(t, *args)
-        ref = last[0]
-        if ref is not None and ref() is t and last[1] == t._version and last[2] == args:
-            return last[3]
+        entry = last[0]  # read once: another thread may swap in its own entry meanwhile
+        if entry is not None and entry[0]() is t and entry[1] == t._version and entry[2] == args:
+            return entry[3]
         out = fn(t, *args)
-        last[:] = [weakref.ref(t), t._version, args, out]
+        last[0] = (weakref.ref(t), t._version, args, out)
         return out
 
     return remembered
