@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels.common import per_tensor
+
 if TYPE_CHECKING:
     from .registry import DraftConfig
 
@@ -21,16 +23,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.eps) * self.weight
+        """`x * rsqrt(mean(x^2) + eps) * weight` over the last dim, as one op."""
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+@per_tensor
+def _rope_tables(positions: torch.Tensor, D: int, theta: float, dtype: torch.dtype):
+    """`(cos, sin)` `[B, 1, T, D/2]` in `dtype` of `positions [B, T]`: made once for the q and k of a layer."""
+    inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=positions.device, dtype=torch.float64) / D))
+    ang = positions[:, None, :, None].to(torch.float64) * inv
+    return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate pairs of x `[B, H, T, D]` by `positions [B, T]` (half-split RoPE)."""
     D = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float64) / D))
-    ang = positions[:, None, :, None].to(torch.float64) * inv  # [B, 1, T, D/2]
-    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    cos, sin = _rope_tables(positions, D, theta, x.dtype)
     x1, x2 = x[..., : D // 2], x[..., D // 2:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
