@@ -166,11 +166,11 @@ def valid_slots(indices: torch.Tensor, null_slot: int) -> torch.Tensor:
 
 
 def per_tensor(fn):
-    """Remember `fn(t, *args)` (args: hashable) for the last CPU tensor `t` and args it was called with, while `t` is that same object, unchanged
-    (its version counter, which every in-place write bumps). A forward passes one `parent` to every layer's conv,
-    verify and attention: the checks and the mask derived from it then run once per forward, not per layer.
-    Results are shared: callers do not write them. CUDA tensors are not remembered (a graph capture must see
-    every op), nor are inference tensors (no version counter)."""
+    """Remember `fn(t, *args)` (args: hashable) for the last CPU tensor `t` and args it was called with, while
+    `t` is that same object, unchanged (its version counter, which every in-place write bumps). A forward passes
+    one `parent` to every layer's conv, verify and attention: the checks and the mask derived from it then run
+    once per forward, not per layer. Results are shared: callers do not write them. CUDA tensors are not
+    remembered (a graph capture must see every op), nor are inference tensors (no version counter)."""
     last: list = [None]  # one tuple (weakref to t, t's version, the other arguments, the result), swapped whole
 
     @functools.wraps(fn)
