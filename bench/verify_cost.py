@@ -25,7 +25,9 @@ interleaved with each other: `chunk` (kernels/verify/chunk.py, what the dispatch
 `per-token` (kernels/verify/naive.py, the recurrence token by token). Each has its own step_1 and ratios; the
 top-level `ratios` of the JSON are the first one's. `--breakdown` then profiles (cProfile) the chain and the largest
 tree per implementation and prints where a forward's time goes: the delta-rule verify, the short conv, the rest of
-the linear-attention mixers, the attention layers, the KV mask and positions, the MLPs, and everything else.
+the linear-attention mixers, the attention layers, the KV mask and positions, the MLPs, and everything else; plus,
+across all of them, the model's matmuls (every `F.linear`: projections, MLPs, lm_head), which grow with the tokens
+whatever the verify does.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from specdec.kernels.verify import naive as verify_naive  # noqa: E402
 
 TREE_SIZES = (13, 25, 49)
 NOISY = 0.25
+LINEAR = "<built-in method torch._C._nn.linear>"  # cProfile's name of F.linear
 VERIFY_IMPLS = {"chunk": verify_chunk.verify_delta_rule, "per-token": verify_naive.verify_delta_rule}
 
 
@@ -174,6 +177,9 @@ def breakdown(runner, slots: list[int], x: torch.Tensor, p, impl: str | None, n:
     stats = pstats.Stats(prof).stats
     cum = lambda code: stats.get((code.co_filename, code.co_firstlineno, code.co_name), (0, 0, 0, 0))[3]  # noqa: E731
     out = {label: 1e3 * sum(cum(c) for c in codes) / n for label, codes in components(runner).items()}
+    # every nn.Linear of the model (projections, MLPs, lm_head), whichever part above it belongs to: the compute
+    # that grows with the tokens whatever the verify does
+    out["model matmuls (F.linear)"] = 1e3 * sum(v[3] for k, v in stats.items() if k[2] == LINEAR) / n
     out["total"] = 1e3 * sum(v[3] for k, v in stats.items() if k[2] == "forward" and k[0].endswith("runner.py")) / n
     return out
 

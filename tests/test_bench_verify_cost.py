@@ -73,6 +73,7 @@ def test_breakdown_and_bad_verify_name(tmp_path):
     for parts in bd.values():
         assert parts["total"] > 0 and parts["delta-rule verify"] > 0
         assert parts["delta-rule verify"] <= parts["linear-attn mixers (all)"] <= parts["total"]
+        assert 0 < parts["model matmuls (F.linear)"] < parts["total"]
     bad = subprocess.run(list(map(str, base + ["--verify", "chunk,fast"])), capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=120)
     assert bad.returncode != 0 and "--verify" in bad.stderr
