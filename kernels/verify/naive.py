@@ -28,13 +28,21 @@ def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tenso
     if parent.dim() == 1:
         parent = parent.expand(B, -1)
     check_shape("parent", parent, (B, T))
-    if not _topological(given):
+    if not is_topological(given):
         raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
     return parent.long()
 
 
+def _valid_rows(indices: torch.Tensor, null_slot: int):
+    """Rows `[R]` of `indices [B]` with a valid slot, whether that is every row (the usual case), and `sel`: a
+    `[B, ...]` tensor on those rows (itself when every row is valid: no gathers)."""
+    rows = valid_slots(indices, null_slot).nonzero().flatten()
+    full = rows.numel() == indices.shape[0]
+    return rows, full, (lambda x: x) if full else (lambda x: x[rows])
+
+
 @per_tensor
-def _topological(parent: torch.Tensor) -> bool:
+def is_topological(parent: torch.Tensor) -> bool:
     """`parent [..., T]`: -1 <= parent[i] < i everywhere (checked once per forward, see `common.per_tensor`)."""
     idx = torch.arange(parent.shape[-1], device=parent.device)
     return not bool(((parent < -1) | (parent >= idx)).any())
@@ -112,11 +120,9 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
     chain = parent is None
     parent = None if chain else _parents(parent, B, T, x.device)
-    rows = valid_slots(conv_state_indices, null_slot).nonzero().flatten()
+    rows, full, sel = _valid_rows(conv_state_indices, null_slot)
     if rows.numel() == 0:
         return x.new_zeros(B, T, C)
-    full = rows.numel() == B  # every row valid: no gathers or scatters by row
-    sel = (lambda t: t) if full else (lambda t: t[rows])  # noqa: E731
     cols = conv_columns(conv_state[sel(conv_state_indices)], sel(x), None if chain else sel(parent), Kc)
     yr = conv_taps(cols, weight, bias, activation).to(x.dtype)  # [R, T, Kc, C] -> [R, T, C]
     if full:
@@ -205,11 +211,9 @@ def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent, int
     check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
     chain = parent is None
     parent = _parents(parent, B, T, k.device)
-    rows = valid_slots(ssm_state_indices, null_slot).nonzero().flatten()
+    rows, full, sel = _valid_rows(ssm_state_indices, null_slot)
     if rows.numel() == 0:
         return None
-    full = rows.numel() == B  # every row valid (the usual case): no gathers
-    sel = (lambda x: x) if full else (lambda x: x[rows])  # noqa: E731
     slots = sel(ssm_state_indices)
     dt = math_dtype(ssm_state, q, k, v, g, beta)
     scale = K ** -0.5 if scale is None else scale

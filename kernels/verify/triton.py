@@ -28,7 +28,7 @@ import triton.language as tl
 from ..common import (check_delta_inputs, check_gate_params, check_rule, check_shape, check_verify_buffers,
                       tree_stack_slots)
 from ..common import tree_schedule as _schedule
-from .naive import check_ring_args
+from .naive import is_topological, check_ring_args
 from ..rebuild.triton import rebuild_tile
 from ..triton_utils import (cast_to, check_float, delta_step, gate_params, load_gate, num_warps_for, prepare_k,
                            prepare_q, readout, state_blocks)
@@ -42,9 +42,8 @@ def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tenso
     if parent.dim() == 1:
         parent = parent.expand(B, -1)
     check_shape("parent", parent, (B, T))
-    idx = torch.arange(T, device=parent.device)
     capturing = parent.is_cuda and torch.cuda.is_current_stream_capturing()  # CPU builds of torch cannot ask
-    if not capturing and bool(((parent < -1) | (parent >= idx)).any()):
+    if not capturing and not is_topological(parent):
         raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
     return parent.to(device=device, dtype=torch.int32).contiguous()
 
