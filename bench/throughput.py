@@ -68,7 +68,7 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] 
 class Runner:
     """One mode at one batch size: `run()` -> (new tokens per row, seconds, tau or None)."""
 
-    def __init__(self, mode, model, prompts, max_new, drafter=None, pad_token_id=None):
+    def __init__(self, mode, model, prompts, max_new, drafter=None, pad_token_id=None, engine_opts=None):
         self.mode, self.model, self.prompts, self.max_new = mode, model, prompts, max_new
         if mode == HF:
             from specdec.hf_compat import torch_fallbacks
@@ -82,7 +82,7 @@ class Runner:
                 self.mask[i, width - len(p):] = 1
             self.pad = pad_token_id
         else:
-            self.engine = specdec.wrap(model, drafter=drafter, max_batch_size=len(prompts))
+            self.engine = specdec.wrap(model, drafter=drafter, max_batch_size=len(prompts), **(engine_opts or {}))
 
     def run(self) -> tuple[list[list[int]], float, float | None]:
         if self.mode == HF:
@@ -105,10 +105,11 @@ class Workload:
     """One mode serving every prompt in calls of at most B prompts: `run()` as `Runner.run`, over all the calls
     (tau: tokens per verify round over all of them)."""
 
-    def __init__(self, mode, model, prompts, B, max_new, drafter=None, pad_token_id=None):
+    def __init__(self, mode, model, prompts, B, max_new, drafter=None, pad_token_id=None, engine_opts=None):
         chunks = [prompts[i:i + B] for i in range(0, len(prompts), B)]
         # one engine (and drafter) serves every call; transformers' generate takes each call's own padding
-        self.runners = [Runner(mode, model, c, max_new, drafter=drafter, pad_token_id=pad_token_id)
+        self.runners = [Runner(mode, model, c, max_new, drafter=drafter, pad_token_id=pad_token_id,
+                               engine_opts=engine_opts)
                         for c in (chunks if mode == HF else chunks[:1])]
         self.chunks, self.mode, self.max_new = chunks, mode, max_new
 
@@ -125,7 +126,7 @@ class Workload:
         return new, dt, (tokens / rounds if rounds else None) if self.mode != HF else None
 
 
-def bench_batch(B, modes, model, texts, tok, a, pad) -> tuple[dict, list[str]]:
+def bench_batch(B, modes, model, texts, tok, a, pad, engine_opts=None) -> tuple[dict, list[str]]:
     """-> ({mode: result}, errors): warmup, then `a.repeats` interleaved timed runs of every mode."""
     prompts = [tok(texts[i % len(texts)])["input_ids"][:a.prompt_tokens] for i in range(a.requests)]
     res: dict[str, dict] = {}
@@ -134,7 +135,8 @@ def bench_batch(B, modes, model, texts, tok, a, pad) -> tuple[dict, list[str]]:
     errors: list[str] = []
     for mode, drafter in modes.items():
         try:
-            r = Workload(mode, model, prompts, B, a.max_new_tokens, drafter=drafter, pad_token_id=pad)
+            r = Workload(mode, model, prompts, B, a.max_new_tokens, drafter=drafter, pad_token_id=pad,
+                         engine_opts=(engine_opts or {}).get(mode))
             new, _, _ = r.run()  # warmup: first-call costs stay out of the timings
         except Exception as e:  # noqa: BLE001 - a mode that does not run is reported, the rest go on
             first = (str(e).strip().splitlines() or [""])[0]
@@ -210,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of every configuration (after one warmup)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (torch.set_num_threads)")
+    p.add_argument("--draft-schedule", default=None, metavar="B:G[,B:G]",
+                   help="also run every drafter with this draft-length schedule (wrap's draft_tokens_by_batch: from "
+                        "batch B on, G drafts a round), as the mode DRAFTER@SCHEDULE")
     p.add_argument("--no-hf", action="store_true", help="leave out transformers' generate baseline")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     return p
@@ -229,6 +234,13 @@ def main(argv=None) -> int:
         parser.error(f"--drafters: a drafter is named twice or is named {PLAIN!r} / {HF!r}: {a.drafters}")
     if not kinds:
         parser.error("--kinds: no kind named")
+    schedule = None
+    if a.draft_schedule:
+        try:
+            schedule = {int(b): int(g) for b, g in (x.split(":") for x in split_list(a.draft_schedule))}
+            specdec.SpecConfig(draft_tokens_by_batch=schedule)
+        except ValueError as e:
+            parser.error(f"--draft-schedule: expected B:G[,B:G...] with G in [1, 7], got {a.draft_schedule!r} ({e})")
     a.requests = max(sizes) if a.requests is None else a.requests
     for flag, val in (("--requests", a.requests), ("--prompt-tokens", a.prompt_tokens),
                       ("--max-new-tokens", a.max_new_tokens),
@@ -266,6 +278,12 @@ def main(argv=None) -> int:
             skipped[name] = why
         else:
             modes[name] = arg
+    engine_opts = {}
+    if schedule:
+        for name in list(modes):
+            sched_mode = f"{name}@{a.draft_schedule}"
+            modes[sched_mode] = modes[name]
+            engine_opts[sched_mode] = {"draft_tokens_by_batch": schedule}
     modes[PLAIN] = None  # filled per engine: a fresh NoDraft each (a drafter binds to one engine)
     if not a.no_hf:
         modes[HF] = None
@@ -273,13 +291,14 @@ def main(argv=None) -> int:
     print(f"# bench/throughput.py: {a.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"float32, cpu), greedy, {a.requests} requests at every batch size, prompts cut to {a.prompt_tokens} "
           f"tokens, {a.max_new_tokens} new tokens, "
-          f"{a.repeats} repeats (medians), torch threads {torch.get_num_threads()}", flush=True)
+          f"{a.repeats} repeats (medians), torch threads {torch.get_num_threads()}"
+          + (f", draft schedule {schedule} in the DRAFTER@ modes" if schedule else ""), flush=True)
     rows: list[dict] = []
     errors: list[str] = []
     t0 = time.perf_counter()
     for B in sizes:
         batch_modes = {m: (NoDraft() if m == PLAIN else d) for m, d in modes.items()}
-        res, errs = bench_batch(B, batch_modes, model, texts, tok, a, pad)
+        res, errs = bench_batch(B, batch_modes, model, texts, tok, a, pad, engine_opts)
         errors += errs
         for mode, r in res.items():
             rows.append({"batch": B, "mode": mode, **r})
@@ -312,7 +331,7 @@ def main(argv=None) -> int:
                             "kinds": kinds,
                             "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens,
                             "repeats": a.repeats, "threads": torch.get_num_threads(), "greedy": True,
-                            "hf_baseline": not a.no_hf, "elapsed_s": elapsed},
+                            "hf_baseline": not a.no_hf, "draft_schedule": schedule, "elapsed_s": elapsed},
                "rows": rows, "errors": errors, "lossless": not errors}
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 1 if errors else 0

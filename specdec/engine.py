@@ -95,6 +95,12 @@ class SpecConfig:
     1, 2, 4, ..., max_batch_size; drafts padded to gamma; the KV cache read as a static view with a mask).
     cuda_graph: capture each bucket's verify + accept and its commit as CUDA graphs and replay them (implies
     static_shapes; needs a hybrid target on CUDA and eager commit).
+    draft_tokens_by_batch: a draft-length schedule `{batch size: drafts}`: a round of B rows drafts the value of
+    the largest key <= B (with static shapes: of the batch bucket), `num_draft_tokens` below the smallest key.
+    Where a verify is compute-bound (a CPU, or a GPU at a large batch) each verified token costs time, and the
+    drafts deep in a chain are the least likely accepted, so larger batches verify fewer of them: vLLM's
+    `speculative_disable_by_batch_size`, by degrees. E.g. `{8: 3}` (bench/RESULTS.md has the CPU sweep). A tree
+    drafter keeps its node budget; the schedule bounds its depth.
     """
 
     drafter: object = "ngram"
@@ -106,6 +112,7 @@ class SpecConfig:
     max_length: int | None = None
     static_shapes: bool = False
     cuda_graph: bool = False
+    draft_tokens_by_batch: dict | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -118,10 +125,27 @@ class SpecConfig:
             raise ValueError(f"max_batch_size: expected an int >= 1, got {self.max_batch_size!r}")
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
             raise ValueError(f"max_length: expected an int >= 2 or None, got {self.max_length!r}")
+        sched = self.draft_tokens_by_batch
+        if sched is not None:
+            ok = isinstance(sched, dict) and all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 1 and isinstance(v, int)
+                and not isinstance(v, bool) and 1 <= v <= self.num_draft_tokens for k, v in sched.items())
+            if not ok:
+                raise ValueError(f"draft_tokens_by_batch: expected a dict {{batch size >= 1: drafts in [1, "
+                                 f"num_draft_tokens = {self.num_draft_tokens}]}}, got {sched!r}")
+            self.draft_tokens_by_batch = dict(sorted(sched.items()))
         if self.cuda_graph:
             if self.commit != "eager":
                 raise ValueError("cuda_graph: needs commit='eager' (lazy commit decides on the host when to fold)")
             self.static_shapes = True
+
+    def gamma_for(self, batch: int) -> int:
+        """Drafts per round for a round of `batch` rows (see `draft_tokens_by_batch`)."""
+        gamma = self.num_draft_tokens
+        for k, v in (self.draft_tokens_by_batch or {}).items():
+            if batch >= k:
+                gamma = v
+        return gamma
 
     @classmethod
     def split(cls, options: dict) -> tuple["SpecConfig", dict]:
@@ -353,7 +377,9 @@ class SpecEngine:
         idx = self._index(active)
         contexts = Contexts([tok[b, :len(hist[b])] for b in active], [hist[b] for b in active])
         static = self.config.static_shapes
-        gamma = self.gamma if static else min(self.gamma, max(max_new - len(out_tokens[b]) for b in active))
+        gamma = self.config.gamma_for(self._bucket(B) if static else B)
+        if not static:
+            gamma = min(gamma, max(max_new - len(out_tokens[b]) for b in active))
         t = time.perf_counter()
         block = self._propose(active, contexts, gamma, sampling, gen, stats)
         stats.timings["draft"] += time.perf_counter() - t
@@ -404,9 +430,9 @@ class SpecEngine:
         if not self.config.static_shapes:
             return dict(ids=torch.cat([anchors[:, None], tokens], 1), slots=None, host_slots=host_slots,
                         num_drafts=num, real=None, parent=parent, probs=probs if sampling.do_sample else None)
-        Bk = next(b for b in self.buckets if b >= B)
+        Bk = self._bucket(B)
         tree = parent is not None or getattr(self.drafter, "tree", False)
-        G = self.runner.num_verify_tokens - 1 if tree else self.gamma
+        G = self.runner.num_verify_tokens - 1 if tree else self.config.gamma_for(Bk)
         g = tokens.shape[1]
         ids = torch.full((Bk, 1 + G), 0, dtype=torch.long, device=dev)
         ids[:B, 0] = anchors
@@ -426,6 +452,10 @@ class SpecEngine:
             q = probs.new_zeros(Bk, G, probs.shape[-1])
             q[:B, :g] = probs
         return dict(ids=ids, slots=slots_t, host_slots=host, num_drafts=num_p, real=real, parent=par, probs=q)
+
+    def _bucket(self, B: int) -> int:
+        """The static batch bucket of a round of B rows."""
+        return next(b for b in self.buckets if b >= B)
 
     def _verify_step(self, step: dict, sampling, gen) -> dict:
         """Verify forward + acceptance over `step` (see `_step_inputs`); device ops only. -> n `[Bk]` accepted
@@ -635,7 +665,8 @@ def wrap(model, config: SpecConfig | None = None, **options) -> SpecEngine:
 
     Engine options (`SpecConfig`, or its fields as keywords): drafter ("ngram", "model", a trained kind or
     directory, or a Drafter), num_draft_tokens (gamma, 7), strategy ("replay" or "snapshot"), commit ("eager"
-    or "lazy"), draft_model, max_batch_size (8), max_length, static_shapes, cuda_graph. Any other keyword is
+    or "lazy"), draft_model, max_batch_size (8), max_length, static_shapes, cuda_graph, draft_tokens_by_batch
+    (fewer drafts at larger batches, e.g. `{8: 3}`). Any other keyword is
     an option of the drafter (e.g. `max_ngram=2` for "ngram", `topk=4` for "eagle").
     """
     return SpecEngine(model, config, **options)

@@ -24,7 +24,7 @@ NEW = 8
 def test_tiny_run_json_shape_and_lossless(tmp_path):
     out = tmp_path / "out.json"
     args = [sys.executable, SCRIPT, "--batch-sizes", "1,2", "--drafters", "ngram", "--max-new-tokens", NEW,
-            "--prompt-tokens", 24, "--repeats", 1, "--threads", 1, "--json", out]
+            "--prompt-tokens", 24, "--repeats", 1, "--threads", 1, "--draft-schedule", "2:1", "--json", out]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(list(map(str, args)), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -35,10 +35,11 @@ def test_tiny_run_json_shape_and_lossless(tmp_path):
     assert res["errors"] == [] and res["lossless"] is True
     assert res["settings"]["batch_sizes"] == [1, 2] and res["settings"]["threads"] == 1
     assert res["settings"]["requests"] == 2  # default: the largest batch size
+    assert res["settings"]["draft_schedule"] == {"2": 1}
     assert res["machine"]["threads"] == 1
     rows = {(r["batch"], r["mode"]): r for r in res["rows"]}
     hf_ran = not rows[(1, "hf")].get("skipped")
-    modes = {"ngram", "plain"} | ({"hf"} if hf_ran else set())
+    modes = {"ngram", "ngram@2:1", "plain"} | ({"hf"} if hf_ran else set())
     assert {(b, m) for b in (1, 2) for m in modes} <= set(rows)
     for (B, mode), r in rows.items():
         if r.get("skipped"):
@@ -50,8 +51,8 @@ def test_tiny_run_json_shape_and_lossless(tmp_path):
         assert r["spread"] >= 1.0 and r["identical_to_plain"] is True
         assert r["scaling_vs_batch1"] == pytest.approx(
             r["tokens_per_s_median"] / rows[(1, mode)]["tokens_per_s_median"])
-    for B in (1, 2):
-        spec, plain = rows[(B, "ngram")], rows[(B, "plain")]
+    for B, mode in ((1, "ngram"), (2, "ngram"), (1, "ngram@2:1"), (2, "ngram@2:1")):
+        spec, plain = rows[(B, mode)], rows[(B, "plain")]
         assert spec["output_sha256"] == plain["output_sha256"]  # greedy speculative decoding is lossless
         assert spec["tau"] >= 1.0 and plain["tau"] == 1.0 and plain["speedup_vs_plain"] == 1.0
         assert spec["speedup_vs_plain"] == pytest.approx(spec["tokens_per_s_median"] / plain["tokens_per_s_median"])

@@ -13,6 +13,7 @@ import time
 import torch
 
 from specdec.draft import data as _data
+from specdec.draft.base import NoDraft
 
 from .draft_train import load_target
 
@@ -27,7 +28,9 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=224)
     p.add_argument("--temperatures", default="0,0.8", help="comma-separated; prompt i uses entry i mod count")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--drafter", default="ngram", help="the drafter that speeds generation up (any wrap drafter)")
+    p.add_argument("--drafter", default="ngram",
+                   help="the drafter that speeds generation up (any wrap drafter), or 'none': plain decoding, the "
+                        "faster choice at large batches on a CPU, where a verify is compute-bound")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
@@ -47,7 +50,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         prompts = _data.draw_prompts(ids, args.num_prompts, args.prompt_len, seed=args.seed)
-        engine = specdec.wrap(target, drafter=args.drafter, max_batch_size=args.batch_size,
+        engine = specdec.wrap(target, drafter=NoDraft() if args.drafter == "none" else args.drafter, max_batch_size=args.batch_size,
                               max_length=args.prompt_len + args.new_tokens + 1)
         n = _data.write_corpus(engine, prompts, args.out, new_tokens=args.new_tokens, temperatures=temps,
                                batch_size=args.batch_size, seed=args.seed)
