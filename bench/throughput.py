@@ -240,7 +240,7 @@ def main(argv=None) -> int:
             schedule = {int(b): int(g) for b, g in (x.split(":") for x in split_list(a.draft_schedule))}
             specdec.SpecConfig(draft_tokens_by_batch=schedule)
         except ValueError as e:
-            parser.error(f"--draft-schedule: expected B:G[,B:G...] with G in [1, 7], got {a.draft_schedule!r} ({e})")
+            parser.error(f"--draft-schedule: expected B:G[,B:G...], got {a.draft_schedule!r} ({e})")
     a.requests = max(sizes) if a.requests is None else a.requests
     for flag, val in (("--requests", a.requests), ("--prompt-tokens", a.prompt_tokens),
                       ("--max-new-tokens", a.max_new_tokens),

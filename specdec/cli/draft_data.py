@@ -50,7 +50,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         prompts = _data.draw_prompts(ids, args.num_prompts, args.prompt_len, seed=args.seed)
-        engine = specdec.wrap(target, drafter=NoDraft() if args.drafter == "none" else args.drafter, max_batch_size=args.batch_size,
+        drafter = NoDraft() if args.drafter == "none" else args.drafter
+        engine = specdec.wrap(target, drafter=drafter, max_batch_size=args.batch_size,
                               max_length=args.prompt_len + args.new_tokens + 1)
         n = _data.write_corpus(engine, prompts, args.out, new_tokens=args.new_tokens, temperatures=temps,
                                batch_size=args.batch_size, seed=args.seed)
