@@ -8,6 +8,7 @@
 # training depths (mtp: 7 chained steps, eagle: 7 training-time-test steps), half of DRAFTER_MINUTES each. Every run keeps its best
 # validation checkpoint (per-position teacher-forced acceptance -> tau) and a resumable state in WORK_DIR; rerun
 # the script to resume. The results land in WORK_DIR/drafters/*; bench/accept_rate.py decides what ships.
+# The shipped mtp and dspark were then continued on a corpus of long prompts: bench/train_drafters_longprompt.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model_minutes=${1:-55}
