@@ -385,7 +385,7 @@ class SpecEngine:
         stats.timings["draft"] += time.perf_counter() - t
         t = time.perf_counter()
         host_slots = [slots[b] for b in active]
-        step = self._step_inputs(host_slots, anchors[idx], block, sampling)
+        step = self._step_inputs(host_slots, anchors[idx], block, sampling, gamma)
         graphed = self.config.cuda_graph and not sampling.do_sample
         res = self._graphs.verify(step, sampling) if graphed else self._verify_step(step, sampling, gen)
         n, path, new = res["n"][:B], res["path"][:B], res["new"][:B]
@@ -421,7 +421,8 @@ class SpecEngine:
             hist[b].extend(out_tokens[b][before:])
 
     # ---- the device part of a round ------------------------------------------------------------------
-    def _step_inputs(self, host_slots: list[int], anchors: torch.Tensor, block: DraftBlock, sampling) -> dict:
+    def _step_inputs(self, host_slots: list[int], anchors: torch.Tensor, block: DraftBlock, sampling,
+                     gamma: int) -> dict:
         """The verify step's inputs: `ids [Bk, T]` (anchor, drafts), `slots [Bk]`, `num_drafts [Bk]`, `real [Bk]`
         bool, `parent [Bk, T]` or None, `probs` (sampling: `[Bk, G, V]` or None); Bk = B and T = 1 + G unless
         the engine keeps static shapes, which pads to the batch bucket, gamma drafts or the tree's node budget."""
@@ -432,7 +433,7 @@ class SpecEngine:
                         num_drafts=num, real=None, parent=parent, probs=probs if sampling.do_sample else None)
         Bk = self._bucket(B)
         tree = parent is not None or getattr(self.drafter, "tree", False)
-        G = self.runner.num_verify_tokens - 1 if tree else self.config.gamma_for(Bk)
+        G = self.runner.num_verify_tokens - 1 if tree else gamma  # the round's gamma: its bucket's entry
         g = tokens.shape[1]
         ids = torch.full((Bk, 1 + G), 0, dtype=torch.long, device=dev)
         ids[:B, 0] = anchors

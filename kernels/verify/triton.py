@@ -28,7 +28,7 @@ import triton.language as tl
 from ..common import (check_delta_inputs, check_gate_params, check_rule, check_shape, check_verify_buffers,
                       tree_stack_slots)
 from ..common import tree_schedule as _schedule
-from .naive import is_topological, check_ring_args
+from .naive import check_ring_args, is_topological
 from ..rebuild.triton import rebuild_tile
 from ..triton_utils import (cast_to, check_float, delta_step, gate_params, load_gate, num_warps_for, prepare_k,
                            prepare_q, readout, state_blocks)
