@@ -122,6 +122,43 @@ def load_drafter(path: str, target) -> nn.Module:
     return net
 
 
+# the output projections of a residual block (`draft/layers.py`): zero, the block adds nothing to the stream
+_BLOCK_OUTPUTS = ("attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def grown_state_dict(old: dict[str, torch.Tensor], net: nn.Module) -> dict[str, torch.Tensor]:
+    """`net`'s own weights taken from `old` (the own weights of a smaller drafter of the same kind) so that `net`
+    computes what that drafter computed: blocks `layers.i` that `old` lacks keep `net`'s initial weights with
+    their attention and MLP output projections zero (identity blocks, as in LLaMA Pro's block expansion), and an
+    MLP wider than in `old` keeps `old`'s units first and zero output weights for the new ones. Training then
+    starts from the smaller drafter's function. Any other difference of names or shapes is a `ValueError`."""
+    new = own_state_dict(net)
+    old_blocks = {k.split(".")[1] for k in old if k.startswith("layers.")}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in new.items():
+        if k not in old:
+            if not (k.startswith("layers.") and k.split(".")[1] not in old_blocks):
+                raise ValueError(f"drafter: the grown net has {k!r}, which the smaller one lacks")
+            out[k] = torch.zeros_like(v) if k.endswith(_BLOCK_OUTPUTS) else v.detach().clone()
+            continue
+        o = old[k].to(device=v.device, dtype=v.dtype)
+        if o.shape == v.shape:
+            out[k] = o
+        elif (k.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")) and o.dim() == 2
+              and o.shape[1] == v.shape[1] and o.shape[0] < v.shape[0]):
+            out[k] = torch.cat([o, v.detach()[o.shape[0]:]])
+        elif (k.endswith("mlp.down_proj.weight") and o.dim() == 2 and o.shape[0] == v.shape[0]
+              and o.shape[1] < v.shape[1]):
+            out[k] = torch.cat([o, v.new_zeros(v.shape[0], v.shape[1] - o.shape[1])], dim=1)
+        else:
+            raise ValueError(f"drafter: {k} is {tuple(o.shape)} in the smaller net and {tuple(v.shape)} in the "
+                             "grown one (only more blocks and wider MLPs can be grown)")
+    extra = sorted(set(old) - set(new))
+    if extra:
+        raise ValueError(f"drafter: the grown net lacks {extra[:4]}")
+    return out
+
+
 def build_drafter_net(kind: str, target, **overrides) -> nn.Module:
     """An untrained net of `kind` sized for `target` (seed torch for reproducible weights)."""
     mod = kind_module(kind)

@@ -115,6 +115,15 @@ def test_config_overrides(setup, capsys):
     assert rc == 0 and cfg["train_depth"] == 3
     a, b = load_file(root / "a" / "model.safetensors"), load_file(root / "deep" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # the same weights, a new depth
+    # more blocks: the grown drafter starts from the same function (lr 0: same validation loss), old weights kept
+    rc, grown = _run(root, capsys, "--drafter", "mtp", "--steps", 1, "--lr", 0, "--init", root / "a", "--config",
+                     "num_layers=2", "--out", root / "grown")
+    assert rc == 0 and json.load(open(root / "grown" / "config.json"))["num_layers"] == 2
+    g = load_file(root / "grown" / "model.safetensors")
+    assert all(torch.equal(a[k], g[k]) for k in a) and any(k.startswith("layers.1.") for k in g)
+    rc, again = _run(root, capsys, "--drafter", "mtp", "--steps", 1, "--lr", 0, "--init", root / "a",
+                     "--out", root / "same")
+    assert grown["val_loss_start"] == pytest.approx(again["val_loss_start"], rel=1e-6)
     rc, _ = _run(root, capsys, "--drafter", "dspark", "--steps", 1, "--config", "markov_rank=8", "--out", root / "r8")
     assert rc == 0 and json.load(open(root / "r8" / "config.json"))["markov_rank"] == 8
     for extra, msg in ((["--init", root / "a", "--config", "intermediate_size=8"], "--config"),

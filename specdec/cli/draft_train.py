@@ -23,20 +23,19 @@ def train(target, ids, kind: str, **options):
 
 
 def _reconfigured(net, target, overrides: dict, p):
-    """`net` rebuilt with config fields `overrides` and its own weights (an error when they no longer fit)."""
+    """`net` rebuilt with config fields `overrides` and its own weights: the same weights when they still fit,
+    grown (`grown_state_dict`: more blocks, wider MLPs, the same function to start from) when the fields ask for
+    more; an argument error otherwise."""
     import dataclasses
 
-    from specdec.draft.registry import kind_module, own_state_dict, to_target
+    from specdec.draft.registry import grown_state_dict, kind_module, own_state_dict, to_target
     mod = kind_module(net.config.kind)
     try:
         cfg = dataclasses.replace(net.config, **overrides)
         new = to_target(mod.Net.from_target(target, cfg), target)
-        new.load_state_dict(own_state_dict(net), strict=False)
+        new.load_state_dict(grown_state_dict(own_state_dict(net), new), strict=False)
     except (TypeError, ValueError, RuntimeError) as e:
-        p.error(f"argument --config: {e}")
-    missing = set(own_state_dict(new)) - set(own_state_dict(net))
-    if missing:
-        p.error(f"argument --config: with --init the weights must still fit (missing {sorted(missing)[:4]})")
+        p.error(f"argument --config: with --init the weights must still fit or grow ({e})")
     return new
 
 
@@ -77,7 +76,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, metavar="FILE", help="with --cache-batches: where they are kept")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="a drafter config field (JSON value), e.g. ttt_steps=6; with --init, fields that keep the "
-                        "weights' shapes (training depth, loss weights)")
+                        "weights' shapes (training depth, loss weights) or grow them (num_layers, intermediate_size: "
+                        "new blocks and MLP units start with zero output weights, so training starts from the "
+                        "--init drafter's function)")
     args = p.parse_args(argv)
     tok, target = load_target(p, args)
     from specdec.draft.registry import load_drafter, save_drafter
