@@ -209,20 +209,35 @@ class _Row:
         self.pending: list[torch.Tensor] = []  # target features `[n, F]` of committed positions not yet run
 
 
+# The default tree, by the device the drafter runs on. On a GPU a verify of 49 tokens costs about what one token
+# does (weights are read once), so the tree is EAGLE-2's size (its reference runs 60-token trees of top-10
+# children). On a CPU every node is target compute (bench/verify_cost.py: 49 nodes 2.55x a 1-token step, 13 nodes
+# 1.69x), and a narrow tree wins: on the embedded model (bench/RESULTS.md, "EAGLE's default tree on a CPU") 16
+# nodes of top-2 children ran 1.50x plain decoding at tau 4.86, 48 nodes of top-8 1.31x at tau 5.25.
+DEFAULT_TREE = {"cuda": dict(topk=8, num_nodes=48), "cpu": dict(topk=2, num_nodes=16)}
+
+
+def default_tree(device: torch.device) -> dict:
+    """`{"topk", "num_nodes"}` of the default tree on `device` (a CPU's, or the accelerators' one)."""
+    return DEFAULT_TREE["cpu" if torch.device(device).type == "cpu" else "cuda"]
+
+
 class EagleDrafter(Drafter):
     """Dynamic-tree drafts from an EAGLE-3 `Net`; see the module docstring."""
 
     name = "eagle"
 
-    def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int = 8, depth: int | None = None,
-                 num_nodes: int | None = None):
+    def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
+                 depth: int | None = None, num_nodes: int | None = None):
+        tree = default_tree(next(net.parameters()).device) if isinstance(net, Net) else DEFAULT_TREE["cuda"]
+        topk = tree["topk"] if topk is None else topk
         for arg, val in (("gamma", gamma), ("max_batch_size", max_batch_size), ("topk", topk)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{arg}: expected an int >= 1, got {val!r}")
         depth = gamma if depth is None else depth
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth: expected an int >= 1, got {depth!r}")
-        num_nodes = max(48, depth) if num_nodes is None else num_nodes
+        num_nodes = max(tree["num_nodes"], depth) if num_nodes is None else num_nodes
         if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
             raise ValueError(f"num_nodes: expected an int >= 1 (draft nodes besides the anchor), got {num_nodes!r}")
         if num_nodes < depth:
@@ -426,11 +441,12 @@ class EagleDrafter(Drafter):
         return DraftBlock(tokens, num, None, parent)
 
 
-def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int = 8, depth: int | None = None,
-                 num_nodes: int | None = None, **kwargs) -> EagleDrafter:
-    """`specdec.wrap(model, drafter="eagle" or DIR, topk=8, depth=gamma, num_nodes=max(48, depth))`:
-    `topk` children per expanded node and nodes expanded per depth, `depth` tree depth (capped by the
-    round's gamma), `num_nodes` drafts kept after reranking (the verify window is num_nodes + 1)."""
+def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
+                 depth: int | None = None, num_nodes: int | None = None, **kwargs) -> EagleDrafter:
+    """`specdec.wrap(model, drafter="eagle" or DIR, topk=..., depth=gamma, num_nodes=...)`: `topk` children per
+    expanded node and nodes expanded per depth, `depth` tree depth (capped by the round's gamma), `num_nodes`
+    drafts kept after reranking (the verify window is num_nodes + 1). Unset, `topk` and `num_nodes` (at least
+    `depth`) are the device's default tree (`DEFAULT_TREE`: 8 and 48 on a GPU, 2 and 16 on a CPU)."""
     if kwargs:
         raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the eagle drafter "
                          "(expected topk, depth, num_nodes)")

@@ -151,6 +151,29 @@ def test_greedy_identity(setup, family, trained):
               f"rounds {st.rounds} timings {({k: round(v, 2) for k, v in st.timings.items()})}")
 
 
+def test_default_tree_follows_the_device(setup):
+    """Unset tree options take the device's default tree: a narrow one on a CPU, EAGLE-2's size on a GPU; the
+    default tree's rounds stay exact (transformers' greedy generate) and verify that many nodes."""
+    from specdec.draft.eagle import DEFAULT_TREE, default_tree
+    assert default_tree(torch.device("cpu")) == DEFAULT_TREE["cpu"] == dict(topk=2, num_nodes=16)
+    assert default_tree(torch.device("cuda", 0)) == DEFAULT_TREE["cuda"] == dict(topk=8, num_nodes=48)
+    net = setup.untrained_net("kimi_linear")
+    d = make_drafter(net, gamma=7, max_batch_size=2)
+    assert (d.topk, d.num_nodes, d.max_verify_tokens(7)) == (2, 16, 17)
+    assert make_drafter(net, gamma=20, max_batch_size=2).num_nodes == 20  # never fewer nodes than depth
+    assert make_drafter(net, gamma=7, max_batch_size=2, topk=5).num_nodes == 16
+    target = setup.target("kimi_linear")
+    engine = specdec.wrap(target, drafter=make_drafter(net, gamma=GAMMA, max_batch_size=2), num_draft_tokens=GAMMA,
+                          max_batch_size=2)
+    rec = _Recorder(engine)
+    out = _generate(engine, PROMPTS)
+    for b, p in enumerate(PROMPTS):
+        ref = greedy_reference(target, p, N)
+        assert out.sequences[b, :len(ref)].tolist() == ref
+    # depth GAMMA with top-2 children: 2 candidates at depth 1, then 4 per depth, the best 16 kept
+    assert rec.blocks[0].tokens.shape == (2, min(16, 2 + 4 * (GAMMA - 1))) and _branching(rec.blocks) > 0
+
+
 def test_generic_target_gets_chains(setup):
     """A target without a hybrid adapter verifies chains only: the eagle drafter sends its best path."""
     from transformers import LlamaConfig, LlamaForCausalLM
