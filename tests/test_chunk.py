@@ -53,6 +53,33 @@ def test_strong_gates_do_not_overflow_or_cancel(C):
     assert_close(S, S_ref, dtype=F32, msg="S")
 
 
+@pytest.mark.parametrize("gates", ["mild", "strong", "mixed"])
+def test_factored_and_pairwise_decays(gates, monkeypatch):
+    """Chunks of 16 with per-token log-decays down to -6 span up to ~60 per channel: the factored decays
+    (`factored_terms`, factors up to e^+-30) run there; at -60 the pairwise ones; with both kinds of chunk in
+    one call, each chunk its own. All stay element-wise within the fp32 tolerance of the fp64 recurrence."""
+    import specdec.kernels.chunk.naive as naive
+    fitted = []
+    monkeypatch.setattr(naive, "factored_terms",
+                        lambda *a, f=naive.factored_terms: (lambda r: fitted.append(r[-1].clone()) or r)(f(*a)))
+    q, k, v, g, beta, S0 = _inputs(1, 2, 48, 2, 8, 4, gdn=False, dtype=F32, gate_scale=6.0)
+    if gates != "mild":  # strong: every token; mixed: the second chunk of the first row only
+        sel = (slice(None), slice(None)) if gates == "strong" else (0, slice(16, 32))
+        g = g.clone()
+        g[sel] = g[sel] * 10.0
+    o_ref, S_ref = recurrent_delta_rule(*(x.double() for x in (q, k, v, g, beta)), initial_state=S0.double())
+    o, S = chunk_delta_rule(q, k, v, g, beta, initial_state=S0, chunk_size=16)
+    (fits,) = fitted  # [B, H, N]: one call for every chunk
+    want = torch.ones(2, 2, 3, dtype=torch.bool)
+    if gates == "strong":
+        want[:] = False
+    elif gates == "mixed":
+        want[0, :, 1] = False
+    assert torch.equal(fits, want)
+    assert_close(o, o_ref, dtype=F32, msg="o")
+    assert_close(S, S_ref, dtype=F32, msg="S")
+
+
 @pytest.mark.parametrize("gdn", [False, True])
 def test_gradients_equal_recurrence(gdn):
     """Autograd through the chunked form == autograd through the token loop (fp64)."""

@@ -220,7 +220,7 @@ def test_strong_gates_stay_finite_and_accurate(tree, strength, pairwise, monkeyp
     recurrence."""
     import specdec.kernels.verify.chunk as chunk_mod
     calls = []
-    monkeypatch.setattr(chunk_mod, "wy_terms", lambda *a, f=chunk_mod.wy_terms: calls.append(1) or f(*a))
+    monkeypatch.setattr(chunk_mod, "wy_terms", lambda *a, f=chunk_mod.wy_terms, **kw: calls.append(1) or f(*a, **kw))
     T = 9
     parent = [-1, 0, 1, 1, 2, 4, -1, 6, 5] if tree else list(range(-1, T - 1))
     c = dict(B=1, T=T, N=2, H=2, K=8, V=4, gdn=False, dtype=F64)

@@ -5,7 +5,9 @@ Within a chunk starting from state S0 (log-gates cumulated in the chunk, `G_t = 
     u = (I + A)^-1 (beta v - beta (k * exp(G)) S0),   A[i, j] = beta_i sum_c k_i k_j exp(G_i - G_j)  (j < i)
     o = (q * exp(G)) S0 + P u,                        P[i, j] = sum_c q_i k_j exp(G_i - G_j)          (j <= i)
     S = exp(G_C) S0 + (k * exp(G_C - G))^T u
-Every exponent is a decay (<= 0), so nothing overflows however strong the gate; only the S0 hand-off between
+A and P take the decays `exp(G_i - G_j)` as products of `[C, K]` factors around each channel's midpoint
+(`factored_terms`: two matmuls) where the gates allow it, and the pairwise decays `[C, C, K]` otherwise, where
+every exponent is a decay (<= 0), so nothing overflows however strong the gate. Only the S0 hand-off between
 chunks is sequential. `wy_terms` holds the intra-chunk part; the tree verify (`kernels/verify/chunk.py`) calls it
 with an ancestor mask in place of the causal one.
 """
@@ -18,28 +20,80 @@ import torch.nn.functional as F
 from ..common import check_delta_inputs, math_dtype, prepare_qk
 
 
+# Widest range of cumulated log-decays (per channel, within a chunk) the factored form takes. A product of two
+# factors is e^(G_i - G_j), at most e^span where i does not see j (masked afterwards, but it must stay finite:
+# inf * 0 is NaN), so span stays below the dtype's largest exponent (fp32: e^88, fp64: e^709); each factor is
+# then at most e^(span / 2), which keeps its relative error (that of its exponent) near the dtype's epsilon.
+SPAN = {torch.float32: 80.0, torch.float64: 700.0}
+
+
+def factored_terms(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, G: torch.Tensor,
+                   mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A and P of the WY form from `[C, K]` factors, and which chunks the factors fit.
+
+    The decay between two tokens, `e^(G_i - G_j)`, factors as `e^(G_i - r) e^(r - G_j)` around the midpoint `r`
+    of each channel's range of G in the chunk (taken in G's dtype, so fp64 cumulated gates lose nothing), so A
+    and P are matmuls over `[C, K]` instead of sums over the pairwise decays `[C, C, K]`. A chunk fits when no
+    channel's range is wider than `SPAN`; in the others the factors are clamped to stay finite and A, P are
+    wrong there (`wy_terms` replaces them).
+
+    Args: as `wy_terms` (`mask` bool or 0/1 `[..., C, C]`).
+    Returns:
+        `(A [..., C, C] strictly lower, P [..., C, C], up [..., C, K], kdown [..., C, K], fits [...] bool)` in
+        q's dtype, with `up = e^(G - r)` and `kdown = k e^(r - G)`: `A[i, j] = beta_i (k_i up_i) . kdown_j` for
+        j < i that i sees.
+    """
+    dt = q.dtype
+    hi, lo = G.amax(-2, keepdim=True), G.amin(-2, keepdim=True)
+    fits = ((hi - lo).amax(-1) <= SPAN[dt]).squeeze(-1)
+    r, half = (hi + lo) / 2, SPAN[dt] / 2
+    up, kdown = (G - r).clamp(-half, half).to(dt).exp(), k * (r - G).clamp(-half, half).to(dt).exp()
+    m = mask.to(dt)
+    A = (beta * ((k * up) @ kdown.transpose(-1, -2)) * m).tril(-1)     # strict: j sees itself through I
+    P = ((q * up) @ kdown.transpose(-1, -2)) * m
+    return A, P, up, kdown, fits
+
+
+def _pairwise_terms(q, k, beta, G, mask):
+    """(kd, A, P) of `wy_terms` from the pairwise decays `[..., C, C, K]` (every exponent <= 0 where i sees j)."""
+    decay = (G[..., :, None, :] - G[..., None, :, :]).to(q.dtype).masked_fill(~mask[..., None], float("-inf")).exp()
+    kd = k[..., None, :, :] * decay                                    # [..., C(i), C(j), K]
+    A = (beta * (k[..., :, None, :] * kd).sum(-1)).tril(-1)            # strict: j sees itself through I
+    return kd, A, (q[..., :, None, :] * kd).sum(-1)
+
+
 def wy_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor,
-             mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+             mask: torch.Tensor, *, pairwise: bool = False) -> tuple[torch.Tensor | None, ...]:
     """The intra-chunk terms of the WY form, for a causal chunk or a tree of tokens.
 
     Token i sees token j when `mask[i, j]` (j == i or j before i on i's path: the lower triangle for a chain,
-    the ancestor mask for a tree); `G_i` is the log-decay summed over the tokens i sees.
+    the ancestor mask for a tree); `G_i` is the log-decay summed over the tokens i sees. Each chunk takes A and
+    P from `factored_terms` where its gates allow it, else (or everywhere with `pairwise=True`) from the
+    pairwise decays.
 
     Args:
         q: normalized, scaled queries `[..., C, K]`;  k: normalized keys `[..., C, K]`;  v: `[..., C, V]`;
         beta: `[..., C, 1]`;  G: `[..., C, K or 1]` (any float dtype: the differences are taken in it, then cast
         to q's dtype);  mask: `[..., C, C]` bool, true on the diagonal.
     Returns:
-        `(kd [..., C, C, K], P [..., C, C], W [..., C, V], Y [..., C, K], eG [..., C, K or 1])` in q's dtype, with
-        `kd[i, j] = k_j exp(G_i - G_j)` (0 where i does not see j). From a start state S0 the records are
-        `u = W - Y S0` (the `d` of each token's step), the outputs `o = (q eG) S0 + P u`, and the state after
-        token i is `eG_i S0 + kd[i]^T u`.
+        `(kd [..., C, C, K] or None, P [..., C, C], W [..., C, V], Y [..., C, K], eG [..., C, K or 1])` in q's
+        dtype, with `kd[i, j] = k_j exp(G_i - G_j)` (0 where i does not see j; given with `pairwise=True`).
+        From a start state S0 the records are `u = W - Y S0` (the `d` of each token's step), the outputs
+        `o = (q eG) S0 + P u`, and the state after token i is `eG_i S0 + kd[i]^T u`.
     """
     dt = q.dtype
-    decay = (G[..., :, None, :] - G[..., None, :, :]).to(dt).masked_fill(~mask[..., None], float("-inf")).exp()
-    kd = k[..., None, :, :] * decay                                    # [..., C(i), C(j), K]
-    A = (beta * (k[..., :, None, :] * kd).sum(-1)).tril(-1)            # strict: j sees itself through I
-    P = (q[..., :, None, :] * kd).sum(-1)
+    kd = None
+    if pairwise:
+        kd, A, P = _pairwise_terms(q, k, beta, G, mask)
+    else:
+        A, P, _, _, fits = factored_terms(q, k, beta, G, mask)
+        if not bool(fits.all()):  # the chunks with stronger gates take the pairwise decays
+            C = A.shape[-1]
+            idx = (~fits).reshape(-1).nonzero().squeeze(1)
+            pick = lambda x: x.expand(*fits.shape, *x.shape[-2:]).reshape(-1, *x.shape[-2:])[idx]  # noqa: E731
+            _, A_s, P_s = _pairwise_terms(pick(q), pick(k), pick(beta), pick(G), pick(mask))
+            A = A.reshape(-1, C, C).index_copy(0, idx, A_s).view(A.shape)
+            P = P.reshape(-1, C, C).index_copy(0, idx, P_s).view(P.shape)
     eG = G.to(dt).exp()
     W = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
     Y = torch.linalg.solve_triangular(A, beta * k * eG, upper=False, unitriangular=True)
@@ -80,7 +134,7 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     G = chunks(g.expand(B, T, H, K)).double().cumsum(-2)
     b = chunks(beta[..., None])                                        # [B, H, N, C, 1]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    kd, P, W, Y, eG = wy_terms(q, k, v, b, G, causal)
+    _, P, W, Y, eG = wy_terms(q, k, v, b, G, causal)
     if rule == "mamba2":
         W, Y = b * v, None
     qG = q * eG

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..chunk.naive import wy_terms
+from ..chunk.naive import factored_terms, wy_terms
 from ..common import ancestor_mask, delta_step
 from .naive import store_ring_records, verify_inputs
 
@@ -67,18 +67,14 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     G = heads((mask @ g.reshape(R, T, -1)).reshape(g.shape))            # [R, H, T, K|1]: sums along root paths
     m = mask[:, None]                                                      # [R, 1, T, T]
     qh, kh, vh, bh = heads(q), heads(k), heads(v), heads(beta[..., None])
-    hi, lo = G.amax(-2, keepdim=True), G.amin(-2, keepdim=True)
-    if float((hi - lo).max()) > _SPAN[q.dtype]:
-        kd, P, W, Y, eG = wy_terms(qh, kh, vh, bh, G, m > 0)
+    A, P, up, kdown, fits = factored_terms(qh, kh, bh, G, m)
+    if not bool(fits.all()):
+        kd, P, W, Y, eG = wy_terms(qh, kh, vh, bh, G, m > 0, pairwise=True)
         d = (W - Y @ S0).contiguous()                                      # [R, H, T, V]
         if states is not None:  # sum over the visible j of e^(G_t - G_j) k_j d_j^T
             states.copy_(tokens((kd.transpose(-1, -2).reshape(R, H, T * K, T) @ d).reshape(R, H, T, K, V)))
     else:
-        r = (hi + lo) / 2
-        eG, up, down = G.exp(), (G - r).exp(), (r - G).exp()
-        kdown = kh * down                                                  # k_j e^(r - G_j)
-        A = (bh * ((kh * up) @ kdown.transpose(-1, -2)) * m).tril(-1)      # strict: t sees itself through I
-        P = ((qh * up) @ kdown.transpose(-1, -2)) * m
+        eG = G.exp()
         d = torch.linalg.solve_triangular(A, bh * (vh - (kh * eG) @ S0), upper=False, unitriangular=True)
         d = d.contiguous()  # LAPACK hands back column-major; the products below want rows
         if states is not None:  # e^(G_t - r) times the sum over the visible j of k_j e^(r - G_j) d_j^T
@@ -92,12 +88,6 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         states.addcmul_(tokens(eG)[..., None], S0[:, None])
     o = (qh * eG) @ S0 + P @ d
     return tokens(o), tokens(d)
-
-
-# Widest range of cumulated log-decays (per channel, within a chunk) the factored form takes. A product of two
-# factors is e^(G_t - G_j), at most e^span where t does not see j (masked afterwards, but it must stay finite:
-# inf * 0 is NaN), so span stays below the dtype's largest exponent (fp32: e^88, fp64: e^709).
-_SPAN = {torch.float32: 80.0, torch.float64: 700.0}
 
 
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
