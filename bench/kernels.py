@@ -37,8 +37,11 @@ except ImportError:  # a bare checkout: map the folders onto the specdec namespa
 from specdec.kernels import dispatch  # noqa: E402
 
 GB = 1e9
-CUDA_DEFAULTS = dict(heads=32, head_dim=128, draft_tokens=8, requests=64, layers=20)
-CPU_DEFAULTS = dict(heads=2, head_dim=16, draft_tokens=4, requests=2, layers=2)
+CUDA_DEFAULTS = dict(heads=32, head_dim=128, draft_tokens=8, requests=64, layers=20, prefill_tokens=1024)
+CPU_DEFAULTS = dict(heads=2, head_dim=16, draft_tokens=4, requests=2, layers=2, prefill_tokens=256)
+# per-token log-decays of the chunked prefill: mild ones (every chunk of 16 takes the factored decays) and
+# strong ones (the pairwise decays in every chunk), U(-x, 0) per channel
+PREFILL_GATES = {"chunk_prefill_mild": 1.0, "chunk_prefill_strong": 20.0}
 FOLD_N = (1, 2, 4, 8)  # accepted tokens folded per request
 
 
@@ -86,7 +89,7 @@ def copy_bandwidth(device: str) -> float:
 class Shapes:
     def __init__(self, a):
         self.H, self.K, self.V = a.heads, a.head_dim, a.head_dim
-        self.D, self.B, self.Lyr = a.draft_tokens, a.requests, a.layers
+        self.D, self.B, self.Lyr, self.T = a.draft_tokens, a.requests, a.layers, a.prefill_tokens
         self.N = self.B + 1                      # + the null slot
         self.L = 1 << max(0, (2 * self.D - 1).bit_length())  # next_pow2(2 D)
         self.C, self.Kc = 3 * self.H * self.K, 4  # q, k, v convs of one layer
@@ -143,6 +146,7 @@ def byte_counts(s: Shapes) -> dict[str, int]:
         "fast_rebuild": 2 * state + pending,
         **{f"exact_fold_n{n}": Lyr * (2 * state + B * n * H * ((V + K) * ab + K * 4 + 4)) for n in FOLD_N},
         "masked_scatter": 2 * Lyr * state,
+        **{op: B * s.T * H * ((2 * K + V) * ab + K * 4 + 4) + B * s.T * H * V * ab + state for op in PREFILL_GATES},
     }
 
 
@@ -175,6 +179,14 @@ def build_cases(s: Shapes, device: str, impls: list[str]):
         if snap is not None:
             cases.append(("masked_scatter", impl, lambda scatter=scatter: scatter(
                 snap, fold["ssm_state"], fold["ssm_state_indices"], step)))
+    if "reference" in impls:  # the chunked prefill of one layer (the CPU's; CUDA prefills with fla's kernels)
+        from specdec.kernels import chunk_delta_rule
+        gen = torch.Generator(device=device).manual_seed(1)
+        pre = [torch.randn(B, s.T, H, n, generator=gen, device=device).to(s.act) for n in (K, K, V)]
+        beta = torch.rand(B, s.T, H, generator=gen, device=device)
+        for op, scale in PREFILL_GATES.items():
+            g = -scale * torch.rand(B, s.T, H, K, generator=gen, device=device)
+            cases.append((op, "reference", lambda g=g: chunk_delta_rule(*pre, g, beta, initial_state=x["ssm_state"][:B])))
     if "fla" in s.extra:
         cases += fla_cases(s, x, device)
     return [c for c in cases if c[0] in s.ops]
