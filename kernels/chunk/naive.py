@@ -134,7 +134,8 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     G = chunks(g.expand(B, T, H, K)).double().cumsum(-2)
     b = chunks(beta[..., None])                                        # [B, H, N, C, 1]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    _, P, W, Y, eG = wy_terms(q, k, v, b, G, causal)
+    # on a GPU the pairwise decays (no host read of which chunks fit; fla's kernels prefill the delta rule there)
+    _, P, W, Y, eG = wy_terms(q, k, v, b, G, causal, pairwise=q.is_cuda)
     if rule == "mamba2":
         W, Y = b * v, None
     qG = q * eG
