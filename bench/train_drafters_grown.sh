@@ -5,29 +5,13 @@
 # the shipped drafter's function. DSpark goes from 2 to 4 target-sized blocks (the reference recipe uses 5 for a
 # 36-layer target); MTP from one block with a 256-wide MLP to 2 blocks of the target's MLP width (768).
 # Usage: bash bench/train_drafters_grown.sh [WORK_DIR] [INIT_MODEL_DIR]
-#   WORK_DIR holds (or gets) the corpus of bench/train_drafters_longprompt.sh (corpus2.jsonl, cache2.pt).
+#   WORK_DIR holds (or gets) the corpus of bench/train_drafters_longprompt.sh (corpus2.jsonl; cache2.pt shared).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=${1:-/tmp/specdec_longprompt}
 init=${2:-specdec/embedded}
-mkdir -p "$work"
-[ -f "$work/text.txt" ] || python -m specdec.train_embedded --dump-corpus "$work/text.txt" --corpus-mb 4
-part() {
-    [ -f "$work/corpus_$1.jsonl" ] && [ "$(wc -l < "$work/corpus_$1.jsonl")" -ge 768 ] && return 0
-    OMP_NUM_THREADS=1 python -m specdec.draft.data --target specdec/embedded --text "$work/text.txt" \
-        --out "$work/corpus_$1.jsonl" --num-prompts 768 --prompt-len 128 --new-tokens 128 --temperatures 0 \
-        --batch-size 32 --drafter none --seed "$1" --threads 1 > "$work/corpus_$1.log" 2>&1
-}
-part 21 & part 22 & wait
-[ -f "$work/corpus2.jsonl" ] || python - "$work/corpus2.jsonl" "$work/corpus_21.jsonl" "$work/corpus_22.jsonl" <<'PY'
-import json, sys
-out, parts = sys.argv[1], sys.argv[2:]
-with open(out, "w") as f:
-    for k, p in enumerate(parts):
-        for line in open(p):
-            if line.strip():
-                r = json.loads(line); r["id"] += 100000 * k; f.write(json.dumps(r) + "\n")
-PY
+# the corpus of bench/train_drafters_longprompt.sh (resumed or reused when WORK_DIR already holds it)
+CORPUS_ONLY=1 bash bench/train_drafters_longprompt.sh "$work"
 train() {  # kind, out dir, config overrides...
     local kind=$1 out=$2; shift 2
     OMP_NUM_THREADS=1 python -m specdec.draft.train --target specdec/embedded --data "$work/corpus2.jsonl" \

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # MTP and DSpark continued on a self-distilled corpus of long prompts (CPU, two jobs at a time).
-# Usage: bash bench/train_drafters_longprompt.sh [WORK_DIR] [INIT_MODEL_DIR]
+# Usage: bash bench/train_drafters_longprompt.sh [WORK_DIR] [INIT_MODEL_DIR]   (CORPUS_ONLY=1: build the corpus, stop)
 #   INIT_MODEL_DIR: where the drafters to continue live (default specdec/embedded; the run recorded in
 #   bench/RESULTS.md, "Self-distilled corpus of long prompts", started from the drafters of commit 610d492:
 #   `git archive 610d492 specdec/embedded | tar -x -C DIR` gives them in DIR/specdec/embedded).
@@ -44,6 +44,7 @@ train() {  # kind, init dir, out dir, corpus, cache, seed, cached batches, steps
 # parts 21 and 22; one cache of target batches (seed 0) serves both kinds
 part 21 & part 22 & wait
 merge "$work/corpus2.jsonl" "$work/corpus_21.jsonl" "$work/corpus_22.jsonl"
+[ "${CORPUS_ONLY:-0}" = 1 ] && exit 0  # the corpus alone (bench/train_drafters_grown.sh trains on it)
 train mtp "$init/drafters/mtp" "$work/mtp" "$work/corpus2.jsonl" "$work/cache2.pt" 0 250 1500 &
 while [ ! -f "$work/cache2.pt" ]; do sleep 10; done
 train dspark "$init/drafters/dspark" "$work/dspark" "$work/corpus2.jsonl" "$work/cache2.pt" 0 250 1500 &
