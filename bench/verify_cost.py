@@ -12,9 +12,10 @@ every forward starts from the same state:
     chain_8  an 8-token chain (anchor + 7 drafts: a gamma-7 round)
     tree_13, tree_25, tree_49   trees of 13, 25 and 49 nodes (anchor included)
 
-The trees have the shape of EAGLE's top-k trees (topk `--topk`, default 8, as the eagle drafter): the anchor's
-`topk` children, then at every further depth the best half of the previous depth (its first nodes) expanded
-into two children each, `topk` nodes per depth, until the node count is reached; node order is topological.
+The trees have the shape of EAGLE's top-k trees (topk `--topk`, default 8, as the eagle drafter's GPU tree):
+the anchor's `topk` children, then at every further depth the best half of the previous depth (its first nodes)
+expanded into two children each, `topk` nodes per depth, until the node count is reached; node order is
+topological.
 
 All kinds run in one process, interleaved (each repeat runs every kind once, in a rotated order) after
 `--warmup` untimed rounds; each figure is the median over `--repeats`. Ratios are median(kind) / median(step_1).
