@@ -39,15 +39,20 @@ def factored_terms(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, G: torc
 
     Args: as `wy_terms` (`mask` bool or 0/1 `[..., C, C]`).
     Returns:
-        `(A [..., C, C] strictly lower, P [..., C, C], up [..., C, K], kdown [..., C, K], fits [...] bool)` in
-        q's dtype, with `up = e^(G - r)` and `kdown = k e^(r - G)`: `A[i, j] = beta_i (k_i up_i) . kdown_j` for
-        j < i that i sees.
+        `(A [..., C, C] strictly lower, P [..., C, C], up [..., C, K], kdown [..., C, K], fits)` in q's dtype,
+        with `up = e^(G - r)` and `kdown = k e^(r - G)`: `A[i, j] = beta_i (k_i up_i) . kdown_j` for j < i that
+        i sees; `fits` is None when every chunk fits (one host read), else `[...]` bool per chunk.
     """
     dt = q.dtype
     hi, lo = G.amax(-2, keepdim=True), G.amin(-2, keepdim=True)
     fits = ((hi - lo).amax(-1) <= SPAN[dt]).squeeze(-1)
-    r, half = (hi + lo) / 2, SPAN[dt] / 2
-    up, kdown = (G - r).clamp(-half, half).to(dt).exp(), k * (r - G).clamp(-half, half).to(dt).exp()
+    r = (hi + lo) / 2
+    up, down = G - r, r - G
+    if bool(fits.all()):
+        fits = None
+    else:  # finite factors in the chunks that do not fit (their A and P are replaced)
+        up, down = up.clamp(-SPAN[dt] / 2, SPAN[dt] / 2), down.clamp(-SPAN[dt] / 2, SPAN[dt] / 2)
+    up, kdown = up.to(dt).exp(), k * down.to(dt).exp()
     m = mask.to(dt)
     A = (beta * ((k * up) @ kdown.transpose(-1, -2)) * m).tril(-1)     # strict: j sees itself through I
     P = ((q * up) @ kdown.transpose(-1, -2)) * m
@@ -87,7 +92,7 @@ def wy_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
         kd, A, P = _pairwise_terms(q, k, beta, G, mask)
     else:
         A, P, _, _, fits = factored_terms(q, k, beta, G, mask)
-        if not bool(fits.all()):  # the chunks with stronger gates take the pairwise decays
+        if fits is not None:  # the chunks with stronger gates take the pairwise decays
             C = A.shape[-1]
             idx = (~fits).reshape(-1).nonzero().squeeze(1)
             pick = lambda x: x.expand(*fits.shape, *x.shape[-2:]).reshape(-1, *x.shape[-2:])[idx]  # noqa: E731

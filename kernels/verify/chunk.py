@@ -68,7 +68,7 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     m = mask[:, None]                                                      # [R, 1, T, T]
     qh, kh, vh, bh = heads(q), heads(k), heads(v), heads(beta[..., None])
     A, P, up, kdown, fits = factored_terms(qh, kh, bh, G, m)
-    if not bool(fits.all()):
+    if fits is not None:  # some channel's gates too strong for the factors
         kd, P, W, Y, eG = wy_terms(qh, kh, vh, bh, G, m > 0, pairwise=True)
         d = (W - Y @ S0).contiguous()                                      # [R, H, T, V]
         if states is not None:  # sum over the visible j of e^(G_t - G_j) k_j d_j^T
