@@ -16,11 +16,9 @@ in one batched forward and appends their K/V. Tree nodes live in a per-round scr
 committed cache plus their own ancestors (ancestor mask), at positions `root + depth`; nothing of a
 round survives it, so rollback is free.
 
-Tree (EAGLE-2 dynamic tree). Depth 1: the `topk` most likely tokens after the anchor. At every further
-depth the `topk` candidates of the newest depth with the highest cumulative draft log-probability are
-expanded, each into its `topk` most likely children. Finally all candidates are reranked by cumulative
-log-probability and the best `num_nodes` kept (a child never scores above its parent, so the kept set is
-closed under ancestors), in topological order. The drafts are deterministic functions of the committed
+Tree: EAGLE-2's dynamic tree (`tree.DynamicTree`): at every depth the `topk` best candidates of the newest
+depth are expanded into their `topk` most likely children; the best `num_nodes` by cumulative draft
+log-probability are kept, in topological order. The drafts are deterministic functions of the committed
 history, so the block carries `probs=None` (one-hot q): recursive rejection over distinct siblings with
 one-hot q is exactly sampling from the target, so this is lossless for sampling as well as greedy.
 """
@@ -36,6 +34,7 @@ import torch.nn.functional as F
 from .base import DraftBlock, Drafter
 from .layers import Block, RMSNorm, soft_ce
 from .registry import DraftConfig, TargetBatch, check_target
+from .tree import DynamicTree, log_scores
 
 
 @dataclass
@@ -354,12 +353,6 @@ class EagleDrafter(Drafter):
             st.pending = []
         return root_h, root_logits, lens + n
 
-    @staticmethod
-    def _scores(logits: torch.Tensor, sampling) -> torch.Tensor:
-        if sampling is not None and sampling.do_sample and sampling.temperature != 1.0:
-            logits = logits / sampling.temperature
-        return logits.log_softmax(-1).clamp(max=0.0)  # a child never scores above its parent
-
     @torch.no_grad()
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
         net, dev = self.net, self.device
@@ -368,32 +361,19 @@ class EagleDrafter(Drafter):
             return DraftBlock.empty(0, dev)
         root_h, root_logits, lens = self._catch_up(rows, contexts)
         depth = max(1, min(self.depth, int(gamma)))
-        V = root_logits.shape[-1]
-        k = min(self.topk if self.tree else 1, V)
-        # candidates (global index order = creation order: by depth, parents first)
-        lp = self._scores(root_logits, sampling)
-        s0, t0 = lp.topk(k, -1)
-        c_score, c_tok = [s0], [t0]
-        c_parent = [torch.full((B, k), -1, dtype=torch.long, device=dev)]  # parent candidate (-1: the anchor)
-        c_src = [torch.full((B, k), -1, dtype=torch.long, device=dev)]  # expanded node whose step scored it
-        level = (0, k)
+        tree = DynamicTree(log_scores(root_logits, sampling), self.topk if self.tree else 1)
         S0 = int(lens.max())
         rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
         committed = [(ck[rows_t, :, :S0], cv[rows_t, :, :S0]) for ck, cv in self.cache]
         seen = torch.arange(S0, device=dev)[None] < lens[:, None]  # [B, S0]
         root_pos = lens - 1
-        exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])
-        exp_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)
+        exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
+        exp_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # [B, e, e]: expanded ancestors of each
         scratch = [(ck.new_zeros(B, ck.shape[1], 0, ck.shape[3]), cv.new_zeros(B, cv.shape[1], 0, cv.shape[3]))
                    for ck, cv in committed]
         for d in range(1, depth):
-            score = torch.cat(c_score, 1)
-            lo, hi = level
-            w = min(k, hi - lo)
-            sel = score[:, lo:hi].topk(w, -1).indices + lo  # [B, w] global candidate ids to expand
-            src = torch.cat(c_src, 1).gather(1, sel)
-            tok = torch.cat(c_tok, 1).gather(1, sel)
-            n_exp = exp_h.shape[1]
+            sel, src, tok = tree.frontier()
+            w, n_exp = sel.shape[1], exp_h.shape[1]
             par_h = torch.where((src < 0)[..., None], root_h[:, None],
                                 exp_h.gather(1, src.clamp(min=0)[..., None].expand(B, w, exp_h.shape[-1]))
                                 if n_exp else root_h[:, None].expand(B, w, -1))
@@ -415,30 +395,8 @@ class EagleDrafter(Drafter):
             grown[:, n_exp:, :n_exp] = anc
             exp_anc = grown
             exp_h = torch.cat([exp_h, h], 1)
-            lpc = self._scores(net.lm_logits(h), sampling)  # [B, w, V]
-            cs, ct = lpc.topk(k, -1)  # [B, w, k]
-            c_score.append((score.gather(1, sel)[..., None] + cs).reshape(B, w * k))
-            c_tok.append(ct.reshape(B, w * k))
-            c_parent.append(sel[..., None].expand(B, w, k).reshape(B, w * k))
-            c_src.append((n_exp + torch.arange(w, device=dev))[None, :, None].expand(B, w, k).reshape(B, w * k))
-            level = (hi, hi + w * k)
-        score, tok, parent_c = torch.cat(c_score, 1), torch.cat(c_tok, 1), torch.cat(c_parent, 1)
-        Nc = score.shape[1]
-        G = min(self.num_nodes, Nc) if self.tree else Nc
-        order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :G]
-        keep = order.sort(1).values  # [B, G] candidate ids, topological (parents have smaller ids)
-        where = torch.full((B, Nc), -1, dtype=torch.long, device=dev)
-        where.scatter_(1, keep, torch.arange(1, G + 1, device=dev).expand(B, G))
-        pc = parent_c.gather(1, keep)
-        parent = torch.where(pc < 0, 0, where.gather(1, pc.clamp(min=0)))
-        if bool((parent < 0).any()):
-            raise RuntimeError("eagle: reranked tree is not closed under ancestors")
-        tokens = tok.gather(1, keep)
-        num = torch.full((B,), G, dtype=torch.long, device=dev)
-        if not self.tree:
-            return DraftBlock(tokens, num)
-        parent = torch.cat([torch.full((B, 1), -1, dtype=torch.long, device=dev), parent], 1)
-        return DraftBlock(tokens, num, None, parent)
+            tree.grow(sel, log_scores(net.lm_logits(h), sampling))  # [B, w, V]
+        return tree.block(self.num_nodes, tree=self.tree)
 
 
 def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
