@@ -26,7 +26,12 @@ soft cross-entropy and hard-hit confidence target (`Config`). Reference followed
 `config/dspark/dspark_qwen3_8b.py`.
 
 Use: `specdec.wrap(model, drafter="dspark")` (untrained, sized for the target) or `drafter=DIR` (trained with
-`python -m specdec.draft.train --drafter dspark`); option `confidence_threshold` (default 0: never truncate).
+`python -m specdec.draft.train --drafter dspark`); options `confidence_threshold` (default 0: never truncate; chains
+only) and the draft shape `topk` / `num_nodes`: topk 1 drafts the block as one chain; above 1 (on targets that
+verify trees) EAGLE-2's dynamic tree over the block's slots, each node's children scored by the block's logits of
+its slot plus the Markov term of the node's own token, so the tree costs no more drafter forwards than the chain
+(`DSparkDrafter._tree`). Unset, the shape is the device's default (`tree.HEAD_TREE`: a chain on a GPU, 16 nodes
+of top-2 on a CPU).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch.nn.functional as F
 from .base import DraftBlock, Drafter
 from .layers import Block, RMSNorm
 from .registry import DraftConfig
+from .tree import DynamicTree, log_scores, tree_options
 
 
 def default_feature_layers(num_layers: int, count: int = 3) -> list[int]:
@@ -455,7 +461,8 @@ class _Context:
 class DSparkDrafter(Drafter):
     name = "dspark"
 
-    def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, confidence_threshold: float = 0.0):
+    def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, confidence_threshold: float = 0.0,
+                 topk: int | None = None, num_nodes: int | None = None):
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"gamma: expected an int >= 1, got {gamma!r}")
         if (isinstance(confidence_threshold, bool) or not isinstance(confidence_threshold, (int, float))
@@ -465,10 +472,24 @@ class DSparkDrafter(Drafter):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected an int >= 1, got {max_batch_size!r}")
         self.net = net.eval()  # gamma and max_batch_size are only checked: each round drafts propose's gamma
+        if confidence_threshold > 0 and topk is None:  # the threshold cuts a chain
+            topk = 1
+        self.topk, self.num_nodes = tree_options(net.mask_embed.device, gamma, topk, num_nodes)
+        if confidence_threshold > 0 and self.topk > 1:
+            raise ValueError(f"topk: the confidence threshold truncates a chain (topk 1), got topk {topk!r} with "
+                             f"confidence_threshold {confidence_threshold!r}")
+        self.tree = self.topk > 1
         self.confidence_threshold = float(confidence_threshold)
         self.feature_layers = tuple(net.config.feature_layers)
         self.ctx: dict[int, _Context] = {}
         self.last_confidence: torch.Tensor | None = None  # [B, G] of the last propose (diagnostics)
+
+    def bind(self, target) -> None:
+        super().bind(target)
+        self.tree = self.topk > 1 and target.supports_tree
+
+    def max_verify_tokens(self, gamma: int) -> int:
+        return (self.num_nodes if self.tree else gamma) + 1
 
     def begin(self, rows, prompts):
         for r in rows:
@@ -532,6 +553,9 @@ class DSparkDrafter(Drafter):
         pos = lengths_t[:, None] + torch.arange(G, device=dev)
         h = net.block_hidden(anchors[:, None], pos, kv, mask)[:, :gamma]  # [B, gamma, d]
         base = net.lm_head(h)
+        if self.tree:
+            self.last_confidence = None
+            return self._tree(base, anchors, gamma, sampling)
         sample = sampling is not None and sampling.do_sample
         prev = anchors
         toks, probs, prevs = [], [], []
@@ -553,14 +577,29 @@ class DSparkDrafter(Drafter):
             num = keep.long().cumprod(-1).sum(-1).clamp(min=1)
         return DraftBlock(torch.stack(toks, 1), num, torch.stack(probs, 1) if sample else None)
 
+    def _tree(self, base: torch.Tensor, anchors: torch.Tensor, depth: int, sampling) -> DraftBlock:
+        """EAGLE-2's dynamic tree (`tree.DynamicTree`) over the block's slots: a node at depth i (slot i - 1)
+        scores its children with `base[:, i] + markov(node token)`, the chain's logits with the node as the
+        previous draft. `base [B, >= depth, V]` comes from the one block forward, so expanding costs only the
+        Markov head."""
+        net = self.net
+        tree = DynamicTree(log_scores(base[:, 0] + net.markov(anchors), sampling), self.topk)
+        for i in range(1, depth):
+            sel, _, tok = tree.frontier()
+            tree.grow(sel, log_scores(base[:, i, None] + net.markov(tok), sampling))
+        return tree.block(self.num_nodes)
+
 
 def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, confidence_threshold: float = 0.0,
                  **unknown) -> DSparkDrafter:
     """The `drafter="dspark"` drafter around `net` (untrained from `build_drafter_net("dspark", target)`, or
-    loaded from a trained directory). Options: confidence_threshold (0 never truncates the block)."""
-    if unknown:
-        raise ValueError(f"{sorted(unknown)[0]}: not an option of the dspark drafter (options: "
-                         f"confidence_threshold)")
+    loaded from a trained directory). Options: confidence_threshold (0 never truncates a chain), topk and
+    num_nodes (the draft shape; see the module docstring)."""
+    extra = sorted(set(unknown) - {"topk", "num_nodes"})
+    if extra:
+        raise ValueError(f"{extra[0]}: not an option of the dspark drafter (options: confidence_threshold, topk, "
+                         f"num_nodes)")
     if not isinstance(net, Net):
         raise ValueError(f"drafter: expected a dspark Net, got {type(net).__name__}")
-    return DSparkDrafter(net, gamma=gamma, max_batch_size=max_batch_size, confidence_threshold=confidence_threshold)
+    return DSparkDrafter(net, gamma=gamma, max_batch_size=max_batch_size, confidence_threshold=confidence_threshold,
+                         **unknown)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from .base import DraftBlock, Drafter
 from .layers import MLP, RMSNorm, SharesTarget, soft_ce
 from .registry import DraftConfig
+from .tree import DynamicTree, log_scores, tree_options
 
 
 
@@ -319,6 +320,30 @@ class Net(SharesTarget):
             tok = nxt[:, None]
         return torch.stack(toks, 1), (torch.stack(qs, 1) if sample else None)
 
+    @torch.no_grad()
+    def draft_tree(self, anchors: torch.Tensor, h: torch.Tensor, ctx: KVContext, depth: int, *, topk: int,
+                   num_nodes: int, sampling=None) -> DraftBlock:
+        """EAGLE-2's dynamic tree (`tree.DynamicTree`) of `depth` levels after `anchors [B]` from `h [B, d]`, as a
+        DraftBlock with `parent [B, 1 + G]` and `probs=None`. The head keeps no KV of its own: the nodes of one
+        depth are query rows of one step over the same committed KV, each fed its parent step's block output
+        (the anchor's step for the first depth), exactly as the chain feeds the previous draft's."""
+        B, d = h.shape
+        logits, x = self.step(anchors[:, None], h[:, None], ctx)
+        tree = DynamicTree(log_scores(logits[:, 0], sampling), topk)
+        root_x = x  # [B, 1, d]
+        exp_x = x.new_zeros(B, 0, d)  # [B, expanded, d]: the block output of every expanded node
+        for _ in range(1, depth):
+            sel, src, tok = tree.frontier()
+            w = sel.shape[1]
+            par = root_x.expand(B, w, d)
+            if exp_x.shape[1]:
+                at = src.clamp(min=0)[..., None].expand(B, w, d)
+                par = torch.where((src < 0)[..., None], par, exp_x.gather(1, at))
+            logits, x = self.step(tok, par, ctx)
+            exp_x = torch.cat([exp_x, x], 1)
+            tree.grow(sel, log_scores(logits, sampling))
+        return tree.block(num_nodes)
+
     # ---- training ----------------------------------------------------------------------------------
     def _chain(self, batch, depth: int):
         """Steps 0..depth-1 at every position t of the window: step k reads h from step k-1 (the target's
@@ -375,14 +400,18 @@ class Net(SharesTarget):
 # ---- drafter -----------------------------------------------------------------------------------------
 class MTPDrafter(Drafter):
     """Drafts with a `Net` from the target's committed KV cache and the final hidden state of each request's
-    last committed token (kept from `observe`). Holds no cache of its own, so there is nothing to roll back."""
+    last committed token (kept from `observe`). Holds no cache of its own, so there is nothing to roll back.
+    A chain of `gamma` drafts (`topk` 1), or EAGLE-2's dynamic tree of depth `gamma` with `topk` children per
+    expanded node and `num_nodes` drafts (on targets that verify trees; a chain elsewhere)."""
 
     name = "mtp"
 
-    def __init__(self, net: Net, *, gamma: int = 7):
+    def __init__(self, net: Net, *, gamma: int = 7, topk: int | None = None, num_nodes: int | None = None):
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"num_draft_tokens: expected an int >= 1, got {gamma!r}")
-        self.net, self.gamma = net.eval(), gamma
+        topk, num_nodes = tree_options(next(net.parameters()).device, gamma, topk, num_nodes)
+        self.net, self.gamma, self.topk, self.num_nodes = net.eval(), gamma, topk, num_nodes
+        self.tree = topk > 1
         self.h: dict[int, torch.Tensor] = {}
 
     def bind(self, target) -> None:
@@ -390,6 +419,10 @@ class MTPDrafter(Drafter):
             raise ValueError(f"drafter: mtp reads the target's KV cache, which {type(target.model).__name__} does "
                              f"not expose on its own-forward path (targets of the hybrid runner only)")
         super().bind(target)
+        self.tree = self.topk > 1 and target.supports_tree
+
+    def max_verify_tokens(self, gamma: int) -> int:
+        return (self.num_nodes if self.tree else gamma) + 1
 
     def begin(self, rows, prompts):
         for r in rows:
@@ -413,13 +446,20 @@ class MTPDrafter(Drafter):
         ctx = self.net.context_from_cache(self.target.kv, self.target.slots(rows), self.target.slots_tensor)
         anchors = torch.stack([c[-1] for c in contexts]).to(device)
         h = torch.stack([self.h[r] for r in rows])
+        if self.tree:
+            return self.net.draft_tree(anchors, h, ctx, gamma, topk=self.topk, num_nodes=self.num_nodes,
+                                       sampling=sampling)
         tokens, probs = self.net.draft(anchors, h, ctx, gamma, sampling=sampling, generator=generator)
         return DraftBlock(tokens, torch.full((len(rows),), gamma, dtype=torch.long, device=device), probs)
 
 
-def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, **kwargs) -> MTPDrafter:
-    """`specdec.wrap(model, drafter="mtp" or DIR)`: no options. `max_batch_size` is part of every kind's
-    `make_drafter`; mtp keeps no per-row buffers, so it does not need it."""
+def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
+                 num_nodes: int | None = None, **kwargs) -> MTPDrafter:
+    """`specdec.wrap(model, drafter="mtp" or DIR, topk=..., num_nodes=...)`: `topk` 1 drafts a chain of gamma
+    tokens; above 1, EAGLE-2's dynamic tree of depth gamma, `topk` children per expanded node, `num_nodes` drafts
+    (the verify window is num_nodes + 1). Unset, they are the device's default (`tree.HEAD_TREE`: a chain on a
+    GPU, 16 nodes of top-2 on a CPU). `max_batch_size` is part of every kind's `make_drafter`; mtp keeps no per-row
+    buffers, so it does not need it."""
     if kwargs:
-        raise ValueError(f"drafter: unknown option(s) for mtp: {sorted(kwargs)}")
-    return MTPDrafter(net, gamma=gamma)
+        raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the mtp drafter (expected topk, num_nodes)")
+    return MTPDrafter(net, gamma=gamma, topk=topk, num_nodes=num_nodes)

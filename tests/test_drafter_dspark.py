@@ -118,17 +118,19 @@ def _assert_identity(setup, family, out, engine):
 # ---- 1. greedy identity ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize("which", ["untrained", "trained"])
 @pytest.mark.parametrize("strategy, commit", MODES, ids=[f"{s}-{c}" for s, c in MODES])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_identity(setup, family, strategy, commit, which):
-    engine = _engine(setup, family, which, strategy=strategy, commit=commit)
-    assert type(engine.drafter).__name__ == "DSparkDrafter"
+def test_greedy_identity(setup, family, strategy, commit, which, shape):
+    engine = _engine(setup, family, which, strategy=strategy, commit=commit, topk=1 if shape == "chain" else 2)
+    assert type(engine.drafter).__name__ == "DSparkDrafter" and engine.drafter.tree == (shape == "tree")
     num = _record_num_drafts(engine)
     out = _generate(engine, PROMPTS)
     _assert_identity(setup, family, out, engine)
     stats = out.stats
-    assert set(num) <= set(range(1, GAMMA + 1)) and max(num) == GAMMA  # threshold 0: never truncated
+    full = GAMMA if shape == "chain" else engine.drafter.num_nodes  # a tree of depth GAMMA fills its budget
+    assert set(num) <= set(range(1, full + 1)) and max(num) == full  # threshold 0: never truncated
     if which == "trained":
         assert 0.0 < stats.alpha < 1.0 and stats.tau > 1.5, stats.as_dict()
 
@@ -139,7 +141,7 @@ def test_greedy_identity_confidence_truncation(setup, family, strategy, commit):
     """A threshold inside the range of the trained confidence head's cumulative estimates (the median of its
     estimate for the first two drafts, so some blocks keep one draft and others more) cuts blocks at different
     lengths; the output is still transformers' greedy decode."""
-    probe = _engine(setup, family, "trained", strategy=strategy, commit=commit)
+    probe = _engine(setup, family, "trained", strategy=strategy, commit=commit, topk=1)
     cum = []
     propose = probe.drafter.propose
 
@@ -182,7 +184,8 @@ def small():
 
 def _small_engine(target):
     torch.manual_seed(1)
-    engine = specdec.wrap(target, drafter="dspark", num_draft_tokens=2, max_batch_size=BATCH, max_length=64)
+    engine = specdec.wrap(target, drafter="dspark", num_draft_tokens=2, max_batch_size=BATCH, max_length=64,
+                          topk=1)  # a chain: its drafts carry the distributions they were drawn from
     net = engine.drafter.net
     with torch.no_grad():  # Markov rows (a free table, entries ~N(0, 1)) -> bias logits of std ~3
         net.markov_w.weight.normal_(0.0, 3.0 / net.config.markov_rank ** 0.5,
@@ -310,10 +313,10 @@ def test_training_improves_and_round_trips(setup, family):
 
     # save / load: the loaded drafter proposes exactly what the trained one does
     target = setup.target(family)
-    loaded = specdec.wrap(target, drafter=path, num_draft_tokens=GAMMA, max_batch_size=2).drafter
+    loaded = specdec.wrap(target, drafter=path, num_draft_tokens=GAMMA, max_batch_size=2, topk=1).drafter
     assert isinstance(loaded, dspark.DSparkDrafter) and loaded.net is not net
     assert loaded.net.target_embed is target.get_input_embeddings()  # shared, not copied
-    fresh = dspark.make_drafter(net, gamma=GAMMA)
+    fresh = dspark.make_drafter(net, gamma=GAMMA, topk=1)  # chains: their probs and confidences compared too
     files = set(os.listdir(path))
     assert files == {"config.json", "model.safetensors"}
     from safetensors.torch import load_file

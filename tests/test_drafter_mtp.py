@@ -191,7 +191,9 @@ def sample_counts(engine, n: int, seed: int, **params):
 def sampling_engine():
     target = sharpened("qwen3_next", vocab_size=SAMPLE_V, num_layers=2)
     torch.manual_seed(3)
-    return target, specdec.wrap(target, drafter="mtp", num_draft_tokens=2, max_batch_size=BATCH, max_length=32)
+    # a chain (topk 1): its drafts carry the distributions they were drawn from (trees: tests/test_draft_tree.py)
+    return target, specdec.wrap(target, drafter="mtp", num_draft_tokens=2, max_batch_size=BATCH, max_length=32,
+                                topk=1)
 
 
 SAMPLE_PARAMS = dict(temperature=0.7)
@@ -261,10 +263,11 @@ def test_save_load_round_trip(targets, trained):
         assert json.load(f)["kind"] == "mtp"
     from safetensors.torch import load_file
     assert not any(k.startswith("target_") for k in load_file(os.path.join(path, "model.safetensors")))
-    engine = specdec.wrap(target, drafter=path, num_draft_tokens=4, max_batch_size=2)
+    # chains (topk 1), whose sampled drafts carry their distributions
+    engine = specdec.wrap(target, drafter=path, num_draft_tokens=4, max_batch_size=2, topk=1)
     loaded = engine.drafter
     assert loaded.net is not net and loaded.net.target_embed is target.model.embed_tokens
-    mine = mtp.make_drafter(net, gamma=4)
+    mine = mtp.make_drafter(net, gamma=4, topk=1)
     mine.bind(engine.target)
     slots = engine.runner.alloc(2)
     engine.slots = slots
