@@ -24,6 +24,7 @@ import collections
 import contextlib
 import functools
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -163,15 +164,18 @@ def gpu_view(counter: Counter):
         kinds = (triton.runtime.jit.JITFunction, InterpretedFunction)
         jits = [v for m in mods for v in vars(m).values() if isinstance(v, kinds) and hasattr(v, "arg_names")]
         saved_pick, saved_run = dispatch.pick, {j: j.run for j in jits}
+        saved_env = os.environ.get("SPECDEC_FORCE_TRITON")
 
         def pick(name, *tensors):
             ref, tri = dispatch.reference_impl(name), dispatch.triton_impl(name)
 
+            takes = inspect.signature(ref).parameters
+
             def op(*args, **kwargs):
                 tri(*args, **kwargs)
                 counter.paused = True
-                try:
-                    return ref(*args, **kwargs)
+                try:  # without the Triton kernels' own arguments (a tree's schedule and parent-state stack)
+                    return ref(*args, **{k: v for k, v in kwargs.items() if k in takes})
                 finally:
                     counter.paused = False
             return op
@@ -180,10 +184,16 @@ def gpu_view(counter: Counter):
             counter.launch()
         try:
             dispatch.pick = pick
+            # what callers decide from `uses_triton` follows the GPU too (a tree verify's schedule and stack)
+            os.environ["SPECDEC_FORCE_TRITON"] = "1"
             for j in jits:
                 j.run = stub
             yield
         finally:
+            if saved_env is None:
+                os.environ.pop("SPECDEC_FORCE_TRITON", None)
+            else:
+                os.environ["SPECDEC_FORCE_TRITON"] = saved_env
             dispatch.pick = saved_pick
             for j, r in saved_run.items():
                 j.run = r

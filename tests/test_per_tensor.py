@@ -57,3 +57,36 @@ def test_conv_rows_follow_the_arguments():
     conv_state, x = torch.randn(1, 3, 2), torch.randn(1, T, 3)
     want = torch.cat([conv_state.transpose(1, 2), x], 1).unfold(1, 3, 1).transpose(-1, -2)
     assert torch.equal(verify_naive.conv_columns(conv_state, x, one, 3), want)
+
+
+def test_validate_false_skips_the_check(monkeypatch):
+    """`validate=False` (a caller that checked the tree at its own boundary, as the state strategies do): the
+    verify and conv ops never run the topology check (a host read on a GPU, once per layer) and return what the
+    checked call returns."""
+    from specdec.kernels.verify import chunk as verify_chunk
+    from specdec.kernels.verify import triton as verify_triton
+    g = torch.Generator().manual_seed(0)
+    B, T, H, K, C, Kc = 2, 5, 2, 4, 6, 4
+    parent = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 1, 3]])
+    q, k, v = (torch.randn(B, T, H, K, generator=g, dtype=torch.float64) for _ in range(3))
+    gate = -torch.rand(B, T, H, K, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    ssm, slots = torch.randn(3, H, K, K, generator=g, dtype=torch.float64), torch.tensor([2, 0])
+    x, w = torch.randn(B, T, C, generator=g), torch.randn(C, Kc, generator=g)
+    conv_state = torch.randn(3, C, Kc - 1, generator=g)
+    ops = [lambda **kw: verify_chunk.verify_delta_rule(q, k, v, gate, beta, ssm, slots, parent=parent, **kw),
+           lambda **kw: verify_naive.verify_delta_rule(q, k, v, gate, beta, ssm, slots, parent=parent, **kw),
+           lambda **kw: verify_naive.short_conv_verify(x, w, None, conv_state, slots, parent=parent, **kw)]
+    checked = [op() for op in ops]
+
+    def refuse(*a):
+        raise AssertionError("the topology check ran")
+    monkeypatch.setattr(verify_naive, "is_topological", refuse)
+    monkeypatch.setattr(verify_triton, "is_topological", refuse)
+    for op, want in zip(ops, checked):
+        assert torch.equal(op(validate=False), want)
+        with pytest.raises(AssertionError, match="topology check ran"):  # teeth: the default does check
+            op()
+    assert verify_triton._parents(parent, B, T, parent.device, validate=False).tolist() == parent.tolist()
+    with pytest.raises(AssertionError, match="topology check ran"):
+        verify_triton._parents(parent, B, T, parent.device)

@@ -97,7 +97,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
                       A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
-                      null_slot: int = -1) -> torch.Tensor:
+                      null_slot: int = -1, validate: bool = True) -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint, as one chunk; the checkpoint is not written.
 
     Args:
@@ -115,13 +115,15 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         ring_indices: `[B]` long ring row per request (eager layout: the running row 0..B-1).
         A_log `[H]`, dt_bias `[H, K]`: given, g is the KDA gate's input f; the log-decays are
             `common.kda_gate(f)` and the g ring keeps f.
+        validate: False when the caller checked `parent`'s values (topological order) at its own boundary: no
+            host read here (shapes are still checked).
     Returns:
         o `[B, T, H, V]` in v.dtype.
     """
     x = verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, parent=parent,
                       intermediate_states=intermediate_states, ring=ring, ring_start=ring_start,
                       num_pending=num_pending, ring_indices=ring_indices, scale=scale, eps=eps, norm=norm,
-                      null_slot=null_slot, A_log=A_log, dt_bias=dt_bias)
+                      null_slot=null_slot, A_log=A_log, dt_bias=dt_bias, validate=validate)
     B, T, H, K, V = *q.shape[:4], v.shape[-1]
     if x is None:
         return v.new_zeros(B, T, H, V)

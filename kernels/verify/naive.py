@@ -20,15 +20,15 @@ def _pick_parents(root: torch.Tensor, done: list[torch.Tensor], p: torch.Tensor,
     return torch.stack([root[i] if p[i] < 0 else done[p[i]][i] for i in range(root.shape[0])])
 
 
-def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor:
-    """`None` (chain) / `[T]` / `[B, T]` -> `[B, T]` long, checked: -1 <= parent[i] < i."""
+def _parents(parent: torch.Tensor | None, B: int, T: int, device, validate: bool = True) -> torch.Tensor:
+    """`None` (chain) / `[T]` / `[B, T]` -> `[B, T]` long, checked: -1 <= parent[i] < i (unless not `validate`)."""
     if parent is None:
         return torch.arange(-1, T - 1, device=device).expand(B, T)
     given = parent
     if parent.dim() == 1:
         parent = parent.expand(B, -1)
     check_shape("parent", parent, (B, T))
-    if not is_topological(given):
+    if validate and not is_topological(given):
         raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
     return parent.long()
 
@@ -91,7 +91,7 @@ def _conv_rows(parent: torch.Tensor, R: int, T: int, Kc: int) -> torch.Tensor:
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                       conv_state_indices: torch.Tensor, *, parent: torch.Tensor | None = None,
                       window_states: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
-                      activation: str | None = "silu", null_slot: int = -1) -> torch.Tensor:
+                      activation: str | None = "silu", null_slot: int = -1, validate: bool = True) -> torch.Tensor:
     """Short conv over the verify tokens of each request, from its slot's window, with no per-token loop.
 
     Args:
@@ -102,6 +102,8 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         window_states: out `[R >= B, >= T, C, Kc-1]`: the window after each token / node (snapshot scheme).
         conv_inputs: out `[R >= B, >= T, C]`: each token's pre-conv input (the record commit rebuilds the
             window from, `scatter.rebuild_windows`).
+        validate: False when the caller checked `parent`'s values (topological order) at its own boundary: no
+            host read here (shapes are still checked).
     Returns:
         y `[B, T, C]` in x.dtype.
     """
@@ -119,7 +121,7 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if activation not in ("silu", None):
         raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
     chain = parent is None
-    parent = None if chain else _parents(parent, B, T, x.device)
+    parent = None if chain else _parents(parent, B, T, x.device, validate)
     rows, full, sel = _valid_rows(conv_state_indices, null_slot)
     if rows.numel() == 0:
         return x.new_zeros(B, T, C)
@@ -202,7 +204,7 @@ class VerifyInputs:
 
 def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent, intermediate_states, ring, ring_start,
                   num_pending, ring_indices, scale, eps, norm, null_slot, rule="delta", A_log=None,
-                  dt_bias=None) -> VerifyInputs | None:
+                  dt_bias=None, validate=True) -> VerifyInputs | None:
     """The checks and preparation every CPU verify (per-token and chunk form) runs before computing: one error
     naming the argument before anything is written. -> None when no row has a valid slot."""
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
@@ -210,7 +212,7 @@ def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent, int
     check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
     check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
     chain = parent is None
-    parent = _parents(parent, B, T, k.device)
+    parent = _parents(parent, B, T, k.device, validate)
     rows, full, sel = _valid_rows(ssm_state_indices, null_slot)
     if rows.numel() == 0:
         return None
@@ -236,7 +238,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
                       A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
-                      null_slot: int = -1, rule: str = "delta") -> torch.Tensor:
+                      null_slot: int = -1, rule: str = "delta", validate: bool = True) -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint; the checkpoint is not written.
     The per-token recurrence of either rule (`rule="mamba2"`: `common.delta_step` without the delta correction;
     q = C, k = B, v = x, g = dt A, beta = dt, taken as they come).
@@ -258,13 +260,15 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         ring_indices: `[B]` long ring row per request (eager layout: the running row 0..B-1).
         A_log `[H]`, dt_bias `[H, K]`: given, g is the KDA gate's input f `[B, T, H, K]`; the log-decay is
             `common.kda_gate(f)` and the g ring keeps f (fla's `use_gate_in_kernel`).
+        validate: False when the caller checked `parent`'s values (topological order) at its own boundary: no
+            host read here (shapes are still checked).
     Returns:
         o `[B, T, H, V]` in v.dtype.
     """
     x = verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, parent=parent,
                       intermediate_states=intermediate_states, ring=ring, ring_start=ring_start,
                       num_pending=num_pending, ring_indices=ring_indices, scale=scale, eps=eps, norm=norm,
-                      null_slot=null_slot, rule=rule, A_log=A_log, dt_bias=dt_bias)
+                      null_slot=null_slot, rule=rule, A_log=A_log, dt_bias=dt_bias, validate=validate)
     B, T, H, V = *q.shape[:3], v.shape[-1]
     o = v.new_zeros(B, T, H, V)
     if x is None:

@@ -34,16 +34,17 @@ from ..triton_utils import (cast_to, check_float, delta_step, gate_params, load_
                            prepare_q, readout, state_blocks)
 
 
-def _parents(parent: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor | None:
+def _parents(parent: torch.Tensor | None, B: int, T: int, device, validate: bool = True) -> torch.Tensor | None:
     """`None` (chain) / `[T]` / `[B, T]` -> None or a contiguous `[B, T]` int32 tensor, checked (the values
-    only outside a CUDA graph capture, where a host read is not allowed: the engine checked the tree)."""
+    only when `validate` and outside a CUDA graph capture, where a host read is not allowed: the engine checked
+    the tree)."""
     if parent is None:
         return None
     if parent.dim() == 1:
         parent = parent.expand(B, -1)
     check_shape("parent", parent, (B, T))
     capturing = parent.is_cuda and torch.cuda.is_current_stream_capturing()  # CPU builds of torch cannot ask
-    if not capturing and not is_topological(parent):
+    if validate and not capturing and not is_topological(parent):
         raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
     return parent.to(device=device, dtype=torch.int32).contiguous()
 
@@ -139,7 +140,7 @@ def _short_conv_verify_kernel(
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                       conv_state_indices: torch.Tensor, *, parent: torch.Tensor | None = None,
                       window_states: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
-                      activation: str | None = "silu", null_slot: int = -1) -> torch.Tensor:
+                      activation: str | None = "silu", null_slot: int = -1, validate: bool = True) -> torch.Tensor:
     """Short conv over the verify tokens of each request, from its slot's window (see `naive`)."""
     check_float("short_conv_verify", x, weight, bias, conv_state, window_states, conv_inputs)
     B, T, C = x.shape
@@ -158,7 +159,7 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if bias is not None:
         check_shape("bias", bias, (C,))
         bias = bias.contiguous()
-    par = _parents(parent, B, T, x.device)
+    par = _parents(parent, B, T, x.device, validate)
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     if B == 0 or T == 0:
         return y
@@ -331,7 +332,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       tree_stack: torch.Tensor | None = None, tree_schedule: tuple | None = None,
                       A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
-                      null_slot: int = -1, rule: str = "delta") -> torch.Tensor:
+                      null_slot: int = -1, rule: str = "delta", validate: bool = True) -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint (see `naive.verify_delta_rule`).
 
     Trees need `tree_stack` `[>= B, common.tree_stack_slots(T), H, K, V]` (the parent states a later child
@@ -352,7 +353,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
     if norm not in ("rsqrt", "sqrt_div"):
         raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
-    par = _parents(parent, B, T, k.device)
+    par = _parents(parent, B, T, k.device, validate)
     if par is not None and intermediate_states is None and tree_stack is None:
         raise ValueError("tree_stack: a tree verify needs tree_stack or intermediate_states (where parent states "
                          "are kept)")
