@@ -30,8 +30,7 @@ Use: `specdec.wrap(model, drafter="dspark")` (untrained, sized for the target) o
 only) and the draft shape `topk` / `num_nodes`: topk 1 drafts the block as one chain; above 1 (on targets that
 verify trees) EAGLE-2's dynamic tree over the block's slots, each node's children scored by the block's logits of
 its slot plus the Markov term of the node's own token, so the tree costs no more drafter forwards than the chain
-(`DSparkDrafter._tree`). Unset, the shape is the device's default (`tree.HEAD_TREE`: a chain on a GPU, 16 nodes
-of top-2 on a CPU).
+(`DSparkDrafter._tree`). Unset, topk is 1: the reference's block, one chain.
 """
 
 from __future__ import annotations
@@ -472,9 +471,7 @@ class DSparkDrafter(Drafter):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected an int >= 1, got {max_batch_size!r}")
         self.net = net.eval()  # gamma and max_batch_size are only checked: each round drafts propose's gamma
-        if confidence_threshold > 0 and topk is None:  # the threshold cuts a chain
-            topk = 1
-        self.topk, self.num_nodes = tree_options(net.mask_embed.device, gamma, topk, num_nodes)
+        self.topk, self.num_nodes = tree_options(gamma, topk, num_nodes)
         if confidence_threshold > 0 and self.topk > 1:
             raise ValueError(f"topk: the confidence threshold truncates a chain (topk 1), got topk {topk!r} with "
                              f"confidence_threshold {confidence_threshold!r}")

@@ -409,7 +409,7 @@ class MTPDrafter(Drafter):
     def __init__(self, net: Net, *, gamma: int = 7, topk: int | None = None, num_nodes: int | None = None):
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"num_draft_tokens: expected an int >= 1, got {gamma!r}")
-        topk, num_nodes = tree_options(next(net.parameters()).device, gamma, topk, num_nodes)
+        topk, num_nodes = tree_options(gamma, topk, num_nodes)
         self.net, self.gamma, self.topk, self.num_nodes = net.eval(), gamma, topk, num_nodes
         self.tree = topk > 1
         self.h: dict[int, torch.Tensor] = {}
@@ -457,8 +457,7 @@ def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int
                  num_nodes: int | None = None, **kwargs) -> MTPDrafter:
     """`specdec.wrap(model, drafter="mtp" or DIR, topk=..., num_nodes=...)`: `topk` 1 drafts a chain of gamma
     tokens; above 1, EAGLE-2's dynamic tree of depth gamma, `topk` children per expanded node, `num_nodes` drafts
-    (the verify window is num_nodes + 1). Unset, they are the device's default (`tree.HEAD_TREE`: a chain on a
-    GPU, 16 nodes of top-2 on a CPU). `max_batch_size` is part of every kind's `make_drafter`; mtp keeps no per-row
+    (the verify window is num_nodes + 1; default 16). Unset, topk is 1: the chain vLLM and SGLang draft. `max_batch_size` is part of every kind's `make_drafter`; mtp keeps no per-row
     buffers, so it does not need it."""
     if kwargs:
         raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the mtp drafter (expected topk, num_nodes)")

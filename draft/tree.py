@@ -20,23 +20,21 @@ import torch
 from .base import DraftBlock
 
 
-# The default draft shape of the heads that draft one chain in their references (mtp: vLLM and SGLang's NEXTN run
-# MTP heads with `--speculative-eagle-topk 1`; dspark: DeepSpec drafts one block), by the device they run on: that
-# chain on a GPU; on a CPU, where every verified node is target compute, a narrow tree of the same depth, which the
-# embedded model's heads turn into more tokens per round at the same cost (bench/RESULTS.md, "Heads draft trees on
-# a CPU"). EAGLE has its own (`eagle.DEFAULT_TREE`).
-HEAD_TREE = {"cuda": dict(topk=1, num_nodes=None), "cpu": dict(topk=2, num_nodes=16)}
+# The heads that draft one chain in their references (mtp: vLLM, and SGLang's NEXTN with `--speculative-eagle-topk
+# 1`; dspark: DeepSpec's block) draft that chain unless `topk` > 1 asks for a tree. On the embedded model on a CPU a
+# tree of 16 nodes of top-2 raised tau (mtp 3.37 -> 4.00, dspark 3.36 -> 3.96) but not the speed (1.54x against the
+# chains' 1.61x / 1.59x, bench/RESULTS.md, "The heads draft trees"): every node is target compute there.
+HEAD_TREE_NODES = 16  # a tree's default node budget (EAGLE's CPU tree)
 
 
-def tree_options(device, gamma: int, topk: int | None, num_nodes: int | None) -> tuple[int, int]:
-    """-> (topk, num_nodes) of a head drafting on `device`: the given ones, else `HEAD_TREE`'s (num_nodes at least
-    gamma). topk 1 is a chain of gamma drafts; above 1, a tree of depth gamma with num_nodes drafts."""
-    shape = HEAD_TREE["cpu" if torch.device(device).type == "cpu" else "cuda"]
-    topk = shape["topk"] if topk is None else topk
+def tree_options(gamma: int, topk: int | None, num_nodes: int | None) -> tuple[int, int]:
+    """-> (topk, num_nodes) of a head: topk 1 (the default) is a chain of gamma drafts; above 1, a tree of depth
+    gamma with num_nodes drafts (default `HEAD_TREE_NODES`, at least gamma)."""
+    topk = 1 if topk is None else topk
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk: expected an int >= 1 (1: a chain), got {topk!r}")
     if num_nodes is None:
-        num_nodes = max(shape["num_nodes"] or gamma, gamma)
+        num_nodes = max(HEAD_TREE_NODES, gamma)
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < gamma:
         raise ValueError(f"num_nodes: expected an int >= num_draft_tokens ({gamma}: a tree of that depth), "
                          f"got {num_nodes!r}")

@@ -5,9 +5,9 @@
 2. Every node of an mtp tree is among the top-k of the head's own chain step run along the node's root path
    (single-query steps, fed the parent's block output), and every node of a dspark tree among the top-k of the
    block's logits of its slot plus the Markov term of its parent; a tree fed the wrong parent states fails.
-3. Greedy identity with transformers' `generate` for the tree (the CPU default) and the chain (`topk=1`), both
-   heads; sampling through trees follows the target's exact joint distribution (chi-square).
-4. Default shapes by device, and the options refused with one clear error.
+3. Greedy identity with transformers' `generate` for the tree (`topk=2`) and the chain (the default), both heads;
+   sampling through trees follows the target's exact joint distribution (chi-square).
+4. The default shape, and the options refused with one clear error.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def test_greedy_identity(kind, shape):
     with torch.no_grad():
         target.lm_head.weight.mul_(4.0)
     torch.manual_seed(0)
-    opts = {} if shape == "tree" else dict(topk=1)
+    opts = dict(topk=2) if shape == "tree" else {}
     engine = specdec.wrap(target, drafter=kind, num_draft_tokens=4, max_batch_size=2, **opts)
     assert engine.drafter.tree == (shape == "tree")
     prompts = [PROMPT, PROMPT[:7]]
@@ -271,19 +271,18 @@ def test_tree_sampling_follows_target(kind):
 # ---- 4. shapes and options ------------------------------------------------------------------------------------
 
 
-def test_default_shapes_by_device():
-    assert tree_mod.tree_options("cpu", 7, None, None) == (2, 16)
-    assert tree_mod.tree_options("cuda", 7, None, None) == (1, 7)
-    assert tree_mod.tree_options("cpu", 20, None, None) == (2, 20)  # a budget holds a tree of gamma's depth
-    assert tree_mod.tree_options("cuda", 7, 4, 30) == (4, 30)
+def test_default_shape_is_the_chain():
+    assert tree_mod.tree_options(7, None, None) == (1, 16)
+    assert tree_mod.tree_options(7, 2, None) == (2, 16)
+    assert tree_mod.tree_options(20, 2, None) == (2, 20)  # a budget holds a tree of gamma's depth
+    assert tree_mod.tree_options(7, 4, 30) == (4, 30)
     target = tiny_model("kimi_linear", seed=0)
     for kind in ("mtp", "dspark"):
-        d = specdec.wrap(target, drafter=kind, num_draft_tokens=5).drafter
-        assert (d.topk, d.num_nodes, d.tree) == (2, 16, True)
-        assert d.max_verify_tokens(5) == 17
-        c = specdec.wrap(target, drafter=kind, num_draft_tokens=5, topk=1).drafter
-        assert not c.tree and c.max_verify_tokens(5) == 6
-    # dspark's confidence threshold cuts a chain: it picks the chain, and refuses an explicit tree
+        c = specdec.wrap(target, drafter=kind, num_draft_tokens=5).drafter
+        assert (c.topk, c.tree, c.max_verify_tokens(5)) == (1, False, 6)
+        d = specdec.wrap(target, drafter=kind, num_draft_tokens=5, topk=2).drafter
+        assert (d.topk, d.num_nodes, d.tree, d.max_verify_tokens(5)) == (2, 16, True, 17)
+    # dspark's confidence threshold cuts a chain: a tree with it is refused
     assert not specdec.wrap(target, drafter="dspark", confidence_threshold=0.5).drafter.tree
     with pytest.raises(ValueError, match="topk"):
         specdec.wrap(target, drafter="dspark", confidence_threshold=0.5, topk=2)
