@@ -303,9 +303,10 @@ class EagleDrafter(Drafter):
         self.cache = grown
 
     # ---- drafting ------------------------------------------------------------------------------------
-    def _catch_up(self, rows, contexts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _catch_up(self, rows, contexts):
         """Run the queued committed positions and the root pair (last committed feature, anchor) of every row
-        and append their K/V. -> (root hidden `[B, d]`, root logits `[B, V]`, committed lengths `[B]`)."""
+        and append their K/V. -> (root hidden `[B, d]`, root logits `[B, V]`, committed lengths `[B]`, their
+        maximum (a host int), `rows` as a device tensor). Lengths are kept on the host: nothing is read back."""
         net, dev = self.net, self.device
         B = len(rows)
         feats, toks, counts = [], [], []
@@ -322,16 +323,15 @@ class EagleDrafter(Drafter):
             toks.append(tk)
             counts.append(f.shape[0])
         M = max(counts)
-        lens = torch.tensor([self.rows[r].length for r in rows], dtype=torch.long, device=dev)
-        n = torch.tensor(counts, dtype=torch.long, device=dev)
+        held = [self.rows[r].length for r in rows]
+        lens, n, rows_t = torch.tensor([held, counts, rows], dtype=torch.long, device=dev)  # one copy
         Fdim = feats[0].shape[1]
         fpad = torch.zeros(B, M, Fdim, dtype=self.dtype, device=dev)
         tpad = torch.zeros(B, M, dtype=torch.long, device=dev)
         for b in range(B):
             fpad[b, :counts[b]] = feats[b]
             tpad[b, :counts[b]] = toks[b]
-        S0 = int(lens.max())
-        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        S0 = max(held)
         past = [(k[rows_t, :, :S0], v[rows_t, :, :S0]) for k, v in self.cache]
         j = torch.arange(S0 + M, device=dev)
         i = torch.arange(M, device=dev)
@@ -341,17 +341,18 @@ class EagleDrafter(Drafter):
         h, kvs = net.run(net.inputs(tpad, net.fused(fpad)), positions, _additive(ok, self.dtype), past)
         root_h = h[torch.arange(B, device=dev), n - 1]
         root_logits = net.lm_logits(root_h)
-        self._reserve(int((lens + n).max()))
+        ends = [s + c for s, c in zip(held, counts)]
+        self._reserve(max(ends))
         for (ck, cv), (k, v) in zip(self.cache, kvs):
             for b, r in enumerate(rows):
-                s, c = int(lens[b]), counts[b]
+                s, c = held[b], counts[b]
                 ck[r, :, s:s + c] = k[b, :, :c]
                 cv[r, :, s:s + c] = v[b, :, :c]
         for b, r in enumerate(rows):  # committed only once everything above succeeded
             st = self.rows[r]
             st.length += counts[b]
             st.pending = []
-        return root_h, root_logits, lens + n
+        return root_h, root_logits, lens + n, max(ends), rows_t
 
     @torch.no_grad()
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
@@ -359,11 +360,9 @@ class EagleDrafter(Drafter):
         B = len(rows)
         if B == 0:
             return DraftBlock.empty(0, dev)
-        root_h, root_logits, lens = self._catch_up(rows, contexts)
+        root_h, root_logits, lens, S0, rows_t = self._catch_up(rows, contexts)
         depth = max(1, min(self.depth, int(gamma)))
         tree = DynamicTree(log_scores(root_logits, sampling), self.topk if self.tree else 1)
-        S0 = int(lens.max())
-        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
         committed = [(ck[rows_t, :, :S0], cv[rows_t, :, :S0]) for ck, cv in self.cache]
         seen = torch.arange(S0, device=dev)[None] < lens[:, None]  # [B, S0]
         root_pos = lens - 1
@@ -380,7 +379,8 @@ class EagleDrafter(Drafter):
             # ancestors among expanded nodes: the parent's ancestors and the parent itself
             if n_exp:
                 anc = exp_anc.gather(1, src.clamp(min=0)[..., None].expand(B, w, n_exp))
-                anc = anc | F.one_hot(src.clamp(min=0), n_exp).bool()
+                # the parent itself, by comparison: `F.one_hot` reads its indices back to check them
+                anc = anc | (src.clamp(min=0)[..., None] == torch.arange(n_exp, device=dev))
                 anc = anc & (src >= 0)[..., None]
             else:
                 anc = torch.zeros(B, w, 0, dtype=torch.bool, device=dev)
