@@ -457,8 +457,8 @@ def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int
                  num_nodes: int | None = None, **kwargs) -> MTPDrafter:
     """`specdec.wrap(model, drafter="mtp" or DIR, topk=..., num_nodes=...)`: `topk` 1 drafts a chain of gamma
     tokens; above 1, EAGLE-2's dynamic tree of depth gamma, `topk` children per expanded node, `num_nodes` drafts
-    (the verify window is num_nodes + 1; default 16). Unset, topk is 1: the chain vLLM and SGLang draft. `max_batch_size` is part of every kind's `make_drafter`; mtp keeps no per-row
-    buffers, so it does not need it."""
+    (the verify window is num_nodes + 1; default 16). Unset, topk is 1: the chain vLLM and SGLang draft.
+    `max_batch_size` is part of every kind's `make_drafter`; mtp keeps no per-row buffers, so it does not need it."""
     if kwargs:
         raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the mtp drafter (expected topk, num_nodes)")
     return MTPDrafter(net, gamma=gamma, topk=topk, num_nodes=num_nodes)
