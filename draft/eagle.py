@@ -325,12 +325,8 @@ class EagleDrafter(Drafter):
         M = max(counts)
         held = [self.rows[r].length for r in rows]
         lens, n, rows_t = torch.tensor([held, counts, rows], dtype=torch.long, device=dev)  # one copy
-        Fdim = feats[0].shape[1]
-        fpad = torch.zeros(B, M, Fdim, dtype=self.dtype, device=dev)
-        tpad = torch.zeros(B, M, dtype=torch.long, device=dev)
-        for b in range(B):
-            fpad[b, :counts[b]] = feats[b]
-            tpad[b, :counts[b]] = toks[b]
+        fpad = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)  # [B, M, F], one op for every row
+        tpad = torch.nn.utils.rnn.pad_sequence(toks, batch_first=True)  # [B, M]
         S0 = max(held)
         past = [(k[rows_t, :, :S0], v[rows_t, :, :S0]) for k, v in self.cache]
         j = torch.arange(S0 + M, device=dev)
@@ -342,12 +338,13 @@ class EagleDrafter(Drafter):
         root_h = h[torch.arange(B, device=dev), n - 1]
         root_logits = net.lm_logits(root_h)
         ends = [s + c for s, c in zip(held, counts)]
-        self._reserve(max(ends))
+        # every row writes all M positions from its length in one indexed copy per layer: past a row's count they
+        # hold padding, beyond its committed length (masked by `seen`, overwritten by its next catch-up)
+        self._reserve(S0 + M)
+        at = (rows_t[:, None], slice(None), positions)  # [B, M] positions of each row
         for (ck, cv), (k, v) in zip(self.cache, kvs):
-            for b, r in enumerate(rows):
-                s, c = held[b], counts[b]
-                ck[r, :, s:s + c] = k[b, :, :c]
-                cv[r, :, s:s + c] = v[b, :, :c]
+            ck[at] = k.transpose(1, 2)
+            cv[at] = v.transpose(1, 2)
         for b, r in enumerate(rows):  # committed only once everything above succeeded
             st = self.rows[r]
             st.length += counts[b]
