@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .base import DraftBlock, Drafter
 from .layers import Block, RMSNorm, soft_ce
 from .registry import DraftConfig, TargetBatch, check_target
-from .tree import DynamicTree, log_scores
+from .tree import DynamicTree, log_scores, tree_options
 
 
 @dataclass
@@ -229,19 +229,14 @@ class EagleDrafter(Drafter):
     def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
                  depth: int | None = None, num_nodes: int | None = None):
         tree = default_tree(next(net.parameters()).device) if isinstance(net, Net) else DEFAULT_TREE["cuda"]
-        topk = tree["topk"] if topk is None else topk
-        for arg, val in (("gamma", gamma), ("max_batch_size", max_batch_size), ("topk", topk)):
+        for arg, val in (("gamma", gamma), ("max_batch_size", max_batch_size)):
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{arg}: expected an int >= 1, got {val!r}")
         depth = gamma if depth is None else depth
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ValueError(f"depth: expected an int >= 1, got {depth!r}")
-        num_nodes = max(tree["num_nodes"], depth) if num_nodes is None else num_nodes
-        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
-            raise ValueError(f"num_nodes: expected an int >= 1 (draft nodes besides the anchor), got {num_nodes!r}")
-        if num_nodes < depth:
-            raise ValueError(f"num_nodes: a node budget of {num_nodes} cannot hold a tree of depth {depth} "
-                             f"(need num_nodes >= depth)")
+        topk, num_nodes = tree_options(depth, topk, num_nodes, default_topk=tree["topk"],
+                                       default_nodes=tree["num_nodes"])
         if not isinstance(net, Net):
             raise ValueError(f"drafter: expected an eagle Net, got {type(net).__name__}")
         self.net = net.eval()
@@ -370,9 +365,7 @@ class EagleDrafter(Drafter):
         for d in range(1, depth):
             sel, src, tok = tree.frontier()
             w, n_exp = sel.shape[1], exp_h.shape[1]
-            par_h = torch.where((src < 0)[..., None], root_h[:, None],
-                                exp_h.gather(1, src.clamp(min=0)[..., None].expand(B, w, exp_h.shape[-1]))
-                                if n_exp else root_h[:, None].expand(B, w, -1))
+            par_h = DynamicTree.parent_states(src, root_h[:, None], exp_h)
             # ancestors among expanded nodes: the parent's ancestors and the parent itself
             if n_exp:
                 anc = exp_anc.gather(1, src.clamp(min=0)[..., None].expand(B, w, n_exp))

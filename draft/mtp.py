@@ -334,12 +334,7 @@ class Net(SharesTarget):
         exp_x = x.new_zeros(B, 0, d)  # [B, expanded, d]: the block output of every expanded node
         for _ in range(1, depth):
             sel, src, tok = tree.frontier()
-            w = sel.shape[1]
-            par = root_x.expand(B, w, d)
-            if exp_x.shape[1]:
-                at = src.clamp(min=0)[..., None].expand(B, w, d)
-                par = torch.where((src < 0)[..., None], par, exp_x.gather(1, at))
-            logits, x = self.step(tok, par, ctx)
+            logits, x = self.step(tok, DynamicTree.parent_states(src, root_x, exp_x), ctx)
             exp_x = torch.cat([exp_x, x], 1)
             tree.grow(sel, log_scores(logits, sampling))
         return tree.block(num_nodes)

@@ -27,17 +27,18 @@ from .base import DraftBlock
 HEAD_TREE_NODES = 16  # a tree's default node budget (EAGLE's CPU tree)
 
 
-def tree_options(gamma: int, topk: int | None, num_nodes: int | None) -> tuple[int, int]:
-    """-> (topk, num_nodes) of a head: topk 1 (the default) is a chain of gamma drafts; above 1, a tree of depth
-    gamma with num_nodes drafts (default `HEAD_TREE_NODES`, at least gamma)."""
-    topk = 1 if topk is None else topk
+def tree_options(depth: int, topk: int | None, num_nodes: int | None, *, default_topk: int = 1,
+                 default_nodes: int = HEAD_TREE_NODES) -> tuple[int, int]:
+    """-> (topk, num_nodes), checked, of a drafter whose tree is `depth` deep (a head's: its num_draft_tokens):
+    the given ones, else the defaults (num_nodes at least depth). topk 1 is a chain of depth drafts."""
+    topk = default_topk if topk is None else topk
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise ValueError(f"topk: expected an int >= 1 (1: a chain), got {topk!r}")
     if num_nodes is None:
-        num_nodes = max(HEAD_TREE_NODES, gamma)
-    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < gamma:
-        raise ValueError(f"num_nodes: expected an int >= num_draft_tokens ({gamma}: a tree of that depth), "
-                         f"got {num_nodes!r}")
+        num_nodes = max(default_nodes, depth)
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < depth:
+        raise ValueError(f"num_nodes: expected an int >= {depth} (a node budget that holds a tree of depth "
+                         f"{depth}: num_draft_tokens or depth), got {num_nodes!r}")
     return topk, num_nodes
 
 
@@ -72,16 +73,26 @@ class DynamicTree:
         """The nodes to expand next: (candidate ids `sel [B, w]`, their parents' expanded-node ids `src [B, w]`
         (-1: the anchor), their tokens `tok [B, w]`), w = min(k, size of the newest depth)."""
         lo, hi = self.level
-        w = min(self.k, hi - lo)
-        sel = torch.cat(self.score, 1)[:, lo:hi].topk(w, -1).indices + lo
-        return sel, torch.cat(self.src, 1).gather(1, sel), torch.cat(self.tok, 1).gather(1, sel)
+        rel = self.score[-1].topk(min(self.k, hi - lo), -1).indices  # within the newest depth
+        return rel + lo, self.src[-1].gather(1, rel), self.tok[-1].gather(1, rel)
+
+    @staticmethod
+    def parent_states(src: torch.Tensor, root: torch.Tensor, expanded: torch.Tensor) -> torch.Tensor:
+        """The drafter state each frontier node's step continues from: `root [B, 1, d]` (the anchor's step) where
+        `src [B, w]` is -1, else `expanded [B, e, d]` at src. -> `[B, w, d]`."""
+        B, w = src.shape
+        out = root.expand(B, w, root.shape[-1])
+        if expanded.shape[1]:
+            at = src.clamp(min=0)[..., None].expand(B, w, expanded.shape[-1])
+            out = torch.where((src < 0)[..., None], out, expanded.gather(1, at))
+        return out
 
     def grow(self, sel: torch.Tensor, scores: torch.Tensor) -> None:
         """The expanded nodes `sel [B, w]` (from `frontier`) and their children's log-probabilities `scores
         [B, w, V]`: adds each one's `k` best children as the next depth."""
         B, w = sel.shape
         cs, ct = scores.topk(self.k, -1)  # [B, w, k]
-        base = torch.cat(self.score, 1).gather(1, sel)
+        base = self.score[-1].gather(1, sel - self.level[0])
         self.score.append((base[..., None] + cs).reshape(B, w * self.k))
         self.tok.append(ct.reshape(B, w * self.k))
         self.parent.append(sel[..., None].expand(B, w, self.k).reshape(B, w * self.k))
