@@ -6,8 +6,11 @@
 Every batch size serves the same workload: the first `--requests` prompts of `--prompts` (default: the largest
 batch size; round-robin over `--kinds`, as in bench/accept_rate.py; cycling when there are fewer), cut to their
 first `--prompt-tokens` tokens and generated greedily for `--max-new-tokens` tokens (no early stop at EOS). At
-batch size B they go in `generate` calls of B prompts, one after the other (batch 1: one request at a time), so
-`xB1` compares serving the same requests batched and one by one. The modes:
+batch size B the specdec modes serve them in one `generate` call with `max_batch_size=B`: B requests in flight,
+a finished request's lane refilled from the queue before the next round (continuous batching, as a server
+would; `--batching calls`: `generate` calls of B prompts one after the other, where a batch runs until its
+slowest request ends). Batch 1 is one request at a time either way, so `xB1` compares serving the same requests
+batched and one by one. The modes:
 
 - each drafter of `--drafters`: `specdec.wrap(model, drafter=D, max_batch_size=B)` (`ngram` is prompt lookup;
   other names are trained drafters in MODEL/drafters/NAME, reported as skipped when missing);
@@ -68,7 +71,8 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> tuple[int, int] 
 class Runner:
     """One mode at one batch size: `run()` -> (new tokens per row, seconds, tau or None)."""
 
-    def __init__(self, mode, model, prompts, max_new, drafter=None, pad_token_id=None, engine_opts=None):
+    def __init__(self, mode, model, prompts, max_new, drafter=None, pad_token_id=None, engine_opts=None,
+                 max_batch_size=None):
         self.mode, self.model, self.prompts, self.max_new = mode, model, prompts, max_new
         if mode == HF:
             from specdec.hf_compat import torch_fallbacks
@@ -82,7 +86,8 @@ class Runner:
                 self.mask[i, width - len(p):] = 1
             self.pad = pad_token_id
         else:
-            self.engine = specdec.wrap(model, drafter=drafter, max_batch_size=len(prompts), **(engine_opts or {}))
+            self.engine = specdec.wrap(model, drafter=drafter, max_batch_size=max_batch_size or len(prompts),
+                                       **(engine_opts or {}))
 
     def run(self) -> tuple[list[list[int]], float, float | None]:
         if self.mode == HF:
@@ -102,14 +107,19 @@ class Runner:
 
 
 class Workload:
-    """One mode serving every prompt in calls of at most B prompts: `run()` as `Runner.run`, over all the calls
-    (tau: tokens per verify round over all of them)."""
+    """One mode serving every prompt at batch B: `run()` as `Runner.run`, over all the calls (tau: tokens per
+    verify round over all of them). specdec modes: one `generate` call of every prompt with max_batch_size B
+    (continuous batching), or with `calls=True` calls of B prompts one after the other; transformers' generate
+    always in calls of B (each call left-padded on its own)."""
 
-    def __init__(self, mode, model, prompts, B, max_new, drafter=None, pad_token_id=None, engine_opts=None):
+    def __init__(self, mode, model, prompts, B, max_new, drafter=None, pad_token_id=None, engine_opts=None,
+                 calls=False):
         chunks = [prompts[i:i + B] for i in range(0, len(prompts), B)]
-        # one engine (and drafter) serves every call; transformers' generate takes each call's own padding
+        if mode != HF and not calls:
+            chunks = [prompts]
+        # one engine (and drafter) serves every call
         self.runners = [Runner(mode, model, c, max_new, drafter=drafter, pad_token_id=pad_token_id,
-                               engine_opts=engine_opts)
+                               engine_opts=engine_opts, max_batch_size=B)
                         for c in (chunks if mode == HF else chunks[:1])]
         self.chunks, self.mode, self.max_new = chunks, mode, max_new
 
@@ -136,7 +146,7 @@ def bench_batch(B, modes, model, texts, tok, a, pad, engine_opts=None) -> tuple[
     for mode, drafter in modes.items():
         try:
             r = Workload(mode, model, prompts, B, a.max_new_tokens, drafter=drafter, pad_token_id=pad,
-                         engine_opts=(engine_opts or {}).get(mode))
+                         engine_opts=(engine_opts or {}).get(mode), calls=a.batching == "calls")
             new, _, _ = r.run()  # warmup: first-call costs stay out of the timings
         except Exception as e:  # noqa: BLE001 - a mode that does not run is reported, the rest go on
             first = (str(e).strip().splitlines() or [""])[0]
@@ -207,7 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default=str(ROOT / "bench" / "data" / "prompts.jsonl"), help="JSONL prompt file")
     p.add_argument("--kinds", default="code,prose", help="comma-separated prompt kinds, taken round-robin")
     p.add_argument("--requests", type=int, default=None,
-                   help="prompts every batch size serves (default: the largest batch size)")
+                   help="prompts every batch size serves (default: twice the largest batch size)")
+    p.add_argument("--batching", choices=("continuous", "calls"), default="continuous",
+                   help="specdec modes at batch B: one generate call, B in flight (continuous), or calls of B")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompts are cut to their first N tokens")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed runs of every configuration (after one warmup)")
@@ -241,7 +253,7 @@ def main(argv=None) -> int:
             specdec.SpecConfig(draft_tokens_by_batch=schedule)
         except ValueError as e:
             parser.error(f"--draft-schedule: expected B:G[,B:G...], got {a.draft_schedule!r} ({e})")
-    a.requests = max(sizes) if a.requests is None else a.requests
+    a.requests = 2 * max(sizes) if a.requests is None else a.requests
     for flag, val in (("--requests", a.requests), ("--prompt-tokens", a.prompt_tokens),
                       ("--max-new-tokens", a.max_new_tokens),
                       ("--repeats", a.repeats), ("--threads", a.threads)):
@@ -289,7 +301,8 @@ def main(argv=None) -> int:
         modes[HF] = None
 
     print(f"# bench/throughput.py: {a.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-          f"float32, cpu), greedy, {a.requests} requests at every batch size, prompts cut to {a.prompt_tokens} "
+          f"float32, cpu), greedy, {a.requests} requests at every batch size ({a.batching} batching), prompts "
+          f"cut to {a.prompt_tokens} "
           f"tokens, {a.max_new_tokens} new tokens, "
           f"{a.repeats} repeats (medians), torch threads {torch.get_num_threads()}"
           + (f", draft schedule {schedule} in the DRAFTER@ modes" if schedule else ""), flush=True)
@@ -327,7 +340,8 @@ def main(argv=None) -> int:
     if a.json:
         out = {"machine": machine_info("cpu"),
                "settings": {"model": str(model_dir), "drafters": drafters, "skipped_drafters": skipped,
-                            "batch_sizes": sizes, "requests": a.requests, "prompts_file": str(a.prompts),
+                            "batch_sizes": sizes, "requests": a.requests, "batching": a.batching,
+                            "prompts_file": str(a.prompts),
                             "kinds": kinds,
                             "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens,
                             "repeats": a.repeats, "threads": torch.get_num_threads(), "greedy": True,

@@ -171,6 +171,24 @@ def _buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+class _Lanes:
+    """The requests in flight of one `generate` call, one per lane (a lane is a drafter row, < max_batch_size):
+    request index, target slot and the request's host lists (`hist`, `out`) per lane; device token buffer
+    `tok [L, W]`, lengths `lens [L]` and anchors `anchors [L]`."""
+
+    def __init__(self, L: int, tok: torch.Tensor):
+        self.req: list = [None] * L
+        self.slot: list = [None] * L
+        self.hist: list = [None] * L
+        self.out: list = [None] * L
+        self.tok = tok
+        self.lens = torch.zeros(L, dtype=torch.long, device=tok.device)
+        self.anchors = torch.zeros(L, dtype=torch.long, device=tok.device)
+
+    def held(self) -> list[int]:
+        return [l for l, s in enumerate(self.slot) if s is not None]
+
+
 class SpecEngine:
     """Lossless speculative decoding for one target model; see `specdec.wrap`."""
 
@@ -200,7 +218,7 @@ class SpecEngine:
                              f"forward, whose cache grows every round")
         self.buckets = _buckets(cfg.max_batch_size)
         self._graphs = RoundGraphs(self) if cfg.cuda_graph else None
-        self.slots: list[int] = []  # target slot of each request row of the running generate call
+        self.slots: list = []  # target slot of each lane (a drafter row) of the running generate call
         self._row_index: dict[tuple[int, ...], torch.Tensor] = {}
         runner = self.runner
         self.target = TargetView(model=model, kv=getattr(runner, "kv", None),
@@ -270,10 +288,14 @@ class SpecEngine:
                  top_k: int = 0, top_p: float = 1.0, eos_token_id="default", seed: int | None = None,
                  streamer=None) -> GenerateOutput:
         """Generate up to `max_new_tokens` per prompt; greedy output equals the target's own greedy decode and
-        sampled output follows the target's distribution. `eos_token_id=None` never stops early."""
+        sampled output follows the target's distribution. `eos_token_id=None` never stops early.
+
+        Any number of prompts: at most `max_batch_size` run at once (the lanes), the rest wait in order and
+        take a lane as soon as one is free (continuous batching: a finished request's lane is refilled before
+        the next round, so the batch stays full while requests wait). Output rows follow the input order."""
         t0 = time.perf_counter()
         prompts, host_prompts = self._prompts(input_ids)
-        B = len(prompts)
+        N = len(prompts)
         sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
@@ -281,10 +303,9 @@ class SpecEngine:
         if longest + max_new_tokens > self.max_length:
             raise ValueError(f"max_new_tokens: prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_length {self.max_length}")
-        if B > self.runner.num_free:
-            raise ValueError(f"input_ids: {B} requests but only {self.runner.num_free} free slots "
-                             f"(max_batch_size)")
-        if streamer is not None and B != 1:
+        if self.runner.num_free < 1:
+            raise ValueError("max_batch_size: no free slot (every one is held by a running generate call)")
+        if streamer is not None and N != 1:
             raise ValueError("streamer: streaming supports a single prompt")
         eos = self.eos_token_id if eos_token_id == "default" else eos_token_id
         eos_set = set([eos] if isinstance(eos, int) else (eos or []))
@@ -292,72 +313,104 @@ class SpecEngine:
         if seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
         stats = SpecStats()
-        slots = self.runner.alloc(B)
-        self.slots = slots
-        rows = list(range(B))
+        L = min(N, self.runner.num_free)
+        dev = self.runner.device
+        out_tokens: list[list[int]] = [[] for _ in range(N)]
+        hist = [list(p) for p in host_prompts]  # host mirror of every request's tokens (prompt, committed, anchor)
+        # per lane: its request, target slot, and that request's host lists; the device token buffer, lengths
+        # and anchors are per lane too, and rounds update them without a host round trip
+        lanes = _Lanes(L, tok=torch.full((L, longest + max_new_tokens + 1), self.pad_token_id, dtype=torch.long,
+                                         device=dev))
+        self.slots = lanes.slot
+        waiting = list(range(N - 1, -1, -1))  # requests not yet admitted, next one last
         try:
-            self.drafter.begin(rows, prompts)
-            out_tokens: list[list[int]] = [[] for _ in rows]
-            hist = [list(p) for p in host_prompts]  # host mirror of every row's tokens (prompt, committed, anchor)
-            dev = self.runner.device
-            # the device token buffer and lengths; rounds update both without a host round trip
-            tok = torch.full((B, longest + max_new_tokens + 1), self.pad_token_id, dtype=torch.long, device=dev)
-            for b, p in enumerate(prompts):
-                tok[b, :p.numel()] = p
-            lens = torch.tensor([p.numel() for p in prompts], dtype=torch.long, device=dev)
-            t = time.perf_counter()
-            capture = tuple(self.drafter.feature_layers)
-            if hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
-                out = self.runner.prefill_batch(slots, prompts, capture=capture, last_logits=True)
-                last = out.logits[:, 0]
-                sizes = [p.numel() for p in prompts]
-                self.drafter.observe(rows, prompts, [out.hidden[b, :n] for b, n in enumerate(sizes)],
-                                     {i: [out.captured[i][b, :n] for b, n in enumerate(sizes)] for i in capture})
-            else:
-                last = []
-                for b, p in enumerate(prompts):
-                    out = self.runner.prefill(slots[b], p, capture=capture)
-                    last.append(out.logits[0, -1])
-                    self.drafter.observe([b], [p], [out.hidden[0]], {i: [out.captured[i][0]] for i in capture})
-                last = torch.stack(last)  # [B, V]
-            finite = torch.isfinite(last).all(1)  # checked after the one readback (a draw from NaN would raise first)
-            anchors = sample_token(torch.where(finite[:, None], last, 0), sampling, gen)
-            back = torch.cat([anchors[:, None], finite[:, None].long()], 1).tolist()
-            for b, (_, ok) in enumerate(back):
-                if not ok:
-                    raise self._nonfinite(last[b], b, prompts[b].numel() - 1)
-            stats.timings["prefill"] += time.perf_counter() - t
-            if streamer is not None:
-                streamer.put(prompts[0].cpu())
-            tok[torch.arange(B, device=dev), lens] = anchors
-            lens += 1
-            active = []
-            for b in rows:
-                if not self._emit(out_tokens[b], [back[b][0]], max_new_tokens, eos_set, streamer):
-                    active.append(b)
-                hist[b].extend(out_tokens[b])
+            active = self._admit(lanes, list(range(L)), [waiting.pop() for _ in range(L)], prompts, hist,
+                                 out_tokens, sampling, gen, stats, max_new_tokens, eos_set, streamer)
             while active:
-                self._round(active, slots, hist, out_tokens, tok, lens, anchors, sampling, gen, stats, max_new_tokens,
-                            eos_set, streamer)
-                active = [b for b in active if not self._done(out_tokens[b], max_new_tokens, eos_set)]
-        except BaseException:  # anything (KeyboardInterrupt included) after the slots were taken: drop the
-            self._abort(rows)  # open round everywhere; the finally clause returns the slots
+                self._round(active, lanes.slot, lanes.hist, lanes.out, lanes.tok, lanes.lens, lanes.anchors,
+                            sampling, gen, stats, max_new_tokens, eos_set, streamer)
+                done = [l for l in active if self._done(lanes.out[l], max_new_tokens, eos_set)]
+                if done:
+                    active = [l for l in active if l not in done]
+                    self._retire(lanes, done)
+                    refill = done[:len(waiting)]
+                    if refill:
+                        active = sorted(active + self._admit(
+                            lanes, refill, [waiting.pop() for _ in refill], prompts, hist, out_tokens, sampling,
+                            gen, stats, max_new_tokens, eos_set, streamer))
+        except BaseException:  # anything (KeyboardInterrupt included) after slots were taken: drop the open
+            self._abort(lanes.held())  # round everywhere; the finally clause returns the slots
             raise
         finally:
             self.slots = []
-            try:
-                self.drafter.release(rows)
-            finally:
-                try:
-                    self.runner.release(slots)
-                finally:
-                    if streamer is not None:
-                        streamer.end()
+            self._retire(lanes, lanes.held(), streamer)
         stats.timings["total"] = time.perf_counter() - t0
         width = max(p.numel() + len(o) for p, o in zip(prompts, out_tokens))
         rows_out = [p + o for p, o in zip(host_prompts, out_tokens)]
         seqs = torch.tensor([r + [self.pad_token_id] * (width - len(r)) for r in rows_out], dtype=torch.long)
         return GenerateOutput(seqs, stats)
+
+    def _admit(self, lanes: "_Lanes", ids: list[int], reqs: list[int], prompts, hist, out_tokens, sampling, gen,
+               stats, max_new: int, eos_set: set, streamer) -> list[int]:
+        """Start requests `reqs` in the free lanes `ids`: take slots, prefill the prompts together, draw each
+        request's first token (one readback), tell the drafter; -> the lanes whose request goes on."""
+        slots = self.runner.alloc(len(ids))
+        for l, r, s in zip(ids, reqs, slots):
+            lanes.req[l], lanes.slot[l], lanes.hist[l], lanes.out[l] = r, s, hist[r], out_tokens[r]
+        ps = [prompts[r] for r in reqs]
+        self.drafter.begin(ids, ps)
+        t = time.perf_counter()
+        capture = tuple(self.drafter.feature_layers)
+        if hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
+            out = self.runner.prefill_batch(slots, ps, capture=capture, last_logits=True)
+            last = out.logits[:, 0]
+            sizes = [p.numel() for p in ps]
+            self.drafter.observe(ids, ps, [out.hidden[i, :n] for i, n in enumerate(sizes)],
+                                 {c: [out.captured[c][i, :n] for i, n in enumerate(sizes)] for c in capture})
+        else:
+            last = []
+            for l, s, p in zip(ids, slots, ps):
+                out = self.runner.prefill(s, p, capture=capture)
+                last.append(out.logits[0, -1])
+                self.drafter.observe([l], [p], [out.hidden[0]], {c: [out.captured[c][0]] for c in capture})
+            last = torch.stack(last)  # [k, V]
+        finite = torch.isfinite(last).all(1)  # checked after the one readback (a draw from NaN would raise first)
+        first = sample_token(torch.where(finite[:, None], last, 0), sampling, gen)
+        back = torch.cat([first[:, None], finite[:, None].long()], 1).tolist()
+        for i, (_, ok) in enumerate(back):
+            if not ok:
+                raise self._nonfinite(last[i], reqs[i], ps[i].numel() - 1)
+        stats.timings["prefill"] += time.perf_counter() - t
+        if streamer is not None:
+            streamer.put(ps[0].cpu())
+        lane_t = self._index(ids)
+        sizes = [p.numel() for p in ps]
+        lens = torch.tensor(sizes, dtype=torch.long, device=lanes.tok.device)
+        row = torch.full((len(ids), lanes.tok.shape[1]), self.pad_token_id, dtype=torch.long, device=lens.device)
+        row[:, :max(sizes)] = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True, padding_value=self.pad_token_id)
+        row[torch.arange(len(ids), device=row.device), lens] = first
+        lanes.tok[lane_t] = row
+        lanes.lens[lane_t] = lens + 1
+        lanes.anchors[lane_t] = first
+        going = []
+        for i, (l, r) in enumerate(zip(ids, reqs)):
+            if not self._emit(out_tokens[r], [back[i][0]], max_new, eos_set, streamer):
+                going.append(l)
+            hist[r].extend(out_tokens[r])
+        return going
+
+    def _retire(self, lanes: "_Lanes", ids: list[int], streamer=None) -> None:
+        """Requests of lanes `ids` ended (or the call failed): the drafter and the runner let go of them."""
+        try:
+            self.drafter.release(ids)
+        finally:
+            try:
+                self.runner.release([lanes.slot[l] for l in ids])
+            finally:
+                for l in ids:
+                    lanes.req[l] = lanes.slot[l] = None
+                if streamer is not None:
+                    streamer.end()
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         """`rows` as a device tensor, built once per distinct list (else a host-to-device copy per round)."""

@@ -34,7 +34,8 @@ def test_tiny_run_json_shape_and_lossless(tmp_path):
     assert set(res) == {"machine", "settings", "rows", "errors", "lossless"}
     assert res["errors"] == [] and res["lossless"] is True
     assert res["settings"]["batch_sizes"] == [1, 2] and res["settings"]["threads"] == 1
-    assert res["settings"]["requests"] == 2  # default: the largest batch size
+    assert res["settings"]["requests"] == 4  # default: twice the largest batch size
+    assert res["settings"]["batching"] == "continuous"
     assert res["settings"]["draft_schedule"] == {"2": 1}
     assert res["machine"]["threads"] == 1
     rows = {(r["batch"], r["mode"]): r for r in res["rows"]}
@@ -47,7 +48,7 @@ def test_tiny_run_json_shape_and_lossless(tmp_path):
             continue
         assert set(r) == ROW_KEYS, (B, mode)
         assert len(r["tokens_per_s"]) == 1 and r["tokens_per_s_median"] > 0
-        assert r["new_tokens"] == 2 * NEW and r["new_tokens_per_row"] == [NEW]  # every batch size serves 2 requests
+        assert r["new_tokens"] == 4 * NEW and r["new_tokens_per_row"] == [NEW]  # every batch size serves 4 requests
         assert r["spread"] >= 1.0 and r["identical_to_plain"] is True
         assert r["scaling_vs_batch1"] == pytest.approx(
             r["tokens_per_s_median"] / rows[(1, mode)]["tokens_per_s_median"])

@@ -225,6 +225,84 @@ def test_greedy_identity_generic(models, generic_model, drafter):
     assert engine.runner.num_free == 2
 
 
+# ---- 2b. more requests than lanes: continuous batching ------------------------------------------------------
+
+
+def _record_batches(engine):
+    """Wrap the engine's round and admission: -> list of ("admit", k) / ("round", rows) events in order; the
+    drafter's `propose` also checks that each row's device context equals its host history."""
+    events = []
+    round_, admit = engine._round, engine._admit
+
+    def rec_round(active, *a, **k):
+        events.append(("round", len(active)))
+        return round_(active, *a, **k)
+
+    def rec_admit(lanes, ids, reqs, *a, **k):
+        events.append(("admit", len(ids)))
+        return admit(lanes, ids, reqs, *a, **k)
+
+    engine._round, engine._admit = rec_round, rec_admit
+    propose = engine.drafter.propose
+
+    def checked_propose(rows, contexts, *a, **k):  # a refilled lane shows the drafter its new request only
+        for c, h in zip(contexts, contexts.host):
+            assert c.tolist() == h, "the drafter's device context is not the request's history"
+        return propose(rows, contexts, *a, **k)
+
+    engine.drafter.propose = checked_propose
+    return events
+
+
+CONTINUOUS = ["rep4", "plain", "rep3", "plain", "rep4"]  # 5 requests through 2 lanes
+
+
+@pytest.mark.parametrize("drafter, strategy, commit, static", [
+    ("ngram", "replay", "eager", False), ("noisy", "replay", "lazy", True), ("noisy", "snapshot", "eager", False)])
+def test_continuous_batching_hybrid(models, drafter, strategy, commit, static):
+    """5 requests through max_batch_size 2: every row equals transformers' greedy generate on its prompt alone,
+    a finished request's lane is refilled before the next round (the batch stays full while requests wait),
+    and every slot and drafter row comes back."""
+    target = models.target(FAMILY)
+    kw = dict(drafter="ngram") if drafter == "ngram" else dict(drafter="model", draft_model=models.noisy_draft(FAMILY))
+    engine = specdec.wrap(target, num_draft_tokens=GAMMA, strategy=strategy, commit=commit, static_shapes=static,
+                          max_batch_size=2, **kw)
+    events = _record_batches(engine)
+    # different lengths per request (EOS = a token row 0 reaches early), so lanes free up at different rounds
+    full = models.ref(target, PROMPTS["rep4"], eos=None)
+    eos = full[len(PROMPTS["rep4"]) + 3]
+    refs = [models.ref(target, PROMPTS[n], eos=eos) for n in CONTINUOUS]
+    assert len({len(r) - len(PROMPTS[n]) for r, n in zip(refs, CONTINUOUS)}) > 1, "the rows should end apart"
+    out = _spec_generate(engine, [torch.tensor(PROMPTS[n]) for n in CONTINUOUS], max_new_tokens=N, eos_token_id=eos)
+    _assert_rows_match(out, refs, engine.pad_token_id)
+    _assert_stats_sane(out.stats)
+    admitted = 0
+    for kind, k in events:
+        if kind == "admit":
+            admitted += k
+        else:
+            assert k <= 2
+            if admitted < len(CONTINUOUS):  # a request was waiting: the round ran with both lanes
+                assert k == 2, events
+    assert admitted == len(CONTINUOUS) and events[0] == ("admit", 2)
+    assert engine.runner.num_free == 2
+    if drafter == "noisy":
+        assert engine.drafter.runner.num_free == 2 and not engine.drafter.slot
+    again = _spec_generate(engine, [torch.tensor(PROMPTS[n]) for n in CONTINUOUS[:2]], max_new_tokens=N,
+                           eos_token_id=eos)
+    _assert_rows_match(again, refs[:2], engine.pad_token_id)
+
+
+def test_continuous_batching_generic(models):
+    model = _llama()
+    engine = specdec.wrap(model, drafter="ngram", num_draft_tokens=GAMMA, max_batch_size=2)
+    names = ["rep4", "rep3", "plain"]
+    refs = [models.ref(model, PROMPTS[n], hybrid=False) for n in names]
+    out = engine.generate([torch.tensor(PROMPTS[n]) for n in names], max_new_tokens=N)
+    _assert_rows_match(out, refs, engine.pad_token_id)
+    assert engine.runner.num_free == 2
+
+
 # ---- 3. bad input ------------------------------------------------------------------------------------------
 
 
@@ -264,7 +342,6 @@ def _bad_generate_calls(target, family):
         ("input_ids", lambda e: e.generate([], max_new_tokens=4)),
         ("max_new_tokens", lambda e: e.generate([p], max_new_tokens=e.max_length - p.numel() + 1)),
         ("max_new_tokens", lambda e: e.generate([p], max_new_tokens=0)),
-        ("max_batch_size", lambda e: e.generate([p, p, p], max_new_tokens=4)),
         ("input_ids", lambda e: e.generate([torch.tensor([5, 6, target.config.vocab_size])], max_new_tokens=4)),
         ("input_ids", lambda e: e.generate([torch.tensor([5, -1, 7])], max_new_tokens=4)),
     ]
@@ -298,7 +375,6 @@ def test_bad_input_generic():
     first = engine.generate([p], max_new_tokens=8)
     for arg, call in [
         ("input_ids", lambda: engine.generate([p, torch.tensor([], dtype=torch.long)], max_new_tokens=4)),
-        ("max_batch_size", lambda: engine.generate([p, p, p], max_new_tokens=4)),
         ("max_new_tokens", lambda: engine.generate([p], max_new_tokens=40)),
         ("input_ids", lambda: engine.generate([torch.tensor([5, 6, 96])], max_new_tokens=4)),
     ]:
