@@ -24,7 +24,8 @@ COMMITS = ("eager", "lazy")
 @dataclass
 class SpecStats:
     """Counters of one `generate` call. `tau`: tokens committed per verify forward (bonus included);
-    `alpha`: accepted / proposed drafts; `per_position[i]`: acceptance of draft i given drafts < i were."""
+    `alpha`: accepted / proposed drafts; `per_position[i]`: acceptance at draft position i (a tree's depth i + 1)
+    given that drafts < i were accepted and a draft stood at position i."""
 
     rounds: int = 0  # verify forwards, counted per request
     tokens: int = 0  # tokens committed by verify forwards (accepted drafts + bonus)
@@ -48,17 +49,21 @@ class SpecStats:
     def per_position(self) -> list[float]:
         return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
 
-    def record(self, num_drafts: list[int], num_accepted: list[int]) -> None:
-        """One round: drafts proposed and accepted per row (host lists)."""
-        for g, n in zip(num_drafts, num_accepted):
+    def record(self, num_drafts: list[int], num_accepted: list[int], num_reached: list[int] | None = None) -> None:
+        """One round: drafts proposed, accepted and positions reached per row (host lists). Position i was
+        reached when drafts < i were all accepted and a draft stood at position i after them (a chain's next
+        draft, a child of the last accepted tree node); default: a chain's `min(n + 1, g)`."""
+        if num_reached is None:
+            num_reached = [min(n + 1, g) for g, n in zip(num_drafts, num_accepted)]
+        for g, n, m in zip(num_drafts, num_accepted, num_reached):
             self.rounds += 1
             self.tokens += n + 1
             self.proposed += g
             self.accepted += n
-            while len(self.reached) < g:
+            while len(self.reached) < m:
                 self.reached.append(0)
                 self.accepted_at.append(0)
-            for i in range(min(n + 1, g)):  # draft i was reached when drafts < i were all accepted
+            for i in range(m):
                 self.reached[i] += 1
                 self.accepted_at[i] += int(i < n)
 
@@ -442,14 +447,14 @@ class SpecEngine:
         graphed = self.config.cuda_graph and not sampling.do_sample
         res = self._graphs.verify(step, sampling) if graphed else self._verify_step(step, sampling, gen)
         n, path, new = res["n"][:B], res["path"][:B], res["new"][:B]
-        back = torch.cat([n[:, None], res["finite"][:B, None].long(), step["num_drafts"][:B, None], new, path],
-                         1).tolist()
+        back = torch.cat([n[:, None], res["finite"][:B, None].long(), step["num_drafts"][:B, None],
+                          self._reached(step, n, path)[:, None], new, path], 1).tolist()
         if not all(r[1] for r in back):
             raise self._nonfinite_round(res["logits"][:B], active, contexts, block.parent)
         n_h = [r[0] for r in back]
         (self._graphs.commit if graphed else self._commit_step)(step, res, host_slots, n_h)
         stats.timings["verify"] += time.perf_counter() - t
-        stats.record([r[2] for r in back], n_h)
+        stats.record([r[2] for r in back], n_h, [r[3] for r in back])
         # the device copies follow without a host round trip: token buffer, lengths, anchors
         j = torch.arange(new.shape[1], device=new.device)
         pos = (lens[idx][:, None] + j[None]).clamp(max=tok.shape[1] - 1)
@@ -468,10 +473,20 @@ class SpecEngine:
                              [kept_h[i, :m + 1] for i, m in enumerate(n_h)],
                              {l: [f[i, :m + 1] for i, m in enumerate(n_h)] for l, f in kept_f.items()})
         for i, b in enumerate(active):
-            toks = back[i][3:3 + n_h[i] + 1]
+            toks = back[i][4:4 + n_h[i] + 1]
             before = len(out_tokens[b])
             self._emit(out_tokens[b], toks, max_new, eos_set, streamer)
             hist[b].extend(out_tokens[b][before:])
+
+    @staticmethod
+    def _reached(step: dict, n: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+        """Draft positions each row's acceptance reached `[B]`: its accepted drafts, plus one when the last
+        accepted node has a child (a chain: drafts left; a tree: a node whose parent it is) that was rejected."""
+        B = n.shape[0]
+        if step["parent"] is None:
+            return n + (n < step["num_drafts"][:B]).long()
+        last = path.gather(1, n[:, None])  # [B, 1] node index of the last accepted node
+        return n + (step["parent"][:B] == last).any(1).long()
 
     # ---- the device part of a round ------------------------------------------------------------------
     def _step_inputs(self, host_slots: list[int], anchors: torch.Tensor, block: DraftBlock, sampling,

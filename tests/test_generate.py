@@ -175,6 +175,49 @@ def test_batch_model_drafter_and_eos_cut(models):
     assert len(expected[0]) < len(expected[1]) or expected[1][-1] == eos
 
 
+class _OracleTree(Drafter):
+    """A fixed-shape tree from the target's own greedy continuation `ref`: root -> [right, wrong], right ->
+    [right], and with `rejected_child` that node -> [wrong]. Every round accepts two drafts; the last accepted
+    node has a rejected child only with `rejected_child`."""
+
+    name = "oracle-tree"
+
+    def __init__(self, ref: list[int], vocab: int, rejected_child: bool):
+        self.ref, self.vocab, self.rejected_child = ref, vocab, rejected_child
+        self.tree = True
+
+    def max_verify_tokens(self, gamma):
+        return 5
+
+    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None):
+        toks, parents = [], []
+        for h in contexts.host:
+            c1, c2 = self.ref[len(h)], self.ref[len(h) + 1]
+            t = [c1, (c1 + 1) % self.vocab, c2] + ([(c2 + 1) % self.vocab] if self.rejected_child else [])
+            toks.append(t)
+            parents.append([-1, 0, 0, 1] + ([3] if self.rejected_child else []))
+        dev = contexts[0].device
+        return DraftBlock(torch.tensor(toks, device=dev), torch.full((len(rows),), len(toks[0]), device=dev),
+                          parent=torch.tensor(parents, device=dev))
+
+
+@pytest.mark.parametrize("rejected_child", [False, True])
+def test_tree_stats_count_positions_by_depth(models, rejected_child):
+    """Per-position acceptance of tree rounds counts depths, and a position only where a node stood: with a
+    leaf accepted at depth 2 every round the stats have two positions, both 1.0 (not a third, rejected one);
+    with a rejected child under it, a third position at 0.0."""
+    target = models.target(FAMILY)
+    prompt = PROMPTS["plain"]
+    ref = models.ref(target, prompt, max_new_tokens=N + 4, eos=None)
+    drafter = _OracleTree(ref, target.config.vocab_size, rejected_child)
+    engine = specdec.wrap(target, drafter=drafter, max_batch_size=1)
+    out = _spec_generate(engine, [torch.tensor(prompt)], max_new_tokens=N - 1, eos_token_id=None)
+    _assert_rows_match(out, [ref[:len(prompt) + N - 1]], engine.pad_token_id)
+    st = out.stats
+    assert st.tau == 3.0 and st.accepted == 2 * st.rounds and st.proposed == (4 if rejected_child else 3) * st.rounds
+    assert st.per_position == ([1.0, 1.0, 0.0] if rejected_child else [1.0, 1.0]), st.as_dict()
+
+
 # ---- 2. generic path (no hybrid adapter) -------------------------------------------------------------------
 
 
