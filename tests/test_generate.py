@@ -335,6 +335,32 @@ def test_continuous_batching_hybrid(models, drafter, strategy, commit, static):
                            eos_token_id=eos)
     _assert_rows_match(again, refs[:2], engine.pad_token_id)
 
+def test_continuous_batching_interrupted(models):
+    """A KeyboardInterrupt in the middle of a queued call (some requests done, some in flight, some waiting):
+    every slot of the target and of the draft model comes back, and the next call is exact."""
+    target = models.target(FAMILY)
+    engine = specdec.wrap(target, drafter="model", draft_model=models.noisy_draft(FAMILY), num_draft_tokens=GAMMA,
+                          max_batch_size=2)
+    events = _record_batches(engine)
+    propose, calls = engine.drafter.propose, [0]
+
+    def interrupting(*a, **k):
+        calls[0] += 1
+        if calls[0] == 6:
+            raise KeyboardInterrupt
+        return propose(*a, **k)
+
+    engine.drafter.propose = interrupting
+    with pytest.raises(KeyboardInterrupt):
+        _spec_generate(engine, [torch.tensor(PROMPTS[n]) for n in CONTINUOUS], max_new_tokens=N)
+    assert sum(k for kind, k in events if kind == "admit") > 2, "the interrupt should come after a refill"
+    assert engine.runner.num_free == 2 and engine.drafter.runner.num_free == 2 and not engine.drafter.slot
+    engine.drafter.propose = propose
+    refs = [models.ref(target, PROMPTS[n], max_new_tokens=5) for n in CONTINUOUS]
+    out = _spec_generate(engine, [torch.tensor(PROMPTS[n]) for n in CONTINUOUS], max_new_tokens=5)
+    _assert_rows_match(out, refs, engine.pad_token_id)
+
+
 
 def test_continuous_batching_generic(models):
     model = _llama()
