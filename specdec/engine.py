@@ -178,11 +178,10 @@ def _buckets(max_batch: int) -> list[int]:
 
 class _Lanes:
     """The requests in flight of one `generate` call, one per lane (a lane is a drafter row, < max_batch_size):
-    request index, target slot and the request's host lists (`hist`, `out`) per lane; device token buffer
+    target slot (None: free) and the request's host lists (`hist`, `out`) per lane; device token buffer
     `tok [L, W]`, lengths `lens [L]` and anchors `anchors [L]`."""
 
     def __init__(self, L: int, tok: torch.Tensor):
-        self.req: list = [None] * L
         self.slot: list = [None] * L
         self.hist: list = [None] * L
         self.out: list = [None] * L
@@ -361,15 +360,15 @@ class SpecEngine:
         request's first token (one readback), tell the drafter; -> the lanes whose request goes on."""
         slots = self.runner.alloc(len(ids))
         for l, r, s in zip(ids, reqs, slots):
-            lanes.req[l], lanes.slot[l], lanes.hist[l], lanes.out[l] = r, s, hist[r], out_tokens[r]
+            lanes.slot[l], lanes.hist[l], lanes.out[l] = s, hist[r], out_tokens[r]
         ps = [prompts[r] for r in reqs]
+        sizes = [p.numel() for p in ps]
         self.drafter.begin(ids, ps)
         t = time.perf_counter()
         capture = tuple(self.drafter.feature_layers)
         if hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
             out = self.runner.prefill_batch(slots, ps, capture=capture, last_logits=True)
             last = out.logits[:, 0]
-            sizes = [p.numel() for p in ps]
             self.drafter.observe(ids, ps, [out.hidden[i, :n] for i, n in enumerate(sizes)],
                                  {c: [out.captured[c][i, :n] for i, n in enumerate(sizes)] for c in capture})
         else:
@@ -389,7 +388,6 @@ class SpecEngine:
         if streamer is not None:
             streamer.put(ps[0].cpu())
         lane_t = self._index(ids)
-        sizes = [p.numel() for p in ps]
         lens = torch.tensor(sizes, dtype=torch.long, device=lanes.tok.device)
         row = torch.full((len(ids), lanes.tok.shape[1]), self.pad_token_id, dtype=torch.long, device=lens.device)
         row[:, :max(sizes)] = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True, padding_value=self.pad_token_id)
@@ -413,7 +411,7 @@ class SpecEngine:
                 self.runner.release([lanes.slot[l] for l in ids])
             finally:
                 for l in ids:
-                    lanes.req[l] = lanes.slot[l] = None
+                    lanes.slot[l] = None
                 if streamer is not None:
                     streamer.end()
 
