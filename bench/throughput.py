@@ -3,8 +3,8 @@
     python bench/throughput.py                                  # embedded model, batch 1 / 8 / 32, mtp + ngram
     python bench/throughput.py --batch-sizes 1,2 --drafters ngram --max-new-tokens 8 --repeats 1 --json out.json
 
-Every batch size serves the same workload: the first `--requests` prompts of `--prompts` (default: the largest
-batch size; round-robin over `--kinds`, as in bench/accept_rate.py; cycling when there are fewer), cut to their
+Every batch size serves the same workload: the first `--requests` prompts of `--prompts` (default: twice the
+largest batch size; round-robin over `--kinds`, as in bench/accept_rate.py; cycling when there are fewer), cut to their
 first `--prompt-tokens` tokens and generated greedily for `--max-new-tokens` tokens (no early stop at EOS). At
 batch size B the specdec modes serve them in one `generate` call with `max_batch_size=B`: B requests in flight,
 a finished request's lane refilled from the queue before the next round (continuous batching, as a server

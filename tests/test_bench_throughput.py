@@ -21,10 +21,12 @@ NEW = 8
 
 
 @pytest.mark.skipif(not (EMBEDDED / "config.json").is_file(), reason="the embedded model is not built")
-def test_tiny_run_json_shape_and_lossless(tmp_path):
+@pytest.mark.parametrize("batching", ["continuous", "calls"])
+def test_tiny_run_json_shape_and_lossless(tmp_path, batching):
     out = tmp_path / "out.json"
     args = [sys.executable, SCRIPT, "--batch-sizes", "1,2", "--drafters", "ngram", "--max-new-tokens", NEW,
             "--prompt-tokens", 24, "--repeats", 1, "--threads", 1, "--draft-schedule", "2:1", "--json", out]
+    args += [] if batching == "continuous" else ["--batching", batching]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(list(map(str, args)), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -35,7 +37,7 @@ def test_tiny_run_json_shape_and_lossless(tmp_path):
     assert res["errors"] == [] and res["lossless"] is True
     assert res["settings"]["batch_sizes"] == [1, 2] and res["settings"]["threads"] == 1
     assert res["settings"]["requests"] == 4  # default: twice the largest batch size
-    assert res["settings"]["batching"] == "continuous"
+    assert res["settings"]["batching"] == batching
     assert res["settings"]["draft_schedule"] == {"2": 1}
     assert res["machine"]["threads"] == 1
     rows = {(r["batch"], r["mode"]): r for r in res["rows"]}
