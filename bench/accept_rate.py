@@ -215,11 +215,10 @@ class Pool:
             self.accepted_at[i] += a
 
     def result(self) -> dict:
-        depth = sum(1 for r in self.reached if r)  # positions never reached (beyond a tree's depth) are dropped
         spread = timing.pooled_spread(self.spec, self.plain)
         return {"tau": self.tokens / self.rounds if self.rounds else 0.0,
                 "alpha": self.accepted / self.proposed if self.proposed else 0.0,
-                "per_position": [a / r for a, r in zip(self.accepted_at[:depth], self.reached[:depth])],
+                "per_position": [a / r for a, r in zip(self.accepted_at, self.reached)],
                 "tokens_per_s_spec": self.spec.tokens_per_s, "tokens_per_s_plain": self.plain.tokens_per_s,
                 "speedup": timing.speedup(self.spec, self.plain),
                 "speedup_per_repeat": timing.speedup_per_repeat(self.spec, self.plain),

@@ -49,12 +49,10 @@ class SpecStats:
     def per_position(self) -> list[float]:
         return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
 
-    def record(self, num_drafts: list[int], num_accepted: list[int], num_reached: list[int] | None = None) -> None:
+    def record(self, num_drafts: list[int], num_accepted: list[int], num_reached: list[int]) -> None:
         """One round: drafts proposed, accepted and positions reached per row (host lists). Position i was
         reached when drafts < i were all accepted and a draft stood at position i after them (a chain's next
-        draft, a child of the last accepted tree node); default: a chain's `min(n + 1, g)`."""
-        if num_reached is None:
-            num_reached = [min(n + 1, g) for g, n in zip(num_drafts, num_accepted)]
+        draft, a child of the last accepted tree node), so every listed position was reached at least once."""
         for g, n, m in zip(num_drafts, num_accepted, num_reached):
             self.rounds += 1
             self.tokens += n + 1
@@ -321,8 +319,8 @@ class SpecEngine:
         dev = self.runner.device
         out_tokens: list[list[int]] = [[] for _ in range(N)]
         hist = [list(p) for p in host_prompts]  # host mirror of every request's tokens (prompt, committed, anchor)
-        # per lane: its request, target slot, and that request's host lists; the device token buffer, lengths
-        # and anchors are per lane too, and rounds update them without a host round trip
+        # per lane: its target slot and its request's host lists; the device token buffer, lengths and anchors
+        # are per lane too, and rounds update them without a host round trip
         lanes = _Lanes(L, tok=torch.full((L, longest + max_new_tokens + 1), self.pad_token_id, dtype=torch.long,
                                          device=dev))
         self.slots = lanes.slot
@@ -331,8 +329,7 @@ class SpecEngine:
             active = self._admit(lanes, list(range(L)), [waiting.pop() for _ in range(L)], prompts, hist,
                                  out_tokens, sampling, gen, stats, max_new_tokens, eos_set, streamer)
             while active:
-                self._round(active, lanes.slot, lanes.hist, lanes.out, lanes.tok, lanes.lens, lanes.anchors,
-                            sampling, gen, stats, max_new_tokens, eos_set, streamer)
+                self._round(active, lanes, sampling, gen, stats, max_new_tokens, eos_set, streamer)
                 done = [l for l in active if self._done(lanes.out[l], max_new_tokens, eos_set)]
                 if done:
                     active = [l for l in active if l not in done]
@@ -347,7 +344,11 @@ class SpecEngine:
             raise
         finally:
             self.slots = []
-            self._retire(lanes, lanes.held(), streamer)
+            try:
+                self._retire(lanes, lanes.held())
+            finally:
+                if streamer is not None:
+                    streamer.end()
         stats.timings["total"] = time.perf_counter() - t0
         width = max(p.numel() + len(o) for p, o in zip(prompts, out_tokens))
         rows_out = [p + o for p, o in zip(host_prompts, out_tokens)]
@@ -402,7 +403,7 @@ class SpecEngine:
             hist[r].extend(out_tokens[r])
         return going
 
-    def _retire(self, lanes: "_Lanes", ids: list[int], streamer=None) -> None:
+    def _retire(self, lanes: "_Lanes", ids: list[int]) -> None:
         """Requests of lanes `ids` ended (or the call failed): the drafter and the runner let go of them."""
         try:
             self.drafter.release(ids)
@@ -412,23 +413,22 @@ class SpecEngine:
             finally:
                 for l in ids:
                     lanes.slot[l] = None
-                if streamer is not None:
-                    streamer.end()
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         """`rows` as a device tensor, built once per distinct list (else a host-to-device copy per round)."""
         return index_tensor(self._row_index, rows, self.runner.device)
 
-    def _round(self, active, slots, hist, out_tokens, tok, lens, anchors, sampling, gen, stats, max_new, eos_set,
-               streamer):
-        """One speculative round of the `active` rows: draft, verify, accept, one readback, commit, observe.
+    def _round(self, active, lanes: "_Lanes", sampling, gen, stats, max_new, eos_set, streamer):
+        """One speculative round of the `active` lanes: draft, verify, accept, one readback, commit, observe.
 
-        Host state: `hist[b]` (prompt + committed tokens, the anchor last) and `out_tokens[b]`. Device state:
-        the token buffer `tok [B, W]` with lengths `lens [B]`, and `anchors [B]`. The drafter's block is
+        Host state per lane: `hist[b]` (prompt + committed tokens, the anchor last) and `out[b]`. Device state:
+        the token buffer `tok [L, W]` with lengths `lens [L]`, and `anchors [L]`. The drafter's block is
         checked with one host read; everything the host needs of the round (accepted counts, new tokens,
         path, finiteness of the logits) comes back in one more; nothing else in here reads back.
         With static shapes the verify step sees `[Bk, T]` for the batch bucket Bk >= B (rows past B: the
         null slot, nothing drafted, nothing committed) and T fixed by gamma or the tree's node budget."""
+        slots, hist, out_tokens, tok, lens, anchors = lanes.slot, lanes.hist, lanes.out, lanes.tok, lanes.lens, \
+            lanes.anchors
         B = len(active)
         idx = self._index(active)
         contexts = Contexts([tok[b, :len(hist[b])] for b in active], [hist[b] for b in active])
