@@ -101,16 +101,21 @@ def delta_step(S: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor, v: torc
         v: raw value `[N, H, V]`;  g: log-decay `[N, H, K]` (KDA) or `[N, H, 1]` (GDN);  beta: `[N, H]`.
     Returns:
         `(S_t [N, H, K, V], o_t [N, H, V], d_t [N, H, V])` with `S' = exp(g) S`,
-        `d = beta (v - S'^T k)`, `S_t = S' + k d^T`, `o = S_t^T q`.
+        `d = beta (v - S'^T k)`, `S_t = S' + k d^T` (one fused multiply-add per element, `torch.addcmul`),
+        `o = S_t^T q`.
         `rule="mamba2"`: no delta correction, `d = beta v` (a Mamba2 head: k = B, v = x, q = C, g = dt A,
         beta = dt). The same `d` feeds the fast rebuild, so lazy commit holds for both rules.
     """
-    S = S * g.exp()[..., None]
+    S = S * g.exp()[..., None]  # a new tensor: the caller's S is never written (a tree's parent has children)
     if rule == "mamba2":
         d = beta[..., None] * v
     else:
         d = beta[..., None] * (v - dot(S, k))
-    S = S + k[..., None] * d[..., None, :]
+    # S + k d^T as one fused op (no temporary outer product); in place unless autograd needs S (training)
+    if torch.is_grad_enabled() and (S.requires_grad or k.requires_grad or d.requires_grad):
+        S = torch.addcmul(S, k[..., None], d[..., None, :])
+    else:
+        S.addcmul_(k[..., None], d[..., None, :])
     o = None if q is None else dot(S, q)
     return S, o, d
 

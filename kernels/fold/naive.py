@@ -76,23 +76,35 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
                             num_tokens if conv_count is None else conv_count, null_slot=null_slot)
     L = ring_beta.shape[3]
     dt = math_dtype(ssm_state, ring_rawv, ring_g)
-    rows = valid_slots(ssm_state_indices, null_slot).nonzero().flatten().tolist()
-    for b in rows:
-        s, n = int(ssm_state_indices[b]), int(num_tokens[b])
-        if n == 0:
-            continue
-        r = s if ring_indices is None else int(ring_indices[b])
-        off = torch.arange(n, device=ring_beta.device) if offsets is None else offsets[b, :n]
-        pos = off if ring_start is None else (ring_start[r] + off) % L
-        _, k = prepare_qk(None, ring_rawk[:, r][:, :, pos], scale=1.0, eps=eps, norm=norm, dtype=dt,
-                           rule=rule)
-        v, beta = ring_rawv[:, r][:, :, pos].to(dt), ring_beta[:, r][:, :, pos].to(dt)  # [Lyr, H, n, *]
-        g = ring_log_decay(ring_g[:, r][:, :, pos], dt, A_log, dt_bias, 1)
+    rows = valid_slots(ssm_state_indices, null_slot) & (num_tokens > 0)
+    rows = rows.nonzero().flatten()
+    if rows.numel() == 0:
+        return
+    # every row's records gathered and prepared at once (the same elementwise ops and last-dim norms per record
+    # as one row alone); only the steps run row by row, so each state stays in cache while it is advanced
+    slots, counts = ssm_state_indices[rows], num_tokens[rows]
+    host_slots, host_counts = slots.tolist(), counts.tolist()
+    M = max(host_counts)
+    r = slots if ring_indices is None else ring_indices[rows]
+    off = torch.arange(M, device=ring_beta.device).expand(len(host_counts), M) if offsets is None \
+        else offsets[rows, :M]
+    pos = off if ring_start is None else (ring_start[r][:, None] + off) % L      # [R, M]
+    r, pos = r[:, None], pos.clamp(0, L - 1)  # past a row's count: any record (never stepped)
+
+    def gather(ring: torch.Tensor) -> torch.Tensor:  # [Lyr, N', H, L, *] -> [Lyr, R, M, H, *]
+        return ring[:, r, :, pos].permute(2, 0, 1, 3, 4)
+
+    _, k = prepare_qk(None, gather(ring_rawk), scale=1.0, eps=eps, norm=norm, dtype=dt, rule=rule)
+    v, beta = gather(ring_rawv).to(dt), ring_beta[:, r, :, pos].permute(2, 0, 1, 3).to(dt)
+    g = ring_log_decay(gather(ring_g), dt, A_log, dt_bias, 3)
+    tracked = track_interval is not None and seq_lens is not None
+    base = seq_lens[slots].tolist() if tracked else None
+    for i, (s, n) in enumerate(zip(host_slots, host_counts)):
         S = ssm_state[:, s].to(dt)
         for j in range(n):
-            S, _, _ = delta_step(S, None, k[:, :, j], v[:, :, j], g[:, :, j], beta[:, :, j], rule=rule)
-            if track_interval is not None and seq_lens is not None:
-                count = int(seq_lens[s]) + j + 1
+            S, _, _ = delta_step(S, None, k[:, i, j], v[:, i, j], g[:, i, j], beta[:, i, j], rule=rule)
+            if tracked:
+                count = base[i] + j + 1
                 if count % track_interval == 0:
                     track_states[:, s, (count // track_interval) % 2] = S.to(track_states.dtype)
         ssm_state[:, s] = S.to(ssm_state.dtype)
