@@ -233,6 +233,53 @@ class FalconH1Mamba2Mixer(Mamba2Mixer):
         return mod.norm(y, gate) if mod.mamba_rms_norm else y * F.silu(gate)
 
 
+class KimiLatentAttention:
+    """`KimiLinearAttention` (MLA whose shared "rope" key part is not rotated) reading its cache in latent form.
+
+    The module expands every cached latent through `kv_b_proj` at every forward (`[B * S, r] x [r, H (dn + dv)]`
+    per layer per round, growing with the context); here the expansion is folded into the queries and the output
+    instead, as vLLM and SGLang run MLA decode (per head, `W_UK [dn, r]` and `W_UV [dv, r]` from `kv_b_proj`):
+        score(t, s) = (q_nope W_UK) . c_s + q_rot . k_rot_s,    out(t) = (sum_s p_ts c_s) W_UV^T
+    which is the module's attention exactly (the same sums, associated differently: equal to fp32 rounding).
+    The cache holds the same latents (`c` after `kv_a_layernorm`, `k_rot`), so drafters read it as before.
+    Called as the module is: `(hidden_states [B, T, d], attention_mask [B, 1, T, S], cache, ...)` -> (out, None).
+    """
+
+    requires = ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj", "num_heads", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "kv_lora_rank", "scaling", "layer_idx", "q_lora_rank")
+
+    def __init__(self, mod):
+        self.mod = mod
+
+    @classmethod
+    def applies(cls, mod) -> bool:
+        """The module is one this mirrors (else the runner calls the module itself)."""
+        return type(mod).__name__ == "KimiLinearAttention" and all(hasattr(mod, n) for n in cls.requires) \
+            and mod.kv_b_proj.bias is None
+
+    def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache=None,
+                 **kwargs) -> tuple[torch.Tensor, None]:
+        m, x = self.mod, hidden_states
+        B, T, _ = x.shape
+        H, dn, dr, dv, r = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        q = m.q_proj(x) if m.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x)))
+        q_nope, q_rot = q.view(B, T, H, dn + dr).transpose(1, 2).split([dn, dr], -1)   # [B, H, T, dn / dr]
+        c, k_rot = m.kv_a_proj_with_mqa(x).split([r, dr], -1)
+        c, k_rot = m.kv_a_layernorm(c).view(B, 1, T, r), k_rot.reshape(B, 1, T, dr)
+        if cache is not None:
+            c, k_rot = cache.update(c, k_rot, m.layer_idx)                           # [B, 1, S, r / dr]
+        c, k_rot = c[:, 0], k_rot[:, 0]
+        w = m.kv_b_proj.weight.view(H, dn + dv, r)
+        q_lat = (q_nope @ w[:, :dn]).reshape(B, H * T, r)                           # [B, H T, r]
+        scores = (q_lat @ c.transpose(1, 2) + q_rot.reshape(B, H * T, dr) @ k_rot.transpose(1, 2)) * m.scaling
+        scores = scores.view(B, H, T, -1)
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        p = scores.softmax(-1, dtype=torch.float32).to(q.dtype).view(B, H * T, -1)
+        out = (p @ c).view(B, H, T, r) @ w[:, dn:].transpose(1, 2)                  # [B, H, T, dv]
+        return m.o_proj(out.transpose(1, 2).reshape(B, T, H * dv)), None
+
+
 @dataclass(frozen=True)
 class LayerLayout:
     """Where a decoder layer puts its norms and modules (attribute names, dotted for a sub-module's; None: none
@@ -309,8 +356,9 @@ class HybridFamily:
     """One hybrid family: its linear-attention mixer, the layout of its linear / full-attention layers (and of
     its MLP-only layers, `config.layer_types` "mlp" / "moe", and its "hybrid" layers: mixer plus attention), the
     names of the base model's embedding and final norm, the base model's attributes scaling the embeddings
-    (`embed_scale`) and multiplying the logits (`logits_multiplier`), and the config's dividing the logits
-    (`logits_scale`)."""
+    (`embed_scale`) and multiplying the logits (`logits_multiplier`), the config's dividing the logits
+    (`logits_scale`), and a class running the family's MLA attention on latents (`latent_attention`, used where
+    its `applies` holds)."""
 
     mixer: type
     linear: LayerLayout = PRE_NORM
@@ -322,6 +370,7 @@ class HybridFamily:
     embed_scale: str | None = None
     logits_scale: str | None = None
     logits_multiplier: str | None = None
+    latent_attention: type | None = None
 
     def layout(self, kind: str) -> LayerLayout | None:
         """The layout of a layer of `kind` ("linear", "attention", "mlp", "hybrid"); None where the family has
@@ -339,7 +388,7 @@ def layer_kind(layer_type: str) -> str:
 
 
 HYBRID_FAMILIES = {
-    "kimi_linear": HybridFamily(KimiDeltaMixer),
+    "kimi_linear": HybridFamily(KimiDeltaMixer, latent_attention=KimiLatentAttention),
     "qwen3_next": HybridFamily(GatedDeltaMixer),
     "qwen3_5": HybridFamily(GatedDeltaMixer),
     "qwen3_5_text": HybridFamily(GatedDeltaMixer),

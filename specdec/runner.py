@@ -213,6 +213,8 @@ def _layer_plan(family: str, spec, layers, kinds) -> tuple[list[tuple], dict, li
         elif kind in ("attention", "hybrid"):
             attns[i] = lookup(layout.attn)
             rope[i] = "position_embeddings" in inspect.signature(attns[i].forward).parameters
+            if spec.latent_attention is not None and kind == "attention" and spec.latent_attention.applies(attns[i]):
+                attns[i] = spec.latent_attention(attns[i])
             if kind == "hybrid":
                 joins[i] = _Join(attns[i], **{k: None if name is None else lookup(name, "number") for k, name in (
                     ("attn_in", layout.attn_in_scale), ("attn_out", layout.attn_out_scale),

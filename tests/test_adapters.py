@@ -97,3 +97,44 @@ def test_batched_rows_of_different_lengths(model):
             assert max_rel_err(got[0], rb[pb:pb + 4]) < TOL and max_rel_err(got[1], ra[pa:pa + 4]) < TOL
             runner.commit([2, 4])
             pb, pa = pb + 2, pa + 4
+
+
+def test_kimi_attention_reads_latents_like_the_module():
+    """Kimi-Linear's MLA layers run as `KimiLatentAttention` (the cached latents never expanded): its output
+    equals the module's own forward on the same cache contents, with a tree mask (float64); the tests above
+    then check whole rounds of it against transformers' forward."""
+    from specdec.adapters import KimiLatentAttention
+    from specdec.kv_cache import KVCache
+
+    model = tiny_model("kimi_linear", seed=2)
+    runner = HybridRunner(model, max_batch_size=2, max_length=32)
+    attn_layers = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
+    assert attn_layers and all(isinstance(runner._attn[i], KimiLatentAttention) for i in attn_layers)
+    mod = model.model.layers[attn_layers[0]].self_attn
+    gen = torch.Generator().manual_seed(3)
+    parent = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 1, 3]])
+    ref_out = None
+    for run in ("module", "latent"):
+        kv = KVCache(3, 32)
+        x_pre = torch.randn(2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(4),
+                            dtype=torch.float64)
+        kv.begin(torch.tensor([2, 0]), 6)  # committed context: a prefill of 6 tokens per row
+        (mod if run == "module" else KimiLatentAttention(mod))(hidden_states=x_pre,
+                                                               attention_mask=kv.attention_mask(torch.float64),
+                                                               cache=kv)
+        kv.commit(torch.arange(6).expand(2, 6), torch.tensor([6, 4]))  # row 1 keeps 4 of them
+        kv.begin(torch.tensor([2, 0]), 5, parent)
+        x = torch.randn(2, 5, model.config.hidden_size, generator=gen, dtype=torch.float64) if ref_out is None else x
+        fn = mod if run == "module" else KimiLatentAttention(mod)
+        out = fn(hidden_states=x, attention_mask=kv.attention_mask(torch.float64), cache=kv)[0]
+        if ref_out is None:
+            ref_out = out
+    assert max_rel_err(out, ref_out) < 1e-12
+    # a module it does not mirror (a bias on kv_b_proj) runs as itself
+    mod.kv_b_proj.bias = torch.nn.Parameter(torch.zeros(mod.kv_b_proj.out_features, dtype=torch.float64))
+    try:
+        assert not KimiLatentAttention.applies(mod)
+        runner = HybridRunner(model, max_batch_size=2, max_length=32)
+        assert runner._attn[attn_layers[0]] is mod
+    finally:
+        mod.kv_b_proj.bias = None
