@@ -19,13 +19,15 @@ batched and one by one. The modes:
 - `hf`: transformers' own `model.generate` (greedy, left-padded batch with its attention mask, the model's
   pure-torch layers), a second baseline; reported as not run, with the reason, when it fails.
 
-tokens/s = new tokens of the whole workload / wall time of its calls. Every configuration is warmed up once, then
-the modes run `--repeats` times, interleaved (round-robin, the starting mode rotating per repeat); the table
-shows the median, the spread (max / min over the repeats), tau (tokens per verify round, from the engine's
-stats), the speedup over `plain` at the same batch and the scaling `xB1` (tokens/s at B over tokens/s at
-batch 1, same mode). Greedy speculative decoding is lossless: every spec run's output must equal the plain
-output token for token, or the script exits with status 1, as it does when a specdec mode fails to run (the
-`hf` output is compared too, and a difference or failure there is only reported).
+tokens/s = new tokens of the whole workload / wall time of its calls. Every configuration (batch size and mode) is
+built and warmed up once first, then all of them run `--repeats` times, interleaved across batch sizes and modes
+(round-robin, the starting configuration rotating per repeat), so a change in the machine's load during the run
+reaches every configuration alike; the table shows the median, the spread (max / min over the repeats), tau
+(tokens per verify round, from the engine's stats), the speedup over `plain` at the same batch and the scaling
+`xB1` over batch 1 (same mode), both the median of the ratios within each repeat.
+Greedy speculative decoding is lossless: every spec run's output must equal the plain output token for token, or
+the script exits with status 1, as it does when a specdec mode fails to run (the `hf` output is compared too, and
+a difference or failure there is only reported).
 """
 
 from __future__ import annotations
@@ -136,18 +138,19 @@ class Workload:
         return new, dt, (tokens / rounds if rounds else None) if self.mode != HF else None
 
 
-def bench_batch(B, modes, model, texts, tok, a, pad, engine_opts=None) -> tuple[dict, list[str]]:
-    """-> ({mode: result}, errors): warmup, then `a.repeats` interleaved timed runs of every mode."""
+def prepare_batch(B, modes, model, texts, tok, a, pad, engine_opts=None) -> tuple[dict, dict, dict, list[str]]:
+    """-> ({mode: result}, {mode: workload}, {mode: warmup output}, errors): every mode at batch B built and run
+    once untimed (first-call costs stay out of the timings)."""
     prompts = [tok(texts[i % len(texts)])["input_ids"][:a.prompt_tokens] for i in range(a.requests)]
     res: dict[str, dict] = {}
-    runners: dict[str, Runner] = {}
+    runners: dict[str, Workload] = {}
     outputs: dict[str, list[list[int]]] = {}
     errors: list[str] = []
     for mode, drafter in modes.items():
         try:
             r = Workload(mode, model, prompts, B, a.max_new_tokens, drafter=drafter, pad_token_id=pad,
                          engine_opts=(engine_opts or {}).get(mode), calls=a.batching == "calls")
-            new, _, _ = r.run()  # warmup: first-call costs stay out of the timings
+            new, _, _ = r.run()
         except Exception as e:  # noqa: BLE001 - a mode that does not run is reported, the rest go on
             first = (str(e).strip().splitlines() or [""])[0]
             res[mode] = {"skipped": f"failed: {type(e).__name__}: {first}"}
@@ -157,18 +160,32 @@ def bench_batch(B, modes, model, texts, tok, a, pad, engine_opts=None) -> tuple[
             continue
         runners[mode], outputs[mode] = r, new
         res[mode] = {"tokens_per_s": [], "seconds": [], "new_tokens": sum(map(len, new)), "tau": None}
-    order = list(runners)
+    return res, runners, outputs, errors
+
+
+def run_interleaved(configs: dict, a) -> list[str]:
+    """`a.repeats` timed runs of every (batch, mode) of `configs` ({key: (result, workload, warmup output)}),
+    interleaved across batch sizes and modes (each repeat in a rotated order), so that a change in the machine's
+    load over the run reaches every configuration alike. -> errors (an output that changed)."""
+    errors: list[str] = []
+    order = list(configs)
     for rep in range(a.repeats):
         k = rep % len(order) if order else 0
-        for mode in order[k:] + order[:k]:
-            new, dt, tau = runners[mode].run()
-            r = res[mode]
+        for key in order[k:] + order[:k]:
+            r, runner, ref = configs[key]
+            new, dt, tau = runner.run()
             r["seconds"].append(dt)
             r["tokens_per_s"].append(sum(map(len, new)) / dt)
             r["tau"] = tau
-            if new != outputs[mode]:
-                errors.append(f"batch {B}, {mode}: repeat {rep} output differs from its warmup output")
-    for mode in runners:
+            if new != ref:
+                errors.append(f"batch {key[0]}, {key[1]}: repeat {rep} output differs from its warmup output")
+    return errors
+
+
+def finish_batch(B, res: dict, outputs: dict) -> list[str]:
+    """Medians and spreads of batch B's timed runs, and each mode's output against plain decoding -> errors."""
+    errors: list[str] = []
+    for mode in outputs:
         r = res[mode]
         tps = r["tokens_per_s"]
         r["tokens_per_s_median"] = statistics.median(tps)
@@ -177,7 +194,7 @@ def bench_batch(B, modes, model, texts, tok, a, pad, engine_opts=None) -> tuple[
         r["new_tokens_per_row"] = sorted({len(o) for o in outputs[mode]})
     if PLAIN in outputs:
         ref = outputs[PLAIN]
-        for mode in runners:
+        for mode in outputs:
             diff = first_difference(outputs[mode], ref)
             res[mode]["identical_to_plain"] = diff is None
             if diff is not None:
@@ -187,7 +204,15 @@ def bench_batch(B, modes, model, texts, tok, a, pad, engine_opts=None) -> tuple[
                     print(f"WARNING: {msg}", file=sys.stderr)
                 else:
                     errors.append(msg)
-    return res, errors
+    return errors
+
+
+def paired_ratio(r: dict, base: dict | None) -> float | None:
+    """Median over the repeats of r's tokens/s over base's in the same repeat (the two ran minutes apart at
+    most, under the same load)."""
+    if base is None:
+        return None
+    return statistics.median(x / y for x, y in zip(r["tokens_per_s"], base["tokens_per_s"]))
 
 
 def format_table(rows: list[dict]) -> str:
@@ -309,13 +334,19 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     errors: list[str] = []
     t0 = time.perf_counter()
+    prepared = {}
     for B in sizes:
         batch_modes = {m: (NoDraft() if m == PLAIN else d) for m, d in modes.items()}
-        res, errs = bench_batch(B, batch_modes, model, texts, tok, a, pad, engine_opts)
-        errors += errs
+        prepared[B] = prepare_batch(B, batch_modes, model, texts, tok, a, pad, engine_opts)
+        errors += prepared[B][3]
+        print(f"# batch {B} ready ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    configs = {(B, mode): (res[mode], runners[mode], outputs[mode])
+               for B, (res, runners, outputs, _) in prepared.items() for mode in runners}
+    errors += run_interleaved(configs, a)
+    for B, (res, _, outputs, _) in prepared.items():
+        errors += finish_batch(B, res, outputs)
         for mode, r in res.items():
             rows.append({"batch": B, "mode": mode, **r})
-        print(f"# batch {B} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     for r in rows:
         if r.get("skipped"):
             continue
@@ -323,10 +354,9 @@ def main(argv=None) -> int:
                     None)
         hf = next((x for x in rows if x["batch"] == r["batch"] and x["mode"] == HF and not x.get("skipped")), None)
         one = next((x for x in rows if x["batch"] == 1 and x["mode"] == r["mode"] and not x.get("skipped")), None)
-        med = r["tokens_per_s_median"]
-        r["speedup_vs_plain"] = med / base["tokens_per_s_median"] if base else None
-        r["speedup_vs_hf"] = med / hf["tokens_per_s_median"] if hf else None
-        r["scaling_vs_batch1"] = med / one["tokens_per_s_median"] if one else None
+        r["speedup_vs_plain"] = paired_ratio(r, base)
+        r["speedup_vs_hf"] = paired_ratio(r, hf)
+        r["scaling_vs_batch1"] = paired_ratio(r, one)
     elapsed = time.perf_counter() - t0
 
     print(format_table(rows))
