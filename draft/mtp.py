@@ -33,6 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specdec.adapters import latent_attention
+
 from .base import DraftBlock, Drafter
 from .layers import MLP, RMSNorm, SharesTarget, soft_ce
 from .registry import DraftConfig
@@ -116,12 +118,15 @@ def resolve_attn_layer(target, layer: int) -> int:
 @dataclass
 class KVContext:
     """What the query-only attention reads: keys `[B, H, S, Dk]` and values `[B, H, S, Dv]` (query heads, GQA
-    already expanded), an additive mask `[B, 1, T, S]`, and the rotary (cos, sin) of the query positions."""
+    already expanded), an additive mask `[B, 1, T, S]`, and the rotary (cos, sin) of the query positions.
+    An MLA target's context stays latent (keys and values None): `latent = (c [B, 1, S, r], k_rot [B, 1, S, dr],
+    kv_b_proj.weight)`, read by `specdec.adapters.latent_attention`, never expanded per head."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    keys: torch.Tensor | None
+    values: torch.Tensor | None
     mask: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor] | None
+    latent: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class QueryOnlyAttention(nn.Module):
@@ -142,9 +147,14 @@ class QueryOnlyAttention(nn.Module):
         q = q.transpose(1, 2)  # [B, H, T, Dk]
         if ctx.rope is not None:
             q, _ = self._apply_rope(q, q, *ctx.rope)
-        att = (q @ ctx.keys.transpose(-1, -2)) * self.scale + ctx.mask
-        att = att.softmax(-1, dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
-        out = att.to(ctx.values.dtype) @ ctx.values  # [B, H, T, Dv]
+        if ctx.latent is not None:  # an MLA target: queries split as its keys are, [nope; rope]
+            c, k_rot, kv_b = ctx.latent
+            dr = k_rot.shape[-1]
+            out = latent_attention(q[..., :-dr], q[..., -dr:], c, k_rot, kv_b, ctx.mask, self.scale)
+        else:
+            att = (q @ ctx.keys.transpose(-1, -2)) * self.scale + ctx.mask
+            att = att.softmax(-1, dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+            out = att.to(ctx.values.dtype) @ ctx.values  # [B, H, T, Dv]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim))
 
 
@@ -227,25 +237,22 @@ class Net(SharesTarget):
         w = head.weight.detach()
         return F.linear(x.to(w.dtype), w, None if head.bias is None else head.bias.detach())
 
-    def _expand(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored pair of the attention layer `[B, h, S, d]` -> keys, values with one head per query head."""
-        if self.mla:
-            k, v = self.target_attn.expand_kv(a, b)
-        else:
-            k, v = a, b
-        rep = self.config.num_heads // k.shape[1]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return k, v
-
-    def _context(self, keys, values, visible: torch.Tensor, like: torch.Tensor, positions: torch.Tensor):
-        """KVContext in the net's dtype; `visible [B or 1, T, S]` bool; rotary of the query `positions [B, T]`."""
+    def _context(self, a, b, visible: torch.Tensor, like: torch.Tensor, positions: torch.Tensor):
+        """KVContext in the net's dtype from the attention layer's stored pair `[B, h, S, d]`: keys and values with
+        one head per query head, or an MLA target's latents as they are; `visible [B or 1, T, S]` bool; rotary of
+        the query `positions [B, T]`."""
         dt = self.dtype
         mask = torch.zeros(visible.shape, dtype=dt, device=visible.device).masked_fill(~visible, torch.finfo(dt).min)
+        if self.mla:
+            kv_b = self.target_attn.kv_b_proj.weight.detach()
+            return KVContext(None, None, mask[:, None], None, latent=(a.to(dt), b.to(dt), kv_b.to(dt)))
+        rep = self.config.num_heads // a.shape[1]
+        if rep > 1:
+            a, b = a.repeat_interleave(rep, dim=1), b.repeat_interleave(rep, dim=1)
         rope = None
         if self.target_rotary is not None:
             rope = tuple(x.to(dt) for x in self.target_rotary(like, positions))
-        return KVContext(keys.to(dt), values.to(dt), mask[:, None], rope)
+        return KVContext(a.to(dt), b.to(dt), mask[:, None], rope)
 
     @torch.no_grad()
     def context_from_cache(self, kv, slots: list[int], slots_tensor=None) -> KVContext:
@@ -258,9 +265,8 @@ class Net(SharesTarget):
         lens = kv.lengths[slots_t]
         S = max(kv.bound[s] for s in slots)  # a host bound: keys past each row's length are masked below
         a, b = (buf[slots_t, :, :S] for buf in kv.store[self.layer])
-        keys, values = self._expand(a, b)
         visible = (torch.arange(S, device=lens.device)[None, :] < lens[:, None])[:, None]  # [B, 1, S]
-        return self._context(keys, values, visible, a, (lens - 1)[:, None])
+        return self._context(a, b, visible, a, (lens - 1)[:, None])
 
     @torch.no_grad()
     def context_from_batch(self, tokens: torch.Tensor, features: dict[int, torch.Tensor]) -> KVContext:
@@ -286,9 +292,8 @@ class Net(SharesTarget):
             b = attn.v_proj(x).view(shape).transpose(1, 2)
             if self.target_rotary is not None:
                 a, _ = self.apply_rope(a, a, *self.target_rotary(x, pos))
-        keys, values = self._expand(a, b)
         causal = torch.ones(S, S, dtype=torch.bool, device=tokens.device).tril()[None]  # [1, S, S]
-        return self._context(keys, values, causal, x, pos)
+        return self._context(a, b, causal, x, pos)
 
     # ---- the head ----------------------------------------------------------------------------------
     def step(self, tokens: torch.Tensor, h: torch.Tensor, ctx: KVContext) -> tuple[torch.Tensor, torch.Tensor]:

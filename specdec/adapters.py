@@ -233,14 +233,40 @@ class FalconH1Mamba2Mixer(Mamba2Mixer):
         return mod.norm(y, gate) if mod.mamba_rms_norm else y * F.silu(gate)
 
 
+def latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, k_rot: torch.Tensor,
+                     kv_b: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """MLA attention over cached latents, never expanding them: with `kv_b` (`kv_b_proj.weight`, rows per head
+    `[W_UK (dn rows); W_UV (dv rows)]` over the latent r),
+        score(t, s) = (q_nope W_UK) . c_s + q_rot . k_rot_s,    out(t) = (sum_s p_ts c_s) W_UV^T,
+    the attention of the expanded keys `[W_UK c; k_rot]` and values `W_UV c` with the sums associated differently.
+    Softmax in fp32, cast back, as transformers' eager attention.
+
+    Args:
+        q_nope `[B, H, T, dn]`, q_rot `[B, H, T, dr]`: queries;  c `[B, 1, S, r]`, k_rot `[B, 1, S, dr]`: the
+        latents and shared rope keys as an MLA cache holds them;  kv_b: `[H (dn + dv), r]`;
+        mask: additive `[B, 1, T, S]` (or broadcastable), None: all visible.
+    Returns:
+        `[B, H, T, dv]`.
+    """
+    B, H, T, dn = q_nope.shape
+    r, dr = c.shape[-1], q_rot.shape[-1]
+    w = kv_b.view(H, -1, r)
+    c, k_rot = c[:, 0], k_rot[:, 0]                                               # [B, S, r / dr]
+    q_lat = (q_nope @ w[:, :dn]).reshape(B, H * T, r)                             # [B, H T, r]
+    scores = (q_lat @ c.transpose(1, 2) + q_rot.reshape(B, H * T, dr) @ k_rot.transpose(1, 2)) * scale
+    scores = scores.view(B, H, T, -1)
+    if mask is not None:
+        scores = scores + mask
+    p = scores.softmax(-1, dtype=torch.float32).to(q_nope.dtype).view(B, H * T, -1)
+    return (p @ c).view(B, H, T, r) @ w[:, dn:].transpose(1, 2)
+
+
 class KimiLatentAttention:
     """`KimiLinearAttention` (MLA whose shared "rope" key part is not rotated) reading its cache in latent form.
 
     The module expands every cached latent through `kv_b_proj` at every forward (`[B * S, r] x [r, H (dn + dv)]`
     per layer per round, growing with the context); here the expansion is folded into the queries and the output
-    instead, as vLLM and SGLang run MLA decode (per head, `W_UK [dn, r]` and `W_UV [dv, r]` from `kv_b_proj`):
-        score(t, s) = (q_nope W_UK) . c_s + q_rot . k_rot_s,    out(t) = (sum_s p_ts c_s) W_UV^T
-    which is the module's attention exactly (the same sums, associated differently: equal to fp32 rounding).
+    (`latent_attention`), as vLLM and SGLang run MLA decode: the module's attention, equal to fp32 rounding.
     The cache holds the same latents (`c` after `kv_a_layernorm`, `k_rot`), so drafters read it as before.
     Called as the module is: `(hidden_states [B, T, d], attention_mask [B, 1, T, S], cache, ...)` -> (out, None).
     """
@@ -268,15 +294,7 @@ class KimiLatentAttention:
         c, k_rot = m.kv_a_layernorm(c).view(B, 1, T, r), k_rot.reshape(B, 1, T, dr)
         if cache is not None:
             c, k_rot = cache.update(c, k_rot, m.layer_idx)                           # [B, 1, S, r / dr]
-        c, k_rot = c[:, 0], k_rot[:, 0]
-        w = m.kv_b_proj.weight.view(H, dn + dv, r)
-        q_lat = (q_nope @ w[:, :dn]).reshape(B, H * T, r)                           # [B, H T, r]
-        scores = (q_lat @ c.transpose(1, 2) + q_rot.reshape(B, H * T, dr) @ k_rot.transpose(1, 2)) * m.scaling
-        scores = scores.view(B, H, T, -1)
-        if attention_mask is not None:
-            scores = scores + attention_mask
-        p = scores.softmax(-1, dtype=torch.float32).to(q.dtype).view(B, H * T, -1)
-        out = (p @ c).view(B, H, T, r) @ w[:, dn:].transpose(1, 2)                  # [B, H, T, dv]
+        out = latent_attention(q_nope, q_rot, c, k_rot, m.kv_b_proj.weight, attention_mask, m.scaling)
         return m.o_proj(out.transpose(1, 2).reshape(B, T, H * dv)), None
 
 
