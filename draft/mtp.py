@@ -154,8 +154,8 @@ class QueryOnlyAttention(nn.Module):
         else:
             att = (q @ ctx.keys.transpose(-1, -2)) * self.scale + ctx.mask
             att = att.softmax(-1, dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
-            out = att.to(ctx.values.dtype) @ ctx.values  # [B, H, T, Dv]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.v_dim))
+            out = (att.to(ctx.values.dtype) @ ctx.values).transpose(1, 2)  # [B, T, H, Dv]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.v_dim))
 
 
 class MTPBlock(nn.Module):

@@ -233,32 +233,43 @@ class FalconH1Mamba2Mixer(Mamba2Mixer):
         return mod.norm(y, gate) if mod.mamba_rms_norm else y * F.silu(gate)
 
 
+def _packed(x: torch.Tensor, perm: tuple, shape: tuple) -> torch.Tensor:
+    """`x.permute(perm)` copied contiguous, viewed as `shape`: one copy whatever B and T are (a reshape copies or
+    not depending on them, and the ops of a round must not change with the batch)."""
+    return x.permute(perm).clone(memory_format=torch.contiguous_format).view(shape)
+
+
 def latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, k_rot: torch.Tensor,
                      kv_b: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """MLA attention over cached latents, never expanding them: with `kv_b` (`kv_b_proj.weight`, rows per head
     `[W_UK (dn rows); W_UV (dv rows)]` over the latent r),
         score(t, s) = (q_nope W_UK) . c_s + q_rot . k_rot_s,    out(t) = (sum_s p_ts c_s) W_UV^T,
     the attention of the expanded keys `[W_UK c; k_rot]` and values `W_UV c` with the sums associated differently.
-    Softmax in fp32, cast back, as transformers' eager attention.
+    Softmax in fp32, cast back, as transformers' eager attention. The same ops for every B and T.
 
     Args:
         q_nope `[B, H, T, dn]`, q_rot `[B, H, T, dr]`: queries;  c `[B, 1, S, r]`, k_rot `[B, 1, S, dr]`: the
         latents and shared rope keys as an MLA cache holds them;  kv_b: `[H (dn + dv), r]`;
         mask: additive `[B, 1, T, S]` (or broadcastable), None: all visible.
     Returns:
-        `[B, H, T, dv]`.
+        `[B, T, H dv]` (heads concatenated, as the output projection takes them).
     """
     B, H, T, dn = q_nope.shape
     r, dr = c.shape[-1], q_rot.shape[-1]
     w = kv_b.view(H, -1, r)
+    dv = w.shape[1] - dn
     c, k_rot = c[:, 0], k_rot[:, 0]                                               # [B, S, r / dr]
-    q_lat = (q_nope @ w[:, :dn]).reshape(B, H * T, r)                             # [B, H T, r]
-    scores = (q_lat @ c.transpose(1, 2) + q_rot.reshape(B, H * T, dr) @ k_rot.transpose(1, 2)) * scale
+    q_lat = torch.bmm(_packed(q_nope, (1, 0, 2, 3), (H, B * T, dn)), w[:, :dn])    # [H, B T, r]
+    q_lat = _packed(q_lat.view(H, B, T, r), (1, 0, 2, 3), (B, H * T, r))
+    q_rot = _packed(q_rot, (0, 1, 2, 3), (B, H * T, dr))
+    scores = (torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_rot, k_rot.transpose(1, 2))) * scale
     scores = scores.view(B, H, T, -1)
     if mask is not None:
         scores = scores + mask
     p = scores.softmax(-1, dtype=torch.float32).to(q_nope.dtype).view(B, H * T, -1)
-    return (p @ c).view(B, H, T, r) @ w[:, dn:].transpose(1, 2)
+    o_lat = _packed(torch.bmm(p, c).view(B, H, T, r), (1, 0, 2, 3), (H, B * T, r))
+    out = torch.bmm(o_lat, w[:, dn:].transpose(1, 2))                             # [H, B T, dv]
+    return _packed(out.view(H, B, T, dv), (1, 2, 0, 3), (B, T, H * dv))
 
 
 class KimiLatentAttention:
@@ -287,15 +298,15 @@ class KimiLatentAttention:
                  **kwargs) -> tuple[torch.Tensor, None]:
         m, x = self.mod, hidden_states
         B, T, _ = x.shape
-        H, dn, dr, dv, r = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+        H, dn, dr, r = m.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
         q = m.q_proj(x) if m.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x)))
         q_nope, q_rot = q.view(B, T, H, dn + dr).transpose(1, 2).split([dn, dr], -1)   # [B, H, T, dn / dr]
         c, k_rot = m.kv_a_proj_with_mqa(x).split([r, dr], -1)
         c, k_rot = m.kv_a_layernorm(c).view(B, 1, T, r), k_rot.reshape(B, 1, T, dr)
         if cache is not None:
             c, k_rot = cache.update(c, k_rot, m.layer_idx)                           # [B, 1, S, r / dr]
-        out = latent_attention(q_nope, q_rot, c, k_rot, m.kv_b_proj.weight, attention_mask, m.scaling)
-        return m.o_proj(out.transpose(1, 2).reshape(B, T, H * dv)), None
+        out = latent_attention(q_nope, q_rot, c, k_rot, m.kv_b_proj.weight, attention_mask, m.scaling)  # [B, T, H dv]
+        return m.o_proj(out), None
 
 
 @dataclass(frozen=True)
