@@ -112,23 +112,18 @@ def test_kimi_attention_reads_latents_like_the_module():
     assert attn_layers and all(isinstance(runner._attn[i], KimiLatentAttention) for i in attn_layers)
     mod = model.model.layers[attn_layers[0]].self_attn
     gen = torch.Generator().manual_seed(3)
+    d = model.config.hidden_size
+    context, x = (torch.randn(2, T, d, generator=gen, dtype=torch.float64) for T in (6, 5))
     parent = torch.tensor([[-1, 0, 0, 1, 2], [-1, 0, 1, 1, 3]])
-    ref_out = None
-    for run in ("module", "latent"):
+    outs = []
+    for attn in (mod, KimiLatentAttention(mod)):
         kv = KVCache(3, 32)
-        x_pre = torch.randn(2, 6, model.config.hidden_size, generator=torch.Generator().manual_seed(4),
-                            dtype=torch.float64)
-        kv.begin(torch.tensor([2, 0]), 6)  # committed context: a prefill of 6 tokens per row
-        (mod if run == "module" else KimiLatentAttention(mod))(hidden_states=x_pre,
-                                                               attention_mask=kv.attention_mask(torch.float64),
-                                                               cache=kv)
+        kv.begin(torch.tensor([2, 0]), 6)  # a committed context of 6 tokens per row, written by the same attention
+        attn(hidden_states=context, attention_mask=kv.attention_mask(torch.float64), cache=kv)
         kv.commit(torch.arange(6).expand(2, 6), torch.tensor([6, 4]))  # row 1 keeps 4 of them
-        kv.begin(torch.tensor([2, 0]), 5, parent)
-        x = torch.randn(2, 5, model.config.hidden_size, generator=gen, dtype=torch.float64) if ref_out is None else x
-        fn = mod if run == "module" else KimiLatentAttention(mod)
-        out = fn(hidden_states=x, attention_mask=kv.attention_mask(torch.float64), cache=kv)[0]
-        if ref_out is None:
-            ref_out = out
+        kv.begin(torch.tensor([2, 0]), 5, parent)  # a tree round
+        outs.append(attn(hidden_states=x, attention_mask=kv.attention_mask(torch.float64), cache=kv)[0])
+    ref_out, out = outs
     assert max_rel_err(out, ref_out) < 1e-12
     # a module it does not mirror (a bias on kv_b_proj) runs as itself
     mod.kv_b_proj.bias = torch.nn.Parameter(torch.zeros(mod.kv_b_proj.out_features, dtype=torch.float64))
