@@ -59,7 +59,7 @@ echo "== bench/kernels.py --device cuda =="
 BENCH_RC=${PIPESTATUS[0]}
 
 echo "== bench/graph_check.py --device cuda (cuda_graph=True vs eager, token for token) =="
-(cd /tmp && timeout 150 $PY "$REPO/bench/graph_check.py" --device cuda --json "$OUTDIR/graphs.json" 2>&1) \
+(cd /tmp && timeout 200 $PY "$REPO/bench/graph_check.py" --device cuda --json "$OUTDIR/graphs.json" 2>&1) \
     | tee "$OUTDIR/graphs.log"
 GRAPH_RC=${PIPESTATUS[0]}
 

@@ -3,12 +3,13 @@
     python bench/graph_check.py --device cuda --json graphs.json     # on a GPU: dynamic, static, cuda_graph
     python bench/graph_check.py                                      # on CPU: dynamic and static only
 
-For each batch size the first B held-out prompts (cut to `--prompt-tokens`) are generated greedily for
-`--max-new-tokens` tokens (no early stop) by three engines with the ngram drafter: `dynamic` (shapes follow
-the round), `static` (`static_shapes=True`, the padded path, run eagerly) and `graph` (`cuda_graph=True`,
-CUDA only). Every output must equal `dynamic`'s token for token, or the script exits with status 1. After a
-warm-up call each mode runs `--repeats` times, interleaved; the table shows the median tokens/s and how
-many step shapes were captured as graphs (and how many fell back to eager).
+For each drafter of `--drafters` (default: ngram, drafted on the host before the device step, and the shipped
+mtp head, whose drafting is part of the captured step) and each batch size, the first B held-out prompts (cut to
+`--prompt-tokens`) are generated greedily for `--max-new-tokens` tokens (no early stop) by three engines:
+`dynamic` (shapes follow the round), `static` (`static_shapes=True`, the padded path, run eagerly) and `graph`
+(`cuda_graph=True`, CUDA only). Every output must equal `dynamic`'s token for token, or the script exits with
+status 1. After a warm-up call each mode runs `--repeats` times, interleaved; the table shows the median
+tokens/s and how many step shapes were captured as graphs (and how many fell back to eager).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch-sizes", default="1,4")
+    p.add_argument("--drafters", default="ngram,mtp", help="ngram, or trained drafters of the embedded model")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
@@ -49,11 +51,13 @@ def main(argv=None) -> int:
         modes["graph"] = {"cuda_graph": True}
     print(f"# device {a.device} ({torch.cuda.get_device_name() if a.device.startswith('cuda') else 'cpu'}), "
           f"dtype {a.dtype}, torch threads {torch.get_num_threads()}")
-    print(f"{'batch':>5} {'mode':>8} {'tok/s':>9} {'spread':>7} {'identical':>9} {'graphs':>7} {'eager':>6}")
+    print(f"{'drafter':>8} {'batch':>5} {'mode':>8} {'tok/s':>9} {'spread':>7} {'identical':>9} {'graphs':>7} "
+          f"{'eager':>6}")
     results, failed = {}, False
-    for B in [int(x) for x in a.batch_sizes.split(",")]:
+    for name, B in [(d, int(b)) for d in a.drafters.split(",") for b in a.batch_sizes.split(",")]:
+        drafter = name if name == "ngram" else str(model_dir / "drafters" / name)
         prompts = [tok(texts[i % len(texts)])["input_ids"][:a.prompt_tokens] for i in range(B)]
-        engines = {m: specdec.wrap(model, drafter="ngram", max_batch_size=B, **o) for m, o in modes.items()}
+        engines = {m: specdec.wrap(model, drafter=drafter, max_batch_size=B, **o) for m, o in modes.items()}
         outs, times = {}, {m: [] for m in modes}
         for r in range(a.repeats + 1):  # the first pass warms up (and, for graphs, captures)
             for m in list(modes)[r % len(modes):] + list(modes)[:r % len(modes)]:
@@ -75,9 +79,9 @@ def main(argv=None) -> int:
             rate = [B * a.max_new_tokens / t for t in times[m]]
             med = statistics.median(rate)
             spread = max(rate) / min(rate)
-            results.setdefault(str(B), {})[m] = dict(tokens_per_s=med, spread=spread, identical=same,
-                                                     graphs=captured, eager_fallbacks=eager)
-            print(f"{B:>5} {m:>8} {med:>9.1f} {spread:>7.2f} {str(same):>9} {captured:>7} {eager:>6}")
+            results.setdefault(name, {}).setdefault(str(B), {})[m] = dict(
+                tokens_per_s=med, spread=spread, identical=same, graphs=captured, eager_fallbacks=eager)
+            print(f"{name:>8} {B:>5} {m:>8} {med:>9.1f} {spread:>7.2f} {str(same):>9} {captured:>7} {eager:>6}")
     if a.json:
         Path(a.json).write_text(json.dumps({"device": a.device, "dtype": a.dtype, "results": results}, indent=1))
     if failed:

@@ -2,6 +2,7 @@
 
     python bench/syncs.py                                   # embedded model, ngram + mtp, batch 1 / 16 / 64
     python bench/syncs.py --batch-sizes 1,4 --drafters ngram --max-new-tokens 32 --json syncs.json
+    python bench/syncs.py --static-shapes                   # the padded path CUDA graphs capture
 
 A `TorchDispatchMode` sees every aten op `generate` runs. Ops that block the host on a CUDA device are
 counted as syncs: scalar reads (`item`, `bool`, `int`: `_local_scalar_dense`), `nonzero`, boolean-mask
@@ -249,6 +250,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompts are cut to their first N tokens")
     p.add_argument("--strategy", default="replay")
     p.add_argument("--commit", default="eager")
+    p.add_argument("--static-shapes", action="store_true",
+                   help="the static-shape path CUDA graphs capture (mtp drafts inside the device step)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--kernels", choices=["gpu", "cpu"], default="gpu",
                    help="gpu: kernel ops count as the Triton wrappers' host side + one launch each; "
@@ -266,7 +269,8 @@ def main(argv=None) -> int:
                                                None)]
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     rows = []
-    print(f"# bench/syncs.py: {a.model}, {a.strategy}/{a.commit}, greedy, {a.max_new_tokens} new tokens, "
+    print(f"# bench/syncs.py: {a.model}, {a.strategy}/{a.commit}{', static shapes' if a.static_shapes else ''}, "
+          f"greedy, {a.max_new_tokens} new tokens, "
           f"prompts cut to {a.prompt_tokens} tokens, kernels as on a {a.kernels.upper()}, torch threads {a.threads}")
     print(f"{'drafter':8s} {'batch':>5s} {'rounds':>6s} {'tau':>5s} {'syncs/rd':>9s} {'in rd':>7s} "
           f"{'pkg ops/rd':>10s} {'in rd':>7s} {'model ops/rd':>12s}")
@@ -277,7 +281,8 @@ def main(argv=None) -> int:
             continue
         for B in sizes:
             prompts = [tok(texts[i % len(texts)])["input_ids"][:a.prompt_tokens] for i in range(B)]
-            engine = specdec.wrap(model, drafter=drafter, strategy=a.strategy, commit=a.commit, max_batch_size=B)
+            engine = specdec.wrap(model, drafter=drafter, strategy=a.strategy, commit=a.commit, max_batch_size=B,
+                                  static_shapes=a.static_shapes)
             r = measure(engine, prompts, a.max_new_tokens, kernels=a.kernels)
             r.update(drafter=name, batch=B)
             rows.append(r)
@@ -288,7 +293,8 @@ def main(argv=None) -> int:
                 print(f"{'':14s} sync {n:7.2f}/rd  {line}")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(model=a.model, strategy=a.strategy, commit=a.commit,
-                                                max_new_tokens=a.max_new_tokens, rows=rows), indent=1))
+                                                static_shapes=a.static_shapes, max_new_tokens=a.max_new_tokens,
+                                                rows=rows), indent=1))
     return 0
 
 

@@ -44,7 +44,8 @@ class TargetView:
     """What a drafter sees of the target: its model (embeddings, lm_head, config), the attention layers' KV cache
     (`specdec.kv_cache.KVCache` on the hybrid runner, else None), whether it verifies trees, the verify window
     (`num_verify_tokens`, anchor included), the engine's `gamma` and `max_length`, and each request row's slot:
-    `slots(rows) -> [int]` and `slots_tensor([int]) -> [B]` long on the target's device (built once per list)."""
+    `slots(rows) -> [int]`, and `index([int]) -> [n]`: a list of ints (rows, slots) as a long tensor on the target's
+    device, built once per distinct list (rounds reuse theirs, so no host-to-device copy each round)."""
 
     model: object
     kv: object
@@ -53,7 +54,7 @@ class TargetView:
     gamma: int
     max_length: int
     slots: Callable[[list[int]], list[int]]
-    slots_tensor: Callable[[list[int]], torch.Tensor]
+    index: Callable[[list[int]], torch.Tensor]
 
 
 class Drafter(ABC):
@@ -61,6 +62,7 @@ class Drafter(ABC):
 
     name = "drafter"
     feature_layers: tuple[int, ...] = ()  # target decoder layers whose outputs `observe` receives
+    static_draft = False  # has `draft_step`: drafting as device work of fixed shapes (CUDA-graph capturable)
 
     def bind(self, target: TargetView) -> None:
         """Called once by the engine with its view of the target."""
@@ -77,6 +79,16 @@ class Drafter(ABC):
     def propose(self, rows: list[int], contexts: list[torch.Tensor], gamma: int, *, sampling=None,
                 generator: torch.Generator | None = None) -> DraftBlock:
         """Up to `gamma` drafts after each context `[n]` (whose last token is the anchor)."""
+
+    def draft_step(self, rows: list[int], rows_t: torch.Tensor, slots_t: torch.Tensor, anchors: torch.Tensor,
+                   gamma: int, *, sampling=None, generator: torch.Generator | None = None) -> DraftBlock:
+        """`propose` for drafters with `static_draft`, which the engine calls with static shapes: a block for the
+        `Bk` rows of a batch bucket from the request rows `rows_t [Bk]` (padding rows repeat a real one; the engine
+        drops their drafts), their target slots `slots_t [Bk]` and anchors `[Bk]`, with device ops only (no host
+        reads) whose shapes depend on `Bk` and `gamma` alone, reading the drafter's persistent buffers and the
+        target's KV cache over its whole `max_length`: a CUDA graph captures it with the verify. `rows` are the
+        real rows on the host, for checks made before any device work."""
+        raise NotImplementedError(f"{type(self).__name__} has no static draft step")
 
     def observe(self, rows: list[int], tokens: list[torch.Tensor], hidden: list[torch.Tensor],
                 features: dict[int, list[torch.Tensor]]) -> None:

@@ -255,15 +255,14 @@ class Net(SharesTarget):
         return KVContext(a.to(dt), b.to(dt), mask[:, None], rope)
 
     @torch.no_grad()
-    def context_from_cache(self, kv, slots: list[int], slots_tensor=None) -> KVContext:
-        """The target's committed KV of `slots` (a `KVCache`), for one query per row at `length - 1`.
-        `slots_tensor`: the runner's cached list -> device tensor map (saves a host-to-device copy)."""
+    def context_from_cache(self, kv, slots_t: torch.Tensor, span: int) -> KVContext:
+        """The target's committed KV of slots `slots_t [B]` (a `KVCache`), for one query per row at `length - 1`,
+        over the first `span` keys of each slot (at least the longest row's length; keys past a row's length are
+        masked: a fixed span, the cache's `max_length`, gives every round the same shapes)."""
         if self.layer not in kv.store:
             raise RuntimeError(f"mtp: the target cache has no entries for layer {self.layer} yet")
-        slots_t = slots_tensor(slots) if slots_tensor is not None else torch.as_tensor(
-            slots, dtype=torch.long, device=kv.lengths.device)
+        S = span
         lens = kv.lengths[slots_t]
-        S = max(kv.bound[s] for s in slots)  # a host bound: keys past each row's length are masked below
         a, b = (buf[slots_t, :, :S] for buf in kv.store[self.layer])
         visible = (torch.arange(S, device=lens.device)[None, :] < lens[:, None])[:, None]  # [B, 1, S]
         return self._context(a, b, visible, a, (lens - 1)[:, None])
@@ -400,19 +399,28 @@ class Net(SharesTarget):
 # ---- drafter -----------------------------------------------------------------------------------------
 class MTPDrafter(Drafter):
     """Drafts with a `Net` from the target's committed KV cache and the final hidden state of each request's
-    last committed token (kept from `observe`). Holds no cache of its own, so there is nothing to roll back.
-    A chain of `gamma` drafts (`topk` 1), or EAGLE-2's dynamic tree of depth `gamma` with `topk` children per
-    expanded node and `num_nodes` drafts (on targets that verify trees; a chain elsewhere)."""
+    last committed token (kept from `observe` in a `[max_batch_size, d]` buffer, one row per request row).
+    Holds no cache of its own, so there is nothing to roll back. A chain of `gamma` drafts (`topk` 1), or
+    EAGLE-2's dynamic tree of depth `gamma` with `topk` children per expanded node and `num_nodes` drafts (on
+    targets that verify trees; a chain elsewhere). Its drafting is device work over buffers of fixed shape
+    (`draft_step`), so with static shapes the engine runs it inside the round's device step (and a CUDA graph
+    captures it with the verify)."""
 
     name = "mtp"
+    static_draft = True
 
-    def __init__(self, net: Net, *, gamma: int = 7, topk: int | None = None, num_nodes: int | None = None):
+    def __init__(self, net: Net, *, gamma: int = 7, topk: int | None = None, num_nodes: int | None = None,
+                 max_batch_size: int = 8):
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"num_draft_tokens: expected an int >= 1, got {gamma!r}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size: expected an int >= 1, got {max_batch_size!r}")
         topk, num_nodes = tree_options(gamma, topk, num_nodes)
         self.net, self.gamma, self.topk, self.num_nodes = net.eval(), gamma, topk, num_nodes
+        self.max_batch_size = max_batch_size
         self.tree = topk > 1
-        self.h: dict[int, torch.Tensor] = {}
+        self.h: torch.Tensor | None = None  # [max_batch_size, d]: each row's last committed hidden state
+        self.ready: set[int] = set()  # rows whose h is set
 
     def bind(self, target) -> None:
         if target.kv is None:
@@ -426,31 +434,60 @@ class MTPDrafter(Drafter):
 
     def begin(self, rows, prompts):
         for r in rows:
-            self.h.pop(r, None)
+            if not 0 <= r < self.max_batch_size:
+                raise ValueError(f"rows: row {r} outside max_batch_size {self.max_batch_size}")
+            self.ready.discard(r)
 
     def observe(self, rows, tokens, hidden, features):
-        for r, hs in zip(rows, hidden):
-            if hs.shape[0]:
-                self.h[r] = hs[-1]
+        have = [(r, hs[-1]) for r, hs in zip(rows, hidden) if hs.shape[0]]
+        if not have:
+            return
+        last = torch.stack([x for _, x in have])  # [n, d]: one copy for every row
+        if self.h is None:
+            self.h = last.new_zeros(self.max_batch_size, last.shape[-1])
+        at = [r for r, _ in have]
+        self.h[self.target.index(at)] = last
+        self.ready.update(at)
 
     def release(self, rows):
-        for r in rows:
-            self.h.pop(r, None)
+        self.ready.difference_update(rows)
+
+    def _check_rows(self, rows) -> None:
+        missing = [r for r in rows if r not in self.ready]
+        if missing:
+            raise RuntimeError(f"mtp: no committed hidden state observed for rows {missing}")
 
     @torch.no_grad()
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
         device = contexts[0].device if contexts else "cpu"
-        gamma = min(gamma, self.gamma)
-        if not rows or gamma < 1:
+        if not rows or min(gamma, self.gamma) < 1:
             return DraftBlock.empty(len(rows), device)
-        ctx = self.net.context_from_cache(self.target.kv, self.target.slots(rows), self.target.slots_tensor)
+        self._check_rows(rows)
+        kv = self.target.kv
+        slots = self.target.slots(rows)
+        span = kv.max_length if kv.static else max(kv.bound[s] for s in slots)  # a host bound, masked per row
         anchors = torch.stack([c[-1] for c in contexts]).to(device)
-        h = torch.stack([self.h[r] for r in rows])
+        return self._draft(self.target.index(rows), self.target.index(slots), anchors, gamma, span, sampling,
+                           generator)
+
+    @torch.no_grad()
+    def draft_step(self, rows, rows_t, slots_t, anchors, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        """`propose` as device work of fixed shapes: request rows `rows_t [Bk]` (padding rows repeat a real row;
+        the engine drops their drafts), their target slots `slots_t [Bk]`, anchors `[Bk]`; the key span is the
+        cache's `max_length`. `rows` (the real rows, on the host) are checked here, before any device work."""
+        self._check_rows(rows)
+        return self._draft(rows_t, slots_t, anchors, gamma, self.target.kv.max_length, sampling, generator)
+
+    def _draft(self, rows_t, slots_t, anchors, gamma, span, sampling, generator) -> DraftBlock:
+        gamma = min(gamma, self.gamma)
+        ctx = self.net.context_from_cache(self.target.kv, slots_t, span)
+        h = self.h[rows_t]
+        B = rows_t.shape[0]
         if self.tree:
             return self.net.draft_tree(anchors, h, ctx, gamma, topk=self.topk, num_nodes=self.num_nodes,
                                        sampling=sampling)
         tokens, probs = self.net.draft(anchors, h, ctx, gamma, sampling=sampling, generator=generator)
-        return DraftBlock(tokens, torch.full((len(rows),), gamma, dtype=torch.long, device=device), probs)
+        return DraftBlock(tokens, torch.full((B,), gamma, dtype=torch.long, device=anchors.device), probs)
 
 
 def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
@@ -458,7 +495,7 @@ def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int
     """`specdec.wrap(model, drafter="mtp" or DIR, topk=..., num_nodes=...)`: `topk` 1 drafts a chain of gamma
     tokens; above 1, EAGLE-2's dynamic tree of depth gamma, `topk` children per expanded node, `num_nodes` drafts
     (the verify window is num_nodes + 1; default 16). Unset, topk is 1: the chain vLLM and SGLang draft.
-    `max_batch_size` is part of every kind's `make_drafter`; mtp keeps no per-row buffers, so it does not need it."""
+    `max_batch_size`: request rows at once (the hidden-state buffer's rows)."""
     if kwargs:
         raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the mtp drafter (expected topk, num_nodes)")
-    return MTPDrafter(net, gamma=gamma, topk=topk, num_nodes=num_nodes)
+    return MTPDrafter(net, gamma=gamma, topk=topk, num_nodes=num_nodes, max_batch_size=max_batch_size)

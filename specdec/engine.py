@@ -96,8 +96,9 @@ class SpecConfig:
     commit: "eager" or "lazy". max_batch_size: requests at once. max_length: prompt + new tokens per request.
     static_shapes: every round has the same shapes for a batch bucket (the batch padded with null-slot rows to
     1, 2, 4, ..., max_batch_size; drafts padded to gamma; the KV cache read as a static view with a mask).
-    cuda_graph: capture each bucket's verify + accept and its commit as CUDA graphs and replay them (implies
-    static_shapes; needs a hybrid target on CUDA and eager commit).
+    cuda_graph: capture each bucket's verify + accept (with the drafting of a drafter that has a static draft
+    step: mtp) and its commit as CUDA graphs and replay them (implies static_shapes; needs a hybrid target on
+    CUDA and eager commit).
     draft_tokens_by_batch: a draft-length schedule `{batch size: drafts}`: a round of B rows drafts the value of
     the largest key <= B (with static shapes: of the batch bucket), `num_draft_tokens` below the smallest key.
     Where a verify is compute-bound (a CPU, or a GPU at a large batch) each verified token costs time, and the
@@ -228,8 +229,8 @@ class SpecEngine:
                                  num_verify_tokens=getattr(runner, "num_verify_tokens", self.gamma + 1),
                                  gamma=self.gamma, max_length=self.max_length,
                                  slots=lambda rows: [self.slots[r] for r in rows],
-                                 slots_tensor=lambda slots: index_tensor(self._slot_index, slots, runner.device))
-        self._slot_index: dict[tuple[int, ...], torch.Tensor] = {}
+                                 index=lambda values: index_tensor(self._draft_index, values, runner.device))
+        self._draft_index: dict[tuple[int, ...], torch.Tensor] = {}
         self.drafter.bind(self.target)
         gen = getattr(model, "generation_config", None)
         self.eos_token_id = getattr(gen, "eos_token_id", None)
@@ -436,17 +437,19 @@ class SpecEngine:
         gamma = self.config.gamma_for(self._bucket(B) if static else B)
         if not static:
             gamma = min(gamma, max(max_new - len(out_tokens[b]) for b in active))
+        # a drafter with a static draft step drafts inside the device step (with the verify, in one CUDA graph)
+        static_draft = static and getattr(self.drafter, "static_draft", False)
         t = time.perf_counter()
-        block = self._propose(active, contexts, gamma, sampling, gen, stats)
+        block = None if static_draft else self._propose(active, contexts, gamma, sampling, gen, stats)
         stats.timings["draft"] += time.perf_counter() - t
         t = time.perf_counter()
         host_slots = [slots[b] for b in active]
-        step = self._step_inputs(host_slots, anchors[idx], block, sampling, gamma)
+        step = self._step_inputs(host_slots, anchors[idx], block, sampling, gamma, rows=active)
         graphed = self.config.cuda_graph and not sampling.do_sample
-        res = self._graphs.verify(step, sampling) if graphed else self._verify_step(step, sampling, gen)
+        res = self._graphs.verify(step, sampling) if graphed else self._device_step(step, sampling, gen, stats)
         n, path, new = res["n"][:B], res["path"][:B], res["new"][:B]
-        back = torch.cat([n[:, None], res["finite"][:B, None].long(), step["num_drafts"][:B, None],
-                          self._reached(step, n, path)[:, None], new, path], 1).tolist()
+        back = torch.cat([n[:, None], res["finite"][:B, None].long(), res["num_drafts"][:B, None],
+                          self._reached(res, n, path)[:, None], new, path], 1).tolist()
         if not all(r[1] for r in back):
             raise self._nonfinite_round(res["logits"][:B], active, contexts, block.parent)
         n_h = [r[0] for r in back]
@@ -460,7 +463,7 @@ class SpecEngine:
         tok[idx[:, None], pos] = torch.where(keep, new, tok[idx[:, None], pos])
         lens[idx] += n + 1
         anchors[idx] = res["bonus"][:B]
-        ids, capture = step["ids"][:B], tuple(self.drafter.feature_layers)
+        ids, capture = res["ids"][:B], tuple(self.drafter.feature_layers)
         at = path.clamp(min=0)
         kept_ids = ids.gather(1, at)
         hidden = res["hidden"][:B]
@@ -477,48 +480,96 @@ class SpecEngine:
             hist[b].extend(out_tokens[b][before:])
 
     @staticmethod
-    def _reached(step: dict, n: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
+    def _reached(res: dict, n: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
         """Draft positions each row's acceptance reached `[B]`: its accepted drafts, plus one when the last
         accepted node has a child (a chain: drafts left; a tree: a node whose parent it is) that was rejected."""
         B = n.shape[0]
-        if step["parent"] is None:
-            return n + (n < step["num_drafts"][:B]).long()
+        if res["parent"] is None:
+            return n + (n < res["num_drafts"][:B]).long()
         last = path.gather(1, n[:, None])  # [B, 1] node index of the last accepted node
-        return n + (step["parent"][:B] == last).any(1).long()
+        return n + (res["parent"][:B] == last).any(1).long()
 
     # ---- the device part of a round ------------------------------------------------------------------
-    def _step_inputs(self, host_slots: list[int], anchors: torch.Tensor, block: DraftBlock, sampling,
-                     gamma: int) -> dict:
-        """The verify step's inputs: `ids [Bk, T]` (anchor, drafts), `slots [Bk]`, `num_drafts [Bk]`, `real [Bk]`
+    def _step_inputs(self, host_slots: list[int], anchors: torch.Tensor, block: DraftBlock | None, sampling,
+                     gamma: int, *, rows: list[int]) -> dict:
+        """The device step's inputs: `ids [Bk, T]` (anchor, drafts), `slots [Bk]`, `num_drafts [Bk]`, `real [Bk]`
         bool, `parent [Bk, T]` or None, `probs` (sampling: `[Bk, G, V]` or None); Bk = B and T = 1 + G unless
-        the engine keeps static shapes, which pads to the batch bucket, gamma drafts or the tree's node budget."""
+        the engine keeps static shapes, which pads to the batch bucket, gamma drafts or the tree's node budget.
+
+        `block` None: the drafter drafts in the device step (`_draft_step`, static shapes only), which fills
+        the drafts of `ids`, `num_drafts`, `parent` and `probs` in place; `draft` holds its host inputs and
+        `rows [Bk]` the request rows (padding rows repeat the first)."""
         B, dev = len(host_slots), self.runner.device
-        tokens, num, probs, parent = block.tokens, block.num_drafts, block.probs, block.parent
         if not self.config.static_shapes:
-            return dict(ids=torch.cat([anchors[:, None], tokens], 1), slots=None, host_slots=host_slots,
-                        num_drafts=num, real=None, parent=parent, probs=probs if sampling.do_sample else None)
+            return dict(ids=torch.cat([anchors[:, None], block.tokens], 1), slots=None, host_slots=host_slots,
+                        num_drafts=block.num_drafts, real=None, parent=block.parent,
+                        probs=block.probs if sampling.do_sample else None, draft=None, rows=None)
         Bk = self._bucket(B)
+        parent = None if block is None else block.parent
         tree = parent is not None or getattr(self.drafter, "tree", False)
         G = self.runner.num_verify_tokens - 1 if tree else gamma  # the round's gamma: its bucket's entry
-        g = tokens.shape[1]
         ids = torch.full((Bk, 1 + G), 0, dtype=torch.long, device=dev)
         ids[:B, 0] = anchors
-        ids[:B, 1:1 + g] = tokens
         num_p = torch.zeros(Bk, dtype=torch.long, device=dev)
-        num_p[:B] = num
         host = host_slots + [self.runner.state.pool.null_slot] * (Bk - B)
         slots_t = self.runner.slots_tensor(host)
         real = torch.arange(Bk, device=dev) < B
-        par = None
-        if tree:  # padding nodes: parent -1 and never a child of anything, so never accepted
-            par = torch.full((Bk, 1 + G), -1, dtype=torch.long, device=dev)
-            if parent is not None:
-                par[:B, :parent.shape[1]] = parent
-        q = None
+        # padding nodes: parent -1 and never a child of anything, so never accepted
+        par = torch.full((Bk, 1 + G), -1, dtype=torch.long, device=dev) if tree else None
+        step = dict(ids=ids, slots=slots_t, host_slots=host, num_drafts=num_p, real=real, parent=par, probs=None,
+                    draft=None, rows=None)
+        if block is None:
+            step["draft"] = dict(rows=list(rows), gamma=gamma)
+            step["rows"] = self._index(list(rows) + [rows[0]] * (Bk - B))
+        else:
+            self._place(step, block, sampling, B=B)
+        return step
+
+    @staticmethod
+    def _place(step: dict, block: DraftBlock, sampling, *, B: int | None = None) -> None:
+        """Write a block's drafts into the static step's buffers, in place: those of its first `B` rows, or (B None:
+        the block of a static draft step, one row per bucket row) of every row, padding rows given no drafts, so
+        the ops are the same whatever the number of real rows."""
+        rows = slice(None) if B is None else slice(0, B)
+        tokens, num, parent, probs = block.tokens[rows], block.num_drafts[rows], block.parent, block.probs
+        parent = None if parent is None else parent[rows]
+        if B is None:
+            real = step["real"]
+            num = torch.where(real, num, 0)
+            parent = None if parent is None else torch.where(real[:, None], parent, -1)
+        g = tokens.shape[1]
+        step["ids"][rows, 1:1 + g] = tokens
+        step["num_drafts"][rows] = num
+        if parent is not None:
+            step["parent"][rows, :parent.shape[1]] = parent
         if sampling.do_sample and probs is not None:
-            q = probs.new_zeros(Bk, G, probs.shape[-1])
-            q[:B, :g] = probs
-        return dict(ids=ids, slots=slots_t, host_slots=host, num_drafts=num_p, real=real, parent=par, probs=q)
+            q = probs.new_zeros(step["ids"].shape[0], step["ids"].shape[1] - 1, probs.shape[-1])
+            q[rows, :g] = probs[rows]
+            step["probs"] = q
+
+    def _device_step(self, step: dict, sampling, gen, stats: SpecStats | None = None, *, catch: bool = True) -> dict:
+        """The round's device work: the drafter's static draft step where it has one, then `_verify_step`."""
+        if step["draft"] is not None:
+            self._draft_step(step, sampling, gen, stats, catch=catch)
+        return self._verify_step(step, sampling, gen)
+
+    def _draft_step(self, step: dict, sampling, gen, stats: SpecStats | None, *, catch: bool = True) -> None:
+        """The drafter's `draft_step` into the step's buffers (real rows only: padding rows keep no drafts).
+        Device ops of fixed shapes only. A drafter that raises costs this round's drafts (plain decode), as
+        in `_propose`; with `catch` False (a CUDA-graph capture) the error propagates."""
+        d, ids = step["draft"], step["ids"]
+        try:
+            block = self.drafter.draft_step(d["rows"], step["rows"], step["slots"], ids[:, 0], d["gamma"],
+                                            sampling=sampling, generator=gen)
+        except Exception as e:
+            if not catch:
+                raise
+            warnings.warn(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)} failed "
+                          f"({type(e).__name__}: {e}); plain decode for this round", RuntimeWarning, stacklevel=4)
+            if stats is not None:
+                stats.drafter_failures += 1
+            return
+        self._place(step, block, sampling)
 
     def _bucket(self, B: int) -> int:
         """The static batch bucket of a round of B rows."""
@@ -558,7 +609,7 @@ class SpecEngine:
         new = torch.cat([ids.gather(1, path[:, 1:].clamp(min=0)), bonus[:, None]], 1)
         new = torch.where(j[None] == n[:, None], bonus[:, None], new)
         return dict(n=n, bonus=bonus, path=path, new=new, finite=finite, logits=out.logits, hidden=out.hidden,
-                    captured=out.captured)
+                    captured=out.captured, ids=ids, num_drafts=step["num_drafts"], parent=parent)
 
     def _commit_step(self, step: dict, res: dict, host_slots: list[int], n_h: list[int]) -> None:
         """Commit the accepted path of every real row (padding rows keep nothing)."""

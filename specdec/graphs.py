@@ -1,11 +1,13 @@
-"""CUDA graphs of a round's device steps: verify + accept, then commit, one pair per batch bucket.
+"""CUDA graphs of a round's device steps: (draft +) verify + accept, then commit, one pair per batch bucket.
 
 With static shapes (`SpecConfig.static_shapes`) every round of a bucket launches the same kernels on the same
 buffers, so each step can be captured once and replayed. A bucket's first round runs eagerly (it compiles the
 kernels and allocates the buffers made on first use); the second is captured and replayed; later rounds copy
 their inputs into the captured step's input buffers and replay. Between the two steps the engine reads the
 round back (accepted counts, tokens, finiteness), so non-finite logits still raise before anything is
-committed. Host bookkeeping that a replay skips (the KV cache's length bounds) is done here.
+committed. Host bookkeeping that a replay skips (the KV cache's length bounds) is done here. A drafter with a
+static draft step (`Drafter.static_draft`: mtp) drafts inside the verify step, so its round is one replay of
+draft + verify + accept and one of commit.
 
 Greedy rounds are graphed; sampling rounds run the same static-shape steps eagerly (their random draws use a
 caller's generator, which a captured graph would not follow).
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-_INPUTS = ("ids", "slots", "num_drafts", "real", "parent")
+_INPUTS = ("ids", "slots", "num_drafts", "real", "parent", "rows")
 
 
 @dataclass
@@ -43,14 +45,15 @@ class RoundGraphs:
         return tuple(step["ids"].shape), step["parent"] is not None
 
     def verify(self, step: dict, sampling) -> dict:
-        """The verify step of this round (see `SpecEngine._verify_step`), replayed where captured."""
+        """The device step of this round (see `SpecEngine._device_step`: the draft step of a drafter that has a
+        static one, then verify + accept), replayed where captured."""
         eng, key = self.engine, self._key(step)
         entry = self.entries.get(key)
         self._current = None
         if entry is None or entry == "eager":
             if entry is None:
                 self.entries[key] = "warm"
-            return eng._verify_step(step, sampling, None)
+            return eng._device_step(step, sampling, None)
         if entry == "warm":
             return self._capture(key, step, sampling)
         eng.runner.kv.check_room(step["host_slots"], step["ids"].shape[1])
@@ -69,13 +72,13 @@ class RoundGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                out = eng._verify_step(inputs, sampling, None)
+                out = eng._device_step(inputs, sampling, None, catch=False)
         except Exception as e:  # e.g. a layer of the model that reads values back: this bucket stays eager
             eng.runner.abort()
             self.entries[key] = "eager"
             warnings.warn(f"cuda_graph: capturing the verify step of shape {key[0]} failed ({type(e).__name__}: {e}); "
                           f"those rounds run eagerly", RuntimeWarning, stacklevel=4)
-            return eng._verify_step(step, sampling, None)
+            return eng._device_step(step, sampling, None)
         graph.replay()
         entry = self.entries[key] = _Captured(inputs, graph, out)
         self._current = entry

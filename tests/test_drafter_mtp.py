@@ -123,15 +123,20 @@ def test_cache_reads_match_training_path(targets, family):
         slots = runner.alloc(2)
         hs = [runner.prefill(s, seq[0, :n]).hidden[0, -1] for s, n in zip(slots, lengths)]
         before = [b.clone() for bufs in runner.kv.store.values() for b in bufs] + [runner.kv.lengths.clone()]
-        ctx_c = net.context_from_cache(runner.kv, slots)
+        slots_t = torch.tensor(slots)
+        ctx_c = net.context_from_cache(runner.kv, slots_t, max(lengths))
+        # the static span (the whole cache, as CUDA-graph rounds read it): keys past each row's length are masked
+        ctx_s = net.context_from_cache(runner.kv, slots_t, runner.kv.max_length)
         with torch.no_grad():
             anchors = torch.tensor([[seq[0, n]] for n in lengths])
             c0, g1 = net.step(anchors, torch.stack(hs)[:, None], ctx_c)
             c1, _ = net.step(torch.tensor([[seq[0, n + 1]] for n in lengths]), g1, ctx_c)
+            s0, _ = net.step(anchors, torch.stack(hs)[:, None], ctx_s)
             tokens, probs = net.draft(anchors[:, 0], torch.stack(hs), ctx_c, 3)
     for b, n in enumerate(lengths):
         torch.testing.assert_close(c0[b, 0], logits0[0, n - 1], rtol=0, atol=1e-10)
         torch.testing.assert_close(c1[b, 0], logits1[0, n - 1], rtol=0, atol=1e-10)
+        torch.testing.assert_close(s0[b, 0], logits0[0, n - 1], rtol=0, atol=1e-10)
         assert int(tokens[b, 0]) == int(c0[b, 0].argmax())
     assert probs is None and tokens.shape == (2, 3)
     after = [b for bufs in runner.kv.store.values() for b in bufs] + [runner.kv.lengths]
@@ -162,7 +167,7 @@ def test_greedy_identity(targets, trained, refs, family, strategy, commit, weigh
     assert s.drafter_failures == 0 and s.proposed > 0
     if weights == "trained":
         assert 0 < s.accepted < s.proposed, s.as_dict()
-    assert engine.runner.num_free == 2 and not engine.drafter.h
+    assert engine.runner.num_free == 2 and not engine.drafter.ready
 
 
 # ---- 3. sampling follows the target -------------------------------------------------------------------------

@@ -129,14 +129,18 @@ def test_sampled_tokens_follow_target(engines, target, drafter, setting):
     assert stat < crit, f"{drafter} {setting}: chi2 {stat:.1f} >= critical {crit:.1f} (df {df})"
 
 
-@pytest.mark.parametrize("family, options", [("olmo_hybrid", {}), (FAMILY, {"static_shapes": True})],
-                         ids=["olmo_hybrid", "static_shapes"])
-def test_sampling_on_more_paths(family, options):
-    """The same test on another family's hybrid adapter (OLMo-Hybrid: Gated DeltaNet + attention), and on the
-    static-shape path (batch padded to its bucket, drafts to gamma, zero draft probabilities in the padding)."""
-    target, draft = make_model(0, family), make_model(1, family)
-    engine = specdec.wrap(target, drafter="model", draft_model=draft, num_draft_tokens=GAMMA, max_batch_size=BATCH,
-                          max_length=64, **options)
+@pytest.mark.parametrize("family, drafter, options", [
+    ("olmo_hybrid", "model", {}), (FAMILY, "model", {"static_shapes": True}),
+    (FAMILY, "mtp", {"static_shapes": True})], ids=["olmo_hybrid", "static_shapes", "static_shapes-mtp"])
+def test_sampling_on_more_paths(family, drafter, options):
+    """The same test on another family's hybrid adapter (OLMo-Hybrid: Gated DeltaNet + attention), on the
+    static-shape path (batch padded to its bucket, drafts to gamma, zero draft probabilities in the padding), and
+    there with a drafter that samples its drafts inside the device step (mtp's static draft step)."""
+    target = make_model(0, family)
+    if drafter == "model":
+        options = dict(options, draft_model=make_model(1, family))
+    engine = specdec.wrap(target, drafter=drafter, num_draft_tokens=GAMMA, max_batch_size=BATCH, max_length=64,
+                          **options)
     params = SETTINGS["temperature=1"]
     joint = exact_joint(target, PROMPT, SamplingParams(do_sample=True, **params), NEW)
     counts, totals = sample_counts(engine, params, N, seed=7000)

@@ -5,7 +5,8 @@ the drafts to gamma (a tree to its node budget) and reads the KV cache as a stat
 CUDA graphs need. Checked here on CPU, in float64 on tiny random models of transformers' own classes:
 - greedy output equals transformers' own greedy `generate` (chains and trees, every strategy);
 - every aten op of the verify step and of the commit step, with the shapes of its tensor arguments, is the same
-  in every round of a bucket (and the dynamic path, as a control, is not);
+  in every round of a bucket (and the dynamic path, as a control, is not); so is the draft step of a drafter that
+  drafts inside the device step (mtp, chain and tree), which reads nothing back to the host;
 - what cannot be honoured is refused at `wrap`: `cuda_graph=True` off CUDA, with lazy commit, static shapes on
   the generic path, flash-attention variants on the hybrid runner; a near-miss engine option is named a typo.
 """
@@ -80,7 +81,7 @@ def _record(engine, monkeypatch) -> dict[str, list]:
     pick = dispatch.pick
     monkeypatch.setattr(dispatch, "pick", lambda name, *t: current[-1].kernel(name, pick(name, *t)) if current
                         else pick(name, *t))
-    for name in ("_verify_step", "_commit_step"):
+    for name in ("_draft_step", "_verify_step", "_commit_step"):
         inner = getattr(engine, name)
 
         def wrapped(step, *a, _inner=inner, _name=name, **k):
@@ -97,6 +98,13 @@ def _record(engine, monkeypatch) -> dict[str, list]:
     return rec
 
 
+def _wrap(target, drafter: str, **kw):
+    """`drafter`: a drafter name, or "mtp_tree" (the mtp head drafting trees); eagle and mtp_tree take `TREE`."""
+    if drafter == "mtp_tree":
+        return specdec.wrap(target, drafter="mtp", **kw, **{k: v for k, v in TREE.items() if k != "depth"})
+    return specdec.wrap(target, drafter=drafter, **kw, **(TREE if drafter == "eagle" else {}))
+
+
 @pytest.mark.parametrize("family, drafter, mode", [
     ("qwen3_5", "ngram", ("replay", "eager")),
     ("qwen3_5", "ngram", ("replay", "lazy")),
@@ -105,6 +113,10 @@ def _record(engine, monkeypatch) -> dict[str, list]:
     ("qwen3_5", "eagle", ("replay", "eager")),
     ("kimi_linear", "ngram", ("replay", "eager")),
     ("kimi_linear", "eagle", ("snapshot", "eager")),
+    ("qwen3_5", "mtp", ("snapshot", "eager")),
+    ("qwen3_5", "mtp_tree", ("replay", "lazy")),
+    ("kimi_linear", "mtp", ("replay", "eager")),
+    ("kimi_linear", "mtp_tree", ("replay", "eager")),
 ])
 def test_static_greedy_identity(targets, family, drafter, mode):
     """Three requests (bucket 4, one null-slot row), rows finishing at different rounds (buckets shrink):
@@ -114,10 +126,8 @@ def test_static_greedy_identity(targets, family, drafter, mode):
               static_shapes=True)
     if drafter == "self":
         engine = specdec.wrap(target, drafter="model", draft_model=target, **kw)
-    elif drafter == "eagle":
-        engine = specdec.wrap(target, drafter="eagle", **kw, **TREE)
     else:
-        engine = specdec.wrap(target, drafter=drafter, **kw)
+        engine = _wrap(target, drafter, **kw)
     out = _generate(engine, PROMPTS)
     for b, p in enumerate(PROMPTS):
         ref = _reference(target, p)
@@ -125,36 +135,72 @@ def test_static_greedy_identity(targets, family, drafter, mode):
     assert engine.runner.num_free == 4
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
-def test_shapes_stable_within_a_bucket(targets, drafter, monkeypatch):
+# what reads a value back to the host (`.item()`, `bool(t)`, `.tolist()`) or sizes a tensor by its values
+HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique")
+
+
+@pytest.mark.parametrize("family, drafter", [("qwen3_5", "ngram"), ("qwen3_5", "eagle"), ("qwen3_5", "mtp"),
+                                             ("qwen3_5", "mtp_tree"), ("kimi_linear", "mtp")])
+def test_shapes_stable_within_a_bucket(targets, family, drafter, monkeypatch):
     """Every round of a bucket (after an engine's first, warm-up round) runs the same ops on the same shapes, in
-    the verify step and in the commit step; a batch of 3 and a batch of 4 share bucket 4. Without static shapes
-    (the control) they change."""
-    target = targets["qwen3_5"]
-    opts = TREE if drafter == "eagle" else {}
+    the verify step and in the commit step, and in the draft step of a drafter that drafts inside the device
+    step (mtp: every round, with no host read); a batch of 3 and a batch of 4 share bucket 4. Without static
+    shapes (the control) they change."""
+    target = targets[family]
+    static_draft = drafter.startswith("mtp")
 
     def rounds(static: bool, prompts):
-        engine = specdec.wrap(target, drafter=drafter, num_draft_tokens=GAMMA, max_batch_size=4, max_length=64,
-                              static_shapes=static, **opts)
+        engine = _wrap(target, drafter, num_draft_tokens=GAMMA, max_batch_size=4, max_length=64,
+                       static_shapes=static)
         rec = _record(engine, monkeypatch)
         _generate(engine, prompts)
         return rec
 
-    by_bucket = {"_verify_step": defaultdict(set), "_commit_step": defaultdict(set)}
+    steps = ("_draft_step", "_verify_step", "_commit_step") if static_draft else ("_verify_step", "_commit_step")
+    if family == "kimi_linear":  # its sparse MoE layers (transformers' own) route tokens with host reads, so the
+        steps = ("_draft_step",)  # verify step is data-dependent there: the draft step (over MLA latents) alone
+    by_bucket = {step: defaultdict(set) for step in steps}
     for prompts in (PROMPTS, PROMPTS + [[7, 8, 9, 7, 8, 9, 7]]):
         rec = rounds(True, prompts)
         assert len(rec["_verify_step"]) == len(rec["_commit_step"]) >= 3
+        assert len(rec["_draft_step"]) == (len(rec["_verify_step"]) if static_draft else 0)
         # the engine's first round is its warm-up (buffers allocated on first use), as before a graph capture
-        for (bucket, verify), (_, commit) in list(zip(rec["_verify_step"], rec["_commit_step"]))[1:]:
-            by_bucket["_verify_step"][bucket].add(tuple(verify))
-            by_bucket["_commit_step"][bucket].add(tuple(commit))
-    assert 4 in by_bucket["_verify_step"], "no round ran in bucket 4"
+        for step in steps:
+            for bucket, ops in rec[step][1:]:
+                by_bucket[step][bucket].add(tuple(ops))
+        for _, ops in rec["_draft_step"]:
+            reads = sorted({name for name, _ in ops if name.startswith(HOST_READS)})
+            assert not reads, f"the draft step reads back to the host: {reads}"
+    assert 4 in by_bucket[steps[0]], "no round ran in bucket 4"
     for step, buckets in by_bucket.items():
         for bucket, seqs in buckets.items():
             assert len(seqs) == 1, f"{step}, bucket {bucket}: {len(seqs)} different op/shape sequences"
 
     control = rounds(False, PROMPTS)
     assert len({tuple(ops) for _, ops in control["_verify_step"]}) > 1, "the control run should change shapes"
+    assert not control["_draft_step"], "the dynamic path drafts before the device step"
+
+
+def test_failing_draft_step_costs_only_its_drafts(targets):
+    """A drafter whose static draft step raises: that round verifies the anchor alone (a warning, counted as a
+    drafter failure) and the output still equals transformers' greedy generate."""
+    target = targets["qwen3_5"]
+    engine = _wrap(target, "mtp", num_draft_tokens=GAMMA, max_batch_size=4, max_length=64, static_shapes=True)
+    inner, calls = engine.drafter.draft_step, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return inner(*a, **k)
+
+    engine.drafter.draft_step = flaky
+    with pytest.warns(RuntimeWarning, match="drafter mtp failed .RuntimeError: boom.; plain decode"):
+        out = _generate(engine, PROMPTS)
+    assert out.stats.drafter_failures == 1 and len(calls) > 2
+    for b, p in enumerate(PROMPTS):
+        ref = _reference(target, p)
+        assert out.sequences[b, :len(ref)].tolist() == ref
 
 
 def test_buckets():
