@@ -428,37 +428,16 @@ class Net(nn.Module):
 
 
 # ---- inference ---------------------------------------------------------------------------------------
-class _Context:
-    """One request's context cache: per drafter layer K, V `[H, cap, D]`; `length` committed positions."""
-
-    def __init__(self):
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.length = 0
-
-    def append(self, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        n = kv[0][0].shape[1]
-        if not self.k:
-            self.k = [k.new_empty(k.shape[0], max(64, n), k.shape[2]) for k, _ in kv]
-            self.v = [v.new_empty(v.shape[0], max(64, n), v.shape[2]) for _, v in kv]
-        if self.length + n > self.k[0].shape[1]:
-            cap = max(2 * self.k[0].shape[1], self.length + n)
-            for lst in (self.k, self.v):
-                for j, t in enumerate(lst):
-                    grown = t.new_empty(t.shape[0], cap, t.shape[2])
-                    grown[:, :self.length] = t[:, :self.length]
-                    lst[j] = grown
-        for j, (k, v) in enumerate(kv):
-            self.k[j][:, self.length:self.length + n] = k
-            self.v[j][:, self.length:self.length + n] = v
-        self.length += n
-
-    def rollback(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-
 class DSparkDrafter(Drafter):
+    """Drafts DSpark blocks. The context cache (each layer's K, V of the target features at every committed
+    position) is one buffer per layer, `[max_batch_size, H, cap, D]`, a row per request row, filled by
+    `observe` for all rows at once; lengths are kept on the host (`length`) and, for the static draft step, read
+    from the target's committed lengths, which they equal. With static shapes the cache holds the target's whole
+    `max_length` from the first `observe` on, and `draft_step` drafts over all of it (masked per row), so the
+    engine runs drafting inside the round's device step (and a CUDA graph captures it with the verify)."""
+
     name = "dspark"
+    static_draft = True
 
     def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, confidence_threshold: float = 0.0,
                  topk: int | None = None, num_nodes: int | None = None):
@@ -470,7 +449,8 @@ class DSparkDrafter(Drafter):
                              f"{confidence_threshold!r}")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected an int >= 1, got {max_batch_size!r}")
-        self.net = net.eval()  # gamma and max_batch_size are only checked: each round drafts propose's gamma
+        self.net = net.eval()  # gamma is only checked: each round drafts propose's gamma
+        self.max_batch_size = max_batch_size
         self.topk, self.num_nodes = tree_options(gamma, topk, num_nodes)
         if confidence_threshold > 0 and self.topk > 1:
             raise ValueError(f"topk: the confidence threshold truncates a chain (topk 1), got topk {topk!r} with "
@@ -478,7 +458,9 @@ class DSparkDrafter(Drafter):
         self.tree = self.topk > 1
         self.confidence_threshold = float(confidence_threshold)
         self.feature_layers = tuple(net.config.feature_layers)
-        self.ctx: dict[int, _Context] = {}
+        self.k: list[torch.Tensor] = []  # per layer [max_batch_size, H, cap, D]
+        self.v: list[torch.Tensor] = []
+        self.length: dict[int, int] = {}  # committed positions cached per request row
         self.last_confidence: torch.Tensor | None = None  # [B, G] of the last propose (diagnostics)
 
     def bind(self, target) -> None:
@@ -490,64 +472,120 @@ class DSparkDrafter(Drafter):
 
     def begin(self, rows, prompts):
         for r in rows:
-            self.ctx[r] = _Context()
+            if not 0 <= r < self.max_batch_size:
+                raise ValueError(f"rows: row {r} outside max_batch_size {self.max_batch_size}")
+            self.length[r] = 0
 
     def release(self, rows):
         for r in rows:
-            self.ctx.pop(r, None)
+            self.length.pop(r, None)
+
+    def _index(self, values: list[int], device) -> torch.Tensor:
+        target = getattr(self, "target", None)
+        if target is not None:
+            return target.index(values)
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    def _static(self) -> bool:
+        kv = getattr(getattr(self, "target", None), "kv", None)
+        return kv is not None and kv.static
+
+    def _reserve(self, need: int, like: list[torch.Tensor]) -> None:
+        """Room for `need` positions per row (the buffers shaped after `like`'s K per layer `[B, H, n, D]`); with
+        static shapes the whole target `max_length` (plus a verify window) at once, so the span never changes."""
+        cap = self.k[0].shape[2] if self.k else 0
+        if need <= cap:
+            return
+        if self._static():
+            new = max(need, self.target.max_length + self.target.num_verify_tokens)
+        else:
+            new = max(need, 2 * cap, 64)
+        for buf in (self.k, self.v):
+            for j, x in enumerate(like):
+                grown = x.new_zeros(self.max_batch_size, x.shape[1], new, x.shape[3])
+                if cap:
+                    grown[:, :, :cap] = buf[j]
+                if j < len(buf):
+                    buf[j] = grown
+                else:
+                    buf.append(grown)
 
     @torch.no_grad()
     def observe(self, rows, tokens, hidden, features):
+        """Every row's new committed positions in one pass: their features padded to the longest, one context
+        projection and one indexed write per layer (a row's padding lands past its length: never read)."""
         net = self.net
-        for i, r in enumerate(rows):
-            n = tokens[i].shape[0]
-            if n == 0:
-                continue
-            c = self.ctx.setdefault(r, _Context())
-            feats = [features[l][i].to(net.mask_embed.dtype) for l in self.feature_layers]
-            pos = torch.arange(c.length, c.length + n, device=feats[0].device)[None]
-            kv = net.context_kv(net.context([f[None] for f in feats]), pos)
-            c.append([(k[0], v[0]) for k, v in kv])
+        counts = [int(t.shape[0]) for t in tokens]
+        M = max(counts, default=0)
+        if M == 0:
+            return
+        dtype = net.mask_embed.dtype
+        feats = [torch.nn.utils.rnn.pad_sequence([f.to(dtype) for f in features[l]], batch_first=True)
+                 for l in self.feature_layers]  # per layer [B, M, d]
+        dev = feats[0].device
+        starts = [self.length.setdefault(r, 0) for r in rows]
+        # one host-to-device copy (the counts are host lists in the observe contract)
+        start_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        pos = start_t[:, None] + torch.arange(M, device=dev)  # [B, M]
+        kv = net.context_kv(net.context(feats), pos)  # per layer [B, H, M, D]
+        self._reserve(max(starts) + M, [k for k, _ in kv])
+        at = (self._index(list(rows), dev)[:, None], slice(None), pos)
+        for ck, cv, (k, v) in zip(self.k, self.v, kv):
+            ck[at] = k.transpose(1, 2)
+            cv[at] = v.transpose(1, 2)
+        for r, n in zip(rows, counts):
+            self.length[r] += n
 
     @torch.no_grad()
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        from specdec.verify import probs_from_logits
         net = self.net
         B = len(rows)
         dev = net.mask_embed.device
         if B == 0 or gamma < 1:
             return DraftBlock.empty(B, dev)
-        G = max(gamma, net.config.block_size)
         lengths = []
         for r, ctx in zip(rows, contexts):
-            c = self.ctx.get(r)
-            if c is None or c.length == 0:
+            have = self.length.get(r, 0)
+            if have == 0:
                 raise ValueError(f"dspark: no target features observed for row {r}")
             want = ctx.shape[0] - 1  # every committed position; the last context token is the anchor
-            if c.length > want:
-                c.rollback(want)
-            if c.length != want:
-                raise ValueError(f"dspark: row {r} has {c.length} observed positions, expected {want}")
+            if have > want:  # positions observed past the context: dropped (their cache entries are overwritten)
+                self.length[r] = have = want
+            if have != want:
+                raise ValueError(f"dspark: row {r} has {have} observed positions, expected {want}")
             lengths.append(want)
-        n_max = max(lengths)
-        lengths_t = torch.tensor(lengths, device=dev)
-        kv = []
-        for j in range(len(net.layers)):
-            ks, vs = [], []
-            for r, n in zip(rows, lengths):
-                k, v = self.ctx[r].k[j][:, :n], self.ctx[r].v[j][:, :n]
-                if n < n_max:
-                    k, v = F.pad(k, (0, 0, 0, n_max - n)), F.pad(v, (0, 0, 0, n_max - n))
-                ks.append(k)
-                vs.append(v)
-            kv.append((torch.stack(ks), torch.stack(vs)))
-        dtype = net.mask_embed.dtype
-        ok = torch.cat([torch.arange(n_max, device=dev)[None] < lengths_t[:, None],
-                        torch.ones(B, G, dtype=torch.bool, device=dev)], 1)  # [B, n_max + G]
-        mask = torch.zeros(B, 1, G, n_max + G, dtype=dtype, device=dev).masked_fill(~ok[:, None, None],
-                                                                                      torch.finfo(dtype).min)
         anchors = torch.stack([ctx[-1] for ctx in contexts]).to(dev)
-        pos = lengths_t[:, None] + torch.arange(G, device=dev)
+        lens = torch.tensor(lengths, device=dev)
+        return self._draft(self._index(list(rows), dev), lens, anchors, gamma, max(lengths), sampling, generator)
+
+    @torch.no_grad()
+    def draft_step(self, rows, rows_t, slots_t, anchors, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        """`propose` as device work of fixed shapes (see `Drafter.draft_step`): each row's cached length is the
+        target's committed length of its slot, and the span the whole cache."""
+        kv = self.target.kv
+        for r, s in zip(rows, self.target.slots(rows)):
+            if self.length.get(r, 0) == 0:
+                raise ValueError(f"dspark: no target features observed for row {r}")
+            if self.length[r] != kv.bound[s]:  # the engine commits with host counts: bound is the length
+                raise ValueError(f"dspark: row {r} has {self.length[r]} observed positions, its target slot "
+                                 f"{kv.bound[s]} committed")
+        lens = kv.lengths[slots_t]
+        return self._draft(rows_t, lens, anchors, gamma, self.k[0].shape[2], sampling, generator)
+
+    def _draft(self, rows_t, lens, anchors, gamma, span, sampling, generator) -> DraftBlock:
+        """The block after `anchors [B]` of rows `rows_t [B]` whose contexts hold `lens [B]` positions, reading the
+        first `span` (>= every length) positions of the cache."""
+        from specdec.verify import probs_from_logits
+        net = self.net
+        B, dev = rows_t.shape[0], anchors.device
+        G = max(gamma, net.config.block_size)
+        kv = [(k[rows_t, :, :span], v[rows_t, :, :span]) for k, v in zip(self.k, self.v)]
+        dtype = net.mask_embed.dtype
+        ok = torch.cat([torch.arange(span, device=dev)[None] < lens[:, None],
+                        torch.ones(B, G, dtype=torch.bool, device=dev)], 1)  # [B, span + G]
+        mask = torch.zeros(B, 1, G, span + G, dtype=dtype, device=dev).masked_fill(~ok[:, None, None],
+                                                                                     torch.finfo(dtype).min)
+        pos = lens[:, None] + torch.arange(G, device=dev)
         h = net.block_hidden(anchors[:, None], pos, kv, mask)[:, :gamma]  # [B, gamma, d]
         base = net.lm_head(h)
         if self.tree:

@@ -354,16 +354,16 @@ def test_observe_caches_only_committed_positions(setup):
     feats = lambda n: {l: [torch.zeros(n, 64, dtype=torch.float64)] for l in d.feature_layers}  # noqa: E731
     d.observe([0], [ctx[:4]], [None], feats(4))
     d.observe([0], [ctx[4:6]], [None], feats(2))
-    assert d.ctx[0].length == 6
+    assert d.length[0] == 6
     d.propose([0], [ctx], GAMMA)  # 6 committed + anchor: consistent
     d.observe([0], [torch.tensor([1, 2, 3])], [None], feats(3))
-    assert d.ctx[0].length == 9
+    assert d.length[0] == 9
     d.propose([0], [ctx], GAMMA)  # context says 6 committed: the 3 extra positions are dropped
-    assert d.ctx[0].length == 6
+    assert d.length[0] == 6
     with pytest.raises(ValueError, match="observed positions"):
         d.propose([0], [torch.cat([ctx, ctx])], GAMMA)
     d.release([0])
-    assert 0 not in d.ctx
+    assert 0 not in d.length
 
 
 # ---- 4. errors ---------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ CUDA graphs need. Checked here on CPU, in float64 on tiny random models of trans
 - greedy output equals transformers' own greedy `generate` (chains and trees, every strategy);
 - every aten op of the verify step and of the commit step, with the shapes of its tensor arguments, is the same
   in every round of a bucket (and the dynamic path, as a control, is not); so is the draft step of a drafter that
-  drafts inside the device step (mtp, chain and tree), which reads nothing back to the host;
+  drafts inside the device step (mtp and dspark, chains and trees), which reads nothing back to the host;
 - what cannot be honoured is refused at `wrap`: `cuda_graph=True` off CUDA, with lazy commit, static shapes on
   the generic path, flash-attention variants on the hybrid runner; a near-miss engine option is named a typo.
 """
@@ -99,9 +99,10 @@ def _record(engine, monkeypatch) -> dict[str, list]:
 
 
 def _wrap(target, drafter: str, **kw):
-    """`drafter`: a drafter name, or "mtp_tree" (the mtp head drafting trees); eagle and mtp_tree take `TREE`."""
-    if drafter == "mtp_tree":
-        return specdec.wrap(target, drafter="mtp", **kw, **{k: v for k, v in TREE.items() if k != "depth"})
+    """`drafter`: a drafter name, or "mtp_tree" / "dspark_tree" (the heads drafting trees); eagle and the trees
+    take `TREE`."""
+    if drafter.endswith("_tree"):
+        return specdec.wrap(target, drafter=drafter[:-5], **kw, **{k: v for k, v in TREE.items() if k != "depth"})
     return specdec.wrap(target, drafter=drafter, **kw, **(TREE if drafter == "eagle" else {}))
 
 
@@ -117,6 +118,8 @@ def _wrap(target, drafter: str, **kw):
     ("qwen3_5", "mtp_tree", ("replay", "lazy")),
     ("kimi_linear", "mtp", ("replay", "eager")),
     ("kimi_linear", "mtp_tree", ("replay", "eager")),
+    ("qwen3_5", "dspark", ("replay", "eager")),
+    ("kimi_linear", "dspark_tree", ("snapshot", "eager")),
 ])
 def test_static_greedy_identity(targets, family, drafter, mode):
     """Three requests (bucket 4, one null-slot row), rows finishing at different rounds (buckets shrink):
@@ -140,14 +143,15 @@ HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", 
 
 
 @pytest.mark.parametrize("family, drafter", [("qwen3_5", "ngram"), ("qwen3_5", "eagle"), ("qwen3_5", "mtp"),
-                                             ("qwen3_5", "mtp_tree"), ("kimi_linear", "mtp")])
+                                             ("qwen3_5", "mtp_tree"), ("kimi_linear", "mtp"), ("qwen3_5", "dspark"),
+                                             ("qwen3_5", "dspark_tree")])
 def test_shapes_stable_within_a_bucket(targets, family, drafter, monkeypatch):
     """Every round of a bucket (after an engine's first, warm-up round) runs the same ops on the same shapes, in
     the verify step and in the commit step, and in the draft step of a drafter that drafts inside the device
-    step (mtp: every round, with no host read); a batch of 3 and a batch of 4 share bucket 4. Without static
+    step (mtp, dspark: every round, with no host read); a batch of 3 and a batch of 4 share bucket 4. Without static
     shapes (the control) they change."""
     target = targets[family]
-    static_draft = drafter.startswith("mtp")
+    static_draft = drafter.startswith(("mtp", "dspark"))
 
     def rounds(static: bool, prompts):
         engine = _wrap(target, drafter, num_draft_tokens=GAMMA, max_batch_size=4, max_length=64,
