@@ -4,12 +4,12 @@
     python bench/graph_check.py                                      # on CPU: dynamic and static only
 
 For each drafter of `--drafters` (default: ngram, drafted on the host before the device step, and the shipped
-mtp and dspark heads, whose drafting is part of the captured step) and each batch size, the first B held-out
-prompts (cut to `--prompt-tokens`) are generated greedily for `--max-new-tokens` tokens (no early stop) by three
-engines: `dynamic` (shapes follow the round), `static` (`static_shapes=True`, the padded path, run eagerly) and
-`graph` (`cuda_graph=True`, CUDA only). Every output must equal `dynamic`'s token for token, or the script exits with
-status 1. After a warm-up call each mode runs `--repeats` times, interleaved; the table shows the median
-tokens/s and how many step shapes were captured as graphs (and how many fell back to eager).
+mtp, dspark and eagle drafters, whose drafting is part of the captured step) and each batch size, the first B
+held-out prompts (cut to `--prompt-tokens`) are generated greedily for `--max-new-tokens` tokens (no early
+stop) by three engines: `dynamic` (shapes follow the round), `static` (`static_shapes=True`, the padded path,
+run eagerly) and `graph` (`cuda_graph=True`, CUDA only). Every output must equal `dynamic`'s token for token,
+or the script exits with status 1. After a warm-up call each mode runs `--repeats` times, interleaved; the table
+shows the median tokens/s and how many step shapes were captured as graphs (and how many fell back to eager).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch-sizes", default="1,4")
-    p.add_argument("--drafters", default="ngram,mtp,dspark", help="ngram, or trained drafters of the embedded model")
+    p.add_argument("--drafters", default="ngram,mtp,dspark,eagle",
+                   help="ngram, or trained drafters of the embedded model")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--prompt-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)

@@ -201,11 +201,12 @@ class Net(nn.Module):
 
 # ---- drafter ---------------------------------------------------------------------------------------------
 class _Row:
-    __slots__ = ("length", "pending")
+    __slots__ = ("length", "pending", "rooted")
 
     def __init__(self):
         self.length = 0  # committed positions in the drafter's KV cache
         self.pending: list[torch.Tensor] = []  # target features `[n, F]` of committed positions not yet run
+        self.rooted = False  # static shapes: the row's last feature is in `root_f`
 
 
 # The default tree, by the device the drafter runs on. On a GPU a verify of 49 tokens costs about what one token
@@ -222,9 +223,16 @@ def default_tree(device: torch.device) -> dict:
 
 
 class EagleDrafter(Drafter):
-    """Dynamic-tree drafts from an EAGLE-3 `Net`; see the module docstring."""
+    """Dynamic-tree drafts from an EAGLE-3 `Net`; see the module docstring.
+
+    With static shapes (the engine's CUDA-graph path) the committed pairs are run when they are known instead:
+    `observe` runs every pair whose next token is committed (the previous round's root pair again, then the
+    accepted ones) and keeps each row's last committed feature (`root_f`) and cached length (`len_t`) on the
+    device, and `draft_step` runs the root pair and the tree over the whole cache, writing nothing that
+    outlives the round (the root's K/V joins the nodes' scratch), so a CUDA graph can replay it."""
 
     name = "eagle"
+    static_draft = True
 
     def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
                  depth: int | None = None, num_nodes: int | None = None):
@@ -250,6 +258,8 @@ class EagleDrafter(Drafter):
         empty = dict(size=(max_batch_size, cfg.num_heads, 0, cfg.head_dim), dtype=self.dtype, device=self.device)
         self.cache = [(torch.zeros(**empty), torch.zeros(**empty)) for _ in net.layers]  # per layer K, V
         self.rows: dict[int, _Row] = {}
+        self.root_f: torch.Tensor | None = None  # static shapes: [max_batch_size, F] each row's last feature
+        self.len_t: torch.Tensor | None = None  # static shapes: [max_batch_size] committed pairs in the cache
 
     def bind(self, target) -> None:
         super().bind(target)
@@ -279,10 +289,54 @@ class EagleDrafter(Drafter):
         for r in rows:
             self.rows.pop(r, None)
 
+    def _static(self) -> bool:
+        kv = getattr(getattr(self, "target", None), "kv", None)
+        return kv is not None and kv.static
+
     def observe(self, rows, tokens, hidden, features) -> None:
+        if self._static():
+            self._observe_static(rows, tokens, features)
+            return
         for i, r in enumerate(rows):
             f = torch.cat([features[layer][i] for layer in self.feature_layers], -1)
             self.rows.setdefault(r, _Row()).pending.append(f.detach().to(self.dtype))
+
+    @torch.no_grad()
+    def _observe_static(self, rows, tokens, features) -> None:
+        """Run the pairs of every row whose next token is now committed, all rows in one forward: after a prefill
+        (tokens = the prompt) the pairs (f_i, x_i+1) of all but the last position; after a round (tokens = the
+        anchor and the accepted drafts) first the previous root pair (its feature `root_f`, its token the
+        anchor: `draft_step` ran it only for the round), then the accepted ones. The last feature becomes the
+        row's root."""
+        dev = self.device
+        counts = [int(t.shape[0]) for t in tokens]
+        if min(counts, default=0) < 1:
+            raise ValueError("eagle: observe needs at least one new position per row")
+        fresh = [not self.rows.setdefault(r, _Row()).rooted for r in rows]
+        if any(fresh) and not all(fresh):
+            raise ValueError("eagle: observe of new and running requests together")
+        feat = torch.cat([torch.nn.utils.rnn.pad_sequence(features[layer], batch_first=True)
+                          for layer in self.feature_layers], -1).to(self.dtype)  # [B, M, F]
+        tok = torch.nn.utils.rnn.pad_sequence(list(tokens), batch_first=True).to(dev)  # [B, M]
+        B, M = tok.shape
+        if self.root_f is None:
+            self.root_f = feat.new_zeros(self.max_batch_size, feat.shape[-1])
+            self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
+        rows_t = self.target.index(list(rows))
+        if fresh[0]:  # pairs (f_i, x_i+1), i < n - 1
+            pf, pt, m = feat[:, :-1], tok[:, 1:], [c - 1 for c in counts]
+        else:  # the previous root (f, anchor), then (f_i, x_i+1) of the accepted drafts
+            pf, pt, m = torch.cat([self.root_f[rows_t][:, None], feat[:, :-1]], 1), tok, counts
+        held = [self.rows[r].length for r in rows]
+        start, n = torch.tensor([held, counts], dtype=torch.long, device=dev)  # one copy
+        if max(m) > 0:
+            self._reserve(self.target.max_length + self.target.num_verify_tokens)
+            self._run_pairs(rows_t, pt, pf, start, max(held))
+        self.root_f[rows_t] = feat[torch.arange(B, device=dev), n - 1]
+        self.len_t[rows_t] = start + (n - 1 if fresh[0] else n)
+        for r, c in zip(rows, m):
+            self.rows[r].length += c
+            self.rows[r].rooted = True
 
     def _reserve(self, need: int) -> None:
         cap = self.cache[0][0].shape[2]
@@ -298,6 +352,29 @@ class EagleDrafter(Drafter):
         self.cache = grown
 
     # ---- drafting ------------------------------------------------------------------------------------
+    def _run_pairs(self, rows_t, tok, feat, start, span: int, *, write: bool = True):
+        """Run pairs `(feat [B, M, F], tok [B, M])` at positions `start [B] + i` of rows `rows_t [B]` over the first
+        `span` cached positions (>= every start; row b sees those < start[b]), causal among the M. -> hidden
+        `[B, M, d]`, and with `write` False the pairs' K/V per layer `[B, H, M, D]` (kept out of the cache). With
+        `write`, every row's K/V land at all M positions from its start in one indexed copy per layer: past a
+        row's count they hold padding beyond its committed length (never seen, overwritten by its next pairs)."""
+        net, dev = self.net, self.device
+        M = tok.shape[1]
+        past = [(k[rows_t, :, :span], v[rows_t, :, :span]) for k, v in self.cache]
+        j = torch.arange(span + M, device=dev)
+        i = torch.arange(M, device=dev)
+        ok = torch.where(j[None, None, :] < span, j[None, None, :] < start[:, None, None],
+                         (j[None, None, :] - span) <= i[None, :, None])  # [B, M, span + M]
+        positions = start[:, None] + i[None]
+        h, kvs = net.run(net.inputs(tok, net.fused(feat)), positions, _additive(ok, self.dtype), past)
+        if not write:
+            return h, kvs
+        at = (rows_t[:, None], slice(None), positions)  # [B, M] positions of each row
+        for (ck, cv), (k, v) in zip(self.cache, kvs):
+            ck[at] = k.transpose(1, 2)
+            cv[at] = v.transpose(1, 2)
+        return h
+
     def _catch_up(self, rows, contexts):
         """Run the queued committed positions and the root pair (last committed feature, anchor) of every row
         and append their K/V. -> (root hidden `[B, d]`, root logits `[B, V]`, committed lengths `[B]`, their
@@ -322,24 +399,11 @@ class EagleDrafter(Drafter):
         lens, n, rows_t = torch.tensor([held, counts, rows], dtype=torch.long, device=dev)  # one copy
         fpad = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)  # [B, M, F], one op for every row
         tpad = torch.nn.utils.rnn.pad_sequence(toks, batch_first=True)  # [B, M]
-        S0 = max(held)
-        past = [(k[rows_t, :, :S0], v[rows_t, :, :S0]) for k, v in self.cache]
-        j = torch.arange(S0 + M, device=dev)
-        i = torch.arange(M, device=dev)
-        ok = torch.where(j[None, None, :] < S0, j[None, None, :] < lens[:, None, None],
-                         (j[None, None, :] - S0) <= i[None, :, None])  # [B, M, S0 + M]
-        positions = lens[:, None] + i[None]
-        h, kvs = net.run(net.inputs(tpad, net.fused(fpad)), positions, _additive(ok, self.dtype), past)
+        ends = [s + c for s, c in zip(held, counts)]
+        self._reserve(max(held) + M)
+        h = self._run_pairs(rows_t, tpad, fpad, lens, max(held))
         root_h = h[torch.arange(B, device=dev), n - 1]
         root_logits = net.lm_logits(root_h)
-        ends = [s + c for s, c in zip(held, counts)]
-        # every row writes all M positions from its length in one indexed copy per layer: past a row's count they
-        # hold padding, beyond its committed length (masked by `seen`, overwritten by its next catch-up)
-        self._reserve(S0 + M)
-        at = (rows_t[:, None], slice(None), positions)  # [B, M] positions of each row
-        for (ck, cv), (k, v) in zip(self.cache, kvs):
-            ck[at] = k.transpose(1, 2)
-            cv[at] = v.transpose(1, 2)
         for b, r in enumerate(rows):  # committed only once everything above succeeded
             st = self.rows[r]
             st.length += counts[b]
@@ -348,20 +412,53 @@ class EagleDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        net, dev = self.net, self.device
         B = len(rows)
         if B == 0:
-            return DraftBlock.empty(0, dev)
+            return DraftBlock.empty(0, self.device)
+        if self._static():
+            return self.draft_step(rows, self.target.index(list(rows)),
+                                   self.target.index(self.target.slots(list(rows))),
+                                   torch.stack([c[-1] for c in contexts]).to(self.device), gamma, sampling=sampling)
         root_h, root_logits, lens, S0, rows_t = self._catch_up(rows, contexts)
+        committed = [(ck[rows_t, :, :S0], cv[rows_t, :, :S0]) for ck, cv in self.cache]
+        return self._tree(root_h, root_logits, committed, lens, None, gamma, sampling)
+
+    @torch.no_grad()
+    def draft_step(self, rows, rows_t, slots_t, anchors, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        """`propose` as device work of fixed shapes (see `Drafter.draft_step`), after `observe` ran the committed
+        pairs: the root pair (`root_f`, anchor) over the whole cache, then the tree, its K/V in the round's
+        scratch only."""
+        for r in rows:
+            st = self.rows.get(r)
+            if st is None or not st.rooted:
+                raise RuntimeError(f"eagle: no target features observed for row {r}")
+        lens = self.len_t[rows_t]
+        cap = self.cache[0][0].shape[2]
+        root_h, root_kv = self._run_pairs(rows_t, anchors[:, None], self.root_f[rows_t][:, None], lens, cap,
+                                          write=False)
+        root_h = root_h[:, 0]
+        committed = [(ck[rows_t], cv[rows_t]) for ck, cv in self.cache]
+        return self._tree(root_h, self.net.lm_logits(root_h), committed, lens, root_kv, gamma, sampling)
+
+    def _tree(self, root_h, root_logits, committed, seen_len, root_kv, gamma, sampling) -> DraftBlock:
+        """EAGLE-2's tree from the root step (`root_h [B, d]`, `root_logits [B, V]`) over the `committed` K/V per
+        layer `[B, H, S0, D]` (row b sees positions < `seen_len[b]`, the root's own position included when its K/V
+        is cached) and, when not cached, the root's K/V `root_kv` per layer `[B, H, 1, D]`, seen by every node."""
+        net, dev = self.net, self.device
+        B = root_h.shape[0]
+        S0 = committed[0][0].shape[2]
         depth = max(1, min(self.depth, int(gamma)))
         tree = DynamicTree(log_scores(root_logits, sampling), self.topk if self.tree else 1)
-        committed = [(ck[rows_t, :, :S0], cv[rows_t, :, :S0]) for ck, cv in self.cache]
-        seen = torch.arange(S0, device=dev)[None] < lens[:, None]  # [B, S0]
-        root_pos = lens - 1
+        seen = torch.arange(S0, device=dev)[None] < seen_len[:, None]  # [B, S0]
+        root_pos = seen_len - 1 if root_kv is None else seen_len  # the root pair's position
         exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
         exp_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # [B, e, e]: expanded ancestors of each
-        scratch = [(ck.new_zeros(B, ck.shape[1], 0, ck.shape[3]), cv.new_zeros(B, cv.shape[1], 0, cv.shape[3]))
-                   for ck, cv in committed]
+        if root_kv is None:
+            scratch = [(ck.new_zeros(B, ck.shape[1], 0, ck.shape[3]), cv.new_zeros(B, cv.shape[1], 0, cv.shape[3]))
+                       for ck, cv in committed]
+        else:
+            scratch = list(root_kv)
+        lead = torch.ones(B, 1, scratch[0][0].shape[2], dtype=torch.bool, device=dev)  # the root's K/V, if any
         for d in range(1, depth):
             sel, src, tok = tree.frontier()
             w, n_exp = sel.shape[1], exp_h.shape[1]
@@ -374,7 +471,7 @@ class EagleDrafter(Drafter):
                 anc = anc & (src >= 0)[..., None]
             else:
                 anc = torch.zeros(B, w, 0, dtype=torch.bool, device=dev)
-            ok = torch.cat([seen[:, None].expand(B, w, S0), anc,
+            ok = torch.cat([seen[:, None].expand(B, w, S0), lead.expand(B, w, lead.shape[2]), anc,
                             torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)], 2)
             past = [(torch.cat([ck, sk], 2), torch.cat([cv, sv], 2)) for (ck, cv), (sk, sv) in zip(committed, scratch)]
             positions = (root_pos + d)[:, None].expand(B, w)

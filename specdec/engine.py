@@ -97,8 +97,8 @@ class SpecConfig:
     static_shapes: every round has the same shapes for a batch bucket (the batch padded with null-slot rows to
     1, 2, 4, ..., max_batch_size; drafts padded to gamma; the KV cache read as a static view with a mask).
     cuda_graph: capture each bucket's verify + accept (with the drafting of a drafter that has a static draft
-    step: mtp) and its commit as CUDA graphs and replay them (implies static_shapes; needs a hybrid target on
-    CUDA and eager commit).
+    step: eagle, mtp, dspark) and its commit as CUDA graphs and replay them (implies static_shapes; needs a
+    hybrid target on CUDA and eager commit).
     draft_tokens_by_batch: a draft-length schedule `{batch size: drafts}`: a round of B rows drafts the value of
     the largest key <= B (with static shapes: of the batch bucket), `num_draft_tokens` below the smallest key.
     Where a verify is compute-bound (a CPU, or a GPU at a large batch) each verified token costs time, and the

@@ -6,8 +6,8 @@ kernels and allocates the buffers made on first use); the second is captured and
 their inputs into the captured step's input buffers and replay. Between the two steps the engine reads the
 round back (accepted counts, tokens, finiteness), so non-finite logits still raise before anything is
 committed. Host bookkeeping that a replay skips (the KV cache's length bounds) is done here. A drafter with a
-static draft step (`Drafter.static_draft`: mtp) drafts inside the verify step, so its round is one replay of
-draft + verify + accept and one of commit.
+static draft step (`Drafter.static_draft`: eagle, mtp, dspark) drafts inside the verify step, so its round is
+one replay of draft + verify + accept and one of commit.
 
 Greedy rounds are graphed; sampling rounds run the same static-shape steps eagerly (their random draws use a
 caller's generator, which a captured graph would not follow).

@@ -131,13 +131,14 @@ def test_sampled_tokens_follow_target(engines, target, drafter, setting):
 
 @pytest.mark.parametrize("family, drafter, options", [
     ("olmo_hybrid", "model", {}), (FAMILY, "model", {"static_shapes": True}),
-    (FAMILY, "mtp", {"static_shapes": True}), (FAMILY, "dspark", {"static_shapes": True})],
-    ids=["olmo_hybrid", "static_shapes", "static_shapes-mtp", "static_shapes-dspark"])
+    (FAMILY, "mtp", {"static_shapes": True}), (FAMILY, "dspark", {"static_shapes": True}),
+    (FAMILY, "eagle", {"static_shapes": True, "topk": 2, "num_nodes": 4})],
+    ids=["olmo_hybrid", "static_shapes", "static_shapes-mtp", "static_shapes-dspark", "static_shapes-eagle"])
 def test_sampling_on_more_paths(family, drafter, options):
     """The same test on another family's hybrid adapter (OLMo-Hybrid: Gated DeltaNet + attention), on the
     static-shape path (batch padded to its bucket, drafts to gamma, zero draft probabilities in the padding), and
-    there with drafters that sample their drafts inside the device step (the static draft steps of mtp and
-    dspark)."""
+    there with drafters that draft inside the device step (the static draft steps of mtp and dspark, which
+    sample their chains, and eagle's tree)."""
     target = make_model(0, family)
     if drafter == "model":
         options = dict(options, draft_model=make_model(1, family))

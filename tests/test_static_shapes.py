@@ -6,7 +6,8 @@ CUDA graphs need. Checked here on CPU, in float64 on tiny random models of trans
 - greedy output equals transformers' own greedy `generate` (chains and trees, every strategy);
 - every aten op of the verify step and of the commit step, with the shapes of its tensor arguments, is the same
   in every round of a bucket (and the dynamic path, as a control, is not); so is the draft step of a drafter that
-  drafts inside the device step (mtp and dspark, chains and trees), which reads nothing back to the host;
+  drafts inside the device step (eagle, and mtp and dspark as chains and trees), which reads nothing back to the
+  host;
 - what cannot be honoured is refused at `wrap`: `cuda_graph=True` off CUDA, with lazy commit, static shapes on
   the generic path, flash-attention variants on the hybrid runner; a near-miss engine option is named a typo.
 """
@@ -142,16 +143,16 @@ def test_static_greedy_identity(targets, family, drafter, mode):
 HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.unique")
 
 
-@pytest.mark.parametrize("family, drafter", [("qwen3_5", "ngram"), ("qwen3_5", "eagle"), ("qwen3_5", "mtp"),
-                                             ("qwen3_5", "mtp_tree"), ("kimi_linear", "mtp"), ("qwen3_5", "dspark"),
-                                             ("qwen3_5", "dspark_tree")])
+@pytest.mark.parametrize("family, drafter", [("qwen3_5", "ngram"), ("qwen3_5", "eagle"), ("kimi_linear", "eagle"),
+                                             ("qwen3_5", "mtp"), ("qwen3_5", "mtp_tree"), ("kimi_linear", "mtp"),
+                                             ("qwen3_5", "dspark"), ("qwen3_5", "dspark_tree")])
 def test_shapes_stable_within_a_bucket(targets, family, drafter, monkeypatch):
     """Every round of a bucket (after an engine's first, warm-up round) runs the same ops on the same shapes, in
     the verify step and in the commit step, and in the draft step of a drafter that drafts inside the device
-    step (mtp, dspark: every round, with no host read); a batch of 3 and a batch of 4 share bucket 4. Without static
+    step (eagle, mtp, dspark: every round, with no host read); a batch of 3 and a batch of 4 share bucket 4. Without static
     shapes (the control) they change."""
     target = targets[family]
-    static_draft = drafter.startswith(("mtp", "dspark"))
+    static_draft = drafter != "ngram"
 
     def rounds(static: bool, prompts):
         engine = _wrap(target, drafter, num_draft_tokens=GAMMA, max_batch_size=4, max_length=64,
@@ -183,6 +184,44 @@ def test_shapes_stable_within_a_bucket(targets, family, drafter, monkeypatch):
     control = rounds(False, PROMPTS)
     assert len({tuple(ops) for _, ops in control["_verify_step"]}) > 1, "the control run should change shapes"
     assert not control["_draft_step"], "the dynamic path drafts before the device step"
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "mtp", "mtp_tree", "dspark", "dspark_tree"])
+def test_static_draft_step_drafts_what_propose_drafts(targets, drafter):
+    """The static draft step (whole-cache spans, eagle's committed pairs run in `observe`, the root pair beside the
+    tree) drafts the same blocks as the drafter's `propose` on the dynamic path, round for round, in float64:
+    same tokens, same tree, for every real row (compared while both rounds draft the same depth: the dynamic
+    path shortens its last drafts to the tokens still wanted)."""
+    target = targets["qwen3_5"]
+    blocks = {}
+    for static in (False, True):
+        torch.manual_seed(0)  # the same untrained drafter both times
+        engine = _wrap(target, drafter, num_draft_tokens=GAMMA, max_batch_size=4, max_length=64,
+                       static_shapes=static)
+        d, rec = engine.drafter, []
+        name = "draft_step" if static else "propose"
+        inner = getattr(d, name)
+
+        def recording(rows, *a, _inner=inner, **k):
+            block = _inner(rows, *a, **k)
+            B = len(rows)
+            gamma = a[3] if len(a) > 3 else a[1]
+            rec.append((gamma, block.tokens[:B].tolist(), None if block.parent is None else
+                        block.parent[:B].tolist()))
+            return block
+
+        setattr(d, name, recording)
+        out = _generate(engine, PROMPTS)
+        assert out.stats.drafter_failures == 0
+        blocks[static] = rec
+    dyn, sta = blocks[False], blocks[True]
+    same_depth = 0
+    for a, b in zip(dyn, sta):
+        if a[0] != b[0]:
+            break
+        assert a == b, f"round {same_depth}: the static draft step drafted {b[1:]}, propose {a[1:]}"
+        same_depth += 1
+    assert same_depth >= 3, (len(dyn), len(sta))
 
 
 def test_failing_draft_step_costs_only_its_drafts(targets):
