@@ -355,12 +355,13 @@ class EagleDrafter(Drafter):
     def _run_pairs(self, rows_t, tok, feat, start, span: int, *, write: bool = True):
         """Run pairs `(feat [B, M, F], tok [B, M])` at positions `start [B] + i` of rows `rows_t [B]` over the first
         `span` cached positions (>= every start; row b sees those < start[b]), causal among the M. -> hidden
-        `[B, M, d]`, and with `write` False the pairs' K/V per layer `[B, H, M, D]` (kept out of the cache). With
+        `[B, M, d]`, and with `write` False also the pairs' K/V per layer `[B, H, M, D]` (kept out of the cache)
+        and the cached K/V it read per layer `[B, H, span, D]`. With
         `write`, every row's K/V land at all M positions from its start in one indexed copy per layer: past a
         row's count they hold padding beyond its committed length (never seen, overwritten by its next pairs)."""
         net, dev = self.net, self.device
         M = tok.shape[1]
-        past = [(k[rows_t, :, :span], v[rows_t, :, :span]) for k, v in self.cache]
+        past = [[(k[rows_t, :, :span], v[rows_t, :, :span])] for k, v in self.cache]  # one segment per layer
         j = torch.arange(span + M, device=dev)
         i = torch.arange(M, device=dev)
         ok = torch.where(j[None, None, :] < span, j[None, None, :] < start[:, None, None],
@@ -368,7 +369,7 @@ class EagleDrafter(Drafter):
         positions = start[:, None] + i[None]
         h, kvs = net.run(net.inputs(tok, net.fused(feat)), positions, _additive(ok, self.dtype), past)
         if not write:
-            return h, kvs
+            return h, kvs, [seg[0] for seg in past]
         at = (rows_t[:, None], slice(None), positions)  # [B, M] positions of each row
         for (ck, cv), (k, v) in zip(self.cache, kvs):
             ck[at] = k.transpose(1, 2)
@@ -434,10 +435,9 @@ class EagleDrafter(Drafter):
                 raise RuntimeError(f"eagle: no target features observed for row {r}")
         lens = self.len_t[rows_t]
         cap = self.cache[0][0].shape[2]
-        root_h, root_kv = self._run_pairs(rows_t, anchors[:, None], self.root_f[rows_t][:, None], lens, cap,
-                                          write=False)
+        root_h, root_kv, committed = self._run_pairs(rows_t, anchors[:, None], self.root_f[rows_t][:, None], lens,
+                                                     cap, write=False)
         root_h = root_h[:, 0]
-        committed = [(ck[rows_t], cv[rows_t]) for ck, cv in self.cache]
         return self._tree(root_h, self.net.lm_logits(root_h), committed, lens, root_kv, gamma, sampling)
 
     def _tree(self, root_h, root_logits, committed, seen_len, root_kv, gamma, sampling) -> DraftBlock:
@@ -453,12 +453,10 @@ class EagleDrafter(Drafter):
         root_pos = seen_len - 1 if root_kv is None else seen_len  # the root pair's position
         exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
         exp_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # [B, e, e]: expanded ancestors of each
-        if root_kv is None:
-            scratch = [(ck.new_zeros(B, ck.shape[1], 0, ck.shape[3]), cv.new_zeros(B, cv.shape[1], 0, cv.shape[3]))
-                       for ck, cv in committed]
-        else:
-            scratch = list(root_kv)
-        lead = torch.ones(B, 1, scratch[0][0].shape[2], dtype=torch.bool, device=dev)  # the root's K/V, if any
+        # per layer the K/V segments the nodes attend to, in key order: committed, the root's (when not cached),
+        # then each depth's nodes; scored segment by segment, so the committed cache is never copied per depth
+        segs = [[kv] for kv in committed] if root_kv is None else [[kv, r] for kv, r in zip(committed, root_kv)]
+        lead = torch.ones(B, 1, 0 if root_kv is None else 1, dtype=torch.bool, device=dev)  # the root's K/V
         for d in range(1, depth):
             sel, src, tok = tree.frontier()
             w, n_exp = sel.shape[1], exp_h.shape[1]
@@ -473,10 +471,10 @@ class EagleDrafter(Drafter):
                 anc = torch.zeros(B, w, 0, dtype=torch.bool, device=dev)
             ok = torch.cat([seen[:, None].expand(B, w, S0), lead.expand(B, w, lead.shape[2]), anc,
                             torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)], 2)
-            past = [(torch.cat([ck, sk], 2), torch.cat([cv, sv], 2)) for (ck, cv), (sk, sv) in zip(committed, scratch)]
             positions = (root_pos + d)[:, None].expand(B, w)
-            h, kvs = net.run(net.inputs(tok, par_h), positions, _additive(ok, self.dtype), past)
-            scratch = [(torch.cat([sk, k_], 2), torch.cat([sv, v_], 2)) for (sk, sv), (k_, v_) in zip(scratch, kvs)]
+            h, kvs = net.run(net.inputs(tok, par_h), positions, _additive(ok, self.dtype), [list(s) for s in segs])
+            for s, kv in zip(segs, kvs):
+                s.append(kv)
             grown = torch.zeros(B, n_exp + w, n_exp + w, dtype=torch.bool, device=dev)
             grown[:, :n_exp, :n_exp] = exp_anc
             grown[:, n_exp:, :n_exp] = anc

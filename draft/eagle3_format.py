@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from . import eagle
+from .layers import attend
 from .native import checkpoint_files
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3",)
@@ -86,22 +87,17 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, mask, past):
         """x `[B, T, 2d]`, rope (cos, sin) of the positions, mask additive `[B, 1, T, S + T]`, past (k, v)
-        `[B, Hkv, S, D]` or None -> (out `[B, T, d]`, (k, v) of x `[B, Hkv, T, D]`)."""
+        `[B, Hkv, S, D]`, a list of such segments or None (`layers.attend`) -> (out `[B, T, d]`, (k, v) of x
+        `[B, Hkv, T, D]`)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *rope)
-        K, V = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
-        rep = self.num_heads // self.num_kv
-        K, V = K.repeat_interleave(rep, 1), V.repeat_interleave(rep, 1)
-        att = (q @ K.transpose(-1, -2)) * self.head_dim ** -0.5
-        if mask is not None:
-            att = att + mask
-        att = att.softmax(-1, dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
-        out = (att.to(V.dtype) @ V).transpose(1, 2).reshape(B, T, -1)
-        return self.o_proj(out), (k, v)
+        out = attend(q, k, v, past, mask, self.head_dim ** -0.5, rep=self.num_heads // self.num_kv,
+                     softmax_dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 
 class MidLayer(nn.Module):

@@ -43,6 +43,32 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past, mask: torch.Tensor | None, scale: float, *,
+           rep: int = 1, softmax_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Softmax attention of queries `q [B, H, T, D]` over `past` then the new keys / values `k, v [B, Hkv, T, D]`.
+
+    `past`: None, one `(k, v)` pair `[B, Hkv, S, D]` (joined with the new ones), or a list of pairs: segments in
+    key order, scored one by one and never concatenated, so a long cache is not copied at every call. Key heads
+    repeat `rep` times (GQA); `mask` additive `[B, 1, T, S + T]`; the softmax in `softmax_dtype` (None: q's).
+    -> `[B, H, T, D]`."""
+    if isinstance(past, list):
+        segs = [*past, (k, v)]
+    else:
+        segs = [(k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))]
+    if rep > 1:
+        segs = [(a.repeat_interleave(rep, 1), b.repeat_interleave(rep, 1)) for a, b in segs]
+    scores = [q @ ks.transpose(-1, -2) for ks, _ in segs]
+    att = (scores[0] if len(scores) == 1 else torch.cat(scores, -1)) * scale
+    if mask is not None:
+        att = att + mask
+    p = att.softmax(-1, dtype=softmax_dtype)
+    out, at = None, 0
+    for _, vs in segs:
+        part = p[..., at:at + vs.shape[2]].to(vs.dtype) @ vs
+        out, at = part if out is None else out + part, at + vs.shape[2]
+    return out
+
+
 class Attention(nn.Module):
     """Multi-head attention over `[context K/V (given), own K/V]` with an additive mask; returns its new K/V
     so callers keep their own cache (or none)."""
@@ -64,15 +90,13 @@ class Attention(nn.Module):
         return rotary(self.heads(self.k_proj(x)), positions, self.rope_theta), self.heads(self.v_proj(x))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                past: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """x `[B, T, hidden]`; mask additive `[B, 1, T, S_past + T]` (None: full); -> (out, (k, v) of x)."""
+                past: tuple[torch.Tensor, torch.Tensor] | list | None = None):
+        """x `[B, T, hidden]`; mask additive `[B, 1, T, S_past + T]` (None: full); `past` one `(k, v)` pair
+        `[B, H, S, D]` or a list of them (segments in key order: scored apart and never concatenated, so a
+        long cache is not copied per call); -> (out, (k, v) of x)."""
         q = rotary(self.heads(self.q_proj(x)), positions, self.rope_theta)
         k, v = self.kv(x, positions)
-        K, Vv = (k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
-        att = (q @ K.transpose(-1, -2)) / math.sqrt(self.head_dim)
-        if mask is not None:
-            att = att + mask
-        out = att.softmax(-1) @ Vv
+        out = attend(q, k, v, past, mask, 1 / math.sqrt(self.head_dim))
         B, H, T, D = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D)), (k, v)
 

@@ -25,7 +25,9 @@ COMMITS = ("eager", "lazy")
 class SpecStats:
     """Counters of one `generate` call. `tau`: tokens committed per verify forward (bonus included);
     `alpha`: accepted / proposed drafts; `per_position[i]`: acceptance at draft position i (a tree's depth i + 1)
-    given that drafts < i were accepted and a draft stood at position i."""
+    given that drafts < i were accepted and a draft stood at position i. `timings` (seconds): prefill, draft,
+    verify (with accept and commit; with static shapes it also holds the drafting of a drafter that drafts inside
+    the device step), total."""
 
     rounds: int = 0  # verify forwards, counted per request
     tokens: int = 0  # tokens committed by verify forwards (accepted drafts + bonus)
