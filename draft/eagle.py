@@ -453,9 +453,12 @@ class EagleDrafter(Drafter):
         root_pos = seen_len - 1 if root_kv is None else seen_len  # the root pair's position
         exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
         exp_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # [B, e, e]: expanded ancestors of each
-        # per layer the K/V segments the nodes attend to, in key order: committed, the root's (when not cached),
-        # then each depth's nodes; scored segment by segment, so the committed cache is never copied per depth
-        segs = [[kv] for kv in committed] if root_kv is None else [[kv, r] for kv, r in zip(committed, root_kv)]
+        # per layer the nodes attend to two K/V segments (`layers.attend`): the committed cache, never copied per
+        # depth, and the round's scratch (the root's K/V when not cached, then every expanded node's), grown by depth
+        if root_kv is None:
+            scratch = [(ck[:, :, :0], cv[:, :, :0]) for ck, cv in committed]
+        else:
+            scratch = list(root_kv)
         lead = torch.ones(B, 1, 0 if root_kv is None else 1, dtype=torch.bool, device=dev)  # the root's K/V
         for d in range(1, depth):
             sel, src, tok = tree.frontier()
@@ -472,9 +475,9 @@ class EagleDrafter(Drafter):
             ok = torch.cat([seen[:, None].expand(B, w, S0), lead.expand(B, w, lead.shape[2]), anc,
                             torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)], 2)
             positions = (root_pos + d)[:, None].expand(B, w)
-            h, kvs = net.run(net.inputs(tok, par_h), positions, _additive(ok, self.dtype), [list(s) for s in segs])
-            for s, kv in zip(segs, kvs):
-                s.append(kv)
+            h, kvs = net.run(net.inputs(tok, par_h), positions, _additive(ok, self.dtype),
+                             [[c, s_] for c, s_ in zip(committed, scratch)])
+            scratch = [(torch.cat([sk, k_], 2), torch.cat([sv, v_], 2)) for (sk, sv), (k_, v_) in zip(scratch, kvs)]
             grown = torch.zeros(B, n_exp + w, n_exp + w, dtype=torch.bool, device=dev)
             grown[:, :n_exp, :n_exp] = exp_anc
             grown[:, n_exp:, :n_exp] = anc
