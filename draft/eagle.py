@@ -21,6 +21,9 @@ depth are expanded into their `topk` most likely children; the best `num_nodes` 
 log-probability are kept, in topological order. The drafts are deterministic functions of the committed
 history, so the block carries `probs=None` (one-hot q): recursive rejection over distinct siblings with
 one-hot q is exactly sampling from the target, so this is lossless for sampling as well as greedy.
+
+Static shapes (the CUDA-graph path): `observe` runs the pairs as soon as their next token is committed, and
+`draft_step` runs the root pair and the tree over the whole cache without writing to it (`EagleDrafter`).
 """
 
 from __future__ import annotations
@@ -356,9 +359,9 @@ class EagleDrafter(Drafter):
         """Run pairs `(feat [B, M, F], tok [B, M])` at positions `start [B] + i` of rows `rows_t [B]` over the first
         `span` cached positions (>= every start; row b sees those < start[b]), causal among the M. -> hidden
         `[B, M, d]`, and with `write` False also the pairs' K/V per layer `[B, H, M, D]` (kept out of the cache)
-        and the cached K/V it read per layer `[B, H, span, D]`. With
-        `write`, every row's K/V land at all M positions from its start in one indexed copy per layer: past a
-        row's count they hold padding beyond its committed length (never seen, overwritten by its next pairs)."""
+        and the cached K/V it read per layer `[B, H, span, D]`. With `write`, every row's K/V land at all M
+        positions from its start in one indexed copy per layer: past a row's count they hold padding beyond its
+        committed length (never seen, overwritten by its next pairs)."""
         net, dev = self.net, self.device
         M = tok.shape[1]
         past = [[(k[rows_t, :, :span], v[rows_t, :, :span])] for k, v in self.cache]  # one segment per layer
