@@ -58,8 +58,8 @@ echo "== bench/kernels.py --device cuda =="
     | tee "$OUTDIR/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
 
-echo "== bench/graph_check.py --device cuda (cuda_graph=True vs eager, token for token) =="
-(cd /tmp && timeout 200 $PY "$REPO/bench/graph_check.py" --device cuda --json "$OUTDIR/graphs.json" 2>&1) \
+echo "== bench/graph_check.py --device cuda (cuda_graph=True vs eager, token for token; ngram, mtp, dspark, eagle) =="
+(cd /tmp && timeout 200 $PY "$REPO/bench/graph_check.py" --device cuda --repeats 2 --json "$OUTDIR/graphs.json" 2>&1) \
     | tee "$OUTDIR/graphs.log"
 GRAPH_RC=${PIPESTATUS[0]}
 
