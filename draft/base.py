@@ -88,7 +88,15 @@ class Drafter(ABC):
         reads) whose shapes depend on `Bk` and `gamma` alone, reading the drafter's persistent buffers and the
         target's KV cache over its whole `max_length`: a CUDA graph captures it with the verify. `rows` are the
         real rows on the host, for checks made before any device work."""
-        raise NotImplementedError(f"{type(self).__name__} has no static draft step")
+        # An optional hook, not unfinished work: the engine calls it only on drafters that set `static_draft`
+        # (eagle, mtp, dspark implement it); every other drafter drafts through `propose`.
+        raise NotImplementedError(f"{type(self).__name__} sets static_draft but has no draft_step")
+
+    def _static_shapes(self) -> bool:
+        """Whether the bound target keeps static shapes (its KV cache a fixed view): drafters with a static draft
+        step then size their caches once, for the target's whole `max_length`."""
+        kv = getattr(getattr(self, "target", None), "kv", None)
+        return kv is not None and kv.static
 
     def observe(self, rows: list[int], tokens: list[torch.Tensor], hidden: list[torch.Tensor],
                 features: dict[int, list[torch.Tensor]]) -> None:

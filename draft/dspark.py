@@ -486,17 +486,13 @@ class DSparkDrafter(Drafter):
             return target.index(values)
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    def _static(self) -> bool:
-        kv = getattr(getattr(self, "target", None), "kv", None)
-        return kv is not None and kv.static
-
     def _reserve(self, need: int, like: list[torch.Tensor]) -> None:
         """Room for `need` positions per row (the buffers shaped after `like`'s K per layer `[B, H, n, D]`); with
         static shapes the whole target `max_length` (plus a verify window) at once, so the span never changes."""
         cap = self.k[0].shape[2] if self.k else 0
         if need <= cap:
             return
-        if self._static():
+        if self._static_shapes():
             new = max(need, self.target.max_length + self.target.num_verify_tokens)
         else:
             new = max(need, 2 * cap, 64)

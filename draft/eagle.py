@@ -292,12 +292,8 @@ class EagleDrafter(Drafter):
         for r in rows:
             self.rows.pop(r, None)
 
-    def _static(self) -> bool:
-        kv = getattr(getattr(self, "target", None), "kv", None)
-        return kv is not None and kv.static
-
     def observe(self, rows, tokens, hidden, features) -> None:
-        if self._static():
+        if self._static_shapes():
             self._observe_static(rows, tokens, features)
             return
         for i, r in enumerate(rows):
@@ -419,7 +415,7 @@ class EagleDrafter(Drafter):
         B = len(rows)
         if B == 0:
             return DraftBlock.empty(0, self.device)
-        if self._static():
+        if self._static_shapes():
             return self.draft_step(rows, self.target.index(list(rows)),
                                    self.target.index(self.target.slots(list(rows))),
                                    torch.stack([c[-1] for c in contexts]).to(self.device), gamma, sampling=sampling)
