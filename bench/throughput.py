@@ -23,8 +23,11 @@ tokens/s = new tokens of the whole workload / wall time of its calls. Every conf
 built and warmed up once first, then all of them run `--repeats` times, interleaved across batch sizes and modes
 (round-robin, the starting configuration rotating per repeat), so a change in the machine's load during the run
 reaches every configuration alike; the table shows the median, the spread (max / min over the repeats), tau
-(tokens per verify round, from the engine's stats), the speedup over `plain` at the same batch and the scaling
-`xB1` over batch 1 (same mode), both the median of the ratios within each repeat.
+(tokens per verify round, from the engine's stats), `busy` (rows per verify round / B: below 1 while a batch
+drains at the end of the workload, when no request waits to refill a finished lane; spec decode's requests end in
+different rounds, plain decoding's all in the same one, so the drain weighs on spec decode alone and less the more
+requests the workload has), the speedup over `plain` at the same batch and the scaling `xB1` over batch 1 (same
+mode), both the median of the ratios within each repeat.
 Greedy speculative decoding is lossless: every spec run's output must equal the plain output token for token, or
 the script exits with status 1, as it does when a specdec mode fails to run (the `hf` output is compared too, and
 a difference or failure there is only reported).
@@ -123,10 +126,11 @@ class Workload:
         self.runners = [Runner(mode, model, c, max_new, drafter=drafter, pad_token_id=pad_token_id,
                                engine_opts=engine_opts, max_batch_size=B)
                         for c in (chunks if mode == HF else chunks[:1])]
-        self.chunks, self.mode, self.max_new = chunks, mode, max_new
+        self.chunks, self.mode, self.max_new, self.B = chunks, mode, max_new, B
+        self.busy = None  # lanes busy per verify round over the last run (specdec modes): rows / (rounds x B)
 
     def run(self) -> tuple[list[list[int]], float, float | None]:
-        new, dt, tokens, rounds = [], 0.0, 0, 0
+        new, dt, tokens, rounds, steps = [], 0.0, 0, 0, 0
         for i, chunk in enumerate(self.chunks):
             r = self.runners[i if self.mode == HF else 0]
             r.prompts = chunk
@@ -134,7 +138,8 @@ class Workload:
             new, dt = new + rows, dt + t
             if tau is not None:
                 st = r.last_stats
-                tokens, rounds = tokens + st.tokens, rounds + st.rounds
+                tokens, rounds, steps = tokens + st.tokens, rounds + st.rounds, steps + st.steps
+        self.busy = rounds / (steps * self.B) if steps else None
         return new, dt, (tokens / rounds if rounds else None) if self.mode != HF else None
 
 
@@ -159,7 +164,7 @@ def prepare_batch(B, modes, model, texts, tok, a, pad, engine_opts=None) -> tupl
                 errors.append(f"batch {B}, {mode}: {res[mode]['skipped']}")
             continue
         runners[mode], outputs[mode] = r, new
-        res[mode] = {"tokens_per_s": [], "seconds": [], "new_tokens": sum(map(len, new)), "tau": None}
+        res[mode] = {"tokens_per_s": [], "seconds": [], "new_tokens": sum(map(len, new)), "tau": None, "busy": None}
     return res, runners, outputs, errors
 
 
@@ -177,6 +182,7 @@ def run_interleaved(configs: dict, a) -> list[str]:
             r["seconds"].append(dt)
             r["tokens_per_s"].append(sum(map(len, new)) / dt)
             r["tau"] = tau
+            r["busy"] = runner.busy
             if new != ref:
                 errors.append(f"batch {key[0]}, {key[1]}: repeat {rep} output differs from its warmup output")
     return errors
@@ -216,8 +222,8 @@ def paired_ratio(r: dict, base: dict | None) -> float | None:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'batch':>5s} {'mode':10s} {'tok/s':>9s} {'spread':>7s} {'tau':>5s} {'vs plain':>9s} {'xB1':>6s} "
-            f"{'same':>5s}")
+    head = (f"{'batch':>5s} {'mode':10s} {'tok/s':>9s} {'spread':>7s} {'tau':>5s} {'busy':>5s} {'vs plain':>9s} "
+            f"{'xB1':>6s} {'same':>5s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r.get("skipped"):
@@ -228,7 +234,8 @@ def format_table(rows: list[dict]) -> str:
             return "-" if v is None else format(v, spec) + unit
         same = {True: "yes", False: "NO", None: "-"}[r.get("identical_to_plain")]
         lines.append(f"{r['batch']:5d} {r['mode']:10s} {r['tokens_per_s_median']:9.1f} {r['spread']:7.3f} "
-                     f"{f(r['tau'], '5.2f'):>5s} {f(r['speedup_vs_plain'], '.2f', 'x'):>9s} "
+                     f"{f(r['tau'], '5.2f'):>5s} {f(r.get('busy'), '5.2f'):>5s} "
+                     f"{f(r['speedup_vs_plain'], '.2f', 'x'):>9s} "
                      f"{f(r['scaling_vs_batch1'], '.2f', 'x'):>6s} {same:>5s}")
     return "\n".join(lines)
 

@@ -30,6 +30,7 @@ class SpecStats:
     the device step), total."""
 
     rounds: int = 0  # verify forwards, counted per request
+    steps: int = 0  # verify forwards of the batch: a round of B rows counts once (rounds / steps: rows per round)
     tokens: int = 0  # tokens committed by verify forwards (accepted drafts + bonus)
     proposed: int = 0
     accepted: int = 0
@@ -55,6 +56,7 @@ class SpecStats:
         """One round: drafts proposed, accepted and positions reached per row (host lists). Position i was
         reached when drafts < i were all accepted and a draft stood at position i after them (a chain's next
         draft, a child of the last accepted tree node), so every listed position was reached at least once."""
+        self.steps += 1
         for g, n, m in zip(num_drafts, num_accepted, num_reached):
             self.rounds += 1
             self.tokens += n + 1
@@ -68,8 +70,9 @@ class SpecStats:
                 self.accepted_at[i] += int(i < n)
 
     def as_dict(self) -> dict:
-        return dict(rounds=self.rounds, tokens=self.tokens, tau=self.tau, alpha=self.alpha, proposed=self.proposed,
-                    accepted=self.accepted, per_position=self.per_position, drafter_failures=self.drafter_failures,
+        return dict(rounds=self.rounds, steps=self.steps, tokens=self.tokens, tau=self.tau, alpha=self.alpha,
+                    proposed=self.proposed, accepted=self.accepted, per_position=self.per_position,
+                    drafter_failures=self.drafter_failures,
                     timings=dict(self.timings))
 
 

@@ -14,8 +14,8 @@ import specdec
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "throughput.py"
 EMBEDDED = Path(specdec.__file__).resolve().parent / "embedded"
-ROW_KEYS = {"batch", "mode", "tokens_per_s", "seconds", "new_tokens", "tau", "tokens_per_s_median", "spread",
-            "output_sha256", "new_tokens_per_row", "identical_to_plain", "speedup_vs_plain", "speedup_vs_hf",
+ROW_KEYS = {"batch", "mode", "tokens_per_s", "seconds", "new_tokens", "tau", "busy", "tokens_per_s_median",
+            "spread", "output_sha256", "new_tokens_per_row", "identical_to_plain", "speedup_vs_plain", "speedup_vs_hf",
             "scaling_vs_batch1"}
 NEW = 8
 
@@ -58,4 +58,6 @@ def test_tiny_run_json_shape_and_lossless(tmp_path, batching):
         spec, plain = rows[(B, mode)], rows[(B, "plain")]
         assert spec["output_sha256"] == plain["output_sha256"]  # greedy speculative decoding is lossless
         assert spec["tau"] >= 1.0 and plain["tau"] == 1.0 and plain["speedup_vs_plain"] == 1.0
+        # rows per round / B: always full at batch 1, and for plain decoding, whose rows all end together
+        assert plain["busy"] == 1.0 and 0.5 <= spec["busy"] <= 1.0 and (B == 2 or spec["busy"] == 1.0)
         assert spec["speedup_vs_plain"] == pytest.approx(spec["tokens_per_s_median"] / plain["tokens_per_s_median"])

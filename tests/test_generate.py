@@ -328,6 +328,8 @@ def test_continuous_batching_hybrid(models, drafter, strategy, commit, static):
             if admitted < len(CONTINUOUS):  # a request was waiting: the round ran with both lanes
                 assert k == 2, events
     assert admitted == len(CONTINUOUS) and events[0] == ("admit", 2)
+    rounds = [k for kind, k in events if kind == "round"]  # stats: rows per round = rounds / steps
+    assert (out.stats.steps, out.stats.rounds) == (len(rounds), sum(rounds)), out.stats.as_dict()
     assert engine.runner.num_free == 2
     if drafter == "noisy":
         assert engine.drafter.runner.num_free == 2 and not engine.drafter.slot
