@@ -57,6 +57,15 @@ class TargetView:
     index: Callable[[list[int]], torch.Tensor]
 
 
+def observed_counts(tokens: list[torch.Tensor], device) -> torch.Tensor:
+    """`observe`'s new positions per row as a device tensor `[B]` (long): the engine's `tokens.counts`, else built
+    from the tokens' lengths (one host-to-device copy)."""
+    counts = getattr(tokens, "counts", None)
+    if counts is None:
+        return torch.tensor([int(t.shape[0]) for t in tokens], dtype=torch.long, device=device)
+    return counts.to(device=device, dtype=torch.long)
+
+
 class Drafter(ABC):
     """A drafter sees each request's full token history (prompt + committed tokens + the anchor)."""
 
@@ -102,7 +111,10 @@ class Drafter(ABC):
                 features: dict[int, list[torch.Tensor]]) -> None:
         """Target outputs at newly committed positions, per row: `tokens [n]` (the prompt after prefill; the
         anchor and accepted drafts after a round), `hidden [n, d]` (final normed hidden state) and
-        `features[layer] [n, d]` (outputs of the `feature_layers`). The token following them is the next anchor."""
+        `features[layer] [n, d]` (outputs of the `feature_layers`). The token following them is the next anchor.
+        From the engine, `tokens` also carries the counts `n` of all rows as a device tensor `tokens.counts [B]`
+        (`specdec.engine.Observed`); a drafter called with a plain list builds them itself
+        (`observed_counts`)."""
 
     def abort(self, rows: list[int]) -> None:
         """A round of `rows` failed part-way: `propose` raised or returned a malformed block (the next round

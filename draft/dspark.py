@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import DraftBlock, Drafter
+from .base import DraftBlock, Drafter, observed_counts
 from .layers import Block, RMSNorm
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores, tree_options
@@ -461,6 +461,7 @@ class DSparkDrafter(Drafter):
         self.k: list[torch.Tensor] = []  # per layer [max_batch_size, H, cap, D]
         self.v: list[torch.Tensor] = []
         self.length: dict[int, int] = {}  # committed positions cached per request row
+        self.len_t: torch.Tensor | None = None  # the same on the device [max_batch_size] (valid for running rows)
         self.last_confidence: torch.Tensor | None = None  # [B, G] of the last propose (diagnostics)
 
     def bind(self, target) -> None:
@@ -520,15 +521,24 @@ class DSparkDrafter(Drafter):
                  for l in self.feature_layers]  # per layer [B, M, d]
         dev = feats[0].device
         starts = [self.length.setdefault(r, 0) for r in rows]
-        # one host-to-device copy (the counts are host lists in the observe contract)
-        start_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        rows_t = self._index(list(rows), dev)
+        if self.len_t is None:
+            self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
+        # the starts from the device lengths (fresh rows: 0), the counts from the engine: no host-to-device copy
+        if not any(starts):
+            start_t = torch.zeros(len(rows), dtype=torch.long, device=dev)
+        elif all(starts):
+            start_t = self.len_t[rows_t]
+        else:  # fresh and running rows together (not from the engine): one copy
+            start_t = torch.tensor(starts, dtype=torch.long, device=dev)
         pos = start_t[:, None] + torch.arange(M, device=dev)  # [B, M]
         kv = net.context_kv(net.context(feats), pos)  # per layer [B, H, M, D]
         self._reserve(max(starts) + M, [k for k, _ in kv])
-        at = (self._index(list(rows), dev)[:, None], slice(None), pos)
+        at = (rows_t[:, None], slice(None), pos)
         for ck, cv, (k, v) in zip(self.k, self.v, kv):
             ck[at] = k.transpose(1, 2)
             cv[at] = v.transpose(1, 2)
+        self.len_t[rows_t] = start_t + observed_counts(tokens, dev)
         for r, n in zip(rows, counts):
             self.length[r] += n
 
@@ -539,7 +549,7 @@ class DSparkDrafter(Drafter):
         dev = net.mask_embed.device
         if B == 0 or gamma < 1:
             return DraftBlock.empty(B, dev)
-        lengths = []
+        lengths, dropped = [], False
         for r, ctx in zip(rows, contexts):
             have = self.length.get(r, 0)
             if have == 0:
@@ -547,12 +557,15 @@ class DSparkDrafter(Drafter):
             want = ctx.shape[0] - 1  # every committed position; the last context token is the anchor
             if have > want:  # positions observed past the context: dropped (their cache entries are overwritten)
                 self.length[r] = have = want
+                dropped = True
             if have != want:
                 raise ValueError(f"dspark: row {r} has {have} observed positions, expected {want}")
             lengths.append(want)
         anchors = torch.stack([ctx[-1] for ctx in contexts]).to(dev)
-        lens = torch.tensor(lengths, device=dev)
-        return self._draft(self._index(list(rows), dev), lens, anchors, gamma, max(lengths), sampling, generator)
+        rows_t = self._index(list(rows), dev)
+        if dropped:  # the device lengths follow (one copy, on this path only)
+            self.len_t[rows_t] = torch.tensor(lengths, dtype=torch.long, device=dev)
+        return self._draft(rows_t, self.len_t[rows_t], anchors, gamma, max(lengths), sampling, generator)
 
     @torch.no_grad()
     def draft_step(self, rows, rows_t, slots_t, anchors, gamma, *, sampling=None, generator=None) -> DraftBlock:

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import DraftBlock, Drafter
+from .base import DraftBlock, Drafter, observed_counts
 from .layers import Block, RMSNorm, soft_ce
 from .registry import DraftConfig, TargetBatch, check_target
 from .tree import DynamicTree, log_scores, tree_options
@@ -327,7 +327,9 @@ class EagleDrafter(Drafter):
         else:  # the previous root (f, anchor), then (f_i, x_i+1) of the accepted drafts
             pf, pt, m = torch.cat([self.root_f[rows_t][:, None], feat[:, :-1]], 1), tok, counts
         held = [self.rows[r].length for r in rows]
-        start, n = torch.tensor([held, counts], dtype=torch.long, device=dev)  # one copy
+        # a running row starts where its pairs end (`len_t`), a fresh one at 0; the counts come from the engine
+        start = torch.zeros(B, dtype=torch.long, device=dev) if fresh[0] else self.len_t[rows_t]
+        n = observed_counts(tokens, dev)
         if max(m) > 0:
             self._reserve(self.target.max_length + self.target.num_verify_tokens)
             self._run_pairs(rows_t, pt, pf, start, max(held))

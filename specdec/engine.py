@@ -86,6 +86,15 @@ class Contexts(list):
         self.host = host
 
 
+class Observed(list):
+    """`observe`'s new tokens per row (a list of `[n_b]` token tensors) that also carries their counts as a device
+    tensor `.counts [B]` (long), so a drafter that indexes device buffers by them needs no host-to-device copy."""
+
+    def __init__(self, tensors, counts: torch.Tensor):
+        super().__init__(tensors)
+        self.counts = counts
+
+
 @dataclass
 class GenerateOutput:
     sequences: torch.Tensor  # [B, longest prompt + new], right-padded with the pad id
@@ -373,17 +382,19 @@ class SpecEngine:
         self.drafter.begin(ids, ps)
         t = time.perf_counter()
         capture = tuple(self.drafter.feature_layers)
+        lens = torch.tensor(sizes, dtype=torch.long, device=lanes.tok.device)
         if hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
             out = self.runner.prefill_batch(slots, ps, capture=capture, last_logits=True)
             last = out.logits[:, 0]
-            self.drafter.observe(ids, ps, [out.hidden[i, :n] for i, n in enumerate(sizes)],
+            self.drafter.observe(ids, Observed(ps, lens), [out.hidden[i, :n] for i, n in enumerate(sizes)],
                                  {c: [out.captured[c][i, :n] for i, n in enumerate(sizes)] for c in capture})
         else:
             last = []
-            for l, s, p in zip(ids, slots, ps):
+            for i, (l, s, p) in enumerate(zip(ids, slots, ps)):
                 out = self.runner.prefill(s, p, capture=capture)
                 last.append(out.logits[0, -1])
-                self.drafter.observe([l], [p], [out.hidden[0]], {c: [out.captured[c][0]] for c in capture})
+                self.drafter.observe([l], Observed([p], lens[i:i + 1]), [out.hidden[0]],
+                                     {c: [out.captured[c][0]] for c in capture})
             last = torch.stack(last)  # [k, V]
         finite = torch.isfinite(last).all(1)  # checked after the one readback (a draw from NaN would raise first)
         first = sample_token(torch.where(finite[:, None], last, 0), sampling, gen)
@@ -395,7 +406,6 @@ class SpecEngine:
         if streamer is not None:
             streamer.put(ps[0].cpu())
         lane_t = self._index(ids)
-        lens = torch.tensor(sizes, dtype=torch.long, device=lanes.tok.device)
         row = torch.full((len(ids), lanes.tok.shape[1]), self.pad_token_id, dtype=torch.long, device=lens.device)
         row[:, :max(sizes)] = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True, padding_value=self.pad_token_id)
         row[torch.arange(len(ids), device=row.device), lens] = first
@@ -475,7 +485,7 @@ class SpecEngine:
         kept_h = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
         kept_f = {l: res["captured"][l][:B].gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
                   for l in capture}
-        self.drafter.observe(active, [kept_ids[i, :m + 1] for i, m in enumerate(n_h)],
+        self.drafter.observe(active, Observed([kept_ids[i, :m + 1] for i, m in enumerate(n_h)], n + 1),
                              [kept_h[i, :m + 1] for i, m in enumerate(n_h)],
                              {l: [f[i, :m + 1] for i, m in enumerate(n_h)] for l, f in kept_f.items()})
         for i, b in enumerate(active):

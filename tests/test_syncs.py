@@ -54,6 +54,21 @@ def test_syncs_and_launches_per_round_do_not_grow_with_batch(embedded, drafter):
     assert many <= 1.05 * one, f"package ops per round grew with the batch: {one:.1f} at 1, {many:.1f} at 6"
 
 
+@pytest.mark.parametrize("drafter, static", [("dspark", False), ("dspark", True), ("eagle", True)])
+def test_drafters_index_their_device_buffers_without_host_copies(embedded, drafter, static):
+    """dspark's `observe` and `propose`, and eagle's `observe` with static shapes, place the new positions in
+    their device caches from device lengths and the engine's device counts (`Observed.counts`): no line of the
+    drafter reads back or copies host values to the device in a round (each did once per round before)."""
+    model, model_dir, prompts = embedded
+    name, why = resolve_drafter(model_dir, drafter)
+    assert name is not None, why
+    engine = specdec.wrap(model, drafter=name, max_batch_size=4, static_shapes=static)
+    r = syncs.measure(engine, [prompts[i % len(prompts)] for i in range(6)], 24)
+    assert r["rounds"] > 3, r
+    mine = [(line, n) for line, n in r["top_syncs"] if f"draft/{drafter}.py" in line]
+    assert not mine, mine
+
+
 def test_counter_sees_syncs():
     """The counter is not blind: `.item()`, `.tolist()`, a boolean mask and `nonzero` each count once."""
     c = syncs.Counter()
