@@ -461,7 +461,7 @@ class DSparkDrafter(Drafter):
         self.k: list[torch.Tensor] = []  # per layer [max_batch_size, H, cap, D]
         self.v: list[torch.Tensor] = []
         self.length: dict[int, int] = {}  # committed positions cached per request row
-        self.len_t: torch.Tensor | None = None  # the same on the device [max_batch_size] (valid for running rows)
+        self.len_t: torch.Tensor | None = None  # the same on the device [max_batch_size]
         self.last_confidence: torch.Tensor | None = None  # [B, G] of the last propose (diagnostics)
 
     def bind(self, target) -> None:
@@ -476,6 +476,9 @@ class DSparkDrafter(Drafter):
             if not 0 <= r < self.max_batch_size:
                 raise ValueError(f"rows: row {r} outside max_batch_size {self.max_batch_size}")
             self.length[r] = 0
+        if self.len_t is None:
+            self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.net.mask_embed.device)
+        self.len_t[self._index(list(rows), self.len_t.device)] = 0
 
     def release(self, rows):
         for r in rows:
@@ -521,16 +524,11 @@ class DSparkDrafter(Drafter):
                  for l in self.feature_layers]  # per layer [B, M, d]
         dev = feats[0].device
         starts = [self.length.setdefault(r, 0) for r in rows]
-        rows_t = self._index(list(rows), dev)
-        if self.len_t is None:
+        if self.len_t is None:  # rows observed without `begin`: they start at 0
             self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
-        # the starts from the device lengths (fresh rows: 0), the counts from the engine: no host-to-device copy
-        if not any(starts):
-            start_t = torch.zeros(len(rows), dtype=torch.long, device=dev)
-        elif all(starts):
-            start_t = self.len_t[rows_t]
-        else:  # fresh and running rows together (not from the engine): one copy
-            start_t = torch.tensor(starts, dtype=torch.long, device=dev)
+        rows_t = self._index(list(rows), dev)
+        # the starts from the device lengths (`begin` zeroes them), the counts from the engine: no host copy
+        start_t = self.len_t[rows_t]
         pos = start_t[:, None] + torch.arange(M, device=dev)  # [B, M]
         kv = net.context_kv(net.context(feats), pos)  # per layer [B, H, M, D]
         self._reserve(max(starts) + M, [k for k, _ in kv])

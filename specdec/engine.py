@@ -476,7 +476,8 @@ class SpecEngine:
         pos = (lens[idx][:, None] + j[None]).clamp(max=tok.shape[1] - 1)
         keep = j[None] <= n[:, None]
         tok[idx[:, None], pos] = torch.where(keep, new, tok[idx[:, None], pos])
-        lens[idx] += n + 1
+        kept = n + 1  # tokens each row keeps (anchor included): the lengths' step and `observe`'s counts
+        lens[idx] += kept
         anchors[idx] = res["bonus"][:B]
         ids, capture = res["ids"][:B], tuple(self.drafter.feature_layers)
         at = path.clamp(min=0)
@@ -485,7 +486,7 @@ class SpecEngine:
         kept_h = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
         kept_f = {l: res["captured"][l][:B].gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
                   for l in capture}
-        self.drafter.observe(active, Observed([kept_ids[i, :m + 1] for i, m in enumerate(n_h)], n + 1),
+        self.drafter.observe(active, Observed([kept_ids[i, :m + 1] for i, m in enumerate(n_h)], kept),
                              [kept_h[i, :m + 1] for i, m in enumerate(n_h)],
                              {l: [f[i, :m + 1] for i, m in enumerate(n_h)] for l, f in kept_f.items()})
         for i, b in enumerate(active):
