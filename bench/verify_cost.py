@@ -29,6 +29,13 @@ tree per implementation and prints where a forward's time goes: the delta-rule v
 the linear-attention mixers, the attention layers, the KV mask and positions, the MLPs, and everything else; plus,
 across all of them, the model's matmuls (every `F.linear`: projections, MLPs, lm_head), which grow with the tokens
 whatever the verify does.
+
+The same run also measures the floor those matmuls set (`matmul floor`): every `F.linear` of one forward of each
+kind (projections, MLPs, lm_head: the model's weights, at the rows the kind feeds them) is recorded and replayed
+alone, in the forward's order, interleaved across kinds like the forwards; the floor of a kind is
+(step_1 + its matmuls - step_1's matmuls) / step_1, the ratio a verify would reach if everything besides its
+weight matmuls cost no more than in a 1-token step. On a CPU, where those matmuls are compute-bound at a few rows,
+no verify implementation goes below it; on a GPU decode is memory-bound and the floor sits near 1.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -185,6 +194,64 @@ def breakdown(runner, slots: list[int], x: torch.Tensor, p, impl: str | None, n:
     return out
 
 
+class LinearCalls(TorchFunctionMode):
+    """Records every `F.linear` under it as (input shape, input dtype, weight, bias); the calls still run."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            self.calls.append((tuple(x.shape), x.dtype, w, b))
+        return func(*args, **kwargs)
+
+
+def linear_calls(runner, slots: list[int], x: torch.Tensor, p) -> list[tuple]:
+    """The `F.linear` calls of one forward of `x` (ids `[1, T]`, parent `[T]` or None), in order."""
+    with LinearCalls() as rec:
+        runner.forward(slots, x, parent=p)
+    runner.abort()
+    return rec.calls
+
+
+def matmul_floor(runner, slots: list[int], inputs: dict, step_1_s: float, repeats: int, warmup: int) -> dict:
+    """The weight matmuls of each kind replayed alone: name -> {matmul_ms (median), floor (ratio), calls}.
+    `inputs` as `make_inputs` gives them; `step_1_s` the median 1-token forward of the same run."""
+    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    calls = {name: linear_calls(runner, slots, *xp) for name, xp in inputs.items()}
+    gen = torch.Generator(device=runner.device).manual_seed(0)
+    args = {name: [(torch.randn(shape, generator=gen, device=runner.device, dtype=dt), w, b)
+                   for shape, dt, w, b in cs] for name, cs in calls.items()}
+    names = list(args)
+    times: dict = {n: [] for n in names}
+    for r in range(warmup + repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            sync()
+            t = time.perf_counter()
+            for x, w, b in args[name]:
+                F.linear(x, w, b)
+            sync()
+            if r >= warmup:
+                times[name].append(time.perf_counter() - t)
+    mm = {n: statistics.median(v) for n, v in times.items()}
+    return {n: {"matmul_ms": 1e3 * mm[n], "spread": spread(times[n]), "calls": len(calls[n]),
+                "floor": (step_1_s - mm["step_1"] + mm[n]) / step_1_s if step_1_s > 0 else 0.0} for n in names}
+
+
+def format_floor(fl: dict, res: dict) -> str:
+    """The matmul floor of every kind beside the measured ratio (one implementation's `res`)."""
+    head = f"{'kind':10s} {'F.linear':>8s} {'matmul ms':>10s} {'spread':>7s} {'floor':>8s} {'measured':>9s}"
+    lines = [head, "-" * len(head)]
+    for name, f in fl.items():
+        lines.append(f"{name:10s} {f['calls']:8d} {f['matmul_ms']:10.2f} {f['spread'] * 100:6.0f}% "
+                     f"{f['floor']:7.2f}x {res['kinds'][name]['ratio']:8.2f}x")
+    return "\n".join(lines)
+
+
 def format_table(res: dict) -> str:
     """One implementation's kinds as a table."""
     head = f"{'verify':10s} {'tokens':>6s} {'depth':>5s} {'median ms':>10s} {'spread':>7s} {'x 1-token':>10s}"
@@ -282,12 +349,13 @@ def main(argv=None) -> int:
     per_impl = {name: {"kinds": summarize(times[key], shapes, a.chain)} for name, key in zip(impls, keys)}
     for r in per_impl.values():
         r["ratios"] = {n: k["ratio"] for n, k in r["kinds"].items() if n != "step_1"}
+    inputs = make_inputs(runner, ids, shapes)
+    first = per_impl[impls[0]]
+    floor = matmul_floor(runner, slots, inputs, first["kinds"]["step_1"]["median_s"], a.repeats, a.warmup)
     if a.breakdown:
-        inputs = make_inputs(runner, ids, shapes)
         big = [f"chain_{a.chain}"] + ([f"tree_{max(trees)}"] if trees else [])
         for name, key in zip(impls, keys):
             per_impl[name]["breakdown_ms"] = {k: breakdown(runner, slots, *inputs[k], key) for k in ["step_1", *big]}
-    first = per_impl[impls[0]]
     noisy = {f"{i} {n}": r["spread"] for i, res in per_impl.items() for n, r in res["kinds"].items()
              if r["spread"] > NOISY}
     n_params = sum(p.numel() for p in model.parameters())
@@ -295,6 +363,7 @@ def main(argv=None) -> int:
         "ratios": first["ratios"],
         "kinds": first["kinds"],
         "verify": impls[0],
+        "matmul_floor": {"floor_ratios": {n: f["floor"] for n, f in floor.items() if n != "step_1"}, "kinds": floor},
         "impls": per_impl,
         "noisy": bool(noisy),
         "machine": machine_info(a.device),
@@ -312,6 +381,9 @@ def main(argv=None) -> int:
         print(format_table(res))
         if "breakdown_ms" in res:
             print(format_breakdown(res["breakdown_ms"]))
+    print(f"\nmatmul floor (the weight matmuls of each kind replayed alone; floor = step_1 + their growth over "
+          f"step_1's, as a ratio; measured: verify {impls[0]})")
+    print(format_floor(floor, first))
     if noisy:
         worst = ", ".join(f"{n} {s * 100:.0f}%" for n, s in noisy.items())
         print(f"timing is noisy on this machine: spread (p90-p10)/median above {NOISY * 100:.0f}% ({worst}); "

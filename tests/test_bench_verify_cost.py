@@ -57,6 +57,9 @@ def test_json_has_the_ratios(tmp_path):
     assert [res["kinds"][f"tree_{n}"]["tokens"] for n in (13, 25, 49)] == [13, 25, 49]
     assert all(len(k["times_s"]) == 2 for k in res["kinds"].values())
     assert isinstance(res["noisy"], bool)
+    floor = res["matmul_floor"]
+    assert set(floor["floor_ratios"]) == set(res["ratios"]) and floor["kinds"]["step_1"]["floor"] == pytest.approx(1.0)
+    assert "matmul floor" in proc.stdout
 
 
 def test_breakdown_and_bad_verify_name(tmp_path):
@@ -77,3 +80,43 @@ def test_breakdown_and_bad_verify_name(tmp_path):
     bad = subprocess.run(list(map(str, base + ["--verify", "chunk,fast"])), capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=120)
     assert bad.returncode != 0 and "--verify" in bad.stderr
+
+
+def test_matmul_floor_records_every_linear_of_a_forward():
+    """`linear_calls` sees exactly the model's nn.Linear calls of one forward (forward hooks: same weights, same
+    order, T rows each), leaves the committed state as it was, and the floor of step_1 is 1."""
+    import torch
+
+    from specdec.runner import HybridRunner
+    from tiny_models import tiny_model
+
+    bench = load_script()
+    model = tiny_model("qwen3_5", dtype=torch.float32)  # dense MLPs: every weight matmul is an nn.Linear
+    runner = HybridRunner(model, max_batch_size=1, max_length=64, num_verify_tokens=13)
+    slots = runner.alloc(1)
+    runner.prefill(slots[0], torch.arange(3, 23))
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, args, out: seen.append((m.weight, args[0].shape[:-1].numel())))
+             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        inputs = bench.make_inputs(runner, torch.arange(3, 23), bench.kinds(5, [13], 4))
+        for name, (x, p) in inputs.items():
+            seen.clear()
+            calls = bench.linear_calls(runner, slots, x, p)
+            assert len(calls) == len(seen) > 0, name
+            for (shape, dtype, w, _), (hw, rows) in zip(calls, seen):
+                assert w is hw and dtype == torch.float32
+                assert torch.Size(shape[:-1]).numel() == rows == x.shape[1], name
+    finally:
+        for h in hooks:
+            h.remove()
+    # the recording forwards were aborted: the next 1-token step equals one taken before them
+    x, p = inputs["step_1"]
+    fresh = HybridRunner(model, max_batch_size=1, max_length=64, num_verify_tokens=13)
+    fresh_slots = fresh.alloc(1)
+    fresh.prefill(fresh_slots[0], torch.arange(3, 23))
+    torch.testing.assert_close(runner.forward(slots, x).logits, fresh.forward(fresh_slots, x).logits, rtol=0, atol=0)
+    runner.abort()
+    floor = bench.matmul_floor(runner, slots, inputs, 1e-3, repeats=2, warmup=0)
+    assert floor["step_1"]["floor"] == pytest.approx(1.0)
+    assert set(floor) == set(inputs) and all(f["matmul_ms"] > 0 for f in floor.values())
