@@ -66,6 +66,16 @@ def observed_counts(tokens: list[torch.Tensor], device) -> torch.Tensor:
     return counts.to(device=device, dtype=torch.long)
 
 
+def padded(seqs: list[torch.Tensor]) -> torch.Tensor:
+    """`observe`'s per-row tensors `[n_b, ...]` as one right-padded batch `[B, max n_b, ...]`: the engine's own
+    batch when it passes one (`seqs.padded`, a view: no copy per row), else `pad_sequence` (zeros past a row).
+    Past a row's count the values are padding of either kind (finite, never a committed position)."""
+    batch = getattr(seqs, "padded", None)
+    if batch is None:
+        return torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True)
+    return batch[:, :max((int(t.shape[0]) for t in seqs), default=0)]
+
+
 class Drafter(ABC):
     """A drafter sees each request's full token history (prompt + committed tokens + the anchor)."""
 
@@ -113,8 +123,8 @@ class Drafter(ABC):
         anchor and accepted drafts after a round), `hidden [n, d]` (final normed hidden state) and
         `features[layer] [n, d]` (outputs of the `feature_layers`). The token following them is the next anchor.
         From the engine, `tokens` also carries the counts `n` of all rows as a device tensor `tokens.counts [B]`
-        (`specdec.engine.Observed`); a drafter called with a plain list builds them itself
-        (`observed_counts`)."""
+        (`specdec.engine.Observed`), and each argument the right-padded batch its rows are views of (`.padded`);
+        a drafter called with plain lists builds them itself (`observed_counts`, `padded`)."""
 
     def abort(self, rows: list[int]) -> None:
         """A round of `rows` failed part-way: `propose` raised or returned a malformed block (the next round

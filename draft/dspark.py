@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import DraftBlock, Drafter, observed_counts
+from .base import DraftBlock, Drafter, observed_counts, padded
 from .layers import Block, RMSNorm
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores, tree_options
@@ -520,8 +520,7 @@ class DSparkDrafter(Drafter):
         if M == 0:
             return
         dtype = net.mask_embed.dtype
-        feats = [torch.nn.utils.rnn.pad_sequence([f.to(dtype) for f in features[l]], batch_first=True)
-                 for l in self.feature_layers]  # per layer [B, M, d]
+        feats = [padded(features[l]).to(dtype) for l in self.feature_layers]  # per layer [B, M, d]
         dev = feats[0].device
         starts = [self.length.setdefault(r, 0) for r in rows]
         if self.len_t is None:  # rows observed without `begin`: they start at 0

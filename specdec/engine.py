@@ -87,12 +87,15 @@ class Contexts(list):
 
 
 class Observed(list):
-    """`observe`'s new tokens per row (a list of `[n_b]` token tensors) that also carries their counts as a device
-    tensor `.counts [B]` (long), so a drafter that indexes device buffers by them needs no host-to-device copy."""
+    """`observe`'s per-row tensors (a list of `[n_b, ...]`) that also carries their counts as a device tensor
+    `.counts [B]` (long) and, when the rows are views of one right-padded batch `[B, M, ...]` (M >= every n_b),
+    that batch (`.padded`, else None): a drafter indexes its device buffers by the counts and reads the batch
+    whole (`specdec.draft.base.padded`), with no host-to-device copy and no op per row."""
 
-    def __init__(self, tensors, counts: torch.Tensor):
+    def __init__(self, tensors, counts: torch.Tensor, padded: torch.Tensor | None = None):
         super().__init__(tensors)
         self.counts = counts
+        self.padded = padded
 
 
 @dataclass
@@ -386,8 +389,9 @@ class SpecEngine:
         if hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
             out = self.runner.prefill_batch(slots, ps, capture=capture, last_logits=True)
             last = out.logits[:, 0]
-            self.drafter.observe(ids, Observed(ps, lens), [out.hidden[i, :n] for i, n in enumerate(sizes)],
-                                 {c: [out.captured[c][i, :n] for i, n in enumerate(sizes)] for c in capture})
+            rows_of = lambda x: Observed([x[i, :n] for i, n in enumerate(sizes)], lens, x)  # noqa: E731
+            self.drafter.observe(ids, Observed(ps, lens), rows_of(out.hidden), {c: rows_of(out.captured[c])
+                                                                                for c in capture})
         else:
             last = []
             for i, (l, s, p) in enumerate(zip(ids, slots, ps)):
@@ -486,9 +490,8 @@ class SpecEngine:
         kept_h = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
         kept_f = {l: res["captured"][l][:B].gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
                   for l in capture}
-        self.drafter.observe(active, Observed([kept_ids[i, :m + 1] for i, m in enumerate(n_h)], kept),
-                             [kept_h[i, :m + 1] for i, m in enumerate(n_h)],
-                             {l: [f[i, :m + 1] for i, m in enumerate(n_h)] for l, f in kept_f.items()})
+        rows_of = lambda x: Observed([x[i, :m + 1] for i, m in enumerate(n_h)], kept, x)  # noqa: E731
+        self.drafter.observe(active, rows_of(kept_ids), rows_of(kept_h), {l: rows_of(f) for l, f in kept_f.items()})
         for i, b in enumerate(active):
             toks = back[i][4:4 + n_h[i] + 1]
             before = len(out_tokens[b])
