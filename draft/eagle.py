@@ -10,11 +10,13 @@ hidden output (the last block's output, before `norm`) of its parent step in pla
 (EAGLE-3), and training unrolls that "training-time test" for `ttt_steps` extra steps.
 
 Cache. Only committed positions (pairs of a target feature and the token after it) are ever kept in the
-drafter's KV cache. `observe` queues the target features of newly committed positions; `propose` runs
-the queued positions together with the root pair (the last committed feature and the anchor, both final)
-in one batched forward and appends their K/V. Tree nodes live in a per-round scratch K/V and see the
-committed cache plus their own ancestors (ancestor mask), at positions `root + depth`; nothing of a
-round survives it, so rollback is free.
+drafter's KV cache. After a prefill `observe` runs the prompt's pairs, all rows in one forward; after a round
+it queues the pairs whose next token is now committed (the previous root pair, then the accepted ones) on
+the device, and keeps each row's last committed feature (`root_f`) and cached length (`len_t`) there too.
+A draft runs each row's queue and its root pair (that feature and the anchor) in one forward: the queue's
+K/V join the cache, the root's stays in the round's scratch. Then the tree: its nodes live in that scratch
+and see the committed cache plus their own ancestors (ancestor mask), at positions `root + depth`; nothing
+of a round's tree survives it, so rollback is free.
 
 Tree: EAGLE-2's dynamic tree (`tree.DynamicTree`): at every depth the `topk` best candidates of the newest
 depth are expanded into their `topk` most likely children; the best `num_nodes` by cumulative draft
@@ -22,8 +24,9 @@ log-probability are kept, in topological order. The drafts are deterministic fun
 history, so the block carries `probs=None` (one-hot q): recursive rejection over distinct siblings with
 one-hot q is exactly sampling from the target, so this is lossless for sampling as well as greedy.
 
-Static shapes (the CUDA-graph path): `observe` runs the pairs as soon as their next token is committed, and
-`draft_step` runs the root pair and the tree over the whole cache without writing to it (`EagleDrafter`).
+Static shapes (the CUDA-graph path): the cache is sized once for the target's `max_length` and the queue for one
+verify window, and `draft_step` drafts over all of both; `propose` over the rows' longest cache and queue
+(host bounds).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import DraftBlock, Drafter, observed_counts
+from .base import DraftBlock, Drafter, observed_counts, padded
 from .layers import Block, RMSNorm, soft_ce
 from .registry import DraftConfig, TargetBatch, check_target
 from .tree import DynamicTree, log_scores, tree_options
@@ -207,9 +210,9 @@ class _Row:
     __slots__ = ("length", "pending", "rooted")
 
     def __init__(self):
-        self.length = 0  # committed positions in the drafter's KV cache
-        self.pending: list[torch.Tensor] = []  # target features `[n, F]` of committed positions not yet run
-        self.rooted = False  # static shapes: the row's last feature is in `root_f`
+        self.length = 0  # committed positions in the drafter's KV cache (as `len_t` holds it on the device)
+        self.pending = 0  # committed pairs queued for the next draft (as `pend_n` holds it on the device)
+        self.rooted = False  # the row's last committed feature is in `root_f`
 
 
 # The default tree, by the device the drafter runs on. On a GPU a verify of 49 tokens costs about what one token
@@ -226,13 +229,9 @@ def default_tree(device: torch.device) -> dict:
 
 
 class EagleDrafter(Drafter):
-    """Dynamic-tree drafts from an EAGLE-3 `Net`; see the module docstring.
-
-    With static shapes (the engine's CUDA-graph path) the committed pairs are run when they are known instead:
-    `observe` runs every pair whose next token is committed (the previous round's root pair again, then the
-    accepted ones) and keeps each row's last committed feature (`root_f`) and cached length (`len_t`) on the
-    device, and `draft_step` runs the root pair and the tree over the whole cache, writing nothing that
-    outlives the round (the root's K/V joins the nodes' scratch), so a CUDA graph can replay it."""
+    """Dynamic-tree drafts from an EAGLE-3 `Net`; see the module docstring. `propose` and `draft_step` (the
+    engine's CUDA-graph path) draft the same way (`_draft`), over a span of the cache that is the rows' longest
+    committed length or, with static shapes, the whole cache; neither writes anything that outlives the round."""
 
     name = "eagle"
     static_draft = True
@@ -261,8 +260,12 @@ class EagleDrafter(Drafter):
         empty = dict(size=(max_batch_size, cfg.num_heads, 0, cfg.head_dim), dtype=self.dtype, device=self.device)
         self.cache = [(torch.zeros(**empty), torch.zeros(**empty)) for _ in net.layers]  # per layer K, V
         self.rows: dict[int, _Row] = {}
-        self.root_f: torch.Tensor | None = None  # static shapes: [max_batch_size, F] each row's last feature
-        self.len_t: torch.Tensor | None = None  # static shapes: [max_batch_size] committed pairs in the cache
+        self.root_f: torch.Tensor | None = None  # [max_batch_size, F] each row's last feature
+        self.len_t: torch.Tensor | None = None  # [max_batch_size] committed pairs in the cache
+        # each row's queue of committed pairs not yet run: features [max_batch_size, Q, F], tokens, count
+        self.pend_f: torch.Tensor | None = None
+        self.pend_t: torch.Tensor | None = None
+        self.pend_n: torch.Tensor | None = None
 
     def bind(self, target) -> None:
         super().bind(target)
@@ -292,21 +295,13 @@ class EagleDrafter(Drafter):
         for r in rows:
             self.rows.pop(r, None)
 
-    def observe(self, rows, tokens, hidden, features) -> None:
-        if self._static_shapes():
-            self._observe_static(rows, tokens, features)
-            return
-        for i, r in enumerate(rows):
-            f = torch.cat([features[layer][i] for layer in self.feature_layers], -1)
-            self.rows.setdefault(r, _Row()).pending.append(f.detach().to(self.dtype))
-
     @torch.no_grad()
-    def _observe_static(self, rows, tokens, features) -> None:
-        """Run the pairs of every row whose next token is now committed, all rows in one forward: after a prefill
-        (tokens = the prompt) the pairs (f_i, x_i+1) of all but the last position; after a round (tokens = the
-        anchor and the accepted drafts) first the previous root pair (its feature `root_f`, its token the
-        anchor: `draft_step` ran it only for the round), then the accepted ones. The last feature becomes the
-        row's root."""
+    def observe(self, rows, tokens, hidden, features) -> None:
+        """The pairs of every row whose next token is now committed. After a prefill (tokens = the prompt) the
+        pairs (f_i, x_i+1) of all but the last position run at once, all rows in one forward. After a round
+        (tokens = the anchor and the accepted drafts) the previous root pair (its feature `root_f`, its token the
+        anchor) and the accepted ones are queued on the device (`pend_f`, `pend_t`, `pend_n`): the next draft
+        runs them with the new root pair in one forward. The last feature becomes the row's root."""
         dev = self.device
         counts = [int(t.shape[0]) for t in tokens]
         if min(counts, default=0) < 1:
@@ -314,32 +309,44 @@ class EagleDrafter(Drafter):
         fresh = [not self.rows.setdefault(r, _Row()).rooted for r in rows]
         if any(fresh) and not all(fresh):
             raise ValueError("eagle: observe of new and running requests together")
-        feat = torch.cat([torch.nn.utils.rnn.pad_sequence(features[layer], batch_first=True)
-                          for layer in self.feature_layers], -1).to(self.dtype)  # [B, M, F]
-        tok = torch.nn.utils.rnn.pad_sequence(list(tokens), batch_first=True).to(dev)  # [B, M]
+        feat = torch.cat([padded(features[layer]) for layer in self.feature_layers], -1).to(self.dtype)  # [B, M, F]
+        tok = padded(tokens).to(dev)  # [B, M]
         B, M = tok.shape
         if self.root_f is None:
             self.root_f = feat.new_zeros(self.max_batch_size, feat.shape[-1])
             self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
-        rows_t = self.target.index(list(rows))
-        if fresh[0]:  # pairs (f_i, x_i+1), i < n - 1
-            pf, pt, m = feat[:, :-1], tok[:, 1:], [c - 1 for c in counts]
-        else:  # the previous root (f, anchor), then (f_i, x_i+1) of the accepted drafts
-            pf, pt, m = torch.cat([self.root_f[rows_t][:, None], feat[:, :-1]], 1), tok, counts
-        held = [self.rows[r].length for r in rows]
-        # a running row starts where its pairs end (`len_t`), a fresh one at 0; the counts come from the engine
-        start = torch.zeros(B, dtype=torch.long, device=dev) if fresh[0] else self.len_t[rows_t]
+            self.pend_n = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
+        rows_t = self._index(rows)
         n = observed_counts(tokens, dev)
-        if max(m) > 0:
-            self._reserve(self.target.max_length + self.target.num_verify_tokens)
-            self._run_pairs(rows_t, pt, pf, start, max(held))
+        i = torch.arange(M, device=dev)
+        if fresh[0]:  # pairs (f_i, x_i+1), i < n - 1, causal among themselves, from position 0
+            # static shapes: room for the target's whole window at once (drafts read all of it); else as needed
+            self._reserve(self.target.max_length + self.target.num_verify_tokens if self._static_shapes()
+                          else M - 1)
+            if M > 1:
+                pos = i[None, :-1].expand(B, M - 1)
+                ok = i[None, :-1, None] >= i[None, None, :-1]  # [1, M - 1, M - 1]
+                _, kvs, _ = self._forward(rows_t, tok[:, 1:], feat[:, :-1], pos, ok.expand(B, -1, -1), 0)
+                self._write(rows_t, pos, kvs)
+            self.len_t[rows_t] = n - 1
+            self.pend_n[rows_t] = 0
+            for r, c in zip(rows, counts):
+                self.rows[r].length, self.rows[r].pending = c - 1, 0
+        else:  # queue the previous root (f, anchor), then (f_i, x_i+1) of the accepted drafts
+            held = [self.rows[r].pending for r in rows]
+            self._reserve_pending(max(held) + M, feat.shape[-1])  # rows are written at all M padded places
+            at = (rows_t[:, None], self.pend_n[rows_t][:, None] + i)  # [B, M]: past each row's queue
+            self.pend_f[at] = torch.cat([self.root_f[rows_t][:, None], feat[:, :-1]], 1)
+            self.pend_t[at] = tok
+            self.pend_n[rows_t] += n
+            for r, c in zip(rows, counts):
+                self.rows[r].pending += c
         self.root_f[rows_t] = feat[torch.arange(B, device=dev), n - 1]
-        self.len_t[rows_t] = start + (n - 1 if fresh[0] else n)
-        for r, c in zip(rows, m):
-            self.rows[r].length += c
+        for r in rows:
             self.rows[r].rooted = True
 
     def _reserve(self, need: int) -> None:
+        """Cache room for `need` positions per row."""
         cap = self.cache[0][0].shape[2]
         if need <= cap:
             return
@@ -352,115 +359,118 @@ class EagleDrafter(Drafter):
             grown.append((k2, v2))
         self.cache = grown
 
+    def _reserve_pending(self, need: int, width: int) -> None:
+        """Queue room for `need` pairs per row: the target's verify window (what one round commits) at first,
+        so the width, and with it the draft's shapes, stays fixed while every round is drafted."""
+        cap = 0 if self.pend_f is None else self.pend_f.shape[1]
+        if need <= cap:
+            return
+        target = getattr(self, "target", None)
+        new = max(need, 2 * cap, target.num_verify_tokens if target is not None else 8)
+        f = self.root_f.new_zeros(self.max_batch_size, new, width)
+        t = torch.zeros(self.max_batch_size, new, dtype=torch.long, device=self.device)
+        if cap:
+            f[:, :cap], t[:, :cap] = self.pend_f, self.pend_t
+        self.pend_f, self.pend_t = f, t
+
     # ---- drafting ------------------------------------------------------------------------------------
-    def _run_pairs(self, rows_t, tok, feat, start, span: int, *, write: bool = True):
-        """Run pairs `(feat [B, M, F], tok [B, M])` at positions `start [B] + i` of rows `rows_t [B]` over the first
-        `span` cached positions (>= every start; row b sees those < start[b]), causal among the M. -> hidden
-        `[B, M, d]`, and with `write` False also the pairs' K/V per layer `[B, H, M, D]` (kept out of the cache)
-        and the cached K/V it read per layer `[B, H, span, D]`. With `write`, every row's K/V land at all M
-        positions from its start in one indexed copy per layer: past a row's count they hold padding beyond its
-        committed length (never seen, overwritten by its next pairs)."""
-        net, dev = self.net, self.device
-        M = tok.shape[1]
-        past = [[(k[rows_t, :, :span], v[rows_t, :, :span])] for k, v in self.cache]  # one segment per layer
-        j = torch.arange(span + M, device=dev)
-        i = torch.arange(M, device=dev)
-        ok = torch.where(j[None, None, :] < span, j[None, None, :] < start[:, None, None],
-                         (j[None, None, :] - span) <= i[None, :, None])  # [B, M, span + M]
-        positions = start[:, None] + i[None]
-        h, kvs = net.run(net.inputs(tok, net.fused(feat)), positions, _additive(ok, self.dtype), past)
-        if not write:
-            return h, kvs, [seg[0] for seg in past]
-        at = (rows_t[:, None], slice(None), positions)  # [B, M] positions of each row
+    def _forward(self, rows_t, tok, feat, positions, ok, span: int):
+        """The net over pairs `(feat [B, M, F], tok [B, M])` at `positions [B, M]` of rows `rows_t [B]`, with the
+        first `span` cached positions of each row then the M pairs as keys, visible as `ok [B, M, span + M]`
+        says. -> (hidden `[B, M, d]`, the pairs' K/V per layer `[B, H, M, D]`, the cached K/V read per layer
+        `[B, H, span, D]`)."""
+        net = self.net
+        past = [(k[rows_t, :, :span], v[rows_t, :, :span]) for k, v in self.cache]
+        h, kvs = net.run(net.inputs(tok, net.fused(feat)), positions, _additive(ok, self.dtype), [[c] for c in past])
+        return h, kvs, past
+
+    def _write(self, rows_t, positions, kvs) -> None:
+        """K/V per layer `[B, H, M, D]` into the cache at `positions [B, M]` of rows `rows_t`, one indexed copy
+        per layer."""
+        at = (rows_t[:, None], slice(None), positions)
         for (ck, cv), (k, v) in zip(self.cache, kvs):
             ck[at] = k.transpose(1, 2)
             cv[at] = v.transpose(1, 2)
-        return h
-
-    def _catch_up(self, rows, contexts):
-        """Run the queued committed positions and the root pair (last committed feature, anchor) of every row
-        and append their K/V. -> (root hidden `[B, d]`, root logits `[B, V]`, committed lengths `[B]`, their
-        maximum (a host int), `rows` as a device tensor). Lengths are kept on the host: nothing is read back."""
-        net, dev = self.net, self.device
-        B = len(rows)
-        feats, toks, counts = [], [], []
-        for r, ctx in zip(rows, contexts):
-            st = self.rows.get(r)
-            if st is None or not st.pending:
-                raise RuntimeError(f"eagle: no target features observed for row {r}")
-            f = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
-            tk = ctx[st.length + 1:].to(dev)
-            if tk.shape[0] != f.shape[0]:
-                raise RuntimeError(f"eagle: row {r} is out of step ({st.length} cached + {f.shape[0]} queued "
-                                   f"positions for a context of {ctx.shape[0]} tokens)")
-            feats.append(f)
-            toks.append(tk)
-            counts.append(f.shape[0])
-        M = max(counts)
-        held = [self.rows[r].length for r in rows]
-        lens, n, rows_t = torch.tensor([held, counts, rows], dtype=torch.long, device=dev)  # one copy
-        fpad = torch.nn.utils.rnn.pad_sequence(feats, batch_first=True)  # [B, M, F], one op for every row
-        tpad = torch.nn.utils.rnn.pad_sequence(toks, batch_first=True)  # [B, M]
-        ends = [s + c for s, c in zip(held, counts)]
-        self._reserve(max(held) + M)
-        h = self._run_pairs(rows_t, tpad, fpad, lens, max(held))
-        root_h = h[torch.arange(B, device=dev), n - 1]
-        root_logits = net.lm_logits(root_h)
-        for b, r in enumerate(rows):  # committed only once everything above succeeded
-            st = self.rows[r]
-            st.length += counts[b]
-            st.pending = []
-        return root_h, root_logits, lens + n, max(ends), rows_t
 
     @torch.no_grad()
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        B = len(rows)
-        if B == 0:
+        if not rows:
             return DraftBlock.empty(0, self.device)
+        self._check_rows(rows)
+        rows = list(rows)
         if self._static_shapes():
-            return self.draft_step(rows, self.target.index(list(rows)),
-                                   self.target.index(self.target.slots(list(rows))),
-                                   torch.stack([c[-1] for c in contexts]).to(self.device), gamma, sampling=sampling)
-        root_h, root_logits, lens, S0, rows_t = self._catch_up(rows, contexts)
-        committed = [(ck[rows_t, :, :S0], cv[rows_t, :, :S0]) for ck, cv in self.cache]
-        return self._tree(root_h, root_logits, committed, lens, None, gamma, sampling)
+            span, queued = self.cache[0][0].shape[2], self.pend_f.shape[1]
+        else:  # host bounds: the longest cache and queue among the rows
+            span, queued = (max(x) for x in zip(*((self.rows[r].length, self.rows[r].pending) for r in rows)))
+        anchors = torch.stack([c[-1] for c in contexts]).to(self.device)
+        return self._draft(rows, self._index(rows), anchors, gamma, span, queued, sampling)
 
     @torch.no_grad()
     def draft_step(self, rows, rows_t, slots_t, anchors, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        """`propose` as device work of fixed shapes (see `Drafter.draft_step`), after `observe` ran the committed
-        pairs: the root pair (`root_f`, anchor) over the whole cache, then the tree, its K/V in the round's
-        scratch only."""
+        """`propose` as device work of fixed shapes (see `Drafter.draft_step`): the whole cache and queue."""
+        self._check_rows(rows)
+        return self._draft(rows, rows_t, anchors, gamma, self.cache[0][0].shape[2], self.pend_f.shape[1], sampling)
+
+    def _index(self, rows) -> torch.Tensor:
+        """`rows` as a long device tensor: the bound target's (built once per distinct list), else built here."""
+        target = getattr(self, "target", None)
+        if target is None:
+            return torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        return target.index(list(rows))
+
+    def _check_rows(self, rows) -> None:
         for r in rows:
             st = self.rows.get(r)
             if st is None or not st.rooted:
                 raise RuntimeError(f"eagle: no target features observed for row {r}")
-        lens = self.len_t[rows_t]
-        cap = self.cache[0][0].shape[2]
-        root_h, root_kv, committed = self._run_pairs(rows_t, anchors[:, None], self.root_f[rows_t][:, None], lens,
-                                                     cap, write=False)
-        root_h = root_h[:, 0]
-        return self._tree(root_h, self.net.lm_logits(root_h), committed, lens, root_kv, gamma, sampling)
+        if self.pend_f is None:  # every row observed only its prompt: an empty queue of the fixed width
+            self._reserve_pending(1, self.root_f.shape[-1])
 
-    def _tree(self, root_h, root_logits, committed, seen_len, root_kv, gamma, sampling) -> DraftBlock:
-        """EAGLE-2's tree from the root step (`root_h [B, d]`, `root_logits [B, V]`) over the `committed` K/V per
-        layer `[B, H, S0, D]` (row b sees positions < `seen_len[b]`, the root's own position included when its K/V
-        is cached) and, when not cached, the root's K/V `root_kv` per layer `[B, H, 1, D]`, seen by every node."""
+    def _draft(self, rows, rows_t, anchors, gamma, span: int, queued: int, sampling) -> DraftBlock:
+        """One forward over each row's queued pairs (the first `queued` of the queue, >= every row's count) and
+        its root pair (`root_f`, anchor `[B]`), over the first `span` cached positions (>= every row's length);
+        the queued pairs' K/V join the cache (committed pairs: kept whatever the round does), the root's stays
+        in the round's scratch; then the tree."""
+        dev = self.device
+        B, Q = rows_t.shape[0], queued
+        lens, qn = self.len_t[rows_t], self.pend_n[rows_t]
+        tok = torch.cat([self.pend_t[rows_t, :Q], anchors[:, None]], 1)  # [B, Q + 1]
+        feat = torch.cat([self.pend_f[rows_t, :Q], self.root_f[rows_t][:, None]], 1)
+        i = torch.arange(Q + 1, device=dev)
+        positions = lens[:, None] + torch.where(i < Q, i, qn[:, None])  # the root right after the queue
+        cached = torch.arange(span, device=dev)[None, None] < lens[:, None, None]  # [B, 1, span]
+        # a queued pair sees the queue up to itself; the root sees the row's queue and itself
+        block = torch.where(i[:, None] < Q, i[None, :] <= i[:, None], (i[None, :] < qn[:, None, None]) | (i == Q))
+        ok = torch.cat([cached.expand(B, Q + 1, span), block.expand(B, Q + 1, Q + 1)], 2)
+        self._reserve(max(self.rows[r].length for r in rows) + Q)  # the queue lands at all Q positions per row
+        h, kvs, past = self._forward(rows_t, tok, feat, positions, ok, span)
+        self._write(rows_t, positions[:, :Q], [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
+        self.len_t[rows_t] = lens + qn
+        self.pend_n[rows_t] = 0
+        for r in rows:
+            st = self.rows[r]
+            st.length, st.pending = st.length + st.pending, 0
+        seen = torch.cat([cached[:, 0], i[None, :Q] < qn[:, None]], 1)  # [B, span + Q]
+        committed = [[c, (k[:, :, :Q], v[:, :, :Q])] for c, (k, v) in zip(past, kvs)]
+        root_h = h[:, Q]
+        return self._tree(root_h, self.net.lm_logits(root_h), committed, seen, lens + qn,
+                          [(k[:, :, Q:], v[:, :, Q:]) for k, v in kvs], gamma, sampling)
+
+    def _tree(self, root_h, root_logits, committed, seen, root_pos, root_kv, gamma, sampling) -> DraftBlock:
+        """EAGLE-2's tree from the root step (`root_h [B, d]`, `root_logits [B, V]`) over the committed K/V, per
+        layer a list of segments `[B, H, S_i, D]` of which row b sees the keys `seen [B, sum S_i]` marks, and the
+        root's K/V `root_kv` per layer `[B, H, 1, D]` (at `root_pos [B]`), seen by every node."""
         net, dev = self.net, self.device
         B = root_h.shape[0]
-        S0 = committed[0][0].shape[2]
+        S0 = seen.shape[1]
         depth = max(1, min(self.depth, int(gamma)))
         tree = DynamicTree(log_scores(root_logits, sampling), self.topk if self.tree else 1)
-        seen = torch.arange(S0, device=dev)[None] < seen_len[:, None]  # [B, S0]
-        root_pos = seen_len - 1 if root_kv is None else seen_len  # the root pair's position
         exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
         exp_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # [B, e, e]: expanded ancestors of each
         # per layer the nodes attend to two K/V segments (`layers.attend`): the committed cache, never copied per
-        # depth, and the round's scratch (the root's K/V when not cached, then every expanded node's), grown by depth
-        if root_kv is None:
-            scratch = [(ck[:, :, :0], cv[:, :, :0]) for ck, cv in committed]
-        else:
-            scratch = list(root_kv)
-        lead = torch.ones(B, 1, 0 if root_kv is None else 1, dtype=torch.bool, device=dev)  # the root's K/V
+        # depth, and the round's scratch (the root's K/V, then every expanded node's), grown by depth
+        scratch = list(root_kv)
+        lead = torch.ones(B, 1, 1, dtype=torch.bool, device=dev)  # the root's K/V
         for d in range(1, depth):
             sel, src, tok = tree.frontier()
             w, n_exp = sel.shape[1], exp_h.shape[1]
@@ -477,7 +487,7 @@ class EagleDrafter(Drafter):
                             torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)], 2)
             positions = (root_pos + d)[:, None].expand(B, w)
             h, kvs = net.run(net.inputs(tok, par_h), positions, _additive(ok, self.dtype),
-                             [[c, s_] for c, s_ in zip(committed, scratch)])
+                             [[*c, s_] for c, s_ in zip(committed, scratch)])
             scratch = [(torch.cat([sk, k_], 2), torch.cat([sv, v_], 2)) for (sk, sv), (k_, v_) in zip(scratch, kvs)]
             grown = torch.zeros(B, n_exp + w, n_exp + w, dtype=torch.bool, device=dev)
             grown[:, :n_exp, :n_exp] = exp_anc

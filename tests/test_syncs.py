@@ -54,9 +54,9 @@ def test_syncs_and_launches_per_round_do_not_grow_with_batch(embedded, drafter):
     assert many <= 1.05 * one, f"package ops per round grew with the batch: {one:.1f} at 1, {many:.1f} at 6"
 
 
-@pytest.mark.parametrize("drafter, static", [("dspark", False), ("dspark", True), ("eagle", True)])
+@pytest.mark.parametrize("drafter, static", [("dspark", False), ("dspark", True), ("eagle", False), ("eagle", True)])
 def test_drafters_index_their_device_buffers_without_host_copies(embedded, drafter, static):
-    """dspark's `observe` and `propose`, and eagle's `observe` with static shapes, place the new positions in
+    """dspark's and eagle's `observe` and `propose` (dynamic and static shapes) place the new positions in
     their device caches from device lengths and the engine's device counts (`Observed.counts`): no line of the
     drafter reads back or copies host values to the device in a round (each did once per round before)."""
     model, model_dir, prompts = embedded
