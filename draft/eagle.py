@@ -210,8 +210,10 @@ class _Row:
     __slots__ = ("length", "pending", "rooted")
 
     def __init__(self):
-        self.length = 0  # committed positions in the drafter's KV cache (as `len_t` holds it on the device)
-        self.pending = 0  # committed pairs queued for the next draft (as `pend_n` holds it on the device)
+        # the host's copies of `len_t` and `pend_n` (committed pairs in the cache, queued for the next draft):
+        # host bounds of the dynamic path, not kept with static shapes
+        self.length = 0
+        self.pending = 0
         self.rooted = False  # the row's last committed feature is in `root_f`
 
 
@@ -319,10 +321,13 @@ class EagleDrafter(Drafter):
         rows_t = self._index(rows)
         n = observed_counts(tokens, dev)
         i = torch.arange(M, device=dev)
+        static = self._static_shapes()
         if fresh[0]:  # pairs (f_i, x_i+1), i < n - 1, causal among themselves, from position 0
-            # static shapes: room for the target's whole window at once (drafts read all of it); else as needed
-            self._reserve(self.target.max_length + self.target.num_verify_tokens if self._static_shapes()
-                          else M - 1)
+            # static shapes: room for the target's whole window and one verify window's queue, allocated here,
+            # outside any CUDA graph (a draft reads all of both); else as needed
+            self._reserve(self.target.max_length + self.target.num_verify_tokens if static else M - 1)
+            if static:
+                self._reserve_pending(self.target.num_verify_tokens, feat.shape[-1])
             if M > 1:
                 pos = i[None, :-1].expand(B, M - 1)
                 ok = i[None, :-1, None] >= i[None, None, :-1]  # [1, M - 1, M - 1]
@@ -333,8 +338,9 @@ class EagleDrafter(Drafter):
             for r, c in zip(rows, counts):
                 self.rows[r].length, self.rows[r].pending = c - 1, 0
         else:  # queue the previous root (f, anchor), then (f_i, x_i+1) of the accepted drafts
-            held = [self.rows[r].pending for r in rows]
-            self._reserve_pending(max(held) + M, feat.shape[-1])  # rows are written at all M padded places
+            if not static:  # (static: every round drafts each row, emptying its queue, before it is observed)
+                held = [self.rows[r].pending for r in rows]
+                self._reserve_pending(max(held) + M, feat.shape[-1])  # rows are written at all M padded places
             at = (rows_t[:, None], self.pend_n[rows_t][:, None] + i)  # [B, M]: past each row's queue
             self.pend_f[at] = torch.cat([self.root_f[rows_t][:, None], feat[:, :-1]], 1)
             self.pend_t[at] = tok
@@ -398,18 +404,19 @@ class EagleDrafter(Drafter):
             return DraftBlock.empty(0, self.device)
         self._check_rows(rows)
         rows = list(rows)
-        if self._static_shapes():
-            span, queued = self.cache[0][0].shape[2], self.pend_f.shape[1]
-        else:  # host bounds: the longest cache and queue among the rows
-            span, queued = (max(x) for x in zip(*((self.rows[r].length, self.rows[r].pending) for r in rows)))
         anchors = torch.stack([c[-1] for c in contexts]).to(self.device)
+        if self._static_shapes():
+            return self._draft(None, self._index(rows), anchors, gamma, self.cache[0][0].shape[2],
+                               self.pend_f.shape[1], sampling)
+        # host bounds: the longest cache and queue among the rows
+        span, queued = (max(x) for x in zip(*((self.rows[r].length, self.rows[r].pending) for r in rows)))
         return self._draft(rows, self._index(rows), anchors, gamma, span, queued, sampling)
 
     @torch.no_grad()
     def draft_step(self, rows, rows_t, slots_t, anchors, gamma, *, sampling=None, generator=None) -> DraftBlock:
         """`propose` as device work of fixed shapes (see `Drafter.draft_step`): the whole cache and queue."""
         self._check_rows(rows)
-        return self._draft(rows, rows_t, anchors, gamma, self.cache[0][0].shape[2], self.pend_f.shape[1], sampling)
+        return self._draft(None, rows_t, anchors, gamma, self.cache[0][0].shape[2], self.pend_f.shape[1], sampling)
 
     def _index(self, rows) -> torch.Tensor:
         """`rows` as a long device tensor: the bound target's (built once per distinct list), else built here."""
@@ -423,14 +430,16 @@ class EagleDrafter(Drafter):
             st = self.rows.get(r)
             if st is None or not st.rooted:
                 raise RuntimeError(f"eagle: no target features observed for row {r}")
-        if self.pend_f is None:  # every row observed only its prompt: an empty queue of the fixed width
+        if self.pend_f is None:  # (dynamic shapes) every row observed only its prompt: an empty queue
             self._reserve_pending(1, self.root_f.shape[-1])
 
     def _draft(self, rows, rows_t, anchors, gamma, span: int, queued: int, sampling) -> DraftBlock:
         """One forward over each row's queued pairs (the first `queued` of the queue, >= every row's count) and
         its root pair (`root_f`, anchor `[B]`), over the first `span` cached positions (>= every row's length);
         the queued pairs' K/V join the cache (committed pairs: kept whatever the round does), the root's stays
-        in the round's scratch; then the tree."""
+        in the round's scratch; then the tree. `rows` (host) are the rows whose host counts it keeps in step;
+        None with static shapes, where a CUDA graph replays this without its Python: only device work then,
+        on buffers sized beforehand (`observe`), and the host counts are not kept."""
         dev = self.device
         B, Q = rows_t.shape[0], queued
         lens, qn = self.len_t[rows_t], self.pend_n[rows_t]
@@ -442,12 +451,13 @@ class EagleDrafter(Drafter):
         # a queued pair sees the queue up to itself; the root sees the row's queue and itself
         block = torch.where(i[:, None] < Q, i[None, :] <= i[:, None], (i[None, :] < qn[:, None, None]) | (i == Q))
         ok = torch.cat([cached.expand(B, Q + 1, span), block.expand(B, Q + 1, Q + 1)], 2)
-        self._reserve(max(self.rows[r].length for r in rows) + Q)  # the queue lands at all Q positions per row
+        if rows is not None:
+            self._reserve(max(self.rows[r].length for r in rows) + Q)  # the queue lands at all Q places per row
         h, kvs, past = self._forward(rows_t, tok, feat, positions, ok, span)
         self._write(rows_t, positions[:, :Q], [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
         self.len_t[rows_t] = lens + qn
         self.pend_n[rows_t] = 0
-        for r in rows:
+        for r in rows or ():
             st = self.rows[r]
             st.length, st.pending = st.length + st.pending, 0
         seen = torch.cat([cached[:, 0], i[None, :Q] < qn[:, None]], 1)  # [B, span + Q]
