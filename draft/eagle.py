@@ -233,7 +233,8 @@ def default_tree(device: torch.device) -> dict:
 class EagleDrafter(Drafter):
     """Dynamic-tree drafts from an EAGLE-3 `Net`; see the module docstring. `propose` and `draft_step` (the
     engine's CUDA-graph path) draft the same way (`_draft`), over a span of the cache that is the rows' longest
-    committed length or, with static shapes, the whole cache; neither writes anything that outlives the round."""
+    committed length or, with static shapes, the whole cache; what either writes to the cache is committed pairs
+    only (the tree's K/V stay in the round's scratch)."""
 
     name = "eagle"
     static_draft = True
@@ -345,8 +346,9 @@ class EagleDrafter(Drafter):
             self.pend_f[at] = torch.cat([self.root_f[rows_t][:, None], feat[:, :-1]], 1)
             self.pend_t[at] = tok
             self.pend_n[rows_t] += n
-            for r, c in zip(rows, counts):
-                self.rows[r].pending += c
+            if not static:
+                for r, c in zip(rows, counts):
+                    self.rows[r].pending += c
         self.root_f[rows_t] = feat[torch.arange(B, device=dev), n - 1]
         for r in rows:
             self.rows[r].rooted = True
@@ -477,8 +479,8 @@ class EagleDrafter(Drafter):
         tree = DynamicTree(log_scores(root_logits, sampling), self.topk if self.tree else 1)
         exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
         exp_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # [B, e, e]: expanded ancestors of each
-        # per layer the nodes attend to two K/V segments (`layers.attend`): the committed cache, never copied per
-        # depth, and the round's scratch (the root's K/V, then every expanded node's), grown by depth
+        # per layer the nodes attend to K/V segments (`layers.attend`): the committed ones, never copied per depth,
+        # and the round's scratch (the root's K/V, then every expanded node's), grown by depth
         scratch = list(root_kv)
         lead = torch.ones(B, 1, 1, dtype=torch.bool, device=dev)  # the root's K/V
         for d in range(1, depth):
