@@ -122,6 +122,11 @@ def spread(times: list[float]) -> float:
     return (q[-1] - q[0]) / med if med > 0 else 0.0
 
 
+def device_sync(device: torch.device):
+    """What waits for `device`'s queued work before a clock is read (nothing on a CPU)."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def make_inputs(runner, ids: torch.Tensor, shapes: dict) -> dict:
     """name -> (ids `[1, T]`, parent `[T]` or None) for every kind."""
     inputs = {}
@@ -136,7 +141,7 @@ def make_inputs(runner, ids: torch.Tensor, shapes: dict) -> dict:
 def measure(runner, slots: list[int], ids: torch.Tensor, shapes: dict, repeats: int, warmup: int,
             impls: list[str | None] = (None,)) -> dict:
     """-> impl -> name -> list of seconds per forward; every (impl, kind) once per repeat, in a rotated order."""
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync = device_sync(runner.device)
     inputs = make_inputs(runner, ids, shapes)
     cases = [(impl, name) for impl in impls for name in shapes]
     times: dict = {impl: {n: [] for n in shapes} for impl in impls}
@@ -221,7 +226,7 @@ def linear_calls(runner, slots: list[int], x: torch.Tensor, p) -> list[tuple]:
 def matmul_floor(runner, slots: list[int], inputs: dict, step_1_s: float, repeats: int, warmup: int) -> dict:
     """The weight matmuls of each kind replayed alone: name -> {matmul_ms (median), floor (ratio), calls}.
     `inputs` as `make_inputs` gives them; `step_1_s` the median 1-token forward of the same run."""
-    sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
+    sync = device_sync(runner.device)
     calls = {name: linear_calls(runner, slots, *xp) for name, xp in inputs.items()}
     gen = torch.Generator(device=runner.device).manual_seed(0)
     args = {name: [(torch.randn(shape, generator=gen, device=runner.device, dtype=dt), w, b)

@@ -111,6 +111,14 @@ class Drafter(ABC):
         # (eagle, mtp, dspark implement it); every other drafter drafts through `propose`.
         raise NotImplementedError(f"{type(self).__name__} sets static_draft but has no draft_step")
 
+    def _index(self, values: list[int], device) -> torch.Tensor:
+        """`values` (rows, slots) as a long device tensor: the bound target's (built once per distinct list), else
+        built here (a drafter used on its own)."""
+        target = getattr(self, "target", None)
+        if target is not None:
+            return target.index(list(values))
+        return torch.tensor(list(values), dtype=torch.long, device=device)
+
     def _static_shapes(self) -> bool:
         """Whether the bound target keeps static shapes (its KV cache a fixed view): drafters with a static draft
         step then size their caches once, for the target's whole `max_length`."""

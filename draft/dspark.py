@@ -484,12 +484,6 @@ class DSparkDrafter(Drafter):
         for r in rows:
             self.length.pop(r, None)
 
-    def _index(self, values: list[int], device) -> torch.Tensor:
-        target = getattr(self, "target", None)
-        if target is not None:
-            return target.index(values)
-        return torch.tensor(values, dtype=torch.long, device=device)
-
     def _reserve(self, need: int, like: list[torch.Tensor]) -> None:
         """Room for `need` positions per row (the buffers shaped after `like`'s K per layer `[B, H, n, D]`); with
         static shapes the whole target `max_length` (plus a verify window) at once, so the span never changes."""

@@ -319,7 +319,7 @@ class EagleDrafter(Drafter):
             self.root_f = feat.new_zeros(self.max_batch_size, feat.shape[-1])
             self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
             self.pend_n = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
-        rows_t = self._index(rows)
+        rows_t = self._index(rows, self.device)
         n = observed_counts(tokens, dev)
         i = torch.arange(M, device=dev)
         static = self._static_shapes()
@@ -408,24 +408,17 @@ class EagleDrafter(Drafter):
         rows = list(rows)
         anchors = torch.stack([c[-1] for c in contexts]).to(self.device)
         if self._static_shapes():
-            return self._draft(None, self._index(rows), anchors, gamma, self.cache[0][0].shape[2],
+            return self._draft(None, self._index(rows, self.device), anchors, gamma, self.cache[0][0].shape[2],
                                self.pend_f.shape[1], sampling)
         # host bounds: the longest cache and queue among the rows
         span, queued = (max(x) for x in zip(*((self.rows[r].length, self.rows[r].pending) for r in rows)))
-        return self._draft(rows, self._index(rows), anchors, gamma, span, queued, sampling)
+        return self._draft(rows, self._index(rows, self.device), anchors, gamma, span, queued, sampling)
 
     @torch.no_grad()
     def draft_step(self, rows, rows_t, slots_t, anchors, gamma, *, sampling=None, generator=None) -> DraftBlock:
         """`propose` as device work of fixed shapes (see `Drafter.draft_step`): the whole cache and queue."""
         self._check_rows(rows)
         return self._draft(None, rows_t, anchors, gamma, self.cache[0][0].shape[2], self.pend_f.shape[1], sampling)
-
-    def _index(self, rows) -> torch.Tensor:
-        """`rows` as a long device tensor: the bound target's (built once per distinct list), else built here."""
-        target = getattr(self, "target", None)
-        if target is None:
-            return torch.tensor(list(rows), dtype=torch.long, device=self.device)
-        return target.index(list(rows))
 
     def _check_rows(self, rows) -> None:
         for r in rows:

@@ -97,6 +97,11 @@ class Observed(list):
         self.counts = counts
         self.padded = padded
 
+    @classmethod
+    def rows_of(cls, batch: torch.Tensor, sizes: list[int], counts: torch.Tensor) -> "Observed":
+        """The first `sizes[b]` entries of each row of `batch [B, M, ...]`, as views, with the batch itself."""
+        return cls([batch[i, :n] for i, n in enumerate(sizes)], counts, batch)
+
 
 @dataclass
 class GenerateOutput:
@@ -389,9 +394,8 @@ class SpecEngine:
         if hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
             out = self.runner.prefill_batch(slots, ps, capture=capture, last_logits=True)
             last = out.logits[:, 0]
-            rows_of = lambda x: Observed([x[i, :n] for i, n in enumerate(sizes)], lens, x)  # noqa: E731
-            self.drafter.observe(ids, Observed(ps, lens), rows_of(out.hidden), {c: rows_of(out.captured[c])
-                                                                                for c in capture})
+            self.drafter.observe(ids, Observed(ps, lens), Observed.rows_of(out.hidden, sizes, lens),
+                                 {c: Observed.rows_of(out.captured[c], sizes, lens) for c in capture})
         else:
             last = []
             for i, (l, s, p) in enumerate(zip(ids, slots, ps)):
@@ -490,8 +494,9 @@ class SpecEngine:
         kept_h = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
         kept_f = {l: res["captured"][l][:B].gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
                   for l in capture}
-        rows_of = lambda x: Observed([x[i, :m + 1] for i, m in enumerate(n_h)], kept, x)  # noqa: E731
-        self.drafter.observe(active, rows_of(kept_ids), rows_of(kept_h), {l: rows_of(f) for l, f in kept_f.items()})
+        sizes = [m + 1 for m in n_h]
+        self.drafter.observe(active, Observed.rows_of(kept_ids, sizes, kept), Observed.rows_of(kept_h, sizes, kept),
+                             {l: Observed.rows_of(f, sizes, kept) for l, f in kept_f.items()})
         for i, b in enumerate(active):
             toks = back[i][4:4 + n_h[i] + 1]
             before = len(out_tokens[b])
