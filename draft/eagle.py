@@ -456,48 +456,50 @@ class EagleDrafter(Drafter):
             st = self.rows[r]
             st.length, st.pending = st.length + st.pending, 0
         seen = torch.cat([cached[:, 0], i[None, :Q] < qn[:, None]], 1)  # [B, span + Q]
-        committed = [[c, (k[:, :, :Q], v[:, :, :Q])] for c, (k, v) in zip(past, kvs)]
+        # the cache read and the queue as one key segment per layer: one copy per round, not two products per depth
+        committed = [(torch.cat([ck, k[:, :, :Q]], 2), torch.cat([cv, v[:, :, :Q]], 2))
+                     for (ck, cv), (k, v) in zip(past, kvs)]
         root_h = h[:, Q]
         return self._tree(root_h, self.net.lm_logits(root_h), committed, seen, lens + qn,
                           [(k[:, :, Q:], v[:, :, Q:]) for k, v in kvs], gamma, sampling)
 
     def _tree(self, root_h, root_logits, committed, seen, root_pos, root_kv, gamma, sampling) -> DraftBlock:
         """EAGLE-2's tree from the root step (`root_h [B, d]`, `root_logits [B, V]`) over the committed K/V, per
-        layer a list of segments `[B, H, S_i, D]` of which row b sees the keys `seen [B, sum S_i]` marks, and the
-        root's K/V `root_kv` per layer `[B, H, 1, D]` (at `root_pos [B]`), seen by every node."""
+        layer `(k, v) [B, H, S, D]` of which row b sees the keys `seen [B, S]` marks, and the root's K/V `root_kv`
+        per layer `[B, H, 1, D]` (at `root_pos [B]`), seen by every node."""
         net, dev = self.net, self.device
         B = root_h.shape[0]
         S0 = seen.shape[1]
         depth = max(1, min(self.depth, int(gamma)))
         tree = DynamicTree(log_scores(root_logits, sampling), self.topk if self.tree else 1)
+        w = tree.k  # nodes expanded per depth: the newest depth always holds at least k candidates
         exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
-        exp_anc = torch.zeros(B, 0, 0, dtype=torch.bool, device=dev)  # [B, e, e]: expanded ancestors of each
+        # [B, E, E]: row i marks the expanded ancestors of expanded node i, filled depth by depth
+        exp_anc = torch.zeros(B, (depth - 1) * w, (depth - 1) * w, dtype=torch.bool, device=dev)
+        ids = torch.arange((depth - 1) * w, device=dev)
+        own = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)  # each node sees itself
+        # [B, w, depth - 1]: the nodes of depth d sit at root + d
+        positions = (root_pos[:, None, None] + torch.arange(1, max(depth, 2), device=dev)).expand(B, w, -1)
         # per layer the nodes attend to K/V segments (`layers.attend`): the committed ones, never copied per depth,
         # and the round's scratch (the root's K/V, then every expanded node's), grown by depth
         scratch = list(root_kv)
-        lead = torch.ones(B, 1, 1, dtype=torch.bool, device=dev)  # the root's K/V
+        ok_fixed = torch.cat([seen, seen.new_ones(B, 1)], 1)[:, None].expand(B, w, S0 + 1)  # committed keys, the root
         for d in range(1, depth):
             sel, src, tok = tree.frontier()
-            w, n_exp = sel.shape[1], exp_h.shape[1]
+            n_exp = exp_h.shape[1]
             par_h = DynamicTree.parent_states(src, root_h[:, None], exp_h)
-            # ancestors among expanded nodes: the parent's ancestors and the parent itself
+            # ancestors among expanded nodes: the parent's ancestors and the parent itself (past depth 1 every
+            # frontier node's parent is an expanded node, src >= 0; at depth 1 there are none)
             if n_exp:
-                anc = exp_anc.gather(1, src.clamp(min=0)[..., None].expand(B, w, n_exp))
-                # the parent itself, by comparison: `F.one_hot` reads its indices back to check them
-                anc = anc | (src.clamp(min=0)[..., None] == torch.arange(n_exp, device=dev))
-                anc = anc & (src >= 0)[..., None]
+                at = src[..., None]
+                anc = exp_anc[:, :, :n_exp].gather(1, at.expand(B, w, n_exp)) | (at == ids[:n_exp])
+                exp_anc[:, n_exp:n_exp + w, :n_exp] = anc
             else:
-                anc = torch.zeros(B, w, 0, dtype=torch.bool, device=dev)
-            ok = torch.cat([seen[:, None].expand(B, w, S0), lead.expand(B, w, lead.shape[2]), anc,
-                            torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)], 2)
-            positions = (root_pos + d)[:, None].expand(B, w)
-            h, kvs = net.run(net.inputs(tok, par_h), positions, _additive(ok, self.dtype),
-                             [[*c, s_] for c, s_ in zip(committed, scratch)])
+                anc = exp_anc[:, :w, :0]
+            ok = torch.cat([ok_fixed, anc, own], 2)
+            h, kvs = net.run(net.inputs(tok, par_h), positions[..., d - 1], _additive(ok, self.dtype),
+                             [[c, s_] for c, s_ in zip(committed, scratch)])
             scratch = [(torch.cat([sk, k_], 2), torch.cat([sv, v_], 2)) for (sk, sv), (k_, v_) in zip(scratch, kvs)]
-            grown = torch.zeros(B, n_exp + w, n_exp + w, dtype=torch.bool, device=dev)
-            grown[:, :n_exp, :n_exp] = exp_anc
-            grown[:, n_exp:, :n_exp] = anc
-            exp_anc = grown
             exp_h = torch.cat([exp_h, h], 1)
             tree.grow(sel, log_scores(net.lm_logits(h), sampling))  # [B, w, V]
         return tree.block(self.num_nodes, tree=self.tree)

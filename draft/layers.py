@@ -27,11 +27,25 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+_INV_FREQ: dict = {}  # (D, theta, device) -> the inverse frequencies `[D/2]` in float64
+
+
+def _inv_freq(D: int, theta: float, device: torch.device) -> torch.Tensor:
+    """`theta ** (-2i / D)`, i < D/2, in float64: made once per (D, theta, device), outside any CUDA-graph
+    capture (a tensor made during one would live in the graph's memory pool)."""
+    key = (D, float(theta), torch.device(device))
+    inv = _INV_FREQ.get(key)
+    if inv is None:
+        inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=device, dtype=torch.float64) / D))
+        if not (inv.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _INV_FREQ[key] = inv
+    return inv
+
+
 @per_tensor
 def _rope_tables(positions: torch.Tensor, D: int, theta: float, dtype: torch.dtype):
     """`(cos, sin)` `[B, 1, T, D/2]` in `dtype` of `positions [B, T]`: made once for the q and k of a layer."""
-    inv = 1.0 / (theta ** (torch.arange(0, D, 2, device=positions.device, dtype=torch.float64) / D))
-    ang = positions[:, None, :, None].to(torch.float64) * inv
+    ang = positions[:, None, :, None].to(torch.float64) * _inv_freq(D, theta, positions.device)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 

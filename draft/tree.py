@@ -78,14 +78,13 @@ class DynamicTree:
 
     @staticmethod
     def parent_states(src: torch.Tensor, root: torch.Tensor, expanded: torch.Tensor) -> torch.Tensor:
-        """The drafter state each frontier node's step continues from: `root [B, 1, d]` (the anchor's step) where
-        `src [B, w]` is -1, else `expanded [B, e, d]` at src. -> `[B, w, d]`."""
+        """The drafter state each frontier node's step continues from: `root [B, 1, d]` (the anchor's step) at
+        depth 1, where nothing is expanded yet (`src [B, w]` all -1), else `expanded [B, e, d]` at src (past depth 1
+        every frontier node's parent is an expanded node). -> `[B, w, d]`."""
         B, w = src.shape
-        out = root.expand(B, w, root.shape[-1])
-        if expanded.shape[1]:
-            at = src.clamp(min=0)[..., None].expand(B, w, expanded.shape[-1])
-            out = torch.where((src < 0)[..., None], out, expanded.gather(1, at))
-        return out
+        if not expanded.shape[1]:
+            return root.expand(B, w, root.shape[-1])
+        return expanded.gather(1, src[..., None].expand(B, w, expanded.shape[-1]))
 
     def grow(self, sel: torch.Tensor, scores: torch.Tensor) -> None:
         """The expanded nodes `sel [B, w]` (from `frontier`) and their children's log-probabilities `scores
