@@ -100,8 +100,8 @@ class Config(DraftConfig):
     embedding. `confidence_markov`: the confidence head reads [h; Markov row of the previous token] (reference);
     `confidence_soft`: its target is the soft acceptance 1 - TV(p_draft, p_target) (reference) instead of
     whether the argmaxes agree.
-    `context_input` (not in the reference): every slot's input also gets `ctx_in(c_{a-1})`, the context state of
-    the position before the anchor (the target features that predicted the anchor), so the block's first slot
+    `context_input` (not in the reference): every slot's input (after `input_norm`) also gets `ctx_in(c_{a-1})`,
+    the context state of the position before the anchor (the target features that predicted the anchor), so the block's first slot
     reads them directly instead of only through attention, as EAGLE's input fuses features with the token;
     `ctx_in` starts at zero, so a drafter continued with it starts from its old function.
     """
@@ -290,11 +290,11 @@ class Net(nn.Module):
         G = positions.shape[1] // N
         x = self.mask_embed.expand(B, N, G, -1).clone()
         x[:, :, 0] = self.embed(anchors)
-        if self.config.context_input:
-            x = x + self.ctx_in(last_ctx)[:, :, None]
         x = x.reshape(B, N * G, -1)
         if self.config.input_norm:
             x = self.in_norm(x)
+        if self.config.context_input:  # after the input norm: the raw embedding rows (RMS ~0.05) are not swamped
+            x = (x.view(B, N, G, -1) + self.ctx_in(last_ctx)[:, :, None]).view(B, N * G, -1)
         for layer, kv in zip(self.layers, ctx_kv):
             x, _ = layer(x, positions, mask, past=kv)
         return self.norm(x)
