@@ -100,10 +100,6 @@ class Config(DraftConfig):
     embedding. `confidence_markov`: the confidence head reads [h; Markov row of the previous token] (reference);
     `confidence_soft`: its target is the soft acceptance 1 - TV(p_draft, p_target) (reference) instead of
     whether the argmaxes agree.
-    `context_input` (not in the reference): every slot's input (after `input_norm`) also gets `ctx_in(c_{a-1})`,
-    the context state of the position before the anchor (the target features that predicted the anchor), so the block's first slot
-    reads them directly instead of only through attention, as EAGLE's input fuses features with the token;
-    `ctx_in` starts at zero, so a drafter continued with it starts from its old function.
     """
 
     kind: str = "dspark"
@@ -124,7 +120,6 @@ class Config(DraftConfig):
     markov_table: bool = False
     confidence_markov: bool = False
     confidence_soft: bool = False
-    context_input: bool = False
 
     def __post_init__(self):
         def positive_int(name, minimum=1):
@@ -148,7 +143,7 @@ class Config(DraftConfig):
                 raise ValueError(f"drafter: {name} expected a number >= 0, got {v!r}")
         if not self.l1_weight + self.hard_ce_weight + self.soft_ce_weight > 0:
             raise ValueError("drafter: l1_weight, hard_ce_weight and soft_ce_weight are all 0 (no draft loss)")
-        for name in ("input_norm", "qk_norm", "markov_table", "confidence_markov", "confidence_soft", "context_input"):
+        for name in ("input_norm", "qk_norm", "markov_table", "confidence_markov", "confidence_soft"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"drafter: {name} expected a bool, got {getattr(self, name)!r}")
         if not isinstance(self.target_fingerprint, (list, tuple)):
@@ -193,8 +188,6 @@ class _HeadNormLinear(nn.Linear):
 class Net(nn.Module):
     """The DSpark network. Shared target modules: `target_embed`, `target_lm_head` (not trained, not saved)."""
 
-    grown_zero = ("ctx_in.weight",)  # `registry.grown_state_dict`: the context input starts at zero
-
     def __init__(self, config: Config, target_embed: nn.Module, target_lm_head: nn.Module):
         super().__init__()
         self.config = config
@@ -207,8 +200,6 @@ class Net(nn.Module):
         self.ctx_norm = RMSNorm(d, config.rms_norm_eps)
         if config.input_norm:
             self.in_norm = RMSNorm(d, config.rms_norm_eps)
-        if config.context_input:
-            self.ctx_in = nn.Linear(d, d, bias=False)
         self.layers = nn.ModuleList([Block(config, d) for _ in range(config.num_layers)])
         if config.qk_norm:
             for layer in self.layers:
@@ -232,8 +223,6 @@ class Net(nn.Module):
                 self.markov_w.weight.normal_(0.0, 0.02)
             self.confidence.weight.zero_()
             self.confidence.bias.zero_()
-            if config.context_input:
-                self.ctx_in.weight.zero_()
 
     @classmethod
     def from_target(cls, target, config: Config) -> "Net":
@@ -281,11 +270,9 @@ class Net(nn.Module):
         """Per layer K, V `[B, H, S, D]` of context states `[B, S, d]` at `positions [B, S]`."""
         return [layer.attn.kv(ctx, positions) for layer in self.layers]
 
-    def block_hidden(self, anchors: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor,
-                     last_ctx: torch.Tensor | None = None) -> torch.Tensor:
+    def block_hidden(self, anchors: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
         """Blocks `[B, N*G]` (N blocks of G slots; `anchors [B, N]`) -> normed hidden states `[B, N*G, d]`.
-        `mask` additive `[B, 1, N*G, S + N*G]` over [context keys, block keys]; `last_ctx [B, N, d]` the context
-        state before each anchor (read when `config.context_input`)."""
+        `mask` additive `[B, 1, N*G, S + N*G]` over [context keys, block keys]."""
         B, N = anchors.shape
         G = positions.shape[1] // N
         x = self.mask_embed.expand(B, N, G, -1).clone()
@@ -293,8 +280,6 @@ class Net(nn.Module):
         x = x.reshape(B, N * G, -1)
         if self.config.input_norm:
             x = self.in_norm(x)
-        if self.config.context_input:  # after the input norm: the raw embedding rows (RMS ~0.05) are not swamped
-            x = (x.view(B, N, G, -1) + self.ctx_in(last_ctx)[:, :, None]).view(B, N * G, -1)
         for layer, kv in zip(self.layers, ctx_kv):
             x, _ = layer(x, positions, mask, past=kv)
         return self.norm(x)
@@ -342,8 +327,7 @@ class Net(nn.Module):
         dtype = ctx.dtype
         mask = torch.zeros(ok.shape, dtype=dtype, device=dev).masked_fill(~ok, torch.finfo(dtype).min)
         anchor_tok = tokens.gather(1, anchors)
-        last_ctx = ctx.gather(1, (anchors - 1)[..., None].expand(B, N, ctx.shape[-1]))  # [B, N, d]
-        h = self.block_hidden(anchor_tok, pos, kv, mask, last_ctx).view(B, N, G, -1)
+        h = self.block_hidden(anchor_tok, pos, kv, mask).view(B, N, G, -1)
         prev = tokens.gather(1, pos).view(B, N, G)  # teacher forcing: prev_i = token a+i
         tgt = batch.logits.gather(1, pos[..., None].expand(B, N * G, batch.logits.shape[-1]))
         nxt = torch.cat([tokens, tokens.new_full((B, 1), -1)], 1).gather(1, pos + 1).view(B, N, G)
@@ -476,7 +460,6 @@ class DSparkDrafter(Drafter):
         self.feature_layers = tuple(net.config.feature_layers)
         self.k: list[torch.Tensor] = []  # per layer [max_batch_size, H, cap, D]
         self.v: list[torch.Tensor] = []
-        self.ctx: torch.Tensor | None = None  # context states [max_batch_size, cap, d] (config.context_input)
         self.length: dict[int, int] = {}  # committed positions cached per request row
         self.len_t: torch.Tensor | None = None  # the same on the device [max_batch_size]
         self.last_confidence: torch.Tensor | None = None  # [B, G] of the last propose (diagnostics)
@@ -501,10 +484,9 @@ class DSparkDrafter(Drafter):
         for r in rows:
             self.length.pop(r, None)
 
-    def _reserve(self, need: int, like: list[torch.Tensor], ctx: torch.Tensor) -> None:
-        """Room for `need` positions per row (the buffers shaped after `like`'s K per layer `[B, H, n, D]` and the
-        context states `ctx [B, n, d]`); with static shapes the whole target `max_length` (plus a verify window) at
-        once, so the span never changes."""
+    def _reserve(self, need: int, like: list[torch.Tensor]) -> None:
+        """Room for `need` positions per row (the buffers shaped after `like`'s K per layer `[B, H, n, D]`); with
+        static shapes the whole target `max_length` (plus a verify window) at once, so the span never changes."""
         cap = self.k[0].shape[2] if self.k else 0
         if need <= cap:
             return
@@ -512,11 +494,6 @@ class DSparkDrafter(Drafter):
             new = max(need, self.target.max_length + self.target.num_verify_tokens)
         else:
             new = max(need, 2 * cap, 64)
-        if self.net.config.context_input:
-            grown = ctx.new_zeros(self.max_batch_size, new, ctx.shape[-1])
-            if cap:
-                grown[:, :cap] = self.ctx
-            self.ctx = grown
         for buf in (self.k, self.v):
             for j, x in enumerate(like):
                 grown = x.new_zeros(self.max_batch_size, x.shape[1], new, x.shape[3])
@@ -546,15 +523,12 @@ class DSparkDrafter(Drafter):
         # the starts from the device lengths (`begin` zeroes them), the counts from the engine: no host copy
         start_t = self.len_t[rows_t]
         pos = start_t[:, None] + torch.arange(M, device=dev)  # [B, M]
-        ctx = net.context(feats)  # [B, M, d]
-        kv = net.context_kv(ctx, pos)  # per layer [B, H, M, D]
-        self._reserve(max(starts) + M, [k for k, _ in kv], ctx)
+        kv = net.context_kv(net.context(feats), pos)  # per layer [B, H, M, D]
+        self._reserve(max(starts) + M, [k for k, _ in kv])
         at = (rows_t[:, None], slice(None), pos)
         for ck, cv, (k, v) in zip(self.k, self.v, kv):
             ck[at] = k.transpose(1, 2)
             cv[at] = v.transpose(1, 2)
-        if net.config.context_input:
-            self.ctx[rows_t[:, None], pos] = ctx
         self.len_t[rows_t] = start_t + observed_counts(tokens, dev)
         for r, n in zip(rows, counts):
             self.length[r] += n
@@ -612,9 +586,7 @@ class DSparkDrafter(Drafter):
         mask = torch.zeros(B, 1, G, span + G, dtype=dtype, device=dev).masked_fill(~ok[:, None, None],
                                                                                      torch.finfo(dtype).min)
         pos = lens[:, None] + torch.arange(G, device=dev)
-        # the context state before the anchor (lens >= 1: the anchor follows an observed position)
-        last = self.ctx[rows_t, lens - 1, None] if net.config.context_input else None  # [B, 1, d]
-        h = net.block_hidden(anchors[:, None], pos, kv, mask, last)[:, :gamma]  # [B, gamma, d]
+        h = net.block_hidden(anchors[:, None], pos, kv, mask)[:, :gamma]  # [B, gamma, d]
         base = net.lm_head(h)
         if self.tree:
             self.last_confidence = None

@@ -130,17 +130,13 @@ def grown_state_dict(old: dict[str, torch.Tensor], net: nn.Module) -> dict[str, 
     """`net`'s own weights taken from `old` (the own weights of a smaller drafter of the same kind) so that `net`
     computes what that drafter computed: blocks `layers.i` that `old` lacks keep `net`'s initial weights with
     their attention and MLP output projections zero (identity blocks, as in LLaMA Pro's block expansion), and an
-    MLP wider than in `old` keeps `old`'s units first and zero output weights for the new ones; weights the net
-    names in `grown_zero` (added input paths) start at zero. Training then starts from the smaller drafter's
-    function. Any other difference of names or shapes is a `ValueError`."""
+    MLP wider than in `old` keeps `old`'s units first and zero output weights for the new ones. Training then
+    starts from the smaller drafter's function. Any other difference of names or shapes is a `ValueError`."""
     new = own_state_dict(net)
     old_blocks = {k.split(".")[1] for k in old if k.startswith("layers.")}
     out: dict[str, torch.Tensor] = {}
     for k, v in new.items():
         if k not in old:
-            if k in getattr(net, "grown_zero", ()):  # an added input path that starts at zero
-                out[k] = torch.zeros_like(v)
-                continue
             if not (k.startswith("layers.") and k.split(".")[1] not in old_blocks):
                 raise ValueError(f"drafter: the grown net has {k!r}, which the smaller one lacks")
             out[k] = torch.zeros_like(v) if k.endswith(_BLOCK_OUTPUTS) else v.detach().clone()
