@@ -479,9 +479,9 @@ class EagleDrafter(Drafter):
         ids = torch.arange((depth - 1) * w, device=dev)
         own = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)  # each node sees itself
         # [B, w, depth - 1]: the nodes of depth d sit at root + d
-        positions = (root_pos[:, None, None] + torch.arange(1, max(depth, 2), device=dev)).expand(B, w, -1)
-        # per layer the nodes attend to K/V segments (`layers.attend`): the committed ones, never copied per depth,
-        # and the round's scratch (the root's K/V, then every expanded node's), grown by depth
+        positions = (root_pos[:, None, None] + torch.arange(1, depth, device=dev)).expand(B, w, -1)
+        # per layer the nodes attend to two K/V segments (`layers.attend`): the committed one, never copied per
+        # depth, and the round's scratch (the root's K/V, then every expanded node's), grown by depth
         scratch = list(root_kv)
         ok_fixed = torch.cat([seen, seen.new_ones(B, 1)], 1)[:, None].expand(B, w, S0 + 1)  # committed keys, the root
         for d in range(1, depth):
