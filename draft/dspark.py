@@ -99,7 +99,11 @@ class Config(DraftConfig):
     `[markov_rank -> V]` projection (reference "vanilla", rank 256); False: rank `markov_rank` through the frozen
     embedding. `confidence_markov`: the confidence head reads [h; Markov row of the previous token] (reference);
     `confidence_soft`: its target is the soft acceptance 1 - TV(p_draft, p_target) (reference) instead of
-    whether the argmaxes agree.
+    whether the argmaxes agree. `context_window` W > 0 (not in the reference, which trains on 4096-token windows and
+    attends to every committed position, as 0 does here): a block attends to the last W committed positions only, in
+    training and drafting alike (a sliding window, as Mistral's attention). Trained on windows of S tokens, a drafter
+    never sees a context key more than S - block_size positions back; on longer prompts such keys only dilute its
+    attention, so W = S - block_size keeps drafting within what training covered.
     """
 
     kind: str = "dspark"
@@ -120,6 +124,7 @@ class Config(DraftConfig):
     markov_table: bool = False
     confidence_markov: bool = False
     confidence_soft: bool = False
+    context_window: int = 0
 
     def __post_init__(self):
         def positive_int(name, minimum=1):
@@ -129,7 +134,7 @@ class Config(DraftConfig):
         for name in ("num_layers", "block_size", "markov_rank", "anchors_per_window", "num_heads", "head_dim",
                      "intermediate_size"):
             positive_int(name)
-        for name in ("target_hidden_size", "target_vocab_size", "target_num_layers"):
+        for name in ("target_hidden_size", "target_vocab_size", "target_num_layers", "context_window"):
             positive_int(name, 0)
         if (not isinstance(self.feature_layers, (list, tuple))
                 or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.feature_layers)):
@@ -266,6 +271,15 @@ class Net(nn.Module):
         """Target features (one `[..., S, d]` per feature layer, in config order) -> context states `[..., S, d]`."""
         return self.ctx_norm(self.fc(torch.cat(features, -1)))
 
+    def context_visible(self, keys: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Which context keys a block sees: key positions `keys [S]`, blocks whose anchors sit at `ends [...]` ->
+        `[..., S]` bool, true for keys before the anchor and, with `context_window` W > 0, at most W back."""
+        ends = ends[..., None]
+        ok = keys < ends
+        if self.config.context_window:
+            ok = ok & (keys >= ends - self.config.context_window)
+        return ok
+
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer K, V `[B, H, S, D]` of context states `[B, S, d]` at `positions [B, S]`."""
         return [layer.attn.kv(ctx, positions) for layer in self.layers]
@@ -318,8 +332,8 @@ class Net(nn.Module):
         kv = self.context_kv(ctx, ctx_pos)
         slot = torch.arange(G, device=dev)
         pos = (anchors[:, :, None] + slot).reshape(B, N * G)  # [B, N*G]
-        # context key j visible to block n iff j < anchor_n; block keys only within the same block
-        ctx_ok = torch.arange(S, device=dev)[None, None, :] < anchors[:, :, None]  # [B, N, S]
+        # context key j visible to block n iff j < anchor_n (and within the window); block keys only within the block
+        ctx_ok = self.context_visible(torch.arange(S, device=dev), anchors)  # [B, N, S]
         ctx_ok = ctx_ok[:, :, None, :].expand(B, N, G, S).reshape(B, N * G, S)
         blk = torch.arange(N, device=dev).repeat_interleave(G)
         blk_ok = (blk[:, None] == blk[None, :]).expand(B, N * G, N * G)
@@ -581,7 +595,7 @@ class DSparkDrafter(Drafter):
         G = max(gamma, net.config.block_size)
         kv = [(k[rows_t, :, :span], v[rows_t, :, :span]) for k, v in zip(self.k, self.v)]
         dtype = net.mask_embed.dtype
-        ok = torch.cat([torch.arange(span, device=dev)[None] < lens[:, None],
+        ok = torch.cat([net.context_visible(torch.arange(span, device=dev), lens),
                         torch.ones(B, G, dtype=torch.bool, device=dev)], 1)  # [B, span + G]
         mask = torch.zeros(B, 1, G, span + G, dtype=dtype, device=dev).masked_fill(~ok[:, None, None],
                                                                                      torch.finfo(dtype).min)

@@ -597,10 +597,11 @@ def test_old_saved_drafter_loads_with_its_old_config_and_blocks():
                               atol=1e-14)
 
 
-def test_drafts_equal_the_training_blocks(setup):
+@pytest.mark.parametrize("window", [0, 5])
+def test_drafts_equal_the_training_blocks(setup, window):
     """The drafter's greedy chain after `observe` equals the training path's (`Net._blocks` + the Markov head fed
     the drafter's own previous drafts, as `evaluate` runs it) at every anchor of a window, all weights random: the
-    same context keys, positions and masks at inference as in training."""
+    same context keys, positions and masks at inference as in training, with and without a context window."""
     from specdec.draft.registry import TargetBatch, own_state_dict
     target = setup.target("kimi_linear")
     gen = torch.Generator().manual_seed(4)
@@ -615,6 +616,7 @@ def test_drafts_equal_the_training_blocks(setup):
         for p in own_state_dict(net).values():
             p.copy_(torch.randn_like(p) * 0.5)
         net.mask_embed.mul_(5.0)  # a larger MASK slot input: the later slots' drafts differ across anchors
+    net.config.context_window = window
 
     def training_drafts(net, anchors):
         with torch.no_grad():
@@ -637,3 +639,34 @@ def test_drafts_equal_the_training_blocks(setup):
     got = torch.stack([drafted(net, int(a)) for a in anchors])
     assert torch.equal(got, want)
     assert len({tuple(r) for r in got.tolist()}) > 1
+
+
+def test_context_window_hides_only_the_older_keys(setup):
+    """With `context_window` W, a block's hidden states (float64) do not change when a context feature more than W
+    positions before the anchor does, and do change when one inside the window does; without the window both
+    change (the mask, not the data, hides them)."""
+    from specdec.draft.registry import TargetBatch
+    target = setup.target("kimi_linear")
+    gen = torch.Generator().manual_seed(8)
+    S, d, V, W, a = 24, target.config.hidden_size, target.config.vocab_size, 6, 16
+    tokens = torch.randint(3, V, (1, S), generator=gen)
+    feats = {i: torch.randn(1, S, d, dtype=torch.float64, generator=gen)
+             for i in range(target.config.num_hidden_layers)}
+    torch.manual_seed(2)
+    net = build_drafter_net("dspark", target).double()
+
+    def hidden(window, moved=None):
+        f = {i: x.clone() for i, x in feats.items()}
+        if moved is not None:
+            for x in f.values():
+                x[0, moved] += 1.0
+        net.config.context_window = window
+        batch = TargetBatch(tokens, torch.zeros(1, S, V, dtype=torch.float64), f[0], f)
+        with torch.no_grad():
+            return net._blocks(batch, torch.tensor([[a]]))[0]
+
+    base = hidden(W)
+    assert torch.equal(hidden(W, moved=a - W - 1), base)  # just outside the window
+    assert not torch.allclose(hidden(W, moved=a - W), base)  # the oldest key inside it
+    assert not torch.allclose(hidden(0, moved=a - W - 1), hidden(0))
+
