@@ -80,14 +80,16 @@ def train(target, ids: torch.Tensor, kind: str, *, runner_factory: Callable, ste
           seq_len: int = 128, batch_size: int = 8, val_every: int = 50, val_batches: int = 2, seed: int = 0, net=None,
           progress: bool = True, log=None, on_best: Callable | None = None, checkpoint: str | None = None,
           max_minutes: float | None = None, patience: int | None = None, cache_batches: int = 0,
-          cache: str | None = None, **net_overrides):
+          cache: str | None = None, stop_at: int | None = None, **net_overrides):
     """Train (or continue training `net`) on the token stream `ids [N]` (last 5% held out for validation).
 
     `runner_factory`: builds the target's runner, a callable with `specdec.runner.make_runner`'s signature
     (`specdec.cli.draft_train.train` passes specdec's own). Every `val_every` steps (and at 0 and the end) the
     held-out windows are evaluated; `on_best(net, entry)` is called whenever the validation tau beats every earlier
     one. `checkpoint`: a file for the resumable training state (written at each validation, resumed from when it
-    exists). `max_minutes` / `patience` (validations without a better tau) stop before `steps`.
+    exists). `max_minutes` / `patience` (validations without a better tau) stop before `steps`; so does `stop_at`
+    (after that step, validated and checkpointed there), with the learning-rate schedule still spanning `steps`, so a
+    run stopped there and resumed from its checkpoint is the uninterrupted run.
     `cache_batches` > 0: train on that many target batches computed once (`cached_batches`, saved to / loaded
     from `cache`), visited in a fresh seeded order each epoch, instead of a new target forward every step.
     -> (net, history): history has `train_loss` per step, `val` entries {step, loss, per_position, tau} and
@@ -101,6 +103,8 @@ def train(target, ids: torch.Tensor, kind: str, *, runner_factory: Callable, ste
         raise ValueError(f"data: {ids.numel()} tokens is too little for --seq-len {seq_len}")
     if patience is not None and (isinstance(patience, bool) or not isinstance(patience, int) or patience < 1):
         raise ValueError(f"patience: expected an int >= 1 or None, got {patience!r}")
+    if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or not 1 <= stop_at <= steps):
+        raise ValueError(f"stop_at: expected an int in [1, steps={steps}] or None, got {stop_at!r}")
     net = net if net is not None else build_drafter_net(kind, target, **net_overrides)
     runner = runner_factory(target, max_batch_size=1, max_length=seq_len + 8, num_verify_tokens=1,
                          prefill_chunk=seq_len)
@@ -189,14 +193,16 @@ def train(target, ids: torch.Tensor, kind: str, *, runner_factory: Callable, ste
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}")
         out_of_time = max_minutes is not None and time.time() - t0 > 60 * max_minutes
-        if step % val_every == 0 or step == steps or out_of_time:
+        stop_here = step == stop_at
+        if step % val_every == 0 or step == steps or out_of_time or stop_here:
             validate(step)
             save_state(step)
             since = [e["step"] for e in history["val"]].index(history["best"]["step"])
             stale = patience is not None and len(history["val"]) - 1 - since >= patience
-            if out_of_time or stale:
+            if out_of_time or stale or stop_here:
                 if log:
-                    log(json.dumps({"stopped": step, "reason": "max_minutes" if out_of_time else "patience"}))
+                    reason = "max_minutes" if out_of_time else "patience" if stale else "stop_at"
+                    log(json.dumps({"stopped": step, "reason": reason}))
                 break
     if bar is not None:
         bar.close()

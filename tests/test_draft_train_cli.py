@@ -132,3 +132,25 @@ def test_config_overrides(setup, capsys):
         with pytest.raises(SystemExit) as e:
             _run(root, capsys, "--drafter", "mtp", "--steps", 1, *extra, "--out", root / "c")
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_stop_at_then_resume_is_the_uninterrupted_run(setup, capsys, tmp_path):
+    """`--stop-at 3` of a 6-step run, then the same command without it (resumed from `--checkpoint`), ends with the
+    weights of the 6 steps run at once (bitwise: the schedule spans --steps either way); `--last` holds the end
+    weights, which differ from the 3-step ones."""
+    root = setup
+    common = ["--drafter", "mtp", "--steps", 6, "--lr", "3e-3", "--val-every", 2]
+    rc, whole = _run(root, capsys, *common, "--out", tmp_path / "w", "--last", tmp_path / "w_last")
+    assert rc == 0
+    ck = tmp_path / "state.pt"
+    rc, part = _run(root, capsys, *common, "--out", tmp_path / "p", "--checkpoint", ck, "--stop-at", 3,
+                    "--last", tmp_path / "p3")
+    assert rc == 0 and torch.load(ck, weights_only=False)["step"] == 3
+    rc, rest = _run(root, capsys, *common, "--out", tmp_path / "p", "--checkpoint", ck, "--last", tmp_path / "p6")
+    assert rc == 0 and torch.load(ck, weights_only=False)["step"] == 6
+    w, p3, p6 = (load_file(tmp_path / d / "model.safetensors") for d in ("w_last", "p3", "p6"))
+    assert all(torch.equal(w[k], p6[k]) for k in w)
+    assert not all(torch.equal(w[k], p3[k]) for k in w)
+    with pytest.raises(SystemExit) as e:
+        _run(root, capsys, *common, "--out", tmp_path / "x", "--stop-at", 7)
+    assert e.value.code == 2 and "stop_at: expected an int in [1, steps=6]" in capsys.readouterr().err

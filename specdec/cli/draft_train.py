@@ -70,6 +70,10 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint", default=None, metavar="FILE", help="resumable training state (resumed if present)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this much training time")
     p.add_argument("--patience", type=int, default=None, help="stop after this many validations without a better tau")
+    p.add_argument("--stop-at", type=int, default=None, metavar="N",
+                   help="stop after step N, the learning-rate schedule still spanning --steps (resumable)")
+    p.add_argument("--last", default=None, metavar="DIR",
+                   help="also save the weights at the end of the run here (--out keeps the best validation's)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--cache-batches", type=int, default=0,
                    help="train on this many target batches computed once (0: a new target forward each step)")
@@ -123,9 +127,11 @@ def main(argv=None) -> int:
                           seed=args.seed, net=init, log=lambda line: print(line, flush=True),
                           on_best=lambda n, entry: save_drafter(n, args.out), checkpoint=args.checkpoint,
                           max_minutes=args.max_minutes, patience=args.patience, cache_batches=args.cache_batches,
-                          cache=args.cache, **({} if init is not None else overrides))
+                          cache=args.cache, stop_at=args.stop_at, **({} if init is not None else overrides))
     except ValueError as e:
         p.error(str(e))
+    if args.last:
+        save_drafter(net, args.last)
     first, last, best = hist["val"][0], hist["val"][-1], hist["best"]
     print(json.dumps({"out": args.out, "seconds": round(time.time() - t0, 1), "val_loss_start": first["loss"],
                       "val_loss_end": last["loss"], "per_position_end": last["per_position"],
