@@ -10,7 +10,14 @@
 #           128-token window instead of 16 (`anchor_density=0.5`: four times the first-slot examples a step). The
 #           shipped mtp and dspark (bench/RESULTS.md, "2026-12-02"), started from the drafters of commit b3b4bfc:
 #           `git archive b3b4bfc specdec/embedded | tar -x -C DIR` gives them in DIR/specdec/embedded.
-# Usage: bash bench/train_drafters_grown.sh [WORK_DIR] [INIT_MODEL_DIR] [blocks|wide]
+#   long:   DSpark on longer windows, in two phases (one job): 256-token windows with a 248-key context window
+#           (`context_window`), lr 5e-4, stopped at step 1250; from those weights, 512-token windows with a 504-key
+#           window, lr 3e-4, stopped at step 815. Trained on 128-token windows, DSpark never saw a target feature
+#           past position 127 nor a context key farther back than 121, while the benchmark drafts at positions up to
+#           ~500. The shipped dspark (bench/RESULTS.md, "2026-12-02, later"), started from the dspark of commit 652ae10
+#           (`git archive 652ae10 specdec/embedded | tar -x -C DIR`); the end weights of each phase land in
+#           WORK_DIR/ds256_1250 and WORK_DIR/ds512_815 (`--stop-at`, `--last`).
+# Usage: bash bench/train_drafters_grown.sh [WORK_DIR] [INIT_MODEL_DIR] [blocks|wide|long]
 #   WORK_DIR holds (or gets) the corpus of bench/train_drafters_longprompt.sh (corpus2.jsonl; cache2.pt shared).
 # Every run keeps its best validation checkpoint in WORK_DIR/<run>; bench/accept_rate.py --model COPY --kinds code
 # (COPY: the embedded model with a candidate under drafters/) decides what ships.
@@ -25,16 +32,25 @@ train() {  # kind, out dir, minutes, patience, config overrides...
     local kind=$1 out=$2 minutes=$3 patience=$4; shift 4
     OMP_NUM_THREADS=1 python -m specdec.draft.train --target specdec/embedded --data "$work/corpus2.jsonl" \
         --seq-len 128 --batch-size 8 --val-every 50 --val-batches 4 --cache-batches 250 --cache "$work/cache2.pt" \
-        --threads 1 --seed 0 --drafter "$kind" --init "$init/drafters/$kind" "$@" --out "$out" --steps 4000 \
-        --lr 5e-4 --patience "$patience" --max-minutes "$minutes" --checkpoint "$out.ckpt" > "$out.log" 2>&1
+        --threads 1 --seed 0 --drafter "$kind" --init "$init/drafters/$kind" --out "$out" --steps 4000 \
+        --lr 5e-4 --patience "$patience" --max-minutes "$minutes" --checkpoint "$out.ckpt" "$@" > "$out.log" 2>&1
 }
+if [ "$mode" = long ]; then
+    stop2=${STOP2:-815}
+    train dspark "$work/ds256" 600 1000 --seq-len 256 --batch-size 4 --val-batches 8 --cache "$work/cache256.pt" \
+        --config context_window=248 --stop-at 1250 --last "$work/ds256_1250"
+    train dspark "$work/ds512" 600 1000 --init "$work/ds256_1250" --seq-len 512 --batch-size 2 --val-batches 16 \
+        --cache "$work/cache512.pt" --config context_window=504 --lr 3e-4 --stop-at "$stop2" --last "$work/ds512_$stop2"
+    grep -h '"stopped"' "$work"/ds256.log "$work"/ds512.log
+    exit 0
+fi
 # patience and time as in the runs recorded in bench/RESULTS.md
 case $mode in
     blocks) runs=("dspark dspark4 100 30 --config num_layers=4"
                   "mtp mtp2 130 20 --config num_layers=2 --config intermediate_size=768") ;;
     wide)   runs=("dspark dspark_d50 77 30 --config anchor_density=0.5"
                   "mtp mtpw 70 20 --config intermediate_size=768") ;;
-    *) echo "mode: expected blocks or wide, got $mode" >&2; exit 2 ;;
+    *) echo "mode: expected blocks, wide or long, got $mode" >&2; exit 2 ;;
 esac
 read -r kind out rest <<< "${runs[0]}"
 train "$kind" "$work/$out" $rest &
