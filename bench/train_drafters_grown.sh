@@ -36,11 +36,10 @@ train() {  # kind, out dir, minutes, patience, config overrides...
         --lr 5e-4 --patience "$patience" --max-minutes "$minutes" --checkpoint "$out.ckpt" "$@" > "$out.log" 2>&1
 }
 if [ "$mode" = long ]; then
-    stop2=${STOP2:-815}
     train dspark "$work/ds256" 600 1000 --seq-len 256 --batch-size 4 --val-batches 8 --cache "$work/cache256.pt" \
         --config context_window=248 --stop-at 1250 --last "$work/ds256_1250"
     train dspark "$work/ds512" 600 1000 --init "$work/ds256_1250" --seq-len 512 --batch-size 2 --val-batches 16 \
-        --cache "$work/cache512.pt" --config context_window=504 --lr 3e-4 --stop-at "$stop2" --last "$work/ds512_$stop2"
+        --cache "$work/cache512.pt" --config context_window=504 --lr 3e-4 --stop-at 815 --last "$work/ds512_815"
     grep -h '"stopped"' "$work"/ds256.log "$work"/ds512.log
     exit 0
 fi

@@ -19,9 +19,10 @@ decides how many drafts are verified, so the output stays lossless.
 Training (`net.loss`): random anchors a per window (`Net.num_anchors`: the reference's density, 1 in 8
 positions); context = target features at positions <= a-1 (the last `context_window` of them when set),
 block = positions a .. a+G-1 (G = `block_size`), the Markov head teacher-forced with the true tokens
-(prev_i = token a+i). The reference recipe (`REFERENCE`, what every new drafter gets) scores slot i with 0.9 x L1(p_draft, p_target(a+i)) + 0.1 x CE(token a+i+1),
-slot k weighted exp(-k/4), plus the confidence head's BCE against the soft acceptance 1 - TV. Drafters saved before these fields existed keep their
-soft cross-entropy and hard-hit confidence target (`Config`). Reference followed: DeepSpec
+(prev_i = token a+i). The reference recipe (`REFERENCE`, what every new drafter gets) scores slot i with
+0.9 x L1(p_draft, p_target(a+i)) + 0.1 x CE(token a+i+1), slot k weighted exp(-k/4), plus the confidence head's
+BCE against the soft acceptance 1 - TV. Drafters saved before these fields existed keep their soft cross-entropy
+and hard-hit confidence target (`Config`). Reference followed: DeepSpec
 `deepspec/modeling/dspark/{loss.py, markov_head.py, common.py, qwen3/modeling.py}` and
 `config/dspark/dspark_qwen3_8b.py`.
 

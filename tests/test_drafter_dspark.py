@@ -669,4 +669,3 @@ def test_context_window_hides_only_the_older_keys(setup):
     assert torch.equal(hidden(W, moved=a - W - 1), base)  # just outside the window
     assert not torch.allclose(hidden(W, moved=a - W), base)  # the oldest key inside it
     assert not torch.allclose(hidden(0, moved=a - W - 1), hidden(0))
-

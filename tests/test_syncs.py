@@ -44,7 +44,7 @@ def test_syncs_and_launches_per_round_do_not_grow_with_batch(embedded, drafter):
     rows = {}
     for B in (1, 6):
         engine = specdec.wrap(model, drafter=name, max_batch_size=B)
-        # eagle and mtp accept up to 8 tokens a round here: more tokens for as many rounds
+        # the trained drafters accept up to 8 tokens a round here: more tokens for as many rounds
         rows[B] = syncs.measure(engine, [prompts[i % len(prompts)] for i in range(B)], 24 if drafter == "ngram" else 48)
     for B, r in rows.items():
         assert r["rounds"] > 3, r
