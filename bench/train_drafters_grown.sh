@@ -17,7 +17,11 @@
 #           ~500. The shipped dspark (bench/RESULTS.md, "2026-12-02, later"), started from the dspark of commit 652ae10
 #           (`git archive 652ae10 specdec/embedded | tar -x -C DIR`); the end weights of each phase land in
 #           WORK_DIR/ds256_1250 and WORK_DIR/ds512_815 (`--stop-at`, `--last`).
-# Usage: bash bench/train_drafters_grown.sh [WORK_DIR] [INIT_MODEL_DIR] [blocks|wide|long]
+#   eagle-long: EAGLE on 512-token windows (one phase, one job), lr 3e-4, stopped at step 3000: trained on 128-token
+#           windows, its own KV cache never held a position past 127. The shipped eagle (bench/RESULTS.md,
+#           "2026-12-02, night"), started from the eagle of commit 592b263; end weights in WORK_DIR/eagle512_3000.
+#           MTP the same way (lr 3e-4 or 1e-4) lost benchmark tau and was stopped (same section).
+# Usage: bash bench/train_drafters_grown.sh [WORK_DIR] [INIT_MODEL_DIR] [blocks|wide|long|eagle-long]
 #   WORK_DIR holds (or gets) the corpus of bench/train_drafters_longprompt.sh (corpus2.jsonl; cache2.pt shared).
 # Every run keeps its best validation checkpoint in WORK_DIR/<run>; bench/accept_rate.py --model COPY --kinds code
 # (COPY: the embedded model with a candidate under drafters/) decides what ships.
@@ -43,13 +47,19 @@ if [ "$mode" = long ]; then
     grep -h '"stopped"' "$work"/ds256.log "$work"/ds512.log
     exit 0
 fi
+if [ "$mode" = eagle-long ]; then
+    train eagle "$work/eagle512" 600 1000 --seq-len 512 --batch-size 2 --val-batches 16 --cache "$work/cache512.pt" \
+        --lr 3e-4 --stop-at 3000 --last "$work/eagle512_3000"
+    grep -h '"stopped"' "$work"/eagle512.log
+    exit 0
+fi
 # patience and time as in the runs recorded in bench/RESULTS.md
 case $mode in
     blocks) runs=("dspark dspark4 100 30 --config num_layers=4"
                   "mtp mtp2 130 20 --config num_layers=2 --config intermediate_size=768") ;;
     wide)   runs=("dspark dspark_d50 77 30 --config anchor_density=0.5"
                   "mtp mtpw 70 20 --config intermediate_size=768") ;;
-    *) echo "mode: expected blocks, wide or long, got $mode" >&2; exit 2 ;;
+    *) echo "mode: expected blocks, wide, long or eagle-long, got $mode" >&2; exit 2 ;;
 esac
 read -r kind out rest <<< "${runs[0]}"
 train "$kind" "$work/$out" $rest &
