@@ -87,6 +87,11 @@ class Drafter(ABC):
         """Called once by the engine with its view of the target."""
         self.target = target
 
+    def modules(self) -> list[torch.nn.Module]:
+        """The torch modules this drafter runs (its attributes that are modules): where the engine's `cpu_linear`
+        swaps in oneDNN linears."""
+        return [v for v in vars(self).values() if isinstance(v, torch.nn.Module)]
+
     def max_verify_tokens(self, gamma: int) -> int:
         """Most tokens one verify window needs (anchor included): a chain's gamma + 1, a tree's node budget."""
         return gamma + 1

@@ -13,12 +13,14 @@ from specdec.draft import Drafter, DraftBlock, TargetView, make_drafter
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
 
+from . import cpu_linear
 from .adapters import HYBRID_FAMILIES
 from .graphs import RoundGraphs
 from .runner import HybridRunner, index_tensor, make_runner, path_and_count
 
 STRATEGIES = ("replay", "snapshot")
 COMMITS = ("eager", "lazy")
+CPU_LINEAR = ("auto", "onednn", "aten")
 
 
 @dataclass
@@ -127,6 +129,12 @@ class SpecConfig:
     drafts deep in a chain are the least likely accepted, so larger batches verify fewer of them: vLLM's
     `speculative_disable_by_batch_size`, by degrees. E.g. `{8: 3}` (bench/RESULTS.md has the CPU sweep). A tree
     drafter keeps its node budget; the schedule bounds its depth.
+    cpu_linear: the matmul backend of the `nn.Linear` layers of an fp32 model on CPU and of its drafter, which a
+    verify feeds many rows at once. "onednn": `specdec.cpu_linear.install` turns them into `OneDNNLinear` (calls
+    of >= 2 rows run oneDNN, on some x86 CPUs about twice MKL's sgemm at tree sizes; 1-row calls and the weights
+    are unchanged; a second, blocked copy of each weight is kept). "aten": left as they are. "auto" (default):
+    "onednn" for an fp32 model on CPU when torch has oneDNN, else "aten". The model is changed in place (plain
+    decoding through it runs the same layers); `specdec.cpu_linear.uninstall(model)` undoes it.
     """
 
     drafter: object = "ngram"
@@ -139,12 +147,18 @@ class SpecConfig:
     static_shapes: bool = False
     cuda_graph: bool = False
     draft_tokens_by_batch: dict | None = None
+    cpu_linear: str = "auto"
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {STRATEGIES}, got {self.strategy!r}")
         if self.commit not in COMMITS:
             raise ValueError(f"commit: expected one of {COMMITS}, got {self.commit!r}")
+        if self.cpu_linear not in CPU_LINEAR:
+            raise ValueError(f"cpu_linear: expected one of {CPU_LINEAR}, got {self.cpu_linear!r}")
+        if self.cpu_linear == "onednn" and not cpu_linear.available():
+            raise ValueError("cpu_linear: 'onednn' needs a torch with oneDNN enabled (torch.backends.mkldnn); use "
+                             "'auto' or 'aten'")
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens: expected an int >= 1, got {self.num_draft_tokens!r}")
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -234,6 +248,7 @@ class SpecEngine:
                                                     4096))
         self._check_model(model, cfg)
         self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options)
+        self._cpu_linear(model, cfg.cpu_linear)
         verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
         self.runner = make_runner(model, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
                                   max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
@@ -263,6 +278,15 @@ class SpecEngine:
             eos = self.eos_token_id
             pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
         self.pad_token_id = int(pad)
+
+    def _cpu_linear(self, model, mode: str) -> None:
+        """`cpu_linear` (see `SpecConfig`): oneDNN `nn.Linear` layers in the target and the drafter's modules."""
+        p = next(model.parameters(), None)
+        fits = p is not None and p.device.type == "cpu" and p.dtype == torch.float32
+        if mode == "aten" or (mode == "auto" and not fits):
+            return
+        for m in (model, *self.drafter.modules()):
+            cpu_linear.install(m)
 
     @staticmethod
     def _check_model(model, cfg: SpecConfig) -> None:
@@ -808,7 +832,7 @@ def wrap(model, config: SpecConfig | None = None, **options) -> SpecEngine:
     Engine options (`SpecConfig`, or its fields as keywords): drafter ("ngram", "model", a trained kind or
     directory, or a Drafter), num_draft_tokens (gamma, 7), strategy ("replay" or "snapshot"), commit ("eager"
     or "lazy"), draft_model, max_batch_size (8), max_length, static_shapes, cuda_graph, draft_tokens_by_batch
-    (fewer drafts at larger batches, e.g. `{8: 3}`). Any other keyword is
+    (fewer drafts at larger batches, e.g. `{8: 3}`), cpu_linear ("auto", "onednn" or "aten"). Any other keyword is
     an option of the drafter (e.g. `max_ngram=2` for "ngram", `topk=4` for "eagle").
     """
     return SpecEngine(model, config, **options)

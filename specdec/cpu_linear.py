@@ -1,0 +1,99 @@
+"""oneDNN matmuls for a model's `nn.Linear` layers on CPU, where a verify feeds them many rows at once.
+
+A verify forward multiplies every weight by T rows (8 for a gamma-7 chain, up to ~50 for a tree), and on a CPU
+those matmuls are compute-bound: they are most of what a verify costs over a 1-token step (`bench/verify_cost.py`
+measures it as the "matmul floor"). torch's fp32 `F.linear` goes to MKL's sgemm, which on some x86 CPUs runs a
+generic code path (on the AMD Zen 5 of `bench/RESULTS.md` it does, AVX-512 unused), while oneDNN, also inside
+torch, runs the CPU's widest vectors. Measured there, per forward of the embedded model: the weight matmuls of a
+49-row tree 11.5 -> 6.8 ms, of an 8-row chain 4.5 -> 3.7 ms; at one or two rows MKL is as fast or faster (oneDNN
+has more fixed cost per call), so a call goes to oneDNN only from `min_rows` rows and `min_macs` multiply-adds.
+
+`install(model)` turns every plain `nn.Linear` of `model` (type exactly `nn.Linear`) into `OneDNNLinear`, a
+subclass whose forward dispatches by shape; weights, parameters, `state_dict` and `isinstance(m, nn.Linear)` are
+unchanged, and `uninstall(model)` turns them back. The oneDNN copy of a weight (its blocked layout: as much memory
+again as the weight) is made at the first call that uses it and remade when the weight changes (a new tensor or an
+in-place update: its version counter). Calls that need autograd, non-fp32 tensors and tensors off the CPU take
+`F.linear` unchanged.
+
+Exactness: a row's output from oneDNN and from MKL differ in the last bits (another summation order), as MKL's own
+results already differ between 1 row and T rows; speculative decoding stays lossless in the sense the engine
+checks (the greedy output equals plain decoding, which runs the same layers), and plain decode's 1-row steps
+still run `F.linear`, bit for bit.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MIN_ROWS = 2  # at 1 row a matmul is memory-bound: MKL is as fast and plain decode keeps its op order
+MIN_MACS = 1 << 19  # below ~0.5M multiply-adds oneDNN's fixed cost per call outweighs its faster loops
+
+_packed: "weakref.WeakKeyDictionary[nn.Linear, tuple]" = weakref.WeakKeyDictionary()
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN's CPU linear (`torch.ops.mkldnn._linear_pointwise`) and it is enabled."""
+    return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _weight(m: nn.Linear) -> torch.Tensor:
+    """`m.weight` in oneDNN's blocked layout, remade when the weight tensor or its contents changed."""
+    w = m.weight
+    hit = _packed.get(m)
+    if hit is None or hit[0]() is not w or hit[1] != w._version:
+        hit = (weakref.ref(w), w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+        _packed[m] = hit
+    return hit[2]
+
+
+class OneDNNLinear(nn.Linear):
+    """`nn.Linear` whose fp32 CPU calls of at least `MIN_ROWS` rows and `MIN_MACS` multiply-adds run oneDNN.
+
+    x `[..., in_features]` -> `[..., out_features]`, as `nn.Linear`.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows = x.numel() // self.in_features if self.in_features else 0
+        if (rows >= MIN_ROWS and rows * self.in_features * self.out_features >= MIN_MACS
+                and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
+                and w.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+                and torch.backends.mkldnn.enabled):
+            bias = self.bias
+            if bias is not None and bias.dtype != torch.float32:
+                return F.linear(x, w, bias)
+            return torch.ops.mkldnn._linear_pointwise(x, _weight(self), bias, "none", [], "")
+        return F.linear(x, w, self.bias)
+
+
+def install(model: nn.Module) -> int:
+    """Turn every `nn.Linear` of `model` (its own type, not a subclass) into `OneDNNLinear`, in place.
+
+    Returns the number of layers turned (0 when oneDNN is not available: the model is left as it was).
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if not available():
+        return 0
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = OneDNNLinear
+            n += 1
+    return n
+
+
+def uninstall(model: nn.Module) -> int:
+    """Turn `model`'s `OneDNNLinear` layers back into `nn.Linear` and drop their oneDNN weights; returns how many."""
+    n = 0
+    for m in model.modules():
+        if type(m) is OneDNNLinear:
+            m.__class__ = nn.Linear
+            _packed.pop(m, None)
+            n += 1
+    return n

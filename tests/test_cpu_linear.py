@@ -1,0 +1,145 @@
+"""`specdec.cpu_linear`: oneDNN `nn.Linear` layers against a float64 recomputation, the 1-row and autograd paths
+against `F.linear` bit for bit, weight updates, undo, and the engine's `cpu_linear` option (greedy output equal to
+transformers' greedy generate on an untouched copy of the model)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import specdec
+from specdec import cpu_linear
+from specdec.draft import NoDraft
+from specdec.testing import assert_close
+
+from tiny_models import tiny_model, torch_fallbacks
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch has no oneDNN (torch.backends.mkldnn)")
+
+
+def onednn_calls(fn):
+    """Run `fn()`, returning its result and the layers whose call took the oneDNN path (fetched their oneDNN
+    weight)."""
+    calls = []
+    orig = cpu_linear._weight
+
+    def counting(m):
+        calls.append(m)
+        return orig(m)
+
+    cpu_linear._weight = counting
+    try:
+        return fn(), calls
+    finally:
+        cpu_linear._weight = orig
+
+
+@pytest.mark.parametrize("rows", [4, 8, 49])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64(rows, bias):
+    torch.manual_seed(rows)
+    lin = nn.Linear(256, 768, bias=bias)
+    x = torch.randn(1, rows, 256)
+    cpu_linear.install(lin)
+    assert type(lin) is cpu_linear.OneDNNLinear and isinstance(lin, nn.Linear)
+    with torch.no_grad():
+        y, calls = onednn_calls(lambda: lin(x))
+    assert calls, "a fp32 call of >= 2 rows and >= MIN_MACS should run oneDNN"
+    ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+    assert_close(y, ref.float(), msg=f"rows={rows}")
+
+
+def test_one_row_and_small_calls_are_f_linear_bitwise():
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 768)
+    small = nn.Linear(64, 4)
+    cpu_linear.install(lin), cpu_linear.install(small)
+    with torch.no_grad():
+        for m, x in ((lin, torch.randn(1, 256)), (lin, torch.randn(3, 1, 256)[:1]), (small, torch.randn(8, 64))):
+            y, calls = onednn_calls(lambda: m(x))
+            assert not calls
+            assert_close(y, F.linear(x, m.weight, m.bias), exact=True)
+
+
+def test_autograd_and_other_dtypes_take_f_linear():
+    torch.manual_seed(1)
+    lin = nn.Linear(256, 256)
+    cpu_linear.install(lin)
+    x = torch.randn(16, 256)
+    y, calls = onednn_calls(lambda: lin(x))  # grad enabled, weight requires grad
+    assert not calls and y.requires_grad
+    y.sum().backward()
+    assert lin.weight.grad is not None
+    assert_close(y.detach(), F.linear(x, lin.weight, lin.bias).detach(), exact=True)
+    lin64 = nn.Linear(256, 256).double()
+    cpu_linear.install(lin64)
+    with torch.no_grad():
+        x64 = torch.randn(16, 256, dtype=torch.float64)
+        y, calls = onednn_calls(lambda: lin64(x64))
+    assert not calls
+    assert_close(y, F.linear(x64, lin64.weight, lin64.bias), exact=True)
+
+
+def test_weight_updates_are_seen():
+    torch.manual_seed(2)
+    lin = nn.Linear(256, 256, bias=False)
+    cpu_linear.install(lin)
+    x = torch.randn(16, 256)
+    ref = lambda: F.linear(x.double(), lin.weight.double()).float()  # noqa: E731
+    with torch.no_grad():
+        lin(x)
+        lin.weight.mul_(-2.0)  # in place: the version counter moves
+        y, calls = onednn_calls(lambda: lin(x))
+        assert calls
+        assert_close(y, ref(), msg="after an in-place update")
+        lin.weight = nn.Parameter(torch.randn(256, 256) / 16)  # a new tensor, nn.Linear's scale
+        assert_close(lin(x), ref(), msg="after a new weight")
+
+
+def test_install_uninstall_and_copies():
+    torch.manual_seed(3)
+
+    class Custom(nn.Linear):
+        pass
+
+    net = nn.Sequential(nn.Linear(256, 256), Custom(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    assert cpu_linear.install(net) == 2
+    assert cpu_linear.install(net) == 0  # already turned
+    assert type(net[1]) is Custom  # a subclass keeps its own forward
+    x = torch.randn(16, 256)
+    with torch.no_grad():
+        y = net(x)
+        twin = copy.deepcopy(net)  # the oneDNN weights live outside the modules
+        assert_close(twin(x), y, exact=True)
+    assert net.state_dict().keys() == before.keys()
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+    assert cpu_linear.uninstall(net) == 2
+    assert [type(m) for m in net] == [nn.Linear, Custom, nn.ReLU, nn.Linear]
+    with pytest.raises(ValueError, match="model: expected a torch.nn.Module"):
+        cpu_linear.install("not a module")
+
+
+def test_engine_option(monkeypatch):
+    with pytest.raises(ValueError, match="cpu_linear: expected one of"):
+        specdec.SpecConfig(cpu_linear="mkl")
+    model = tiny_model("qwen3_next", dtype=torch.float32).eval()
+    ref_model = copy.deepcopy(model)
+    specdec.wrap(model, drafter=NoDraft(), cpu_linear="aten")
+    assert not any(type(m) is cpu_linear.OneDNNLinear for m in model.modules())
+    engine = specdec.wrap(model, drafter="ngram")  # auto: an fp32 model on CPU
+    assert any(type(m) is cpu_linear.OneDNNLinear for m in model.modules())
+    assert not any(type(m) is cpu_linear.OneDNNLinear for m in ref_model.modules())
+    f64 = tiny_model("qwen3_next")
+    specdec.wrap(f64, drafter="ngram")
+    assert not any(type(m) is cpu_linear.OneDNNLinear for m in f64.modules()), "auto: fp32 models only"
+    # a repetitive prompt: ngram drafts something
+    prompt = torch.tensor([[3, 5, 7, 9, 11, 3, 5, 7, 9, 11, 3, 5, 7, 9]])
+    monkeypatch.setattr(cpu_linear, "MIN_MACS", 1)  # the tiny model's matmuls are far below the real threshold
+    out, calls = onednn_calls(lambda: engine.generate(prompt, max_new_tokens=24))
+    assert calls and out.stats.proposed > 0  # prefill and verifies of several rows ran oneDNN
+    with torch_fallbacks():
+        ref = ref_model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    assert out.sequences.tolist() == ref.tolist()
