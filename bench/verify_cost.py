@@ -27,14 +27,18 @@ interleaved with each other: `chunk` (kernels/verify/chunk.py, what the dispatch
 top-level `ratios` of the JSON are the first one's. `--breakdown` then profiles (cProfile) the chain and the largest
 tree per implementation and prints where a forward's time goes: the delta-rule verify, the short conv, the rest of
 the linear-attention mixers, the attention layers, the KV mask and positions, the MLPs, and everything else; plus,
-across all of them, the model's matmuls (every `F.linear`: projections, MLPs, lm_head), which grow with the tokens
+across all of them, the model's matmuls (every `nn.Linear`: projections, MLPs, lm_head), which grow with the tokens
 whatever the verify does.
 
-The same run also measures the floor those matmuls set (`matmul floor`): every `F.linear` of one forward of each
-kind (projections, MLPs, lm_head: the model's weights, at the rows the kind feeds them) is recorded and replayed
-alone, in the forward's order, interleaved across kinds like the forwards; the floor of a kind is
-(step_1 + its matmuls - step_1's matmuls) / step_1, the ratio a verify would reach if everything besides its
-weight matmuls cost no more than in a 1-token step. On a CPU, where those matmuls are compute-bound at a few rows,
+`--cpu-linear auto,aten` times the model's `nn.Linear` layers with both backends in the same run (interleaved, as
+cases `chunk / onednn linear`, `chunk / aten linear`, ...): "auto" is what the engine uses (`specdec.cpu_linear`:
+oneDNN for an fp32 model on CPU), "aten" is torch's `F.linear` (MKL's sgemm on x86).
+
+The same run also measures the floor those matmuls set (`matmul floor`): every `nn.Linear` call of one forward of
+each kind (projections, MLPs, lm_head: the model's weights, at the rows the kind feeds them, with the first case's
+backend) is recorded and replayed alone, in the forward's order, interleaved across kinds like the forwards; the
+floor of a kind is (step_1 + its matmuls - step_1's matmuls) / step_1, the ratio a verify would reach if everything
+besides its weight matmuls cost no more than in a 1-token step. On a CPU, where those matmuls are compute-bound at a few rows,
 no verify implementation goes below it; on a GPU decode is memory-bound and the floor sits near 1.
 """
 
@@ -53,7 +57,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -63,14 +66,29 @@ finally:
     sys.path.pop(0)
 
 import specdec  # noqa: E402,F401  (accept_rate made `specdec` importable in a bare checkout)
+from specdec import cpu_linear  # noqa: E402
 from specdec.kernels import dispatch  # noqa: E402
 from specdec.kernels.verify import chunk as verify_chunk  # noqa: E402
 from specdec.kernels.verify import naive as verify_naive  # noqa: E402
 
 TREE_SIZES = (13, 25, 49)
 NOISY = 0.25
-LINEAR = "<built-in method torch._C._nn.linear>"  # cProfile's name of F.linear
+LINEAR_FORWARDS = (torch.nn.Linear.forward.__code__, cpu_linear.OneDNNLinear.forward.__code__)
 VERIFY_IMPLS = {"chunk": verify_chunk.verify_delta_rule, "per-token": verify_naive.verify_delta_rule}
+
+
+@contextlib.contextmanager
+def case(impl: str | None, linear: str):
+    """One measured case: verify implementation `impl` (see `verify_impl`) and the `nn.Linear` backend `linear`
+    ("onednn": the installed `OneDNNLinear` layers; "aten": the same layers with oneDNN switched off, so every call
+    is `F.linear`)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(verify_impl(impl))
+        if linear == "aten":
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")  # flags() says it each time
+            stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
+        yield
 
 
 @contextlib.contextmanager
@@ -139,17 +157,19 @@ def make_inputs(runner, ids: torch.Tensor, shapes: dict) -> dict:
 
 
 def measure(runner, slots: list[int], ids: torch.Tensor, shapes: dict, repeats: int, warmup: int,
-            impls: list[str | None] = (None,)) -> dict:
-    """-> impl -> name -> list of seconds per forward; every (impl, kind) once per repeat, in a rotated order."""
+            cases: dict | None = None) -> dict:
+    """-> case -> kind -> list of seconds per forward; every (case, kind) once per repeat, in a rotated order.
+    `cases`: name -> (verify implementation, linear backend) (default: as dispatched, as installed)."""
     sync = device_sync(runner.device)
     inputs = make_inputs(runner, ids, shapes)
-    cases = [(impl, name) for impl in impls for name in shapes]
-    times: dict = {impl: {n: [] for n in shapes} for impl in impls}
+    cases = cases or {None: (None, "onednn")}
+    order0 = [(c, name) for c in cases for name in shapes]
+    times: dict = {c: {n: [] for n in shapes} for c in cases}
     for r in range(warmup + repeats):
-        order = cases[r % len(cases):] + cases[:r % len(cases)]
+        order = order0[r % len(order0):] + order0[:r % len(order0)]
         for impl, name in order:
             x, p = inputs[name]
-            with verify_impl(impl):
+            with case(*cases[impl]):
                 sync()
                 t = time.perf_counter()
                 runner.forward(slots, x, parent=p)
@@ -178,10 +198,11 @@ def components(runner) -> dict[str, list]:
     }
 
 
-def breakdown(runner, slots: list[int], x: torch.Tensor, p, impl: str | None, n: int = 10) -> dict:
+def breakdown(runner, slots: list[int], x: torch.Tensor, p, impl: str | None, linear: str = "onednn",
+              n: int = 10) -> dict:
     """ms per forward (under cProfile, so Python-heavy parts read high) of each component, and the total."""
     prof = cProfile.Profile()
-    with verify_impl(impl):
+    with case(impl, linear):
         runner.forward(slots, x, parent=p)
         runner.abort()
         prof.enable()
@@ -194,54 +215,48 @@ def breakdown(runner, slots: list[int], x: torch.Tensor, p, impl: str | None, n:
     out = {label: 1e3 * sum(cum(c) for c in codes) / n for label, codes in components(runner).items()}
     # every nn.Linear of the model (projections, MLPs, lm_head), whichever part above it belongs to: the compute
     # that grows with the tokens whatever the verify does
-    out["model matmuls (F.linear)"] = 1e3 * sum(v[3] for k, v in stats.items() if k[2] == LINEAR) / n
+    out["model matmuls (nn.Linear)"] = 1e3 * sum(cum(c) for c in LINEAR_FORWARDS) / n
     out["total"] = 1e3 * sum(v[3] for k, v in stats.items() if k[2] == "forward" and k[0].endswith("runner.py")) / n
     return out
 
 
-class LinearCalls(TorchFunctionMode):
-    """Records every `F.linear` under it as (input shape, input dtype, weight, bias); the calls still run."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, w = args[0], args[1]
-            b = args[2] if len(args) > 2 else kwargs.get("bias")
-            self.calls.append((tuple(x.shape), x.dtype, w, b))
-        return func(*args, **kwargs)
-
-
 def linear_calls(runner, slots: list[int], x: torch.Tensor, p) -> list[tuple]:
-    """The `F.linear` calls of one forward of `x` (ids `[1, T]`, parent `[T]` or None), in order."""
-    with LinearCalls() as rec:
+    """The `nn.Linear` calls of one forward of `x` (ids `[1, T]`, parent `[T]` or None), in order, as
+    (layer, input shape, input dtype)."""
+    calls: list[tuple] = []
+    record = lambda m, args: calls.append((m, tuple(args[0].shape), args[0].dtype))  # noqa: E731
+    hooks = [m.register_forward_pre_hook(record) for m in runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
         runner.forward(slots, x, parent=p)
+    finally:
+        for h in hooks:
+            h.remove()
     runner.abort()
-    return rec.calls
+    return calls
 
 
-def matmul_floor(runner, slots: list[int], inputs: dict, step_1_s: float, repeats: int, warmup: int) -> dict:
-    """The weight matmuls of each kind replayed alone: name -> {matmul_ms (median), floor (ratio), calls}.
-    `inputs` as `make_inputs` gives them; `step_1_s` the median 1-token forward of the same run."""
+def matmul_floor(runner, slots: list[int], inputs: dict, step_1_s: float, repeats: int, warmup: int,
+                 linear: str = "onednn") -> dict:
+    """The weight matmuls of each kind replayed alone (the model's `nn.Linear` layers, with backend `linear`):
+    name -> {matmul_ms (median), floor (ratio), calls}. `inputs` as `make_inputs` gives them; `step_1_s` the
+    median 1-token forward of the same run."""
     sync = device_sync(runner.device)
     calls = {name: linear_calls(runner, slots, *xp) for name, xp in inputs.items()}
     gen = torch.Generator(device=runner.device).manual_seed(0)
-    args = {name: [(torch.randn(shape, generator=gen, device=runner.device, dtype=dt), w, b)
-                   for shape, dt, w, b in cs] for name, cs in calls.items()}
+    args = {name: [(m, torch.randn(shape, generator=gen, device=runner.device, dtype=dt)) for m, shape, dt in cs]
+            for name, cs in calls.items()}
     names = list(args)
     times: dict = {n: [] for n in names}
-    for r in range(warmup + repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            sync()
-            t = time.perf_counter()
-            for x, w, b in args[name]:
-                F.linear(x, w, b)
-            sync()
-            if r >= warmup:
-                times[name].append(time.perf_counter() - t)
+    with torch.no_grad(), case(None, linear):
+        for r in range(warmup + repeats):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                sync()
+                t = time.perf_counter()
+                for m, x in args[name]:
+                    m(x)
+                sync()
+                if r >= warmup:
+                    times[name].append(time.perf_counter() - t)
     mm = {n: statistics.median(v) for n, v in times.items()}
     return {n: {"matmul_ms": 1e3 * mm[n], "spread": spread(times[n]), "calls": len(calls[n]),
                 "floor": (step_1_s - mm["step_1"] + mm[n]) / step_1_s if step_1_s > 0 else 0.0} for n in names}
@@ -249,10 +264,10 @@ def matmul_floor(runner, slots: list[int], inputs: dict, step_1_s: float, repeat
 
 def format_floor(fl: dict, res: dict) -> str:
     """The matmul floor of every kind beside the measured ratio (one implementation's `res`)."""
-    head = f"{'kind':10s} {'F.linear':>8s} {'matmul ms':>10s} {'spread':>7s} {'floor':>8s} {'measured':>9s}"
+    head = f"{'kind':10s} {'nn.Linear':>9s} {'matmul ms':>10s} {'spread':>7s} {'floor':>8s} {'measured':>9s}"
     lines = [head, "-" * len(head)]
     for name, f in fl.items():
-        lines.append(f"{name:10s} {f['calls']:8d} {f['matmul_ms']:10.2f} {f['spread'] * 100:6.0f}% "
+        lines.append(f"{name:10s} {f['calls']:9d} {f['matmul_ms']:10.2f} {f['spread'] * 100:6.0f}% "
                      f"{f['floor']:7.2f}x {res['kinds'][name]['ratio']:8.2f}x")
     return "\n".join(lines)
 
@@ -291,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", default="chunk,per-token",
                    help="comma-separated CPU verify implementations to time in the same run (chunk, per-token); "
                         "'dispatch': whatever the dispatcher serves (Triton on CUDA)")
+    p.add_argument("--cpu-linear", default="auto",
+                   help="comma-separated nn.Linear backends to time in the same run (auto, onednn, aten; see "
+                        "specdec.cpu_linear); auto (the engine's default) is onednn for an fp32 model on CPU")
     p.add_argument("--breakdown", action="store_true", help="profile the chain and the largest tree per implementation")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     return p
@@ -326,6 +344,14 @@ def main(argv=None) -> int:
         parser.error(f"--verify: expected distinct names from {sorted(VERIFY_IMPLS) + ['dispatch']}, got {a.verify!r}")
     if a.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
+    linears = [x.strip() for x in a.cpu_linear.split(",") if x.strip()]
+    for x in linears:
+        try:
+            cpu_linear.check_mode(x)
+        except ValueError as e:
+            parser.error(f"--cpu-linear: {e}")
+    if not linears:
+        parser.error("--cpu-linear: no backend named")
     try:
         model_dir = resolve_model_dir(a.model)
     except FileNotFoundError as e:
@@ -346,21 +372,28 @@ def main(argv=None) -> int:
     ids = tok(prompts[0]["prompt"], return_tensors="pt").input_ids[0][-a.prompt_tokens:]
     shapes = kinds(a.chain, trees, a.topk)
     T_max = max([a.chain, *trees])
+    backends = list(dict.fromkeys(cpu_linear.resolve(x, model) for x in linears))  # "auto" resolved, deduplicated
+    if "onednn" in backends:
+        cpu_linear.install(model)  # as the engine does; "aten" cases switch oneDNN off around their forwards
     runner = HybridRunner(model, max_batch_size=1, max_length=ids.numel() + T_max + 1, num_verify_tokens=T_max)
     slots = runner.alloc(1)
     runner.prefill(slots[0], ids.to(a.device))
-    keys = [None if x == "dispatch" else x for x in impls]
-    times = measure(runner, slots, ids, shapes, a.repeats, a.warmup, keys)
-    per_impl = {name: {"kinds": summarize(times[key], shapes, a.chain)} for name, key in zip(impls, keys)}
+    cases = {(f"{v} / {b} linear" if len(backends) > 1 else v): (None if v == "dispatch" else v, b)
+             for v in impls for b in backends}
+    times = measure(runner, slots, ids, shapes, a.repeats, a.warmup, cases)
+    per_impl = {name: {"kinds": summarize(times[name], shapes, a.chain), "verify": v, "cpu_linear": b}
+                for name, (v, b) in cases.items()}
     for r in per_impl.values():
         r["ratios"] = {n: k["ratio"] for n, k in r["kinds"].items() if n != "step_1"}
     inputs = make_inputs(runner, ids, shapes)
-    first = per_impl[impls[0]]
-    floor = matmul_floor(runner, slots, inputs, first["kinds"]["step_1"]["median_s"], a.repeats, a.warmup)
+    first_name = next(iter(cases))
+    first = per_impl[first_name]
+    floor = matmul_floor(runner, slots, inputs, first["kinds"]["step_1"]["median_s"], a.repeats, a.warmup,
+                         linear=backends[0])
     if a.breakdown:
         big = [f"chain_{a.chain}"] + ([f"tree_{max(trees)}"] if trees else [])
-        for name, key in zip(impls, keys):
-            per_impl[name]["breakdown_ms"] = {k: breakdown(runner, slots, *inputs[k], key) for k in ["step_1", *big]}
+        for name, c in cases.items():
+            per_impl[name]["breakdown_ms"] = {k: breakdown(runner, slots, *inputs[k], *c) for k in ["step_1", *big]}
     noisy = {f"{i} {n}": r["spread"] for i, res in per_impl.items() for n, r in res["kinds"].items()
              if r["spread"] > NOISY}
     n_params = sum(p.numel() for p in model.parameters())
@@ -368,6 +401,7 @@ def main(argv=None) -> int:
         "ratios": first["ratios"],
         "kinds": first["kinds"],
         "verify": impls[0],
+        "cpu_linear": backends[0],
         "matmul_floor": {"floor_ratios": {n: f["floor"] for n, f in floor.items() if n != "step_1"}, "kinds": floor},
         "impls": per_impl,
         "noisy": bool(noisy),
@@ -376,18 +410,18 @@ def main(argv=None) -> int:
         "settings": {"prompt_id": prompts[0]["id"], "prompt_tokens": int(ids.numel()), "chain": a.chain,
                      "trees": trees, "topk": a.topk, "repeats": a.repeats, "warmup": a.warmup,
                      "threads": torch.get_num_threads(), "device": a.device, "strategy": "replay",
-                     "commit": "eager", "num_verify_tokens": T_max, "verify": impls},
+                     "commit": "eager", "num_verify_tokens": T_max, "verify": impls, "cpu_linear": backends},
     }
     print(f"# bench/verify_cost.py: {a.model} ({model.config.model_type}, {n_params / 1e6:.1f}M params, float32, "
           f"{a.device}), torch threads {torch.get_num_threads()}, prompt {prompts[0]['id']} ({ids.numel()} tokens), "
           f"median of {a.repeats} interleaved repeats after {a.warmup} warmup rounds")
     for name, res in per_impl.items():
-        print(f"\nverify: {name}")
+        print(f"\nverify: {name}" + (f" ({res['cpu_linear']} linear)" if len(backends) == 1 else ""))
         print(format_table(res))
         if "breakdown_ms" in res:
             print(format_breakdown(res["breakdown_ms"]))
     print(f"\nmatmul floor (the weight matmuls of each kind replayed alone; floor = step_1 + their growth over "
-          f"step_1's, as a ratio; measured: verify {impls[0]})")
+          f"step_1's, as a ratio; measured: {first_name}" + (f", {backends[0]} linear)" if len(backends) == 1 else ")"))
     print(format_floor(floor, first))
     if noisy:
         worst = ", ".join(f"{n} {s * 100:.0f}%" for n, s in noisy.items())

@@ -32,6 +32,7 @@ from torch import nn
 MIN_ROWS = 2  # at 1 row a matmul is memory-bound: MKL is as fast and plain decode keeps its op order
 MIN_MACS = 1 << 19  # below ~0.5M multiply-adds oneDNN's fixed cost per call outweighs its faster loops
 
+MODES = ("auto", "onednn", "aten")
 _packed: "weakref.WeakKeyDictionary[nn.Linear, tuple]" = weakref.WeakKeyDictionary()
 
 
@@ -39,6 +40,36 @@ def available() -> bool:
     """Whether this torch has oneDNN's CPU linear (`torch.ops.mkldnn._linear_pointwise`) and it is enabled."""
     return (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def check_mode(mode: str) -> None:
+    """A ValueError unless `mode` is one of `MODES` ("onednn" only where oneDNN is available)."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_linear: expected one of {MODES}, got {mode!r}")
+    if mode == "onednn" and not available():
+        raise ValueError("cpu_linear: 'onednn' needs a torch with oneDNN enabled (torch.backends.mkldnn); use "
+                         "'auto' or 'aten'")
+
+
+def resolve(mode: str, model: nn.Module) -> str:
+    """The backend `mode` means for `model`: "auto" is "onednn" for an fp32 model on CPU when oneDNN is available,
+    else "aten"; "onednn" and "aten" are themselves ("onednn" needs oneDNN: a ValueError otherwise)."""
+    check_mode(mode)
+    if mode != "auto":
+        return mode
+    p = next(model.parameters(), None)
+    fits = p is not None and p.device.type == "cpu" and p.dtype == torch.float32
+    return "onednn" if fits and available() else "aten"
+
+
+def apply(mode: str, model: nn.Module, *others: nn.Module) -> str:
+    """`install` into `model` and `others` (a drafter's modules) when `resolve(mode, model)` is "onednn";
+    returns the resolved backend."""
+    backend = resolve(mode, model)
+    if backend == "onednn":
+        for m in (model, *others):
+            install(m)
+    return backend
 
 
 def _weight(m: nn.Linear) -> torch.Tensor:

@@ -20,7 +20,6 @@ from .runner import HybridRunner, index_tensor, make_runner, path_and_count
 
 STRATEGIES = ("replay", "snapshot")
 COMMITS = ("eager", "lazy")
-CPU_LINEAR = ("auto", "onednn", "aten")
 
 
 @dataclass
@@ -154,11 +153,7 @@ class SpecConfig:
             raise ValueError(f"strategy: expected one of {STRATEGIES}, got {self.strategy!r}")
         if self.commit not in COMMITS:
             raise ValueError(f"commit: expected one of {COMMITS}, got {self.commit!r}")
-        if self.cpu_linear not in CPU_LINEAR:
-            raise ValueError(f"cpu_linear: expected one of {CPU_LINEAR}, got {self.cpu_linear!r}")
-        if self.cpu_linear == "onednn" and not cpu_linear.available():
-            raise ValueError("cpu_linear: 'onednn' needs a torch with oneDNN enabled (torch.backends.mkldnn); use "
-                             "'auto' or 'aten'")
+        cpu_linear.check_mode(self.cpu_linear)
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens: expected an int >= 1, got {self.num_draft_tokens!r}")
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
@@ -248,7 +243,7 @@ class SpecEngine:
                                                     4096))
         self._check_model(model, cfg)
         self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options)
-        self._cpu_linear(model, cfg.cpu_linear)
+        cpu_linear.apply(cfg.cpu_linear, model, *self.drafter.modules())
         verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
         self.runner = make_runner(model, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
                                   max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
@@ -278,15 +273,6 @@ class SpecEngine:
             eos = self.eos_token_id
             pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
         self.pad_token_id = int(pad)
-
-    def _cpu_linear(self, model, mode: str) -> None:
-        """`cpu_linear` (see `SpecConfig`): oneDNN `nn.Linear` layers in the target and the drafter's modules."""
-        p = next(model.parameters(), None)
-        fits = p is not None and p.device.type == "cpu" and p.dtype == torch.float32
-        if mode == "aten" or (mode == "auto" and not fits):
-            return
-        for m in (model, *self.drafter.modules()):
-            cpu_linear.install(m)
 
     @staticmethod
     def _check_model(model, cfg: SpecConfig) -> None:

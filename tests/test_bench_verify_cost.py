@@ -76,19 +76,47 @@ def test_breakdown_and_bad_verify_name(tmp_path):
     for parts in bd.values():
         assert parts["total"] > 0 and parts["delta-rule verify"] > 0
         assert parts["delta-rule verify"] <= parts["linear-attn mixers (all)"] <= parts["total"]
-        assert 0 < parts["model matmuls (F.linear)"] < parts["total"]
+        assert 0 < parts["model matmuls (nn.Linear)"] < parts["total"]
     bad = subprocess.run(list(map(str, base + ["--verify", "chunk,fast"])), capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=120)
     assert bad.returncode != 0 and "--verify" in bad.stderr
+    bad = subprocess.run(list(map(str, base + ["--cpu-linear", "auto,mkl"])), capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=120)
+    assert bad.returncode != 0 and "--cpu-linear" in bad.stderr
+
+
+def test_linear_backends_in_one_run(tmp_path):
+    """`--cpu-linear auto,aten`: both nn.Linear backends timed in the same run, as separate cases."""
+    save_tiny(tmp_path / "model", "kimi_linear")
+    out = tmp_path / "out.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, SCRIPT, "--model", tmp_path / "model", "--repeats", 1, "--warmup", 0, "--prompt-tokens",
+            16, "--trees", 13, "--verify", "chunk", "--cpu-linear", "auto,aten", "--json", out]
+    proc = subprocess.run(list(map(str, args)), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    assert set(res["impls"]) == {"chunk / onednn linear", "chunk / aten linear"}
+    assert res["cpu_linear"] == "onednn" and res["settings"]["cpu_linear"] == ["onednn", "aten"]
+    assert res["ratios"] == res["impls"]["chunk / onednn linear"]["ratios"]
+    assert "verify: chunk / aten linear" in proc.stdout
 
 
 def test_matmul_floor_records_every_linear_of_a_forward():
-    """`linear_calls` sees exactly the model's nn.Linear calls of one forward (forward hooks: same weights, same
-    order, T rows each), leaves the committed state as it was, and the floor of step_1 is 1."""
+    """`linear_calls` sees exactly the model's nn.Linear calls of one forward (checked against the `F.linear` calls
+    a TorchFunctionMode sees: same weights, same order, T rows each), leaves the committed state as it was, and the
+    floor of step_1 is 1."""
     import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
 
     from specdec.runner import HybridRunner
     from tiny_models import tiny_model
+
+    class Linears(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.linear:
+                seen.append((args[1], args[0].shape[:-1].numel()))
+            return func(*args, **(kwargs or {}))
 
     bench = load_script()
     model = tiny_model("qwen3_5", dtype=torch.float32)  # dense MLPs: every weight matmul is an nn.Linear
@@ -96,20 +124,15 @@ def test_matmul_floor_records_every_linear_of_a_forward():
     slots = runner.alloc(1)
     runner.prefill(slots[0], torch.arange(3, 23))
     seen = []
-    hooks = [m.register_forward_hook(lambda m, args, out: seen.append((m.weight, args[0].shape[:-1].numel())))
-             for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    try:
-        inputs = bench.make_inputs(runner, torch.arange(3, 23), bench.kinds(5, [13], 4))
-        for name, (x, p) in inputs.items():
-            seen.clear()
+    inputs = bench.make_inputs(runner, torch.arange(3, 23), bench.kinds(5, [13], 4))
+    for name, (x, p) in inputs.items():
+        seen.clear()
+        with Linears():
             calls = bench.linear_calls(runner, slots, x, p)
-            assert len(calls) == len(seen) > 0, name
-            for (shape, dtype, w, _), (hw, rows) in zip(calls, seen):
-                assert w is hw and dtype == torch.float32
-                assert torch.Size(shape[:-1]).numel() == rows == x.shape[1], name
-    finally:
-        for h in hooks:
-            h.remove()
+        assert len(calls) == len(seen) > 0, name
+        for (m, shape, dtype), (w, rows) in zip(calls, seen):
+            assert m.weight is w and dtype == torch.float32
+            assert torch.Size(shape[:-1]).numel() == rows == x.shape[1], name
     # the recording forwards were aborted: the next 1-token step equals one taken before them
     x, p = inputs["step_1"]
     fresh = HybridRunner(model, max_batch_size=1, max_length=64, num_verify_tokens=13)
