@@ -19,6 +19,10 @@ topological.
 
 All kinds run in one process, interleaved (each repeat runs every kind once, in a rotated order) after
 `--warmup` untimed rounds; each figure is the median over `--repeats`. Ratios are median(kind) / median(step_1).
+Each timed forward is the last of `--block` (default 2) back-to-back forwards of its kind, as decoding runs them:
+the caches then hold what that kind reads. (With oneDNN linears a verify reads the blocked weight copies and a
+1-token step the original weights; timed right after another kind, a step_1 would pay for the other copy's
+eviction and read slow, flattering every ratio.)
 The spread of a kind is (p90 - p10) / median over its repeats; above 25% the run is reported as noisy.
 
 `--verify chunk,per-token` (the default) times both CPU implementations of the delta-rule verify in the same run,
@@ -157,9 +161,12 @@ def make_inputs(runner, ids: torch.Tensor, shapes: dict) -> dict:
 
 
 def measure(runner, slots: list[int], ids: torch.Tensor, shapes: dict, repeats: int, warmup: int,
-            cases: dict | None = None) -> dict:
+            cases: dict | None = None, block: int = 1) -> dict:
     """-> case -> kind -> list of seconds per forward; every (case, kind) once per repeat, in a rotated order.
-    `cases`: name -> (verify implementation, linear backend) (default: as dispatched, as installed)."""
+    `cases`: name -> (verify implementation, linear backend) (default: as dispatched, as installed). `block`: each
+    timed forward is the last of `block` back-to-back forwards of its kind, as decoding runs them (the others warm
+    the caches with the weights that kind reads: with oneDNN a verify reads the blocked copies, a 1-row step the
+    originals)."""
     sync = device_sync(runner.device)
     inputs = make_inputs(runner, ids, shapes)
     cases = cases or {None: (None, "onednn")}
@@ -170,6 +177,9 @@ def measure(runner, slots: list[int], ids: torch.Tensor, shapes: dict, repeats: 
         for impl, name in order:
             x, p = inputs[name]
             with case(*cases[impl]):
+                for _ in range(block - 1):
+                    runner.forward(slots, x, parent=p)
+                    runner.abort()
                 sync()
                 t = time.perf_counter()
                 runner.forward(slots, x, parent=p)
@@ -301,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=8, help="tree width per depth (EAGLE's topk)")
     p.add_argument("--repeats", type=int, default=15, help="timed repeats of every kind (median reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds of every kind first")
+    p.add_argument("--block", type=int, default=2,
+                   help="forwards of a kind back to back, the last one timed (>= 1; 1: every forward timed, "
+                        "kinds fully interleaved)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--verify", default="chunk,per-token",
@@ -334,7 +347,7 @@ def main(argv=None) -> int:
     except ValueError:
         parser.error(f"--trees: expected comma-separated integers, got {a.trees!r}")
     for flag, val, low in (("--chain", a.chain, 1), ("--topk", a.topk, 1), ("--repeats", a.repeats, 1),
-                           ("--warmup", a.warmup, 0), ("--threads", a.threads, 1), ("--prompt-tokens", a.prompt_tokens, 1),
+                           ("--warmup", a.warmup, 0), ("--block", a.block, 1), ("--threads", a.threads, 1), ("--prompt-tokens", a.prompt_tokens, 1),
                            *(("--trees", t, 2) for t in trees)):
         if val < low:
             parser.error(f"{flag}: expected >= {low}, got {val}")
@@ -380,7 +393,7 @@ def main(argv=None) -> int:
     runner.prefill(slots[0], ids.to(a.device))
     cases = {(f"{v} / {b} linear" if len(backends) > 1 else v): (None if v == "dispatch" else v, b)
              for v in impls for b in backends}
-    times = measure(runner, slots, ids, shapes, a.repeats, a.warmup, cases)
+    times = measure(runner, slots, ids, shapes, a.repeats, a.warmup, cases, a.block)
     per_impl = {name: {"kinds": summarize(times[name], shapes, a.chain), "verify": v, "cpu_linear": b}
                 for name, (v, b) in cases.items()}
     for r in per_impl.values():
@@ -408,7 +421,7 @@ def main(argv=None) -> int:
         "machine": machine_info(a.device),
         "model": {"path": str(model_dir), "model_type": model.config.model_type, "params": n_params},
         "settings": {"prompt_id": prompts[0]["id"], "prompt_tokens": int(ids.numel()), "chain": a.chain,
-                     "trees": trees, "topk": a.topk, "repeats": a.repeats, "warmup": a.warmup,
+                     "trees": trees, "topk": a.topk, "repeats": a.repeats, "warmup": a.warmup, "block": a.block,
                      "threads": torch.get_num_threads(), "device": a.device, "strategy": "replay",
                      "commit": "eager", "num_verify_tokens": T_max, "verify": impls, "cpu_linear": backends},
     }

@@ -89,17 +89,30 @@ class OneDNNLinear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        rows = x.numel() // self.in_features if self.in_features else 0
-        if (rows >= MIN_ROWS and rows * self.in_features * self.out_features >= MIN_MACS
-                and x.dtype == torch.float32 and w.dtype == torch.float32 and x.device.type == "cpu"
-                and w.device.type == "cpu" and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-                and torch.backends.mkldnn.enabled):
-            bias = self.bias
-            if bias is not None and bias.dtype != torch.float32:
-                return F.linear(x, w, bias)
-            return torch.ops.mkldnn._linear_pointwise(x, _weight(self), bias, "none", [], "")
-        return F.linear(x, w, self.bias)
+        # the size test first and alone: a 1-row call (every plain decode step) costs one numel() more than
+        # nn.Linear's forward
+        n = x.numel()
+        if n * self.out_features >= MIN_MACS and n >= MIN_ROWS * self.in_features and _onednn_ok(self, x):
+            return _linear_pointwise()(x, _weight(self), self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _onednn_ok(m: nn.Linear, x: torch.Tensor) -> bool:
+    """fp32 on CPU, no autograd needed, oneDNN switched on (`torch.backends.mkldnn.flags`)."""
+    w, b = m.weight, m.bias
+    return (x.dtype == torch.float32 and w.dtype == torch.float32 and (b is None or b.dtype == torch.float32)
+            and x.device.type == "cpu" and w.device.type == "cpu" and torch.backends.mkldnn.enabled
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+
+
+_OP: list = []
+
+
+def _linear_pointwise():
+    """`torch.ops.mkldnn._linear_pointwise`, looked up once (the lookup walks three lazy namespaces)."""
+    if not _OP:
+        _OP.append(torch.ops.mkldnn._linear_pointwise)
+    return _OP[0]
 
 
 def install(model: nn.Module) -> int:
