@@ -243,7 +243,6 @@ class SpecEngine:
                                                     4096))
         self._check_model(model, cfg)
         self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options)
-        cpu_linear.apply(cfg.cpu_linear, model, *self.drafter.modules())
         verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
         self.runner = make_runner(model, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
                                   max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
@@ -251,6 +250,7 @@ class SpecEngine:
         if cfg.static_shapes and not isinstance(self.runner, HybridRunner):
             raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
                              f"forward, whose cache grows every round")
+        cpu_linear.apply(cfg.cpu_linear, model, *self.drafter.modules())  # after every check: changes the model
         self.buckets = _buckets(cfg.max_batch_size)
         self._graphs = RoundGraphs(self) if cfg.cuda_graph else None
         self.slots: list = []  # target slot of each lane (a drafter row) of the running generate call

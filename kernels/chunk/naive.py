@@ -44,7 +44,7 @@ def factored_terms(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, G: torc
         i sees; `fits` is None when every chunk fits (one host read), else `[...]` bool per chunk.
     """
     dt = q.dtype
-    hi, lo = G.amax(-2, keepdim=True), G.amin(-2, keepdim=True)
+    lo, hi = torch.aminmax(G, dim=-2, keepdim=True)
     fits = ((hi - lo).amax(-1) <= SPAN[dt]).squeeze(-1)
     r = (hi + lo) / 2
     up, down = G - r, r - G

@@ -34,11 +34,21 @@ at 1e-12; the per-token oracle stays reachable as `naive.verify_delta_rule`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..chunk.naive import factored_terms, wy_terms
 from ..common import ancestor_mask, delta_step
 from .naive import store_ring_records, verify_inputs
+
+
+@functools.lru_cache(maxsize=64)
+def _lower(T: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The chain's mask `[T, T]` in `dtype` (1 on and below the diagonal), made once per shape; never written.
+    A normal tensor even when first asked for under `inference_mode`, so autograd callers can use it too."""
+    with torch.inference_mode(False):
+        return torch.ones(T, T, dtype=dtype, device=device).tril()
 
 
 def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -53,7 +63,8 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     Args:
         q: normalized, scaled `[R, T, H, K]`;  k: normalized `[R, T, H, K]`;  v: `[R, T, H, V]`;
         g: `[R, T, H, K or 1]`;  beta: `[R, T, H]`;  S0: `[R, H, K, V]`;
-        mask: `[R, T, T]` or `[T, T]` bool, t sees u (u == t or an ancestor of t).
+        mask: `[R, T, T]` or `[T, T]` bool, t sees u (u == t or an ancestor of t); None: a chain (the lower
+            triangle), whose path sums are running sums.
         states: out `[R, T, H, K, V]` in the math dtype (may be a view of the caller's node buffer): the state
             after every token / node, written in place (multi-MB temporaries cost page faults on CPU).
     Returns:
@@ -63,10 +74,14 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     V = v.shape[-1]
     heads = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  [R, T, H, X] -> [R, H, T, X], row-major
     tokens = lambda x: x.transpose(1, 2)  # noqa: E731  [R, H, T, ...] -> [R, T, H, ...] (a view)
-    mask = mask.expand(R, T, T).to(q.dtype)
-    G = heads((mask @ g.reshape(R, T, -1)).reshape(g.shape))            # [R, H, T, K|1]: sums along root paths
-    m = mask[:, None]                                                      # [R, 1, T, T]
-    qh, kh, vh, bh = heads(q), heads(k), heads(v), heads(beta[..., None])
+    if mask is None:  # a chain: G is the running sum, the mask the lower triangle
+        mask = _lower(T, q.dtype, q.device)                                # [T, T]
+        G = heads(g.cumsum(1))                                             # [R, H, T, K|1]
+    else:
+        mask = mask.to(q.dtype)
+        G = heads((mask @ g.reshape(R, T, -1)).view(g.shape))              # [R, H, T, K|1]: sums along root paths
+    m = mask.unsqueeze(-3)                                                 # [R or 1, 1, T, T]
+    qh, kh, vh, bh = heads(q), heads(k), heads(v), tokens(beta).unsqueeze(-1)
     A, P, up, kdown, fits = factored_terms(qh, kh, bh, G, m)
     if fits is not None:  # some channel's gates too strong for the factors
         kd, P, W, Y, eG = wy_terms(qh, kh, vh, bh, G, m > 0, pairwise=True)
@@ -79,6 +94,7 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         d = d.contiguous()  # LAPACK hands back column-major; the products below want rows
         if states is not None:  # e^(G_t - r) times the sum over the visible j of k_j e^(r - G_j) d_j^T
             Z = torch.mul(tokens(kdown)[..., None], tokens(d)[..., None, :], out=q.new_empty(R, T, H, K, V))
+            mask = mask.expand(R, T, T)
             if states.is_contiguous():
                 torch.bmm(mask, Z.view(R, T, H * K * V), out=states.view(R, T, H * K * V))
             else:
@@ -140,9 +156,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         if S is not None:
             S[:, 0] = S1
     else:
-        mask = (torch.ones(T, T, dtype=torch.bool, device=k.device).tril() if chain
-                else ancestor_mask(sel(parent)))
-        ot, d = chunk_step(qn, kn, vv, gg, bb, root, mask, states=S)
+        ot, d = chunk_step(qn, kn, vv, gg, bb, root, None if chain else ancestor_mask(sel(parent)), states=S)
     if full:
         o = ot.to(v.dtype).contiguous()
     else:
