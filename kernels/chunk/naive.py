@@ -45,17 +45,21 @@ def factored_terms(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, G: torc
     """
     dt = q.dtype
     lo, hi = torch.aminmax(G, dim=-2, keepdim=True)
-    fits = ((hi - lo).amax(-1) <= SPAN[dt]).squeeze(-1)
+    span = hi - lo
     r = (hi + lo) / 2
     up, down = G - r, r - G
-    if bool(fits.all()):
+    if float(span.detach().max()) <= SPAN[dt]:  # every chunk fits (one host read; a NaN reads as not fitting)
         fits = None
     else:  # finite factors in the chunks that do not fit (their A and P are replaced)
+        fits = (span.amax(-1) <= SPAN[dt]).squeeze(-1)
         up, down = up.clamp(-SPAN[dt] / 2, SPAN[dt] / 2), down.clamp(-SPAN[dt] / 2, SPAN[dt] / 2)
-    up, kdown = up.to(dt).exp(), k * down.to(dt).exp()
-    m = mask.to(dt)
-    A = (beta * ((k * up) @ kdown.transpose(-1, -2)) * m).tril(-1)     # strict: j sees itself through I
-    P = ((q * up) @ kdown.transpose(-1, -2)) * m
+    if G.dtype != dt:
+        up, down = up.to(dt), down.to(dt)
+    up, kdown = up.exp(), k * down.exp_()
+    m = mask if mask.dtype == dt else mask.to(dt)
+    kdT = kdown.transpose(-1, -2)
+    A = (beta * ((k * up) @ kdT) * m).tril(-1)                         # strict: j sees itself through I
+    P = ((q * up) @ kdT) * m
     return A, P, up, kdown, fits
 
 

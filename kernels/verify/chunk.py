@@ -80,7 +80,7 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     else:
         mask = mask.to(q.dtype)
         G = heads((mask @ g.reshape(R, T, -1)).view(g.shape))              # [R, H, T, K|1]: sums along root paths
-    m = mask.unsqueeze(-3)                                                 # [R or 1, 1, T, T]
+    m = mask if mask.dim() == 2 else mask.unsqueeze(-3)                  # [T, T] or [R, 1, T, T]
     qh, kh, vh, bh = heads(q), heads(k), heads(v), tokens(beta).unsqueeze(-1)
     A, P, up, kdown, fits = factored_terms(qh, kh, bh, G, m)
     if fits is not None:  # some channel's gates too strong for the factors
@@ -91,8 +91,8 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     else:
         eG = G.exp()
         d = torch.linalg.solve_triangular(A, bh * (vh - (kh * eG) @ S0), upper=False, unitriangular=True)
-        d = d.contiguous()  # LAPACK hands back column-major; the products below want rows
         if states is not None:  # e^(G_t - r) times the sum over the visible j of k_j e^(r - G_j) d_j^T
+            d = d.contiguous()  # LAPACK hands back column-major; the product below wants rows
             Z = torch.mul(tokens(kdown)[..., None], tokens(d)[..., None, :], out=q.new_empty(R, T, H, K, V))
             mask = mask.expand(R, T, T)
             if states.is_contiguous():
