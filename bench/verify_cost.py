@@ -42,8 +42,8 @@ The same run also measures the floor those matmuls set (`matmul floor`): every `
 each kind (projections, MLPs, lm_head: the model's weights, at the rows the kind feeds them, with the first case's
 backend) is recorded and replayed alone, in the forward's order, interleaved across kinds like the forwards; the
 floor of a kind is (step_1 + its matmuls - step_1's matmuls) / step_1, the ratio a verify would reach if everything
-besides its weight matmuls cost no more than in a 1-token step. On a CPU, where those matmuls are compute-bound at a few rows,
-no verify implementation goes below it; on a GPU decode is memory-bound and the floor sits near 1.
+besides its weight matmuls cost no more than in a 1-token step. On a CPU, where those matmuls are compute-bound
+at a few rows, no verify implementation goes below it; on a GPU decode is memory-bound and the floor sits near 1.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -347,7 +346,8 @@ def main(argv=None) -> int:
     except ValueError:
         parser.error(f"--trees: expected comma-separated integers, got {a.trees!r}")
     for flag, val, low in (("--chain", a.chain, 1), ("--topk", a.topk, 1), ("--repeats", a.repeats, 1),
-                           ("--warmup", a.warmup, 0), ("--block", a.block, 1), ("--threads", a.threads, 1), ("--prompt-tokens", a.prompt_tokens, 1),
+                           ("--warmup", a.warmup, 0), ("--block", a.block, 1), ("--threads", a.threads, 1),
+                           ("--prompt-tokens", a.prompt_tokens, 1),
                            *(("--trees", t, 2) for t in trees)):
         if val < low:
             parser.error(f"{flag}: expected >= {low}, got {val}")

@@ -56,7 +56,7 @@ def factored_terms(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, G: torc
     if G.dtype != dt:
         up, down = up.to(dt), down.to(dt)
     up, kdown = up.exp(), k * down.exp_()
-    m = mask if mask.dtype == dt else mask.to(dt)
+    m = mask.to(dt)
     kdT = kdown.transpose(-1, -2)
     A = (beta * ((k * up) @ kdT) * m).tril(-1)                         # strict: j sees itself through I
     P = ((q * up) @ kdT) * m
