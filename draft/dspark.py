@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import DraftBlock, Drafter, observed_counts, padded
-from .layers import Block, RMSNorm
+from .layers import Block, RMSNorm, target_logits
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores, tree_options
 
@@ -262,11 +262,7 @@ class Net(nn.Module):
         return F.embedding(ids, self.target_embed.weight.detach())
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        head = self.target_lm_head
-        if isinstance(head, nn.Linear):
-            b = None if head.bias is None else head.bias.detach()
-            return F.linear(h, head.weight.detach(), b)
-        return head(h)
+        return target_logits(self.target_lm_head, h)
 
     def context(self, features: list[torch.Tensor]) -> torch.Tensor:
         """Target features (one `[..., S, d]` per feature layer, in config order) -> context states `[..., S, d]`."""

@@ -38,7 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import DraftBlock, Drafter, observed_counts, padded
-from .layers import Block, RMSNorm, soft_ce
+from .layers import Block, RMSNorm, soft_ce, target_logits
 from .registry import DraftConfig, TargetBatch, check_target
 from .tree import DynamicTree, log_scores, tree_options
 
@@ -108,11 +108,7 @@ class Net(nn.Module):
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft scores `[..., V]` of the drafter's hidden output `h [..., d]`."""
-        head = self.target_lm_head
-        x = self.norm(h)
-        if type(head) is nn.Linear:
-            return F.linear(x, head.weight.detach(), None if head.bias is None else head.bias.detach())
-        return head(x)
+        return target_logits(self.target_lm_head, self.norm(h))
 
     def fused(self, features: torch.Tensor) -> torch.Tensor:
         """Target features `[..., len(feature_layers) * d]` (concatenated in layer order) -> `[..., d]`."""

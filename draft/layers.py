@@ -16,6 +16,19 @@ if TYPE_CHECKING:
     from .registry import DraftConfig
 
 
+def target_logits(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The target's `lm_head` on a drafter's `x [..., d]` -> `[..., V]`, never training the target: under autograd
+    through the detached weight (the loss reaches x alone); otherwise the module itself, so the copy a CPU target's
+    verify keeps warm (`specdec.cpu_linear`'s blocked weight) serves the drafter too, instead of the original
+    weight read cold from memory every round."""
+    if isinstance(head, nn.Linear):
+        w = head.weight
+        x = x.to(w.dtype)
+        if torch.is_grad_enabled():
+            return F.linear(x, w.detach(), None if head.bias is None else head.bias.detach())
+    return head(x)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()

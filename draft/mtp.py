@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from specdec.adapters import latent_attention
 
 from .base import DraftBlock, Drafter
-from .layers import MLP, RMSNorm, SharesTarget, soft_ce
+from .layers import MLP, RMSNorm, SharesTarget, soft_ce, target_logits
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores, tree_options
 
@@ -233,9 +233,7 @@ class Net(SharesTarget):
         return F.embedding(tokens, self.target_embed.weight.detach(), self.target_embed.padding_idx).to(self.dtype)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        head = self.target_lm_head
-        w = head.weight.detach()
-        return F.linear(x.to(w.dtype), w, None if head.bias is None else head.bias.detach())
+        return target_logits(self.target_lm_head, x)
 
     def _context(self, a, b, visible: torch.Tensor, like: torch.Tensor, positions: torch.Tensor):
         """KVContext in the net's dtype from the attention layer's stored pair `[B, h, S, d]`: keys and values with

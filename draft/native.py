@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import DraftBlock, Drafter
-from .layers import SharesTarget, soft_ce
+from .layers import SharesTarget, soft_ce, target_logits
 from .registry import DraftConfig, check_target
 
 QWEN = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -265,9 +265,7 @@ class Net(SharesTarget):
         return F.embedding(tokens, emb.weight.detach(), emb.padding_idx).to(self.dtype)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
-        head = self.target_lm_head
-        w = head.weight.detach()
-        return F.linear(x.to(w.dtype), w, None if head.bias is None else head.bias.detach())
+        return target_logits(self.target_lm_head, x)
 
     def step(self, tokens: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, *,
              cache=None) -> tuple[torch.Tensor, torch.Tensor]:

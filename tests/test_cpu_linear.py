@@ -145,3 +145,25 @@ def test_engine_option(monkeypatch):
     with torch_fallbacks():
         ref = ref_model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
     assert out.sequences.tolist() == ref.tolist()
+
+
+def test_drafters_score_through_the_targets_head():
+    """`draft.layers.target_logits`: without autograd the target's head module runs (its oneDNN copy, the one the
+    verify keeps warm); with autograd the detached weight, so no gradient reaches the target. Both against
+    a float64 recomputation."""
+    from specdec.draft.layers import target_logits
+
+    torch.manual_seed(0)
+    head = nn.Linear(256, 4096, bias=False)  # the embedded model's lm_head
+    cpu_linear.install(head)
+    x = torch.randn(7, 256, requires_grad=True)
+    ref = (x.detach().double() @ head.weight.detach().double().t())
+    with torch.no_grad():
+        out, calls = onednn_calls(lambda: target_logits(head, x))
+    assert calls == [head]
+    assert_close(out, ref.float(), dtype=torch.float32)
+    out, calls = onednn_calls(lambda: target_logits(head, x))
+    assert calls == []
+    out.sum().backward()
+    assert head.weight.grad is None and x.grad is not None
+    assert_close(out.detach(), ref.float(), dtype=torch.float32)
