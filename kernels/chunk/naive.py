@@ -53,9 +53,7 @@ def factored_terms(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, G: torc
     else:  # finite factors in the chunks that do not fit (their A and P are replaced)
         fits = (span.amax(-1) <= SPAN[dt]).squeeze(-1)
         up, down = up.clamp(-SPAN[dt] / 2, SPAN[dt] / 2), down.clamp(-SPAN[dt] / 2, SPAN[dt] / 2)
-    if G.dtype != dt:
-        up, down = up.to(dt), down.to(dt)
-    up, kdown = up.exp(), k * down.exp_()
+    up, kdown = up.to(dt).exp(), k * down.to(dt).exp_()  # down is a fresh tensor (or its cast): exp in place
     m = mask.to(dt)
     kdT = kdown.transpose(-1, -2)
     A = (beta * ((k * up) @ kdT) * m).tril(-1)                         # strict: j sees itself through I
