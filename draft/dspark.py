@@ -488,7 +488,8 @@ class DSparkDrafter(Drafter):
                 raise ValueError(f"rows: row {r} outside max_batch_size {self.max_batch_size}")
             self.length[r] = 0
         if self.len_t is None:
-            self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.net.mask_embed.device)
+            with torch.inference_mode(False):  # drafter state: writable outside `generate`'s inference mode
+                self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.net.mask_embed.device)
         self.len_t[self._index(list(rows), self.len_t.device)] = 0
 
     def release(self, rows):
@@ -507,7 +508,8 @@ class DSparkDrafter(Drafter):
             new = max(need, 2 * cap, 64)
         for buf in (self.k, self.v):
             for j, x in enumerate(like):
-                grown = x.new_zeros(self.max_batch_size, x.shape[1], new, x.shape[3])
+                with torch.inference_mode(False):  # drafter state: writable outside `generate`'s inference mode
+                    grown = x.new_zeros(self.max_batch_size, x.shape[1], new, x.shape[3])
                 if cap:
                     grown[:, :, :cap] = buf[j]
                 if j < len(buf):
@@ -529,7 +531,8 @@ class DSparkDrafter(Drafter):
         dev = feats[0].device
         starts = [self.length.setdefault(r, 0) for r in rows]
         if self.len_t is None:  # rows observed without `begin`: they start at 0
-            self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
+            with torch.inference_mode(False):  # drafter state: writable outside `generate`'s inference mode
+                self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
         rows_t = self._index(list(rows), dev)
         # the starts from the device lengths (`begin` zeroes them), the counts from the engine: no host copy
         start_t = self.len_t[rows_t]

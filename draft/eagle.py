@@ -312,9 +312,10 @@ class EagleDrafter(Drafter):
         tok = padded(tokens).to(dev)  # [B, M]
         B, M = tok.shape
         if self.root_f is None:
-            self.root_f = feat.new_zeros(self.max_batch_size, feat.shape[-1])
-            self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
-            self.pend_n = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
+            with torch.inference_mode(False):  # drafter state: writable outside `generate`'s inference mode
+                self.root_f = feat.new_zeros(self.max_batch_size, feat.shape[-1])
+                self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
+                self.pend_n = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
         rows_t = self._index(rows, self.device)
         n = observed_counts(tokens, dev)
         i = torch.arange(M, device=dev)
@@ -357,8 +358,9 @@ class EagleDrafter(Drafter):
         new = max(need, 2 * cap, 64)
         grown = []
         for k, v in self.cache:
-            k2 = k.new_zeros(k.shape[0], k.shape[1], new, k.shape[3])
-            v2 = v.new_zeros(v.shape[0], v.shape[1], new, v.shape[3])
+            with torch.inference_mode(False):  # drafter state: writable outside `generate`'s inference mode
+                k2 = k.new_zeros(k.shape[0], k.shape[1], new, k.shape[3])
+                v2 = v.new_zeros(v.shape[0], v.shape[1], new, v.shape[3])
             k2[:, :, :cap], v2[:, :, :cap] = k, v
             grown.append((k2, v2))
         self.cache = grown
@@ -371,8 +373,9 @@ class EagleDrafter(Drafter):
             return
         target = getattr(self, "target", None)
         new = max(need, 2 * cap, target.num_verify_tokens if target is not None else 8)
-        f = self.root_f.new_zeros(self.max_batch_size, new, width)
-        t = torch.zeros(self.max_batch_size, new, dtype=torch.long, device=self.device)
+        with torch.inference_mode(False):  # drafter state: writable outside `generate`'s inference mode
+            f = self.root_f.new_zeros(self.max_batch_size, new, width)
+            t = torch.zeros(self.max_batch_size, new, dtype=torch.long, device=self.device)
         if cap:
             f[:, :cap], t[:, :cap] = self.pend_f, self.pend_t
         self.pend_f, self.pend_t = f, t

@@ -442,7 +442,8 @@ class MTPDrafter(Drafter):
             return
         last = torch.stack([x for _, x in have])  # [n, d]: one copy for every row
         if self.h is None:
-            self.h = last.new_zeros(self.max_batch_size, last.shape[-1])
+            with torch.inference_mode(False):  # drafter state: writable outside `generate`'s inference mode
+                self.h = last.new_zeros(self.max_batch_size, last.shape[-1])
         at = [r for r, _ in have]
         self.h[self.target.index(at)] = last
         self.ready.update(at)

@@ -318,7 +318,7 @@ class SpecEngine:
                                  f"min {int(p.min())}, max {int(p.max())}")
         return [p.to(self.runner.device, torch.long) for p in prompts], [p.tolist() for p in prompts]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, eos_token_id="default", seed: int | None = None,
                  streamer=None) -> GenerateOutput:
@@ -327,7 +327,11 @@ class SpecEngine:
 
         Any number of prompts: at most `max_batch_size` run at once (the lanes), the rest wait in order and
         take a lane as soon as one is free (continuous batching: a finished request's lane is refilled before
-        the next round, so the batch stays full while requests wait). Output rows follow the input order."""
+        the next round, so the batch stays full while requests wait). Output rows follow the input order.
+
+        Runs under `torch.inference_mode` (no autograd bookkeeping per op: ~10% less time per token on a CPU, where
+        ops are small); what the engine keeps across calls stays normal tensors, so its runner and drafter can be
+        driven outside it, and `sequences` is a normal tensor."""
         t0 = time.perf_counter()
         prompts, host_prompts = self._prompts(input_ids)
         N = len(prompts)
@@ -385,7 +389,8 @@ class SpecEngine:
         stats.timings["total"] = time.perf_counter() - t0
         width = max(p.numel() + len(o) for p, o in zip(prompts, out_tokens))
         rows_out = [p + o for p, o in zip(host_prompts, out_tokens)]
-        seqs = torch.tensor([r + [self.pad_token_id] * (width - len(r)) for r in rows_out], dtype=torch.long)
+        with torch.inference_mode(False):  # the caller's tensor: a normal one, as transformers' generate returns
+            seqs = torch.tensor([r + [self.pad_token_id] * (width - len(r)) for r in rows_out], dtype=torch.long)
         return GenerateOutput(seqs, stats)
 
     def _admit(self, lanes: "_Lanes", ids: list[int], reqs: list[int], prompts, hist, out_tokens, sampling, gen,

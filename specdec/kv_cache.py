@@ -99,8 +99,9 @@ class KVCache:
         layer_idx = states[2] if len(states) > 2 else kwargs["layer_idx"]
         new = states[:2]
         if layer_idx not in self.store:
-            self.store[layer_idx] = [torch.zeros(self.lengths.shape[0], x.shape[1], self.max_length, x.shape[3],
-                                                 dtype=x.dtype, device=self.device) for x in new]
+            with torch.inference_mode(False):  # kept across calls: writable outside `generate`'s inference mode
+                self.store[layer_idx] = [torch.zeros(self.lengths.shape[0], x.shape[1], self.max_length,
+                                                     x.shape[3], dtype=x.dtype, device=self.device) for x in new]
         lens = self.lengths[self.slots]
         S = self.span
         idx = lens[:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]

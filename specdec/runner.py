@@ -35,7 +35,8 @@ def index_tensor(cache: dict, values: list[int], device) -> torch.Tensor:
     if t is None:
         if len(cache) > 256:
             cache.clear()
-        t = cache[key] = torch.tensor(key, dtype=torch.long, device=device)
+        with torch.inference_mode(False):  # kept across calls, as engine state is (see `SpecEngine.generate`)
+            t = cache[key] = torch.tensor(key, dtype=torch.long, device=device)
     return t
 
 
