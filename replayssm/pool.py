@@ -9,8 +9,10 @@ from .plan import BufferSpec, buffer_specs
 
 
 def allocate(spec: BufferSpec, device: torch.device | str, *, fill: float = 0.0) -> torch.Tensor:
-    """A tensor of `spec`'s shape and dtype on `device`."""
-    return torch.full(spec.shape, fill, dtype=spec.dtype, device=device)
+    """A tensor of `spec`'s shape and dtype on `device`: a normal tensor even when made inside `generate`'s
+    inference mode (state buffers are written again outside it)."""
+    with torch.inference_mode(False):
+        return torch.full(spec.shape, fill, dtype=spec.dtype, device=device)
 
 
 class SlotPool:

@@ -94,3 +94,26 @@ def test_generate_in_inference_mode_leaves_normal_state(target, drafter, mode):
         assert torch.allclose(got.reshape(-1, ref.shape[-1])[-1], ref[0, -1], rtol=1e-9, atol=1e-9)
     finally:
         engine.runner.release([slot])
+
+
+def test_generic_runner_after_generate():
+    """The own-forward path (Llama, the target as its own draft model): after `generate`, its runner driven outside
+    inference mode still gives the model's uncached logits."""
+    from test_generic_families import tiny
+
+    model = tiny("llama")
+    engine = specdec.wrap(model, drafter="model", draft_model=model, max_batch_size=2)
+    engine.generate([torch.tensor([5, 6, 7, 8, 9]), torch.tensor([3, 4, 5])], max_new_tokens=8, eos_token_id=None)
+    assert inference_tensors(engine) == []
+    runner = engine.runner
+    slots = runner.alloc(1)
+    try:
+        first = runner.prefill(slots[0], torch.tensor([5, 6, 7])).logits.reshape(-1, model.config.vocab_size)
+        window = runner.forward(slots, torch.tensor([[8, 9, 10]])).logits[0]
+        runner.commit([2])
+    finally:
+        runner.release(slots)
+    with torch.no_grad():
+        ref = model(torch.tensor([[5, 6, 7, 8, 9, 10]]), use_cache=False).logits[0]
+    assert torch.allclose(first[-1], ref[2], rtol=1e-9, atol=1e-9)
+    assert torch.allclose(window, ref[3:6], rtol=1e-9, atol=1e-9)
