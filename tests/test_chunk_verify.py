@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from specdec.kernels import dispatch
@@ -127,6 +127,10 @@ def compare(c: dict, x: dict, got, want) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(c=cases())
+# nine tokens of strong KDA gates: path sums near -190, whose differences fp32 sums give only to ~2e-5 (found by a
+# randomized run; the path sums are fp64 since)
+@example(c=dict(B=2, T=9, N=4, H=1, K=2, V=7, gdn=False, parents=None, slots=[0, 1], norm="rsqrt", dtype=F32,
+                layout="lazy", pending=0, start=0, seed=2151, rows=[0, 1], gate_scale=30.0, spare=0))
 def test_chunk_equals_per_token_recurrence(c):
     x = inputs(c, torch.Generator().manual_seed(c["seed"]))
     ssm_before = x["ssm"].clone()

@@ -25,8 +25,9 @@ the inputs (rawk, rawv, g, beta: copied bit for bit), step by step, so a committ
 decode reaches. Outputs, `d` and node states are the recurrence's in another op order: fp32 tolerance (fp64:
 1e-12), not bits. The snapshot strategy commits node states, so its committed state is the recurrence's within
 fp32 rounding per round. A one-token verify (a plain decode step) is one `common.delta_step`, the fold's own
-step, bit for bit. The path sums `G` are taken in the math dtype: the decays carry a relative error of about
-eps * |G| (|G| <= depth x the strongest gate), well inside fp32 tolerance at verify depths.
+step, bit for bit. The path sums `G` are taken in fp64 (a few hundred elements): a decay `e^(G_t - G_j)` from fp32
+sums would carry a relative error of about eps * |G| (|G| <= depth x the strongest gate), past fp32 tolerance
+once |G| reaches ~100, as nine tokens of strong KDA gates do; the factors and decays themselves are fp32.
 
 fp64 inputs run here too (in fp64), so the float64 property tests of the strategies check the path the CPU runs
 at 1e-12; the per-token oracle stays reachable as `naive.verify_delta_rule`.
@@ -74,12 +75,15 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     V = v.shape[-1]
     heads = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731  [R, T, H, X] -> [R, H, T, X], row-major
     tokens = lambda x: x.transpose(1, 2)  # noqa: E731  [R, H, T, ...] -> [R, T, H, ...] (a view)
+    # G in fp64: every decay is a difference of two path sums, G_t - G_j, which fp32 sums would give only to
+    # about eps * |G| (a relative error of 2e-5 after nine tokens of -20 gates: past fp32 tolerance)
+    g64 = g.to(torch.float64)
     if mask is None:  # a chain: G is the running sum, the mask the lower triangle
         mask = _lower(T, q.dtype, q.device)                                # [T, T]
-        G = heads(g.cumsum(1))                                             # [R, H, T, K|1]
+        G = heads(g64.cumsum(1))                                           # [R, H, T, K|1]
     else:
+        G = heads((mask.to(torch.float64) @ g64.reshape(R, T, -1)).view(g.shape))  # sums along root paths
         mask = mask.to(q.dtype)
-        G = heads((mask @ g.reshape(R, T, -1)).view(g.shape))              # [R, H, T, K|1]: sums along root paths
     m = mask if mask.dim() == 2 else mask.unsqueeze(-3)                  # [T, T] or [R, 1, T, T]
     qh, kh, vh, bh = heads(q), heads(k), heads(v), tokens(beta).unsqueeze(-1)
     A, P, up, kdown, fits = factored_terms(qh, kh, bh, G, m)
@@ -89,7 +93,7 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         if states is not None:  # sum over the visible j of e^(G_t - G_j) k_j d_j^T
             states.copy_(tokens((kd.transpose(-1, -2).reshape(R, H, T * K, T) @ d).reshape(R, H, T, K, V)))
     else:
-        eG = G.exp()
+        eG = G.exp().to(q.dtype)
         d = torch.linalg.solve_triangular(A, bh * (vh - (kh * eG) @ S0), upper=False, unitriangular=True)
         if states is not None:  # e^(G_t - r) times the sum over the visible j of k_j e^(r - G_j) d_j^T
             d = d.contiguous()  # LAPACK hands back column-major; the product below wants rows
