@@ -86,7 +86,8 @@ def run(verify, c: dict, x: dict, *, L: int = 16, ring_seed: int = 5):
             ring[0][s][:, pos] = torch.randn(H, m, V, generator=gen, dtype=F64).to(dt)
             kk = torch.randn(H, m, K, generator=gen, dtype=F64)
             ring[1][s][:, pos] = (kk / kk.norm(dim=-1, keepdim=True)).to(dt)
-            ring[2][s][:, pos] = -torch.rand(H, m, ring[2].shape[-1], generator=gen, dtype=F64).to(dt)
+            ring[2][s][:, pos] = -c.get("gate_scale", 1.0) * torch.rand(H, m, ring[2].shape[-1], generator=gen,
+                                                                         dtype=F64).to(dt)
     if eager:
         ring = (None, None) + ring[2:]
         kw = dict(ring_indices=torch.tensor(c["rows"]))

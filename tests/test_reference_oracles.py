@@ -255,7 +255,9 @@ def test_fast_rebuild_vs_fp64_loops(B, H, K, V, L, gdn, dtype, seed, data):
     ssm = _randn(gen, N, H, K, V, dtype=dtype)
     ring_d = _randn(gen, N, H, L, V, dtype=dtype)
     ring_k = l2norm(_randn(gen, N, H, L, K, dtype=F64)).to(dtype)
-    ring_g = _rand(gen, N, H, L, 1 if gdn else K, lo=-1.0, hi=0.0, dtype=dtype)
+    # strong gates too (30): a long lazy queue then sums log-decays in the hundreds, whose differences give A_{j+1:m}
+    scale = data.draw(st.sampled_from([1.0, 30.0]), label="gate scale")
+    ring_g = _rand(gen, N, H, L, 1 if gdn else K, lo=-scale, hi=0.0, dtype=dtype)
     # ring_start near L-1 so that the records wrap around the end of the ring.
     ring_start = torch.tensor([L - 1 - data.draw(st.integers(0, 2)) for _ in range(N)])
     slots = torch.tensor(data.draw(st.permutations(list(range(N))))[:B])
@@ -269,6 +271,22 @@ def test_fast_rebuild_vs_fp64_loops(B, H, K, V, L, gdn, dtype, seed, data):
         if m == 0:
             assert_close(S[b], ssm[s], exact=True, msg="m=0 returns the checkpoint")
         assert_close(S[b].double(), expected, dtype=dtype, msg=f"request {b} (slot {s}, m={m})")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_fast_rebuild_of_a_full_ring_of_strong_gates(seed):
+    """16 pending records with KDA gates down to -30 (log-decays summed to ~-250): fp32 within tolerance of the
+    fp64 loop. The decay from record j to the end is a sum of the newer gates alone (forward sums G_m - G_j would
+    carry eps * |G_m|)."""
+    gen = _gen(seed)
+    H, K, V, L = 2, 8, 8, 16
+    ssm = _randn(gen, 1, H, K, V)
+    ring_d = _randn(gen, 1, H, L, V)
+    ring_k = l2norm(_randn(gen, 1, H, L, K, dtype=F64)).to(F32)
+    ring_g = _rand(gen, 1, H, L, K, lo=-30.0, hi=0.0)
+    S = fast_rebuild(ssm, torch.tensor([0]), ring_d, ring_k, ring_g, torch.tensor([0]), torch.tensor([L]))
+    expected = _fold_dkg_fp64(ssm[0], ring_d[0], ring_k[0], ring_g[0], range(L))
+    assert_close(S[0].double(), expected, dtype=F32, msg="rebuilt state")
 
 
 # ----------------------------------------------------------------------------------------------------------------

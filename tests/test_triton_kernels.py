@@ -479,6 +479,23 @@ def test_fast_rebuild(device, gdn, dt):
     assert_close(got.cpu()[1], S[3], exact=True, msg="m = 0 returns the checkpoint")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_rebuild_strong_gates(device, seed):
+    """Full queues of KDA gates down to -30 (log-decays summing to ~-120) against a float64 recomputation: each
+    decay is summed from the newer records alone, never as a difference of two large sums."""
+    K, V = 16, 16
+    g_ = gen(100 + seed)
+    S, d = randn(g_, N, H, K, V), randn(g_, N, H, L, V)
+    k = torch.nn.functional.normalize(randn(g_, N, H, L, K), dim=-1)
+    gg = rand(g_, N, H, L, K, lo=-30.0, hi=0.0)
+    idx, rs, m = torch.tensor([5, 3, 2, 0]), torch.tensor(RING_START), torch.full((4,), L)
+    want = ref_fast_rebuild(S.double(), idx, d.double(), k.double(), gg.double(), rs, m)
+    got = trebuild.fast_rebuild(to(S, device), idx.to(device), to(d, device), to(k, device), to(gg, device),
+                                rs.to(device), m.to(device))
+    assert_close(got.cpu().double(), want, dtype=F32, msg="rebuilt state")
+
+
 # ------------------------------------------------------------------------------------- masked scatter
 
 @pytest.mark.parametrize("device", DEVICES)

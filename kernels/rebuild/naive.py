@@ -44,9 +44,12 @@ def fast_rebuild(ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, ring_
         pos = (ring_start[s] + torch.arange(m, device=ring_d.device)) % L
         d, k = ring_d[s][:, pos].to(dt), ring_k[s][:, pos].to(dt)  # [H, m, *]
         g = ring_log_decay(ring_g[s][:, pos], dt, A_log, dt_bias, 0)
-        G = g.cumsum(1)  # [H, m, K|1]: log A_{1:j}
-        Gm = G[:, -1:] if m else g.new_zeros(g.shape[0], 1, g.shape[2])
-        kw = k * (Gm - G).exp()  # k_j * A_{j+1:m}
+        # log A_{j:m} = g_j + .. + g_m, summed from the newest record back (as the kernel does): each exponent is
+        # then accurate to eps of itself, where G_m - G_j of forward sums would carry eps * |G_m| (past fp32
+        # tolerance once a queue of strong gates sums to ~-100)
+        R = g.flip(1).cumsum(1).flip(1)  # [H, m, K|1]
+        Gm = R[:, :1] if m else g.new_zeros(g.shape[0], 1, g.shape[2])  # log A_{1:m}
+        kw = k * torch.cat([R[:, 1:], g.new_zeros(g.shape[0], min(m, 1), g.shape[2])], 1).exp()  # k_j A_{j+1:m}
         S = Gm.exp().transpose(1, 2) * ssm_state[s].to(dt) + kw.transpose(1, 2) @ d
         out.append(S)
     return torch.stack(out)

@@ -30,7 +30,9 @@ def _ring_g(g_base, pos, s_gt, s_gk, offs_k, mask_k, neg_a, bias, GDN: tl.conste
 def rebuild_tile(S0, d_base, k_base, g_base, start, m, s_dt, s_dv, s_kt, s_kk, s_gt, s_gk,
                  offs_k, offs_v, mask_k, mask_v, neg_a, bias, L: tl.constexpr, BK: tl.constexpr, GDN: tl.constexpr,
                  GATE_IN: tl.constexpr):
-    """`exp(G_m) S0 + sum_j (k_j exp(G_m - G_j)) d_j^T`, `G_j = g_1 + .. + g_j` summed in order; fp32.
+    """`exp(G_m) S0 + sum_j (k_j exp(R_j)) d_j^T`, `G_m = g_1 + .. + g_m`, `R_j = g_{j+1} + .. + g_m` summed from
+    the newest record back (so each decay is accurate to eps of itself, where the difference of two forward sums,
+    G_m - G_j, carries eps * |G_m|); fp32.
 
     Pointers are the request's ring rows of one head; `start` / `m`: first pending position and count;
     `neg_a`, `bias`: `triton_utils.gate_params` when the g ring holds the KDA gate's input (`GATE_IN`).
@@ -39,14 +41,14 @@ def rebuild_tile(S0, d_base, k_base, g_base, start, m, s_dt, s_dv, s_kt, s_kk, s
     for j in range(m):
         pos = (start + j) & (L - 1)
         Gm += _ring_g(g_base, pos, s_gt, s_gk, offs_k, mask_k, neg_a, bias, GDN, GATE_IN)
-    S = S0 * tl.exp(Gm)[:, None]
-    G = tl.zeros([BK], dtype=tl.float32)
-    for j in range(m):
-        pos = (start + j) & (L - 1)
-        G += _ring_g(g_base, pos, s_gt, s_gk, offs_k, mask_k, neg_a, bias, GDN, GATE_IN)
+    S = S0 * tl.exp(Gm)[:, None]  # S0 is not needed past here (its registers free for the loop)
+    R = tl.zeros([BK], dtype=tl.float32)
+    for i in range(m):
+        pos = (start + m - 1 - i) & (L - 1)
         kj = tl.load(k_base + pos * s_kt + offs_k * s_kk, mask=mask_k, other=0.0).to(tl.float32)
         dj = tl.load(d_base + pos * s_dt + offs_v * s_dv, mask=mask_v, other=0.0).to(tl.float32)
-        S = tl.fma((kj * tl.exp(Gm - G))[:, None], dj[None, :], S)
+        S = tl.fma((kj * tl.exp(R))[:, None], dj[None, :], S)
+        R += _ring_g(g_base, pos, s_gt, s_gk, offs_k, mask_k, neg_a, bias, GDN, GATE_IN)
     return S
 
 
