@@ -109,6 +109,13 @@ class Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.paused:
             return func(*args, **kwargs)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            # under inference mode (`generate`) composite ops (`linear`, `rms_norm`, `item`) reach the mode whole,
+            # where autograd would have decomposed them: count the ops their decomposition runs, as a device would
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         is_sync = func in SYNC_OPS or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)
                                        and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
                                                for i in (args[1] or ()) if i is not None))
