@@ -338,6 +338,7 @@ def summarize(times: dict, shapes: dict, chain: int) -> dict:
     return res
 
 
+@torch.inference_mode()  # every forward as `generate` runs it
 def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
