@@ -25,7 +25,7 @@ the inputs (rawk, rawv, g, beta: copied bit for bit), step by step, so a committ
 decode reaches. Outputs, `d` and node states are the recurrence's in another op order: fp32 tolerance (fp64:
 1e-12), not bits. The snapshot strategy commits node states, so its committed state is the recurrence's within
 fp32 rounding per round. A one-token verify (a plain decode step) is one `common.delta_step`, the fold's own
-step, bit for bit. The path sums `G` are taken in fp64 (a few hundred elements): a decay `e^(G_t - G_j)` from fp32
+step, bit for bit. The path sums `G` are taken in fp64 (one `[T, H, K]` tensor): a decay `e^(G_t - G_j)` from fp32
 sums would carry a relative error of about eps * |G| (|G| <= depth x the strongest gate), past fp32 tolerance
 once |G| reaches ~100, as nine tokens of strong KDA gates do; the factors and decays themselves are fp32.
 
