@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from specdec.adapters import latent_attention
 
-from .base import DraftBlock, Drafter
+from .base import DraftBlock, Drafter, persistent
 from .layers import MLP, RMSNorm, SharesTarget, soft_ce, target_logits
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores, tree_options
@@ -442,7 +442,7 @@ class MTPDrafter(Drafter):
             return
         last = torch.stack([x for _, x in have])  # [n, d]: one copy for every row
         if self.h is None:
-            with torch.inference_mode(False):  # drafter state: writable outside `generate`'s inference mode
+            with persistent():
                 self.h = last.new_zeros(self.max_batch_size, last.shape[-1])
         at = [r for r, _ in have]
         self.h[self.target.index(at)] = last
