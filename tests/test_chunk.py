@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
 
@@ -30,15 +30,25 @@ def _inputs(seed, B, T, H, K, V, *, gdn, dtype, gate_scale=1.0, requires_grad=Fa
        K=st.sampled_from([3, 5, 8]), V=st.sampled_from([2, 7]), C=st.sampled_from([1, 3, 8, 16, 64]),
        gdn=st.booleans(), dtype=st.sampled_from([F32, F64]), norm=st.sampled_from(["rsqrt", "sqrt_div"]),
        start=st.booleans())
+# single tokens whose query is nearly orthogonal to the key (q.k ~ 2e-3): the output is a cancellation, off by
+# ~eps / |q.k| in any fp32 op order (the fp32 recurrence's too: 1e-5 to 2.5e-5 of the tensor's scale), found by
+# randomized runs when fp32 was held against the fp32 recurrence
+@example(seed=91740933, B=1, T=1, H=1, K=3, V=2, C=1, gdn=False, dtype=F32, norm="rsqrt", start=False)
+@example(seed=67, B=1, T=1, H=1, K=8, V=7, C=1, gdn=True, dtype=F32, norm="rsqrt", start=False)
+@example(seed=20439, B=1, T=1, H=1, K=3, V=2, C=1, gdn=False, dtype=F32, norm="rsqrt", start=False)
 def test_chunk_equals_recurrence(seed, B, T, H, K, V, C, gdn, dtype, norm, start):
     q, k, v, g, beta, S0 = _inputs(seed, B, T, H, K, V, gdn=gdn, dtype=dtype)
     S0 = S0 if start else None
-    o_ref, S_ref = recurrent_delta_rule(q, k, v, g, beta, initial_state=S0, norm=norm)
     o, S = chunk_delta_rule(q, k, v, g, beta, initial_state=S0, norm=norm, chunk_size=C)
-    assert o.dtype == v.dtype and S.dtype == S_ref.dtype
-    # a different op order: the dtype's tolerance, relative to each tensor's scale
-    bound = 1e-12 if dtype == F64 else 1e-5
-    assert max_rel_err(o, o_ref) < bound and max_rel_err(S, S_ref) < bound
+    assert o.dtype == v.dtype and S.dtype == (F64 if dtype == F64 else F32)
+    if dtype == F64:  # a different op order: 1e-12 of each tensor's scale
+        o_ref, S_ref = recurrent_delta_rule(q, k, v, g, beta, initial_state=S0, norm=norm)
+        assert max_rel_err(o, o_ref) < 1e-12 and max_rel_err(S, S_ref) < 1e-12
+    else:  # fp32 against a float64 recomputation, element by element at fp32 tolerance
+        o_ref, S_ref = recurrent_delta_rule(*(x.double() for x in (q, k, v, g, beta)), norm=norm,
+                                            initial_state=None if S0 is None else S0.double())
+        assert_close(o, o_ref, dtype=F32, msg="o")
+        assert_close(S, S_ref, dtype=F32, msg="S")
 
 
 @pytest.mark.parametrize("C", [8, 64])
