@@ -57,12 +57,6 @@ class TargetView:
     index: Callable[[list[int]], torch.Tensor]
 
 
-def persistent():
-    """Context for the buffers a drafter keeps across calls: made as normal tensors even inside `generate`'s
-    inference mode, so `begin` / `observe` / `propose` can still write them outside it."""
-    return torch.inference_mode(False)
-
-
 def observed_counts(tokens: list[torch.Tensor], device) -> torch.Tensor:
     """`observe`'s new positions per row as a device tensor `[B]` (long): the engine's `tokens.counts`, else built
     from the tokens' lengths (one host-to-device copy)."""

@@ -43,7 +43,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import DraftBlock, Drafter, observed_counts, padded, persistent
+from specdec.replayssm.pool import outside_inference
+
+from .base import DraftBlock, Drafter, observed_counts, padded
 from .layers import Block, RMSNorm, target_logits
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores, tree_options
@@ -488,7 +490,7 @@ class DSparkDrafter(Drafter):
                 raise ValueError(f"rows: row {r} outside max_batch_size {self.max_batch_size}")
             self.length[r] = 0
         if self.len_t is None:
-            with persistent():
+            with outside_inference():
                 self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.net.mask_embed.device)
         self.len_t[self._index(list(rows), self.len_t.device)] = 0
 
@@ -508,7 +510,7 @@ class DSparkDrafter(Drafter):
             new = max(need, 2 * cap, 64)
         for buf in (self.k, self.v):
             for j, x in enumerate(like):
-                with persistent():
+                with outside_inference():
                     grown = x.new_zeros(self.max_batch_size, x.shape[1], new, x.shape[3])
                 if cap:
                     grown[:, :, :cap] = buf[j]
@@ -531,7 +533,7 @@ class DSparkDrafter(Drafter):
         dev = feats[0].device
         starts = [self.length.setdefault(r, 0) for r in rows]
         if self.len_t is None:  # rows observed without `begin`: they start at 0
-            with persistent():
+            with outside_inference():
                 self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
         rows_t = self._index(list(rows), dev)
         # the starts from the device lengths (`begin` zeroes them), the counts from the engine: no host copy

@@ -37,7 +37,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import DraftBlock, Drafter, observed_counts, padded, persistent
+from specdec.replayssm.pool import outside_inference
+
+from .base import DraftBlock, Drafter, observed_counts, padded
 from .layers import Block, RMSNorm, soft_ce, target_logits
 from .registry import DraftConfig, TargetBatch, check_target
 from .tree import DynamicTree, log_scores, tree_options
@@ -312,7 +314,7 @@ class EagleDrafter(Drafter):
         tok = padded(tokens).to(dev)  # [B, M]
         B, M = tok.shape
         if self.root_f is None:
-            with persistent():
+            with outside_inference():
                 self.root_f = feat.new_zeros(self.max_batch_size, feat.shape[-1])
                 self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
                 self.pend_n = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
@@ -358,7 +360,7 @@ class EagleDrafter(Drafter):
         new = max(need, 2 * cap, 64)
         grown = []
         for k, v in self.cache:
-            with persistent():
+            with outside_inference():
                 k2 = k.new_zeros(k.shape[0], k.shape[1], new, k.shape[3])
                 v2 = v.new_zeros(v.shape[0], v.shape[1], new, v.shape[3])
             k2[:, :, :cap], v2[:, :, :cap] = k, v
@@ -373,7 +375,7 @@ class EagleDrafter(Drafter):
             return
         target = getattr(self, "target", None)
         new = max(need, 2 * cap, target.num_verify_tokens if target is not None else 8)
-        with persistent():
+        with outside_inference():
             f = self.root_f.new_zeros(self.max_batch_size, new, width)
             t = torch.zeros(self.max_batch_size, new, dtype=torch.long, device=self.device)
         if cap:

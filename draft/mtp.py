@@ -34,8 +34,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specdec.adapters import latent_attention
+from specdec.replayssm.pool import outside_inference
 
-from .base import DraftBlock, Drafter, persistent
+from .base import DraftBlock, Drafter
 from .layers import MLP, RMSNorm, SharesTarget, soft_ce, target_logits
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores, tree_options
@@ -442,7 +443,7 @@ class MTPDrafter(Drafter):
             return
         last = torch.stack([x for _, x in have])  # [n, d]: one copy for every row
         if self.h is None:
-            with persistent():
+            with outside_inference():
                 self.h = last.new_zeros(self.max_batch_size, last.shape[-1])
         at = [r for r, _ in have]
         self.h[self.target.index(at)] = last

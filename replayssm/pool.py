@@ -8,10 +8,15 @@ from .config import StateConfig
 from .plan import BufferSpec, buffer_specs
 
 
+def outside_inference():
+    """Context: tensors made inside it are normal tensors even under `generate`'s inference mode. For what outlives
+    a call (state kept across calls, written again outside it; the caller's output)."""
+    return torch.inference_mode(False)
+
+
 def allocate(spec: BufferSpec, device: torch.device | str, *, fill: float = 0.0) -> torch.Tensor:
-    """A tensor of `spec`'s shape and dtype on `device`: a normal tensor even when made inside `generate`'s
-    inference mode (state buffers are written again outside it)."""
-    with torch.inference_mode(False):
+    """A tensor of `spec`'s shape and dtype on `device` (a normal tensor, see `outside_inference`)."""
+    with outside_inference():
         return torch.full(spec.shape, fill, dtype=spec.dtype, device=device)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from specdec.draft import Drafter, DraftBlock, TargetView, make_drafter
+from specdec.replayssm.pool import outside_inference
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
 
@@ -389,7 +390,7 @@ class SpecEngine:
         stats.timings["total"] = time.perf_counter() - t0
         width = max(p.numel() + len(o) for p, o in zip(prompts, out_tokens))
         rows_out = [p + o for p, o in zip(host_prompts, out_tokens)]
-        with torch.inference_mode(False):  # the caller's tensor: a normal one, as transformers' generate returns
+        with outside_inference():  # the caller's tensor: a normal one, as transformers' generate returns
             seqs = torch.tensor([r + [self.pad_token_id] * (width - len(r)) for r in rows_out], dtype=torch.long)
         return GenerateOutput(seqs, stats)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec.kernels.common import ancestor_mask
+from specdec.replayssm.pool import outside_inference
 
 
 class KVCache:
@@ -99,7 +100,7 @@ class KVCache:
         layer_idx = states[2] if len(states) > 2 else kwargs["layer_idx"]
         new = states[:2]
         if layer_idx not in self.store:
-            with torch.inference_mode(False):  # kept across calls: writable outside `generate`'s inference mode
+            with outside_inference():  # kept across calls
                 self.store[layer_idx] = [torch.zeros(self.lengths.shape[0], x.shape[1], self.max_length,
                                                      x.shape[3], dtype=x.dtype, device=self.device) for x in new]
         lens = self.lengths[self.slots]

@@ -15,6 +15,7 @@ import torch
 
 from specdec import kernels
 from specdec.replayssm import StateConfig, make_strategy
+from specdec.replayssm.pool import outside_inference
 
 from .adapters import HYBRID_FAMILIES, attr_path, layer_kind
 from .kv_cache import KVCache
@@ -35,7 +36,7 @@ def index_tensor(cache: dict, values: list[int], device) -> torch.Tensor:
     if t is None:
         if len(cache) > 256:
             cache.clear()
-        with torch.inference_mode(False):  # kept across calls, as engine state is (see `SpecEngine.generate`)
+        with outside_inference():  # kept across calls
             t = cache[key] = torch.tensor(key, dtype=torch.long, device=device)
     return t
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..common import check_gate_params, kda_gate, math_dtype
 
@@ -49,7 +50,7 @@ def fast_rebuild(ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, ring_
         # tolerance once a queue of strong gates sums to ~-100)
         R = g.flip(1).cumsum(1).flip(1)  # [H, m, K|1]
         Gm = R[:, :1] if m else g.new_zeros(g.shape[0], 1, g.shape[2])  # log A_{1:m}
-        kw = k * torch.cat([R[:, 1:], g.new_zeros(g.shape[0], min(m, 1), g.shape[2])], 1).exp()  # k_j A_{j+1:m}
+        kw = k * F.pad(R[:, 1:], (0, 0, 0, 1)).exp()  # k_j A_{j+1:m}: the newest record's is A_{m+1:m} = 1
         S = Gm.exp().transpose(1, 2) * ssm_state[s].to(dt) + kw.transpose(1, 2) @ d
         out.append(S)
     return torch.stack(out)
