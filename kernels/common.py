@@ -171,22 +171,30 @@ def valid_slots(indices: torch.Tensor, null_slot: int) -> torch.Tensor:
 
 
 def per_tensor(fn):
-    """Remember `fn(t, *args)` (args: hashable) for the last CPU tensor `t` and args it was called with, while
-    `t` is that same object, unchanged (its version counter, which every in-place write bumps). A forward passes
-    one `parent` to every layer's conv, verify and attention: the checks and the mask derived from it then run
-    once per forward, not per layer. Results are shared: callers do not write them. CUDA tensors are not
-    remembered (a graph capture must see every op), nor are inference tensors (no version counter)."""
-    last: list = [None]  # one tuple (weakref to t, t's version, the other arguments, the result), swapped whole
+    """Remember `fn(t, *args)` (args: hashable) for the last CPU tensor `t` and args it was called with, while `t`
+    is that same object, unchanged: a normal tensor by its version counter, which
+    every in-place write bumps; an inference tensor (`generate` runs under inference mode) has none, and its
+    values are compared with a copy kept beside the result (one comparison of a few hundred integers in place of
+    the ops it saves). A forward passes one `parent` to every layer's conv, verify and attention: the checks and
+    the mask derived from it then run once per forward, not per layer. Results are shared: callers do not write
+    them. CUDA tensors are not remembered (a graph capture must see every op)."""
+    # one tuple, swapped whole: (weakref to t, t's version or (inference tensor) a copy of t, args, result)
+    last: list = [None]
+
+    def same(entry, t: torch.Tensor) -> bool:
+        if entry[0]() is not t:  # another object: recomputed, so every round (a new tree) runs the same ops
+            return False
+        return torch.equal(entry[1], t) if t.is_inference() else entry[1] == t._version
 
     @functools.wraps(fn)
     def remembered(t: torch.Tensor, *args):
-        if t.device.type != "cpu" or t.is_inference():
+        if t.device.type != "cpu":
             return fn(t, *args)
         entry = last[0]  # read once: another thread may swap in its own entry meanwhile
-        if entry is not None and entry[0]() is t and entry[1] == t._version and entry[2] == args:
+        if entry is not None and entry[2] == args and same(entry, t):
             return entry[3]
         out = fn(t, *args)
-        last[0] = (weakref.ref(t), t._version, args, out)
+        last[0] = (weakref.ref(t), t.clone() if t.is_inference() else t._version, args, out)
         return out
 
     return remembered

@@ -395,7 +395,8 @@ class HybridRunner:
         B, T = ids.shape
         if parent is not None:
             parent = torch.as_tensor(parent, dtype=torch.long, device=self.device)
-            parent = parent.expand(B, -1) if parent.dim() == 1 else parent
+            # one contiguous tensor for the KV mask and every layer: what they derive from it is made once
+            parent = (parent.expand(B, -1) if parent.dim() == 1 else parent).contiguous()
         if not prefill:
             self.state._begin(slots_t, T, parent)
         try:

@@ -36,6 +36,29 @@ def test_mask_follows_in_place_writes():
     assert ancestor_mask(p)[0].tolist() == py_ancestors(p[0].tolist())
 
 
+def test_inference_tensors_are_remembered_by_value():
+    """Under inference mode (as `generate` runs) a tensor has no version counter: the mask is kept while the
+    same tensor holds the values it was derived from, and follows in-place writes and other trees."""
+    with torch.inference_mode():
+        p = torch.tensor([[-1, 0, 0, 1, 2, 3]])
+        first = ancestor_mask(p)
+        assert first[0].tolist() == py_ancestors(p[0].tolist())
+        assert ancestor_mask(p) is first  # the same forward: computed once
+        other = ancestor_mask(p.clone())  # another object (the next round's tree): derived again
+        assert other is not first and torch.equal(other, first)
+        p[0, 4] = 1  # written in place: no version bump on an inference tensor, the values differ
+        assert ancestor_mask(p)[0].tolist() == py_ancestors(p[0].tolist())
+        assert ancestor_mask(p[:, :5])[0].tolist() == py_ancestors(p[0, :5].tolist())  # another shape
+        wide = p.to(torch.int32)  # another dtype: the check runs on it, and it is not served the long tree's mask
+        assert ancestor_mask(wide)[0].tolist() == py_ancestors(p[0].tolist())
+    with torch.inference_mode():
+        q = torch.tensor([-1, 0, 1, 1])
+        verify_naive._parents(q, 2, 4, q.device)
+        q[2] = 3  # no longer topological: the check must run again
+        with pytest.raises(ValueError, match="parent"):
+            verify_naive._parents(q, 2, 4, q.device)
+
+
 def test_check_follows_in_place_writes():
     p = torch.tensor([-1, 0, 1, 1])
     verify_naive._parents(p, 2, 4, p.device)

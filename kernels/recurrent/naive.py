@@ -50,13 +50,15 @@ def conv_taps(cols: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     One arithmetic for plain decode (`short_conv`: sliding windows of `[window, x]`) and the verify (the
     gathered inputs of each node's root path): taps multiplied and summed left to right, then the bias, then a
     silu whose rounding does not depend on the tensor's size. So every verify token's output equals plain
-    decode of its root path, bit for bit. Channels are the innermost dimension, so each tap is one contiguous
-    multiply-add per token.
+    decode of its root path, bit for bit. Channels are the innermost dimension, so the sum over the taps runs
+    along contiguous rows of channels.
     """
-    w = weight.to(cols.dtype).t()  # [Kc, C]
-    y = cols[..., 0, :] * w[0]  # [R, T, C]
-    for j in range(1, cols.shape[-2]):
-        y = y + cols[..., j, :] * w[j]
+    # every product in one op, then the adds left to right (not torch's `sum`, whose order over the taps depends on
+    # the shapes); Kc ops, not 2 Kc - 1
+    prod = cols * weight.to(cols.dtype).t()  # [R, T, Kc, C] * [Kc, C]
+    y = prod[..., 0, :]
+    for j in range(1, prod.shape[-2]):
+        y = y + prod[..., j, :]
     if bias is not None:
         y = y + bias.to(cols.dtype)
     if activation == "silu":
@@ -73,8 +75,10 @@ def _silu(y: torch.Tensor) -> torch.Tensor:
     calls of one token bitwise."""
     if y.is_cuda or y.numel() == 0:
         return F.silu(y)
+    pad = (-y.numel()) % 64
+    if pad == 0:  # already whole vectors (the model's conv widths are multiples of 64)
+        return F.silu(y)
     flat = y.reshape(-1)
-    pad = (-flat.numel()) % 64
     return F.silu(F.pad(flat, (0, pad)))[:flat.numel()].view_as(y)
 
 
