@@ -76,7 +76,7 @@ def _silu(y: torch.Tensor) -> torch.Tensor:
     if y.is_cuda or y.numel() == 0:
         return F.silu(y)
     pad = (-y.numel()) % 64
-    if pad == 0:  # already whole vectors (the model's conv widths are multiples of 64)
+    if pad == 0 and y.is_contiguous():  # already whole vectors (the model's conv widths are multiples of 64)
         return F.silu(y)
     flat = y.reshape(-1)
     return F.silu(F.pad(flat, (0, pad)))[:flat.numel()].view_as(y)
