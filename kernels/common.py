@@ -172,12 +172,12 @@ def valid_slots(indices: torch.Tensor, null_slot: int) -> torch.Tensor:
 
 def per_tensor(fn):
     """Remember `fn(t, *args)` (args: hashable) for the last CPU tensor `t` and args it was called with, while `t`
-    is that same object, unchanged: a normal tensor by its version counter, which
-    every in-place write bumps; an inference tensor (`generate` runs under inference mode) has none, and its
-    values are compared with a copy kept beside the result (one comparison of a few hundred integers in place of
-    the ops it saves). A forward passes one `parent` to every layer's conv, verify and attention: the checks and
-    the mask derived from it then run once per forward, not per layer. Results are shared: callers do not write
-    them. CUDA tensors are not remembered (a graph capture must see every op)."""
+    is that same object, unchanged: a normal tensor by its version counter, which every in-place write bumps; an
+    inference tensor (`generate` runs under inference mode) has none, so its values are compared with a copy kept
+    beside the result (one comparison of a few hundred integers in place of the ops it saves). A forward passes one
+    `parent` to every layer's conv, verify and attention: the checks and the mask derived from it then run once per
+    forward, not per layer. Results are shared: callers do not write them. CUDA tensors are not remembered (a graph
+    capture must see every op)."""
     # one tuple, swapped whole: (weakref to t, t's version or (inference tensor) a copy of t, args, result)
     last: list = [None]
 
