@@ -3,46 +3,31 @@
     python bench/ab_kernels.py --old 7d2e787 --rounds 7 --json ab.json      # CPU references, tiny shapes
     python bench/ab_kernels.py --old 7d2e787 -- --heads 4 --head-dim 64      # extra kernels.py arguments
 
-The benchmark script is the working tree's; only the package differs. The old revision is checked out into
-a temporary git worktree, and each side is imported through a folder that maps its top-level folders onto
-the `specdec` namespace (as pyproject's package-dir does), ahead of the installed package. Each round runs both sides as separate processes, in alternating order, with one torch thread;
-the table gives per op the median milliseconds of each side, new / old, and the spread (max / min over the
-rounds) so a noisy machine shows as such.
+The benchmark script is the working tree's; only the package differs (the worktree of the old revision and
+the import mapping are `bench/ab.py`'s, which does the same for any bench script). Each round runs both sides as
+separate processes, in alternating order, with one torch thread; the table gives per op the median milliseconds
+of each side, new / old, and the spread (max / min over the rounds) so a noisy machine shows as such.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def mapped(checkout: Path, into: Path) -> Path:
-    """A folder holding `specdec/` whose entries link to the checkout's package folders."""
-    pkg = into / "specdec"
-    pkg.mkdir(parents=True)
-    for f in (checkout / "specdec").iterdir():
-        (pkg / f.name).symlink_to(f)
-    for sub in ("kernels", "replayssm", "draft", "verify"):
-        if (checkout / sub).is_dir():
-            (pkg / sub).symlink_to(checkout / sub)
-    return into
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+try:
+    from ab import run_side as run_script, sides  # noqa: E402  (the worktree, the mapping, the subprocess)
+finally:
+    sys.path.pop(0)
 
 
 def run_side(pythonpath: str, extra: list[str], out: Path) -> dict[str, float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    # run outside both checkouts, so neither tree's own folders shadow the mapping
-    subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--device", "cpu", "--json", str(out),
-                    *extra], env=env, cwd=tempfile.gettempdir(), check=True, capture_output=True, text=True)
+    run_script(pythonpath, [str(ROOT / "bench" / "kernels.py"), "--device", "cpu", "--json", str(out), *extra])
     rows = json.loads(out.read_text())["results"]
     return {r["op"]: r["ms"] for r in rows if r["impl"] == "reference"}
 
@@ -55,23 +40,13 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("extra", nargs="*", help="more kernels.py arguments (after --)")
     a = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        old = tmp / "old"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), a.old], check=True,
-                       capture_output=True)
-        try:
-            old_path = str(mapped(old, tmp / "map"))
-            new_path = str(mapped(ROOT, tmp / "map_new"))
-            extra = ["--reps", str(a.reps), *a.extra]
-            times: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
-            for r in range(a.rounds):
-                order = [("old", old_path), ("new", new_path)]
-                for side, path in (order if r % 2 == 0 else order[::-1]):
-                    for op, ms in run_side(path, extra, tmp / f"{side}.json").items():
-                        times[side].setdefault(op, []).append(ms)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True)
+    with sides(a.old) as paths, tempfile.TemporaryDirectory() as tmp:
+        extra = ["--reps", str(a.reps), *a.extra]
+        times: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
+        for r in range(a.rounds):
+            for side in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
+                for op, ms in run_side(paths[side], extra, Path(tmp) / f"{side}.json").items():
+                    times[side].setdefault(op, []).append(ms)
     ops = [op for op in times["new"] if op in times["old"]]
     print(f"# bench/kernels.py --device cpu {' '.join(a.extra)}: torch references, old = {a.old}, new = working tree; "
           f"{a.rounds} rounds x {a.reps} calls, 1 thread, medians")
