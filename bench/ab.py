@@ -95,8 +95,9 @@ def pick(values: dict[str, float], patterns: list[str]) -> dict[str, float]:
 
 
 def script_path(name: str) -> Path:
+    """`name` as a file (absolute: the runs start elsewhere), else `bench/name`."""
     p = Path(name)
-    return p if p.is_file() else ROOT / "bench" / name
+    return p.resolve() if p.is_file() else ROOT / "bench" / name
 
 
 def main(argv=None) -> int:

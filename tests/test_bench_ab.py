@@ -61,7 +61,8 @@ def test_each_side_imports_its_own_tree(tmp_path):
     assert rows["here"]["new"] == [1.0, 1.0] and rows["here"]["old"] == [0.0, 0.0]
     assert rows["value"]["old_median"] == rows["value"]["new_median"] == 2.5 and rows["value"]["ratio"] == 1.0
     assert "value" in done.stdout  # the table
+    # the script named relative to the caller's directory (the runs themselves start elsewhere)
     bad = subprocess.run([sys.executable, str(SCRIPT), "--old", "HEAD", "--rounds", "1", "--metric", "nothing.*",
-                          "--", str(probe), "1"], capture_output=True, text=True, env=env, timeout=300)
+                          "--", probe.name, "1"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert bad.returncode != 0 and "matched nothing" in bad.stderr
     assert worktrees() == before  # the old revision's worktree is removed afterwards
