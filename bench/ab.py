@@ -94,6 +94,30 @@ def pick(values: dict[str, float], patterns: list[str]) -> dict[str, float]:
     return {k: v for k, v in values.items() if any(match(k, p) for p in patterns)}
 
 
+def alternate(rounds: int, run) -> dict[str, dict[str, list[float]]]:
+    """Both sides `rounds` times, the order alternated from round to round; `run(side)` ("old" or "new") returns
+    {name: value}. -> side -> name -> the values in round order."""
+    vals: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
+    for r in range(rounds):
+        for side in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
+            for k, v in run(side).items():
+                vals[side].setdefault(k, []).append(v)
+    return vals
+
+
+def compare(vals: dict[str, dict[str, list[float]]]) -> list[dict]:
+    """Per name both sides have (in the new side's order): its values, their medians, new / old and the spread of
+    each side (max / min over the rounds)."""
+    rows = []
+    for k in [k for k in vals["new"] if k in vals["old"]]:
+        old, new = vals["old"][k], vals["new"][k]
+        o, n = statistics.median(old), statistics.median(new)
+        spread = lambda xs: max(xs) / min(xs) if min(xs) > 0 else float("nan")  # noqa: E731
+        rows.append(dict(name=k, old=old, new=new, old_median=o, new_median=n, ratio=n / o if o else float("nan"),
+                         spread_old=spread(old), spread_new=spread(new)))
+    return rows
+
+
 def script_path(name: str) -> Path:
     """`name` as a file (absolute: the runs start elsewhere), else `bench/name`."""
     p = Path(name)
@@ -116,29 +140,22 @@ def main(argv=None) -> int:
     if not script.is_file():
         p.error(f"script: no file {a.script} (nor bench/{a.script})")
     args = a.args[1:] if a.args[:1] == ["--"] else a.args
-    vals: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
     with sides(a.old) as paths, tempfile.TemporaryDirectory() as tmp:
-        for r in range(a.rounds):
-            order = ["old", "new"] if r % 2 == 0 else ["new", "old"]
-            for side in order:
-                out = Path(tmp) / f"{side}.json"
-                run_side(paths[side], [str(script), *args, "--json", str(out)])
-                for k, v in pick(flatten(json.loads(out.read_text())), a.metric).items():
-                    vals[side].setdefault(k, []).append(v)
-    keys = [k for k in vals["new"] if k in vals["old"]]
-    if not keys:
+        def run(side: str) -> dict[str, float]:
+            out = Path(tmp) / f"{side}.json"
+            run_side(paths[side], [str(script), *args, "--json", str(out)])
+            return pick(flatten(json.loads(out.read_text())), a.metric)
+        vals = alternate(a.rounds, run)
+    rows = compare(vals)
+    if not rows:
         raise SystemExit(f"--metric: {a.metric} matched nothing in both sides' JSON")
     print(f"# bench/ab.py: {script.name} {' '.join(args)}; old = {a.old}, new = working tree; {a.rounds} rounds, "
           f"order alternated, 1 thread")
     print(f"{'metric':40s} {'old (per round)':>24s} {'new (per round)':>24s} {'old':>8s} {'new':>8s} {'new/old':>8s}")
-    rows = []
-    for k in keys:
-        o, n = statistics.median(vals["old"][k]), statistics.median(vals["new"][k])
-        rows.append(dict(metric=k, old=vals["old"][k], new=vals["new"][k], old_median=o, new_median=n,
-                         ratio=n / o if o else float("nan")))
-        per = lambda xs: " / ".join(f"{x:.3g}" for x in xs)  # noqa: E731
-        print(f"{k:40s} {per(vals['old'][k]):>24s} {per(vals['new'][k]):>24s} {o:8.4g} {n:8.4g} "
-              f"{rows[-1]['ratio']:8.3f}")
+    per = lambda xs: " / ".join(f"{x:.3g}" for x in xs)  # noqa: E731
+    for r in rows:
+        print(f"{r['name']:40s} {per(r['old']):>24s} {per(r['new']):>24s} {r['old_median']:8.4g} "
+              f"{r['new_median']:8.4g} {r['ratio']:8.3f}")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(old=a.old, rounds=a.rounds, script=script.name, args=args,
                                                 metrics=a.metric, rows=rows), indent=1))

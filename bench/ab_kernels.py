@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 try:
-    from ab import run_side as run_script, sides  # noqa: E402  (the worktree, the mapping, the subprocess)
+    from ab import alternate, compare, run_side as run_script, sides  # noqa: E402
 finally:
     sys.path.pop(0)
 
@@ -40,24 +39,18 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("extra", nargs="*", help="more kernels.py arguments (after --)")
     a = p.parse_args(argv)
+    extra = ["--reps", str(a.reps), *a.extra]
     with sides(a.old) as paths, tempfile.TemporaryDirectory() as tmp:
-        extra = ["--reps", str(a.reps), *a.extra]
-        times: dict[str, dict[str, list[float]]] = {"old": {}, "new": {}}
-        for r in range(a.rounds):
-            for side in (["old", "new"] if r % 2 == 0 else ["new", "old"]):
-                for op, ms in run_side(paths[side], extra, Path(tmp) / f"{side}.json").items():
-                    times[side].setdefault(op, []).append(ms)
-    ops = [op for op in times["new"] if op in times["old"]]
+        times = alternate(a.rounds, lambda side: run_side(paths[side], extra, Path(tmp) / f"{side}.json"))
     print(f"# bench/kernels.py --device cpu {' '.join(a.extra)}: torch references, old = {a.old}, new = working tree; "
           f"{a.rounds} rounds x {a.reps} calls, 1 thread, medians")
     print(f"{'op':24s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s} {'spread old':>10s} {'spread new':>10s}")
     rows = []
-    for op in ops:
-        o, n = statistics.median(times["old"][op]), statistics.median(times["new"][op])
-        so = max(times["old"][op]) / min(times["old"][op])
-        sn = max(times["new"][op]) / min(times["new"][op])
-        rows.append(dict(op=op, old_ms=o, new_ms=n, ratio=n / o, spread_old=so, spread_new=sn))
-        print(f"{op:24s} {o:9.4f} {n:9.4f} {n / o:8.2f} {so:10.2f} {sn:10.2f}")
+    for r in compare(times):
+        rows.append(dict(op=r["name"], old_ms=r["old_median"], new_ms=r["new_median"], ratio=r["ratio"],
+                         spread_old=r["spread_old"], spread_new=r["spread_new"]))
+        print(f"{r['name']:24s} {r['old_median']:9.4f} {r['new_median']:9.4f} {r['ratio']:8.2f} "
+              f"{r['spread_old']:10.2f} {r['spread_new']:10.2f}")
     if a.json:
         Path(a.json).write_text(json.dumps(dict(old=a.old, rounds=a.rounds, reps=a.reps, extra=a.extra,
                                                 times=times, rows=rows), indent=1))

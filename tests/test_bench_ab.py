@@ -1,7 +1,6 @@
 """`bench/ab.py`: the JSON paths it collects, and a run against a revision in which each side imports its own
 package (the old side from the worktree, never the working tree)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -10,19 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from bench_scripts import load_bench
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "ab.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_ab", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_flatten_and_pick():
-    ab = load_script()
+    ab = load_bench("ab")
     doc = {"ratios": {"chain_8": 1.25, "tree_49": 2.5}, "drafters": {"eagle": {"speedup": 1.7, "ok": True,
                                                                                "name": "x"}},
            "rows": [{"ms": 3}, {"ms": 4.5}], "n": 7}
@@ -57,7 +51,7 @@ def test_each_side_imports_its_own_tree(tmp_path):
                            "--json", str(out), "--", str(probe), "2.5"], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = {r["metric"]: r for r in json.loads(out.read_text())["rows"]}
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["here"]["new"] == [1.0, 1.0] and rows["here"]["old"] == [0.0, 0.0]
     assert rows["value"]["old_median"] == rows["value"]["new_median"] == 2.5 and rows["value"]["ratio"] == 1.0
     assert "value" in done.stdout  # the table

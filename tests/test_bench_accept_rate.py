@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench_scripts import load_bench
 from tiny_models import save_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,16 +81,9 @@ def test_ngram_json_shape_and_lossless(saved, tmp_path):
         assert (tmp_path / "out.png").stat().st_size > 0
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_accept_rate", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_missing_trained_drafter_is_skipped(saved, tmp_path, capsys):
     model, prompts = saved
-    bench = load_script()
+    bench = load_bench("accept_rate")
     out = tmp_path / "out.json"
     threads = torch.get_num_threads()
     try:
@@ -110,7 +104,7 @@ def test_missing_trained_drafter_is_skipped(saved, tmp_path, capsys):
 
 
 def test_prompt_selection_round_robin_over_kinds(tmp_path):
-    bench = load_script()
+    bench = load_bench("accept_rate")
     f = tmp_path / "p.jsonl"
     recs = [{"id": f"c{i}", "kind": "code", "prompt": "x"} for i in range(3)]
     recs += [{"id": f"p{i}", "kind": "prose", "prompt": "y"} for i in range(2)]
@@ -124,7 +118,7 @@ def test_drafter_options_are_passed_and_checked(saved, tmp_path, capsys):
     """`NAME:key=value` reaches the drafter: a different n-gram setting is a separate entry, an unknown
     option is reported as skipped with the drafter's own error, and a malformed spec is a usage error."""
     model, prompts = saved
-    bench = load_script()
+    bench = load_bench("accept_rate")
     assert bench.parse_drafter("eagle:num_nodes=16:topk=4") == ("eagle", {"num_nodes": 16, "topk": 4})
     assert bench.parse_drafter("dspark:confidence_threshold=0.5") == ("dspark", {"confidence_threshold": 0.5})
     out = tmp_path / "out.json"

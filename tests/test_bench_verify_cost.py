@@ -1,6 +1,5 @@
 """`bench/verify_cost.py` on a tiny saved Kimi-Linear at tiny settings: run as a user would, JSON shape, trees."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,21 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from bench_scripts import load_bench
 from tiny_models import save_tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "verify_cost.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_verify_cost", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_tree_parents_are_valid_eagle_like_trees():
-    bench = load_script()
+    bench = load_bench("verify_cost")
     for n in (1, 2, 13, 25, 49):
         p = bench.tree_parents(n, 8)
         assert len(p) == n and p[0] == -1
@@ -118,7 +111,7 @@ def test_matmul_floor_records_every_linear_of_a_forward():
                 seen.append((args[1], args[0].shape[:-1].numel()))
             return func(*args, **(kwargs or {}))
 
-    bench = load_script()
+    bench = load_bench("verify_cost")
     model = tiny_model("qwen3_5", dtype=torch.float32)  # dense MLPs: every weight matmul is an nn.Linear
     runner = HybridRunner(model, max_batch_size=1, max_length=64, num_verify_tokens=13)
     slots = runner.alloc(1)
