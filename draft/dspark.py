@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specdec.replayssm.pool import outside_inference
+from specdec.kernels.common import outside_inference
 
 from .base import DraftBlock, Drafter, observed_counts, padded
 from .layers import Block, RMSNorm, target_logits

@@ -34,7 +34,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specdec.adapters import latent_attention
-from specdec.replayssm.pool import outside_inference
+from specdec.kernels.common import outside_inference
 
 from .base import DraftBlock, Drafter
 from .layers import MLP, RMSNorm, SharesTarget, soft_ce, target_logits

@@ -13,6 +13,12 @@ import weakref
 import torch
 
 
+def outside_inference():
+    """Context: tensors made inside it are normal tensors even under `generate`'s inference mode. For what outlives
+    a call (state kept across calls, written again outside it; caches; the caller's output)."""
+    return torch.inference_mode(False)
+
+
 def math_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """fp64 if any input is fp64, else fp32: the state is never advanced in a lower precision."""
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from specdec.kernels.common import outside_inference
+
 from .config import StateConfig
 from .plan import BufferSpec, buffer_specs
-
-
-def outside_inference():
-    """Context: tensors made inside it are normal tensors even under `generate`'s inference mode. For what outlives
-    a call (state kept across calls, written again outside it; the caller's output)."""
-    return torch.inference_mode(False)
 
 
 def allocate(spec: BufferSpec, device: torch.device | str, *, fill: float = 0.0) -> torch.Tensor:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from specdec.draft import Drafter, DraftBlock, TargetView, make_drafter
-from specdec.replayssm.pool import outside_inference
+from specdec.kernels.common import outside_inference
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.common import ancestor_mask
-from specdec.replayssm.pool import outside_inference
+from specdec.kernels.common import ancestor_mask, outside_inference
 
 
 class KVCache:

@@ -15,7 +15,7 @@ import torch
 
 from specdec import kernels
 from specdec.replayssm import StateConfig, make_strategy
-from specdec.replayssm.pool import outside_inference
+from specdec.kernels.common import outside_inference
 
 from .adapters import HYBRID_FAMILIES, attr_path, layer_kind
 from .kv_cache import KVCache

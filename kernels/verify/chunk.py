@@ -40,7 +40,7 @@ import functools
 import torch
 
 from ..chunk.naive import factored_terms, wy_terms
-from ..common import ancestor_mask, delta_step
+from ..common import ancestor_mask, delta_step, outside_inference
 from .naive import store_ring_records, verify_inputs
 
 
@@ -48,7 +48,7 @@ from .naive import store_ring_records, verify_inputs
 def _lower(T: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The chain's mask `[T, T]` in `dtype` (1 on and below the diagonal), made once per shape; never written.
     A normal tensor even when first asked for under `inference_mode`, so autograd callers can use it too."""
-    with torch.inference_mode(False):
+    with outside_inference():
         return torch.ones(T, T, dtype=dtype, device=device).tril()
 
 
