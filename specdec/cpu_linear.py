@@ -13,8 +13,8 @@ rows and `MIN_MACS` multiply-adds.
 subclass whose forward dispatches by shape; weights, parameters, `state_dict` and `isinstance(m, nn.Linear)` are
 unchanged, and `uninstall(model)` turns them back. The oneDNN copy of a weight (its blocked layout: as much memory
 again as the weight) is made at the first call that uses it and remade when the weight changes (a new tensor or an
-in-place update: its version counter). Calls that need autograd, non-fp32 tensors and tensors off the CPU take
-`F.linear` unchanged.
+in-place update: its version counter). Calls that need autograd, non-fp32 tensors, tensors off the CPU and weights
+made under `torch.inference_mode` (no version counter) take `F.linear` unchanged.
 
 Exactness: a row's output from oneDNN and from MKL differ in the last bits (another summation order), as MKL's own
 results already differ between 1 row and T rows; speculative decoding stays lossless in the sense the engine
@@ -99,11 +99,13 @@ class OneDNNLinear(nn.Linear):
 
 
 def _onednn_ok(m: nn.Linear, x: torch.Tensor) -> bool:
-    """fp32 on CPU, no autograd needed, oneDNN switched on (`torch.backends.mkldnn.flags`)."""
+    """fp32 on CPU, no autograd needed, oneDNN switched on (`torch.backends.mkldnn.flags`), and a weight whose
+    in-place updates can be seen: not an inference tensor (a model built under `torch.inference_mode`), which has
+    no version counter to tell a stale oneDNN copy by."""
     w, b = m.weight, m.bias
     return (x.dtype == torch.float32 and w.dtype == torch.float32 and (b is None or b.dtype == torch.float32)
             and x.device.type == "cpu" and w.device.type == "cpu" and torch.backends.mkldnn.enabled
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)))
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)) and not w.is_inference())
 
 
 _OP: list = []

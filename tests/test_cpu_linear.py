@@ -100,6 +100,23 @@ def test_weight_updates_are_seen():
         assert_close(lin(x), ref(), msg="after a new weight")
 
 
+def test_inference_mode_weights_take_f_linear():
+    """A layer made under `torch.inference_mode` has inference-tensor weights, with no version counter to tell a
+    stale oneDNN copy by: its calls take `F.linear` (they raised before), and an in-place update is seen."""
+    torch.manual_seed(5)
+    with torch.inference_mode():
+        lin = nn.Linear(256, 256)
+    cpu_linear.install(lin)
+    x = torch.randn(16, 256)
+    with torch.inference_mode():
+        y, calls = onednn_calls(lambda: lin(x))
+        assert not calls
+        assert_close(y, F.linear(x, lin.weight, lin.bias), exact=True)
+        lin.weight.mul_(-2.0)
+        assert_close(lin(x), F.linear(x.double(), lin.weight.double(), lin.bias.double()).float(),
+                     msg="after an in-place update")
+
+
 def test_install_uninstall_and_copies():
     torch.manual_seed(3)
 
