@@ -63,30 +63,41 @@ def test_strong_gates_do_not_overflow_or_cancel(C):
     assert_close(S, S_ref, dtype=F32, msg="S")
 
 
-@pytest.mark.parametrize("gates", ["mild", "strong", "mixed"])
+@pytest.mark.parametrize("gates", ["mild", "strong", "extreme", "mixed"])
 def test_factored_and_pairwise_decays(gates, monkeypatch):
-    """Chunks of 16 with per-token log-decays down to -6 span up to ~60 per channel: the factored decays
-    (`factored_terms`, factors up to e^+-30) run there; at -60 the pairwise ones; with both kinds of chunk in
-    one call, each chunk its own. All stay element-wise within the fp32 tolerance of the fp64 recurrence."""
+    """Chunks of 16 with per-token log-decays down to -6 span up to ~60 per channel: fp32 factors
+    (`factored_terms`, factors up to e^+-30) run there. Down to -30 (spans of ~200-300, past fp32's 80): fp64
+    factors in those chunks (`_strong_terms`, fp64's range is 700). Down to -180 (spans past 700): the pairwise
+    decays. Mixed: each chunk its own. All stay element-wise within the fp32 tolerance of the fp64 recurrence."""
     import specdec.kernels.chunk.naive as naive
-    fitted = []
-    monkeypatch.setattr(naive, "factored_terms",
-                        lambda *a, f=naive.factored_terms: (lambda r: fitted.append(r[-1]) or r)(f(*a)))
+    factored, pairwise = [], []  # (dtype, fits) per factored_terms call; chunks per pairwise call
+    monkeypatch.setattr(naive, "factored_terms", lambda q, *a, f=naive.factored_terms: (
+        lambda r: factored.append((q.dtype, r[-1])) or r)(f(q, *a)))
+    monkeypatch.setattr(naive, "_pairwise_terms", lambda q, *a, f=naive._pairwise_terms: (
+        pairwise.append(q.shape[0]) or f(q, *a)))
     q, k, v, g, beta, S0 = _inputs(1, 2, 48, 2, 8, 4, gdn=False, dtype=F32, gate_scale=6.0)
-    if gates != "mild":  # strong: every token; mixed: the second chunk of the first row only
-        sel = (slice(None), slice(None)) if gates == "strong" else (0, slice(16, 32))
-        g = g.clone()
-        g[sel] = g[sel] * 10.0
+    g = g.clone()
+    strong, extreme = torch.zeros(2, 2, 3, dtype=torch.bool), torch.zeros(2, 2, 3, dtype=torch.bool)  # [B, H, N]
+    if gates in ("strong", "extreme"):
+        g *= 5.0 if gates == "strong" else 30.0
+        (strong if gates == "strong" else extreme)[:] = True
+    elif gates == "mixed":  # the first row: its second chunk strong, its third extreme
+        g[0, 16:32] *= 5.0
+        g[0, 32:48] *= 30.0
+        strong[0, :, 1] = extreme[0, :, 2] = True
     o_ref, S_ref = recurrent_delta_rule(*(x.double() for x in (q, k, v, g, beta)), initial_state=S0.double())
     o, S = chunk_delta_rule(q, k, v, g, beta, initial_state=S0, chunk_size=16)
-    (fits,) = fitted  # [B, H, N]: one call for every chunk (None: all fit)
-    want = torch.ones(2, 2, 3, dtype=torch.bool)
-    fits = want.clone() if fits is None else fits
-    if gates == "strong":
-        want[:] = False
-    elif gates == "mixed":
-        want[0, :, 1] = False
-    assert torch.equal(fits, want)
+    misfit = strong | extreme
+    by_chunk = lambda x: x.permute(2, 0, 1).reshape(-1)  # noqa: E731  [B, H, N] -> the [N, B, H] order, flat
+    if not misfit.any():
+        assert [(dt, f) for dt, f in factored] == [(F32, None)] and not pairwise
+    else:
+        (dt32, fits32), (dt64, fits64) = factored
+        assert dt32 == F32 and dt64 == F64
+        assert torch.equal(fits32.permute(1, 2, 0), ~misfit)  # fits32 [N, B, H]
+        want64 = ~by_chunk(extreme)[by_chunk(misfit)]  # the fp64 call sees the fp32 misfits, in order
+        assert (fits64 is None and want64.all()) or torch.equal(fits64, want64)
+        assert pairwise == ([int(extreme.sum())] if extreme.any() else [])
     assert_close(o, o_ref, dtype=F32, msg="o")
     assert_close(S, S_ref, dtype=F32, msg="S")
 

@@ -69,14 +69,33 @@ def _pairwise_terms(q, k, beta, G, mask):
     return kd, A, (q[..., :, None, :] * kd).sum(-1)
 
 
+def _strong_terms(q, k, beta, G, mask):
+    """A and P, in q's dtype, of chunks `[n, C, .]` whose gates are too strong for factors in q's dtype: fp64
+    factors where they fit (`SPAN`: 700 against fp32's 80, so 16 tokens of gates averaging down to ~-45; the
+    products rounded to q's dtype once), the pairwise decays `[C, C, K]` only in the chunks beyond. The embedded
+    model's gates reach -30: in its prefill many chunks of 16 miss fp32's range, and their pairwise decays cost
+    more than all the fp64 factors."""
+    dt = q.dtype
+    if dt != torch.float64:
+        A, P, _, _, fits = factored_terms(q.double(), k.double(), beta.double(), G, mask)
+        A, P = A.to(dt), P.to(dt)
+        if fits is None:
+            return A, P
+        idx = (~fits).nonzero().squeeze(1)
+        _, A_p, P_p = _pairwise_terms(q[idx], k[idx], beta[idx], G[idx], mask[idx])
+        return A.index_copy(0, idx, A_p), P.index_copy(0, idx, P_p)
+    _, A, P = _pairwise_terms(q, k, beta, G, mask)
+    return A, P
+
+
 def wy_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor,
              mask: torch.Tensor, *, pairwise: bool = False) -> tuple[torch.Tensor | None, ...]:
     """The intra-chunk terms of the WY form, for a causal chunk or a tree of tokens.
 
     Token i sees token j when `mask[i, j]` (j == i or j before i on i's path: the lower triangle for a chain,
     the ancestor mask for a tree); `G_i` is the log-decay summed over the tokens i sees. Each chunk takes A and
-    P from `factored_terms` where its gates allow it, else (or everywhere with `pairwise=True`) from the
-    pairwise decays.
+    P from `factored_terms` where its gates allow it, else from fp64 factors or the pairwise decays
+    (`_strong_terms`; everywhere the pairwise decays with `pairwise=True`).
 
     Args:
         q: normalized, scaled queries `[..., C, K]`;  k: normalized keys `[..., C, K]`;  v: `[..., C, V]`;
@@ -94,11 +113,11 @@ def wy_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
         kd, A, P = _pairwise_terms(q, k, beta, G, mask)
     else:
         A, P, _, _, fits = factored_terms(q, k, beta, G, mask)
-        if fits is not None:  # the chunks with stronger gates take the pairwise decays
+        if fits is not None:  # the chunks with stronger gates
             C = A.shape[-1]
             idx = (~fits).reshape(-1).nonzero().squeeze(1)
             pick = lambda x: x.expand(*fits.shape, *x.shape[-2:]).reshape(-1, *x.shape[-2:])[idx]  # noqa: E731
-            _, A_s, P_s = _pairwise_terms(pick(q), pick(k), pick(beta), pick(G), pick(mask))
+            A_s, P_s = _strong_terms(pick(q), pick(k), pick(beta), pick(G), pick(mask))
             A = A.reshape(-1, C, C).index_copy(0, idx, A_s).view(A.shape)
             P = P.reshape(-1, C, C).index_copy(0, idx, P_s).view(P.shape)
     eG = G.to(dt).exp()
@@ -136,26 +155,35 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     pad = (-T) % C
     N = (T + pad) // C
 
-    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, X] -> [B, H, N, C, X]; padding: k = beta = g = 0
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, X] -> [N, B, H, C, X]; padding: k = beta = g = 0
         x = F.pad(x.to(dt), (0, 0, 0, 0, 0, pad))
-        return x.reshape(B, N, C, H, x.shape[-1]).permute(0, 3, 1, 2, 4)
+        return x.reshape(B, N, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).contiguous()
 
     q, k, v = chunks(q), chunks(k), chunks(v)
     # cumulated in fp64: G_i - G_j of two large cumulated gates would otherwise cancel to a few fp32 ulps of |G|
     G = chunks(g.expand(B, T, H, K)).double().cumsum(-2)
-    b = chunks(beta[..., None])                                        # [B, H, N, C, 1]
+    b = chunks(beta[..., None])                                        # [N, B, H, C, 1]
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     # on a GPU the pairwise decays (no host read of which chunks fit; fla's kernels prefill the delta rule there)
     _, P, W, Y, eG = wy_terms(q, k, v, b, G, causal, pairwise=q.is_cuda)
     if rule == "mamba2":
         W, Y = b * v, None
-    qG = q * eG
-    kG = k * (G[..., -1:, :] - G).to(q.dtype).exp()                    # k_j exp(G_C - G_j)
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    # From a chunk's start state S: u = W - Y S, o = (q eG) S + P u = (q eG - P Y) S + P W, and the next start
+    # exp(G_C) S + kG^T u. Everything not multiplied by S is formed for all chunks at once, so the sequential
+    # part is three multiply-adds per chunk, each on contiguous `[B*H, ., .]` blocks.
+    qS = q * eG if Y is None else q * eG - P @ Y                       # [N, B, H, C, K]
+    PW = P @ W                                                         # [N, B, H, C, V]
+    kGT = (k * (G[..., -1:, :] - G).to(dt).exp()).transpose(-1, -2)    # [N, B, H, K, C]: k_j exp(G_C - G_j)
+    decay = eG[..., -1, :, None]                                       # [N, B, H, K, 1]: exp(G_C)
+    blocks = lambda x: x.reshape(N, B * H, *x.shape[-2:])  # noqa: E731  [N, B*H, ., .]
+    qS, PW, kGT, decay, W = blocks(qS), blocks(PW), blocks(kGT), blocks(decay), blocks(W)
+    Y = None if Y is None else blocks(Y)
+    S = (q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)).reshape(B * H, K, V)
     outs = []
     for n in range(N):
-        u = W[:, :, n] if Y is None else W[:, :, n] - Y[:, :, n] @ S
-        outs.append(qG[:, :, n] @ S + P[:, :, n] @ u)
-        S = eG[:, :, n, -1, :, None] * S + kG[:, :, n].transpose(-1, -2) @ u
-    o = torch.stack(outs, 2).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
+        outs.append(torch.baddbmm(PW[n], qS[n], S))
+        u = W[n] if Y is None else torch.baddbmm(W[n], Y[n], S, alpha=-1)
+        S = torch.baddbmm(decay[n] * S, kGT[n], u)
+    o = torch.stack(outs).view(N, B, H, C, V).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
+    S = S.view(B, H, K, V)
     return o.to(out_dtype), S
