@@ -244,6 +244,7 @@ def test_strong_gates_stay_finite_and_accurate(tree, strength, pairwise, monkeyp
 
 
 def test_bad_input_raises_before_anything_is_written():
+    """One error naming the argument before anything is written; no tokens is not an error (an empty output)."""
     c = dict(B=1, T=3, N=2, H=1, K=3, V=2, gdn=True, dtype=F32)
     x = inputs(c, torch.Generator().manual_seed(0))
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "ssm")] + [torch.tensor([0])]
@@ -263,6 +264,10 @@ def test_bad_input_raises_before_anything_is_written():
         assert bool((inter == 0).all()) and all(bool((r == 0).all()) for r in ring), f"{arg}: written"
     with pytest.raises(ValueError, match="q"):
         chunk_verify(x["q"][:, :2], *args[1:])
+    for verify in (chunk_verify, naive_verify):  # no tokens: an empty output, nothing written (as the Triton kernel)
+        o = verify(*(a[:, :0] for a in args[:5]), *args[5:], **ok)
+        assert o.shape == (1, 0, 1, 2)
+        assert bool((inter == 0).all()) and all(bool((r == 0).all()) for r in ring), "no tokens: written"
 
 
 def test_dispatch_serves_the_chunk_form_off_the_gpu(monkeypatch):

@@ -114,3 +114,15 @@ def test_windows_rebuilt_from_records_equal_kept_windows(c, data):
     for b in range(B):
         full = torch.cat([inp["conv_state"][slots.clamp(min=0)[b]], inputs[0, b, :n[b]].nan_to_num().T], -1)
         assert_close(got[0, b], full[:, full.shape[1] - (Kc - 1):], exact=True, msg=f"row {b}, {int(n[b])} tokens")
+
+
+def test_no_tokens_gives_an_empty_output():
+    """T = 0: an empty output and nothing written, as the Triton kernel and `short_conv` give it (the reference
+    raised from an unfold over nothing)."""
+    from specdec.kernels.verify.triton import short_conv_verify as triton_conv
+    x, w, state = torch.randn(2, 0, 6), torch.randn(6, 4), torch.randn(4, 6, 3)
+    win = torch.zeros(2, 3, 6, 3)
+    for fn in (short_conv_verify, triton_conv):
+        y = fn(x, w, None, state, torch.tensor([0, 1]), window_states=win)
+        assert y.shape == (2, 0, 6) and bool((win == 0).all())
+    assert short_conv(x, w, conv_state=state[:2])[0].shape == (2, 0, 6)

@@ -120,6 +120,8 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"conv_inputs: expected [>={B}, >={T}, {C}], got {list(conv_inputs.shape)}")
     if activation not in ("silu", None):
         raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
+    if T == 0:  # nothing to run (as the Triton kernel: an empty output)
+        return x.new_zeros(B, 0, C)
     chain = parent is None
     parent = None if chain else _parents(parent, B, T, x.device, validate)
     rows, full, sel = _valid_rows(conv_state_indices, null_slot)
@@ -206,11 +208,14 @@ def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent, int
                   num_pending, ring_indices, scale, eps, norm, null_slot, rule="delta", A_log=None,
                   dt_bias=None, validate=True) -> VerifyInputs | None:
     """The checks and preparation every CPU verify (per-token and chunk form) runs before computing: one error
-    naming the argument before anything is written. -> None when no row has a valid slot."""
+    naming the argument before anything is written. -> None when there is nothing to run (no token, or no row with
+    a valid slot)."""
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
     gate_in = check_gate_params(A_log, dt_bias, (), H, K, g)
     check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
     check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
+    if T == 0:  # nothing to run (as the Triton kernels: an empty output)
+        return None
     chain = parent is None
     parent = _parents(parent, B, T, k.device, validate)
     rows, full, sel = _valid_rows(ssm_state_indices, null_slot)
