@@ -52,16 +52,17 @@ def test_chunk_equals_recurrence(seed, B, T, H, K, V, C, gdn, dtype, norm, start
 
 
 @pytest.mark.parametrize("start", [False, True])
-def test_no_tokens(start):
-    """T = 0 (a prompt chunk with nothing in it): no outputs and the start state, as the recurrence gives them; the
+@pytest.mark.parametrize("B,T", [(2, 0), (0, 5)])
+def test_no_tokens(start, B, T):
+    """No tokens (T = 0) or no rows (B = 0): empty outputs and the start state, as the recurrence gives them; the
     state a copy, never the caller's tensor."""
-    q, k, v, g, beta, S0 = _inputs(4, 2, 0, 3, 5, 4, gdn=False, dtype=F32)
+    q, k, v, g, beta, S0 = _inputs(4, B, T, 3, 5, 4, gdn=False, dtype=F32)
     S0 = S0 if start else None
     o, S = chunk_delta_rule(q, k, v, g, beta, initial_state=S0, chunk_size=16)
     o_ref, S_ref = recurrent_delta_rule(q, k, v, g, beta, initial_state=S0)
-    assert o.shape == o_ref.shape == (2, 0, 3, 4) and o.dtype == v.dtype
+    assert o.shape == o_ref.shape == (B, T, 3, 4) and o.dtype == v.dtype
     assert_close(S, S_ref, exact=True)
-    assert S0 is None or S.data_ptr() != S0.data_ptr()
+    assert S0 is None or S0.numel() == 0 or S.data_ptr() != S0.data_ptr()
 
 
 @pytest.mark.parametrize("C", [8, 64])

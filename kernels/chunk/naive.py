@@ -152,9 +152,9 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     scale = K ** -0.5 if scale is None else scale
     q, k = prepare_qk(q, k, scale=scale, eps=eps, norm=norm, dtype=dt, rule=rule)
     C, out_dtype = chunk_size, v.dtype
-    if T == 0:  # no tokens: as the recurrence, no outputs and (a copy of) the start state
+    if B == 0 or T == 0:  # nothing to run: as the recurrence, empty outputs and (a copy of) the start state
         S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt).clone()
-        return v.new_zeros(B, 0, H, V), S
+        return v.new_zeros(B, T, H, V), S
     pad = (-T) % C
     N = (T + pad) // C
 
