@@ -306,7 +306,7 @@ class SpecEngine:
                 raise ValueError(f"input_ids: expected [B, P] or a list of 1-D sequences, got {list(input_ids.shape)}")
             prompts = list(input_ids)
         else:
-            prompts = [torch.as_tensor(p, dtype=torch.long) for p in input_ids]
+            prompts = [torch.as_tensor(p) for p in input_ids]
         if not prompts:
             raise ValueError("input_ids: no prompts")
         emb = self.model.get_input_embeddings()
@@ -314,6 +314,8 @@ class SpecEngine:
         for i, p in enumerate(prompts):
             if p.dim() != 1 or p.numel() == 0:
                 raise ValueError(f"input_ids: prompt {i} is empty or not 1-D (shape {list(p.shape)})")
+            if p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:  # a cast would truncate silently
+                raise ValueError(f"input_ids: prompt {i}: expected integer token ids, got {p.dtype}")
             if bool(((p < 0) | (p >= vocab)).any()):  # else the embedding fails after slots are taken
                 raise ValueError(f"input_ids: prompt {i} has token ids outside [0, {vocab}): "
                                  f"min {int(p.min())}, max {int(p.max())}")

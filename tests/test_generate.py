@@ -435,6 +435,8 @@ def _bad_generate_calls(target, family):
         ("max_new_tokens", lambda e: e.generate([p], max_new_tokens=0)),
         ("input_ids", lambda e: e.generate([torch.tensor([5, 6, target.config.vocab_size])], max_new_tokens=4)),
         ("input_ids", lambda e: e.generate([torch.tensor([5, -1, 7])], max_new_tokens=4)),
+        ("integer token ids", lambda e: e.generate(torch.tensor([[5.7, 6.2, 7.0]]), max_new_tokens=4)),
+        ("integer token ids", lambda e: e.generate([[5, 6.5, 7]], max_new_tokens=4)),
     ]
 
 
