@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 import difflib
+import numbers
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -237,6 +238,9 @@ class SpecEngine:
             if clash:
                 raise ValueError(f"{clash[0]}: given both in config and as a keyword")
             drafter_options = options
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise ValueError(f"model: expected a transformers causal LM (a torch.nn.Module with a config, e.g. from "
+                             f"AutoModelForCausalLM.from_pretrained), got {type(model).__name__}")
         self.config = cfg = config
         self.model = model
         self.gamma = cfg.num_draft_tokens
@@ -349,8 +353,8 @@ class SpecEngine:
             raise ValueError("max_batch_size: no free slot (every one is held by a running generate call)")
         if streamer is not None and N != 1:
             raise ValueError("streamer: streaming supports a single prompt")
-        eos = self.eos_token_id if eos_token_id == "default" else eos_token_id
-        eos_set = set([eos] if isinstance(eos, int) else (eos or []))
+        eos_set = _eos_ids(self.eos_token_id if isinstance(eos_token_id, str) and eos_token_id == "default"
+                           else eos_token_id)
         gen = None
         if seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -818,6 +822,23 @@ class SpecEngine:
         if streamer is not None and kept:
             streamer.put(torch.tensor(kept))
         return self._done(toks, max_new, eos_set)
+
+
+def _eos_ids(eos) -> set[int]:
+    """The stop tokens of `eos_token_id`, as `generate` takes it: None (never stop early), an int, a list / tuple of
+    ints or an integer tensor of any shape; anything else is one ValueError (a string or a tensor in a set of
+    ints would never match, and generation would run on silently)."""
+    if eos is None:
+        return set()
+    if isinstance(eos, torch.Tensor):
+        if eos.is_floating_point() or eos.is_complex() or eos.dtype == torch.bool:
+            raise ValueError(f"eos_token_id: expected integer token ids, got a {eos.dtype} tensor")
+        return set(eos.flatten().tolist())
+    items = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    bad = [x for x in items if isinstance(x, bool) or not isinstance(x, numbers.Integral)]
+    if bad:
+        raise ValueError(f"eos_token_id: expected None, an int, a list of ints or an integer tensor, got {eos!r}")
+    return {int(x) for x in items}
 
 
 def wrap(model, config: SpecConfig | None = None, **options) -> SpecEngine:

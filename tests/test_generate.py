@@ -13,6 +13,7 @@ import itertools
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
@@ -173,6 +174,11 @@ def test_batch_model_drafter_and_eos_cut(models):
     out = _spec_generate(engine, [torch.tensor(PROMPTS[n]) for n in names], max_new_tokens=N, eos_token_id=eos)
     _assert_rows_match(out, expected, engine.pad_token_id)
     assert len(expected[0]) < len(expected[1]) or expected[1][-1] == eos
+    # the forms transformers' generation config takes (a tensor in a set of ints never matched: no stop)
+    for form in (torch.tensor(eos), torch.tensor([eos]), [eos], (eos,), np.int64(eos)):
+        again = _spec_generate(engine, [torch.tensor(PROMPTS[n]) for n in names], max_new_tokens=N,
+                               eos_token_id=form)
+        assert torch.equal(again.sequences, out.sequences), f"eos_token_id as {type(form).__name__}: {form!r}"
 
 
 class _OracleTree(Drafter):
@@ -435,6 +441,9 @@ def _bad_generate_calls(target, family):
         ("max_new_tokens", lambda e: e.generate([p], max_new_tokens=0)),
         ("input_ids", lambda e: e.generate([torch.tensor([5, 6, target.config.vocab_size])], max_new_tokens=4)),
         ("input_ids", lambda e: e.generate([torch.tensor([5, -1, 7])], max_new_tokens=4)),
+        ("eos_token_id", lambda e: e.generate([p], max_new_tokens=4, eos_token_id="2")),
+        ("eos_token_id", lambda e: e.generate([p], max_new_tokens=4, eos_token_id=torch.tensor([2.0]))),
+        ("model", lambda e: specdec.wrap("gpt2")),
         ("integer token ids", lambda e: e.generate(torch.tensor([[5.7, 6.2, 7.0]]), max_new_tokens=4)),
         ("integer token ids", lambda e: e.generate([[5, 6.5, 7]], max_new_tokens=4)),
     ]
