@@ -58,6 +58,25 @@ def test_json_equals_transformers_greedy(saved):
     assert stats["rounds"] >= 1 and len(stats["per_position"]) <= 4
 
 
+def test_trained_drafter_directory_equals_transformers_greedy():
+    """`--drafter DIR`: the embedded model with its trained EAGLE head (a tree drafter), as a user would run it;
+    the tokens equal transformers' greedy generate on the same model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = ROOT / "specdec" / "embedded"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt").input_ids
+    with torch_fallbacks(), torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                             pad_token_id=model.config.pad_token_id)
+    proc = run_cli("--model", path, "--prompt", PROMPT, "--max-new-tokens", 24, "--drafter",
+                   path / "drafters" / "eagle", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    new = ref[0, ids.shape[1]:].tolist()
+    assert out["tokens"] == new[:len(out["tokens"])] and (len(out["tokens"]) == 24 or out["tokens"][-1] == 0)
+    assert out["stats"]["accepted"] > 0
+
+
 def test_stream_prints_text_and_stats(saved):
     path, tokenizer, prompt_ids, oracle = saved
     proc = run_cli("--model", path, "--prompt", PROMPT, "--max-new-tokens", NEW, "--strategy", "snapshot",
@@ -76,6 +95,9 @@ def test_stream_prints_text_and_stats(saved):
     (["--model", "{model}", "--prompt", "x", "--strategy", "tree"], "--strategy"),
     (["--model", "{model}", "--prompt", "x", "--commit", "later"], "--commit"),
     (["--model", "{model}", "--prompt", "x", "--drafter", "model"], "--draft-model"),
+    (["--model", "{model}", "--prompt", "x", "--drafter", "nope"], "--drafter"),
+    (["--model", "{model}", "--prompt", "x", "--drafter", "native", "--draft-model", "{model}"], "--draft-model"),
+    (["--model", "{model}", "--prompt", "x", "--drafter", "{empty}"], "--drafter"),  # a directory, no drafter
     (["--model", "{model}", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["--model", "{model}", "--prompt", "x", "--num-draft-tokens", "0"], "--num-draft-tokens"),
     (["--model", "{model}", "--prompt", "x", "--temperature", "0.5"], "--temperature"),

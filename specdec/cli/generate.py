@@ -7,15 +7,21 @@ import json
 import os
 
 
+DRAFTERS = ("ngram", "model", "native")
+
+
 def _check_generate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for flag, value in (("--model", args.model), ("--draft-model", args.draft_model)):
         if value is not None and not os.path.isdir(value):
             parser.error(f"argument {flag}: no such directory: {value}")
     if args.drafter is None:
         args.drafter = "model" if args.draft_model is not None else "ngram"
+    if args.drafter not in DRAFTERS and not os.path.isdir(args.drafter):
+        parser.error(f"argument --drafter: expected {', '.join(DRAFTERS)} or a drafter directory, got "
+                     f"{args.drafter!r} (not a directory)")
     if args.drafter == "model" and args.draft_model is None:
         parser.error("argument --draft-model: required with --drafter model")
-    if args.drafter == "ngram" and args.draft_model is not None:
+    if args.drafter != "model" and args.draft_model is not None:
         parser.error("argument --draft-model: only used with --drafter model")
     for flag, value in (("--num-draft-tokens", args.num_draft_tokens), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
@@ -133,8 +139,10 @@ def add_parser(subparsers) -> None:
                     "rounds and tokens/s. Greedy output equals the model's own greedy decode.")
     p.add_argument("--model", required=True, metavar="DIR", help="save_pretrained directory: model and tokenizer")
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--drafter", choices=("ngram", "model"), default=None,
-                   help="ngram: prompt lookup (default); model: a draft model (--draft-model)")
+    p.add_argument("--drafter", default=None, metavar="{ngram,model,native,DIR}",
+                   help="ngram: prompt lookup (default); model: a draft model (--draft-model); native: the MTP "
+                        "layers of the model's own checkpoint; DIR: a trained drafter (eagle, mtp or dspark, as "
+                        "python -m specdec.draft.train saves it) or an EAGLE-3 checkpoint (SpecForge / SGLang)")
     p.add_argument("--draft-model", metavar="DIR", default=None,
                    help="save_pretrained directory of the draft model (same vocabulary); implies --drafter model")
     p.add_argument("--num-draft-tokens", type=int, default=7, help="draft tokens per round (gamma)")
