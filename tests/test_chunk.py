@@ -77,6 +77,22 @@ def test_strong_gates_do_not_overflow_or_cancel(C):
     assert_close(S, S_ref, dtype=F32, msg="S")
 
 
+@given(seed=st.integers(0, 2**31 - 1), B=st.integers(1, 2), T=st.integers(1, 70), H=st.sampled_from([1, 3]),
+       K=st.sampled_from([3, 8]), V=st.sampled_from([2, 7]), C=st.sampled_from([4, 8, 16, 32]),
+       gate_scale=st.sampled_from([0.5, 6.0, 30.0, 180.0]), gdn=st.booleans(), start=st.booleans())
+def test_every_gate_strength_equals_recurrence(seed, B, T, H, K, V, C, gate_scale, gdn, start):
+    """Per-token log-decays from -0.5 to -180, so that chunks take fp32 factors, fp64 factors, the pairwise decays,
+    or a mix: fp32 outputs and state element-wise within fp32 tolerance of the float64 recurrence."""
+    q, k, v, g, beta, S0 = _inputs(seed, B, T, H, K, V, gdn=gdn, dtype=F32, gate_scale=gate_scale)
+    S0 = S0 if start else None
+    o, S = chunk_delta_rule(q, k, v, g, beta, initial_state=S0, chunk_size=C)
+    o_ref, S_ref = recurrent_delta_rule(*(x.double() for x in (q, k, v, g, beta)),
+                                        initial_state=None if S0 is None else S0.double())
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert_close(o, o_ref, dtype=F32, msg="o")
+    assert_close(S, S_ref, dtype=F32, msg="S")
+
+
 @pytest.mark.parametrize("gates", ["mild", "strong", "extreme", "mixed"])
 def test_factored_and_pairwise_decays(gates, monkeypatch):
     """Chunks of 16 with per-token log-decays down to -6 span up to ~60 per channel: fp32 factors
