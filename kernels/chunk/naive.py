@@ -6,8 +6,9 @@ Within a chunk starting from state S0 (log-gates cumulated in the chunk, `G_t = 
     o = (q * exp(G)) S0 + P u,                        P[i, j] = sum_c q_i k_j exp(G_i - G_j)          (j <= i)
     S = exp(G_C) S0 + (k * exp(G_C - G))^T u
 A and P take the decays `exp(G_i - G_j)` as products of `[C, K]` factors around each channel's midpoint
-(`factored_terms`: two matmuls) where the gates allow it, and the pairwise decays `[C, C, K]` otherwise, where
-every exponent is a decay (<= 0), so nothing overflows however strong the gate. Only the S0 hand-off between
+(`factored_terms`: two matmuls) where the gates allow it (fp32 factors, or fp64 ones for stronger gates), and the
+pairwise decays `[C, C, K]` beyond, where every exponent is a decay (<= 0), so nothing overflows however strong
+the gate. Only the S0 hand-off between
 chunks is sequential. `wy_terms` holds the intra-chunk part; the tree verify (`kernels/verify/chunk.py`) calls it
 with an ancestor mask in place of the causal one.
 """
