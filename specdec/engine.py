@@ -14,6 +14,7 @@ from specdec.draft import Drafter, DraftBlock, TargetView, make_drafter
 from specdec.kernels.common import outside_inference
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
+from specdec.verify.accept import is_int_tensor
 
 from . import cpu_linear
 from .adapters import HYBRID_FAMILIES
@@ -318,7 +319,7 @@ class SpecEngine:
         for i, p in enumerate(prompts):
             if p.dim() != 1 or p.numel() == 0:
                 raise ValueError(f"input_ids: prompt {i} is empty or not 1-D (shape {list(p.shape)})")
-            if p.is_floating_point() or p.is_complex() or p.dtype == torch.bool:  # a cast would truncate silently
+            if not is_int_tensor(p):  # a cast would truncate silently
                 raise ValueError(f"input_ids: prompt {i}: expected integer token ids, got {p.dtype}")
             if bool(((p < 0) | (p >= vocab)).any()):  # else the embedding fails after slots are taken
                 raise ValueError(f"input_ids: prompt {i} has token ids outside [0, {vocab}): "
@@ -831,7 +832,7 @@ def _eos_ids(eos) -> set[int]:
     if eos is None:
         return set()
     if isinstance(eos, torch.Tensor):
-        if eos.is_floating_point() or eos.is_complex() or eos.dtype == torch.bool:
+        if not is_int_tensor(eos):
             raise ValueError(f"eos_token_id: expected integer token ids, got a {eos.dtype} tensor")
         return set(eos.flatten().tolist())
     items = list(eos) if isinstance(eos, (list, tuple)) else [eos]

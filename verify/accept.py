@@ -36,7 +36,8 @@ def _describe(t: object) -> str:
     return type(t).__name__
 
 
-def _is_int(t: object) -> bool:
+def is_int_tensor(t: object) -> bool:
+    """A tensor of integers (token ids, counts, parents): not floating, complex or bool."""
     return (isinstance(t, Tensor) and not t.is_floating_point() and not t.is_complex()
             and t.dtype != torch.bool)
 
@@ -70,7 +71,7 @@ def _check_tokens_in_vocab(name: str, tokens: Tensor, live: Tensor, vocab: int) 
 def _check_chain(draft_tokens: Tensor, target: Tensor, target_name: str, draft_probs: Tensor | None,
                  num_drafts: Tensor | None) -> tuple[int, int, int]:
     """Validate chain inputs; return `(B, G, V)`."""
-    if not _is_int(draft_tokens) or draft_tokens.dim() != 2:
+    if not is_int_tensor(draft_tokens) or draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens: expected an integer tensor [B, G], got {_describe(draft_tokens)}")
     b, g = draft_tokens.shape
     v = _check_scores(target_name, target, (b, g + 1), "[B, G+1, V]")
@@ -80,7 +81,7 @@ def _check_chain(draft_tokens: Tensor, target: Tensor, target_name: str, draft_p
         _check_probs("draft_probs", draft_probs, (b, g, v), "[B, G, V]", device)
     live = torch.ones(b, g, dtype=torch.bool, device=device)
     if num_drafts is not None:
-        if not _is_int(num_drafts) or tuple(num_drafts.shape) != (b,):
+        if not is_int_tensor(num_drafts) or tuple(num_drafts.shape) != (b,):
             raise ValueError(f"num_drafts: expected an integer tensor [B] = [{b}], got {_describe(num_drafts)}")
         _check_device("num_drafts", num_drafts, device)
         if bool(((num_drafts < 0) | (num_drafts > g)).any()):
@@ -93,10 +94,10 @@ def _check_chain(draft_tokens: Tensor, target: Tensor, target_name: str, draft_p
 def _check_tree(tokens: Tensor, parent: Tensor, target: Tensor, target_name: str,
                 draft_probs: Tensor | None) -> tuple[int, int, int, Tensor]:
     """Validate tree inputs; return `(B, T, V, parent [B, T] int64)`."""
-    if not _is_int(tokens) or tokens.dim() != 2 or tokens.shape[1] < 1:
+    if not is_int_tensor(tokens) or tokens.dim() != 2 or tokens.shape[1] < 1:
         raise ValueError(f"tokens: expected an integer tensor [B, T] with T >= 1, got {_describe(tokens)}")
     b, t = tokens.shape
-    if not _is_int(parent) or tuple(parent.shape) not in ((t,), (b, t)):
+    if not is_int_tensor(parent) or tuple(parent.shape) not in ((t,), (b, t)):
         raise ValueError(f"parent: expected an integer tensor [T] = [{t}] or [B, T] = [{b}, {t}], "
                          f"got {_describe(parent)}")
     v = _check_scores(target_name, target, (b, t), "[B, T, V]")

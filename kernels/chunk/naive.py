@@ -8,9 +8,8 @@ Within a chunk starting from state S0 (log-gates cumulated in the chunk, `G_t = 
 A and P take the decays `exp(G_i - G_j)` as products of `[C, K]` factors around each channel's midpoint
 (`factored_terms`: two matmuls) where the gates allow it (fp32 factors, or fp64 ones for stronger gates), and the
 pairwise decays `[C, C, K]` beyond, where every exponent is a decay (<= 0), so nothing overflows however strong
-the gate. Only the S0 hand-off between
-chunks is sequential. `wy_terms` holds the intra-chunk part; the tree verify (`kernels/verify/chunk.py`) calls it
-with an ancestor mask in place of the causal one.
+the gate. Only the S0 hand-off between chunks is sequential. `wy_terms` holds the intra-chunk part; the tree verify
+(`kernels/verify/chunk.py`) calls it with an ancestor mask in place of the causal one.
 """
 
 from __future__ import annotations
@@ -153,9 +152,9 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     scale = K ** -0.5 if scale is None else scale
     q, k = prepare_qk(q, k, scale=scale, eps=eps, norm=norm, dtype=dt, rule=rule)
     C, out_dtype = chunk_size, v.dtype
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     if B == 0 or T == 0:  # nothing to run: as the recurrence, empty outputs and (a copy of) the start state
-        S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt).clone()
-        return v.new_zeros(B, T, H, V), S
+        return v.new_zeros(B, T, H, V), S.clone()
     pad = (-T) % C
     N = (T + pad) // C
 
@@ -182,7 +181,7 @@ def chunk_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     blocks = lambda x: x.reshape(N, B * H, *x.shape[-2:])  # noqa: E731  [N, B*H, ., .]
     qS, PW, kGT, decay, W = blocks(qS), blocks(PW), blocks(kGT), blocks(decay), blocks(W)
     Y = None if Y is None else blocks(Y)
-    S = (q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)).reshape(B * H, K, V)
+    S = S.reshape(B * H, K, V)
     outs = []
     for n in range(N):
         outs.append(torch.baddbmm(PW[n], qS[n], S))
