@@ -88,6 +88,21 @@ def _strong_terms(q, k, beta, G, mask):
     return A, P
 
 
+def strong_replaced(A: torch.Tensor, P: torch.Tensor, fits: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                    beta: torch.Tensor, G: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`factored_terms`' A and P `[..., C, C]` with the chunks that do not fit (`fits [...]` false) taken from
+    `_strong_terms` (fp64 factors, or the pairwise decays beyond them); unchanged when `fits` is None. The other
+    arguments as `factored_terms`' (`mask` bool), broadcast to `fits`' leading dims."""
+    if fits is None:
+        return A, P
+    C = A.shape[-1]
+    idx = (~fits).reshape(-1).nonzero().squeeze(1)
+    pick = lambda x: x.expand(*fits.shape, *x.shape[-2:]).reshape(-1, *x.shape[-2:])[idx]  # noqa: E731
+    A_s, P_s = _strong_terms(pick(q), pick(k), pick(beta), pick(G), pick(mask))
+    return (A.reshape(-1, C, C).index_copy(0, idx, A_s).view(A.shape),
+            P.reshape(-1, C, C).index_copy(0, idx, P_s).view(P.shape))
+
+
 def wy_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, G: torch.Tensor,
              mask: torch.Tensor, *, pairwise: bool = False) -> tuple[torch.Tensor | None, ...]:
     """The intra-chunk terms of the WY form, for a causal chunk or a tree of tokens.
@@ -113,13 +128,7 @@ def wy_terms(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tens
         kd, A, P = _pairwise_terms(q, k, beta, G, mask)
     else:
         A, P, _, _, fits = factored_terms(q, k, beta, G, mask)
-        if fits is not None:  # the chunks with stronger gates
-            C = A.shape[-1]
-            idx = (~fits).reshape(-1).nonzero().squeeze(1)
-            pick = lambda x: x.expand(*fits.shape, *x.shape[-2:]).reshape(-1, *x.shape[-2:])[idx]  # noqa: E731
-            A_s, P_s = _strong_terms(pick(q), pick(k), pick(beta), pick(G), pick(mask))
-            A = A.reshape(-1, C, C).index_copy(0, idx, A_s).view(A.shape)
-            P = P.reshape(-1, C, C).index_copy(0, idx, P_s).view(P.shape)
+        A, P = strong_replaced(A, P, fits, q, k, beta, G, mask)
     eG = G.to(dt).exp()
     # (I + A)^-1 once, then two products, as fla's chunk kernels form it: on CPU a batched triangular solve against
     # the C columns of I and two matmuls take ~2.4x less time than two solves against the 2 x 64 columns of v, k

@@ -15,10 +15,9 @@ ancestors (a chain: tokens 1..t) and `G_t` = the log-decays summed over `path(t)
 `d_t` is the record the per-token step writes (`beta (v - S'^T k)`), so the rings hold the same quantities, and
 each node's output and state are those of its own root-to-node chain: the causal mask of the chunk is the
 ancestor mask (`common.ancestor_mask`), a chain's is the lower triangle. One triangular solve and a few masked
-matmuls, batched over requests and heads, with the decays factored per channel (`chunk_step`); gates too strong
-for the factors take the pairwise decays of `chunk.wy_terms`, the intra-chunk part of the chunked prefill. (The
-embedded model's KDA gates reach -47 per token; a 49-node tree spans up to ~70 in one channel, inside the
-factored range.)
+matmuls, batched over requests and heads, with the decays factored per channel (`chunk_step`); heads whose gates
+are too strong for fp32 factors take fp64 ones, as the chunked prefill does (`chunk.strong_replaced`). (The
+embedded model's KDA gates reach -47 per token: about 4% of its verify calls on code prompts have such a head.)
 
 Exactness (DESIGN §5). The committed state never comes from here: the exact fold replays the records, which are
 the inputs (rawk, rawv, g, beta: copied bit for bit), step by step, so a committed state is still the one plain
@@ -39,7 +38,7 @@ import functools
 
 import torch
 
-from ..chunk.naive import factored_terms, wy_terms
+from ..chunk.naive import factored_terms, strong_replaced, wy_terms
 from ..common import ancestor_mask, delta_step, outside_inference
 from .naive import store_ring_records, verify_inputs
 
@@ -58,8 +57,9 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
     The decays between two tokens, `e^(G_t - G_j)`, factor as `e^(G_t - r) e^(r - G_j)` around the midpoint `r`
     of each channel's range of G, so A, P and the node states are plain matmuls over `[T, K]` factors. Where a
-    channel's range is too wide for that (a product would leave the dtype's exponent range: gates far stronger
-    than a verify meets), the pairwise decays `[T, T, K]` of `chunk.wy_terms` are used instead.
+    channel's range is too wide for that (a product would leave fp32's exponent range), that head's A and P come
+    from fp64 factors (`chunk.strong_replaced`; the pairwise decays `[T, T, K]` beyond fp64's range); the node
+    states, when asked for, then come from the pairwise decays of `chunk.wy_terms`.
 
     Args:
         q: normalized, scaled `[R, T, H, K]`;  k: normalized `[R, T, H, K]`;  v: `[R, T, H, V]`;
@@ -87,7 +87,10 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     m = mask if mask.dim() == 2 else mask.unsqueeze(-3)                  # [T, T] or [R, 1, T, T]
     qh, kh, vh, bh = heads(q), heads(k), heads(v), tokens(beta).unsqueeze(-1)
     A, P, up, kdown, fits = factored_terms(qh, kh, bh, G, m)
-    if fits is not None:  # some channel's gates too strong for the factors
+    if fits is not None and states is None:  # some channel's path sums span too far for fp32 factors: those
+        A, P = strong_replaced(A, P, fits, qh, kh, bh, G, m > 0)  # heads' A, P from fp64 factors, as in prefill
+        fits = None
+    if fits is not None:  # node states wanted too: every term from the pairwise decays
         kd, P, W, Y, eG = wy_terms(qh, kh, vh, bh, G, m > 0, pairwise=True)
         d = (W - Y @ S0).contiguous()                                      # [R, H, T, V]
         if states is not None:  # sum over the visible j of e^(G_t - G_j) k_j d_j^T
