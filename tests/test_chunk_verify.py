@@ -224,20 +224,26 @@ def test_one_token_is_the_fold_step_bit_for_bit():
 
 
 @pytest.mark.parametrize("tree", [False, True])
-@pytest.mark.parametrize("strength, strong", [(6.0, False), (30.0, True), (90.0, True)])
+@pytest.mark.parametrize("strength, terms", [(6.0, ["fp32"]), (30.0, ["fp32", "fp64"]),
+                                             (150.0, ["fp32", "fp64", "pairwise"])])
 @pytest.mark.parametrize("states", [True, False])
-def test_strong_gates_stay_finite_and_accurate(tree, strength, strong, states, monkeypatch):
-    """Log-decays of -strength..-(strength + 1) per token: the fp32 factored decays (up to e^+-26 each at -6) and,
-    past their range, fp64 factors (outputs and records only; -30 and -90 a token, up to 8 tokens deep) or the
-    pairwise decays (node states wanted); nothing overflows, and fp32 stays within the fp32 tolerance of the fp64
-    recurrence."""
+def test_strong_gates_stay_finite_and_accurate(tree, strength, terms, states, monkeypatch):
+    """Log-decays of -strength..-(strength + 1) per token, up to 9 tokens deep: fp32 factors (up to e^+-26 each at
+    -6), past their range fp64 factors (for the strong heads' A and P, or every head's when node states are asked
+    for), past those too (-150: a range past 700 within 6 tokens) the pairwise decays; nothing overflows, and fp32
+    stays within the fp32 tolerance of the fp64 recurrence."""
     import specdec.kernels.chunk.naive as chunk_naive
     import specdec.kernels.verify.chunk as chunk_mod
     calls = []
-    monkeypatch.setattr(chunk_mod, "wy_terms", lambda *a, f=chunk_mod.wy_terms, **kw: calls.append("pairwise")
-                        or f(*a, **kw))
-    monkeypatch.setattr(chunk_naive, "_strong_terms", lambda *a, f=chunk_naive._strong_terms: calls.append("fp64")
-                        or f(*a))
+
+    def factored(*a, f=chunk_naive.factored_terms):
+        calls.append({torch.float32: "fp32", torch.float64: "fp64"}[a[0].dtype])
+        return f(*a)
+
+    monkeypatch.setattr(chunk_mod, "factored_terms", factored)
+    monkeypatch.setattr(chunk_naive, "factored_terms", factored)
+    monkeypatch.setattr(chunk_naive, "_pairwise_terms", lambda *a, f=chunk_naive._pairwise_terms:
+                        calls.append("pairwise") or f(*a))
     T = 9
     parent = [-1, 0, 1, 1, 2, 4, -1, 6, 5] if tree else list(range(-1, T - 1))
     c = dict(B=1, T=T, N=2, H=2, K=8, V=4, gdn=False, dtype=F64)
@@ -246,7 +252,7 @@ def test_strong_gates_stay_finite_and_accurate(tree, strength, strong, states, m
     inter = torch.zeros(1, T, 2, 8, 4) if states else None
     o = chunk_verify(*(x[n].float() for n in ("q", "k", "v", "g", "beta", "ssm")), torch.tensor([0]),
                      parent=torch.tensor(parent) if tree else None, intermediate_states=inter)
-    assert calls == ([] if not strong else ["pairwise"] if states else ["fp64"])
+    assert calls == terms
     assert bool(o.isfinite().all())
     inter_ref = torch.zeros(1, T, 2, 8, 4, dtype=F64)
     o_ref = naive_verify(*(x[n] for n in ("q", "k", "v", "g", "beta", "ssm")), torch.tensor([0]),

@@ -57,9 +57,9 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
     The decays between two tokens, `e^(G_t - G_j)`, factor as `e^(G_t - r) e^(r - G_j)` around the midpoint `r`
     of each channel's range of G, so A, P and the node states are plain matmuls over `[T, K]` factors. Where a
-    channel's range is too wide for that (a product would leave fp32's exponent range), that head's A and P come
-    from fp64 factors (`chunk.strong_replaced`; the pairwise decays `[T, T, K]` beyond fp64's range); the node
-    states, when asked for, then come from the pairwise decays of `chunk.wy_terms`.
+    channel's range is too wide for that (a product would leave fp32's exponent range), fp64 factors serve: for
+    that head's A and P (`chunk.strong_replaced`), or, when node states are asked for, for every head; only past
+    fp64's range too do the pairwise decays `[T, T, K]` of `chunk.wy_terms` come in.
 
     Args:
         q: normalized, scaled `[R, T, H, K]`;  k: normalized `[R, T, H, K]`;  v: `[R, T, H, V]`;
@@ -87,10 +87,14 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     m = mask if mask.dim() == 2 else mask.unsqueeze(-3)                  # [T, T] or [R, 1, T, T]
     qh, kh, vh, bh = heads(q), heads(k), heads(v), tokens(beta).unsqueeze(-1)
     A, P, up, kdown, fits = factored_terms(qh, kh, bh, G, m)
-    if fits is not None and states is None:  # some channel's path sums span too far for fp32 factors: those
-        A, P = strong_replaced(A, P, fits, qh, kh, bh, G, m > 0)  # heads' A, P from fp64 factors, as in prefill
-        fits = None
-    if fits is not None:  # node states wanted too: every term from the pairwise decays
+    if fits is not None and q.dtype != torch.float64:  # some channel's path sums span too far for fp32 factors
+        if states is None:  # those heads' A, P from fp64 factors, as in the chunked prefill
+            A, P = strong_replaced(A, P, fits, qh, kh, bh, G, m > 0)
+            fits = None
+        else:  # the node states need the factors themselves: fp64 ones for every head
+            A, P, up, kdown, fits = factored_terms(qh.double(), kh.double(), bh.double(), G, m)
+            A, P = A.to(q.dtype), P.to(q.dtype)
+    if fits is not None:  # past fp64's factors too: every term from the pairwise decays
         kd, P, W, Y, eG = wy_terms(qh, kh, vh, bh, G, m > 0, pairwise=True)
         d = (W - Y @ S0).contiguous()                                      # [R, H, T, V]
         if states is not None:  # sum over the visible j of e^(G_t - G_j) k_j d_j^T
@@ -98,15 +102,15 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     else:
         eG = G.exp().to(q.dtype)
         d = torch.linalg.solve_triangular(A, bh * (vh - (kh * eG) @ S0), upper=False, unitriangular=True)
-        if states is not None:  # e^(G_t - r) times the sum over the visible j of k_j e^(r - G_j) d_j^T
-            d = d.contiguous()  # LAPACK hands back column-major; the product below wants rows
-            Z = torch.mul(tokens(kdown)[..., None], tokens(d)[..., None, :], out=q.new_empty(R, T, H, K, V))
-            mask = mask.expand(R, T, T)
-            if states.is_contiguous():
+        if states is not None:  # e^(G_t - r) times the sum over the visible j of k_j e^(r - G_j) d_j^T, in the
+            d = d.contiguous()  # factors' dtype; LAPACK hands back column-major d, the product below wants rows
+            Z = torch.mul(tokens(kdown)[..., None], tokens(d)[..., None, :], out=kdown.new_empty(R, T, H, K, V))
+            mask = mask.to(Z.dtype).expand(R, T, T)
+            if states.is_contiguous() and states.dtype == Z.dtype:
                 torch.bmm(mask, Z.view(R, T, H * K * V), out=states.view(R, T, H * K * V))
+                states.mul_(tokens(up)[..., None])
             else:
-                states.copy_(torch.bmm(mask, Z.view(R, T, H * K * V)).view(R, T, H, K, V))
-            states.mul_(tokens(up)[..., None])
+                states.copy_(torch.bmm(mask, Z.view(R, T, H * K * V)).view(R, T, H, K, V).mul_(tokens(up)[..., None]))
     if states is not None:  # + e^G_t S0
         states.addcmul_(tokens(eG)[..., None], S0[:, None])
     o = (qh * eG) @ S0 + P @ d
