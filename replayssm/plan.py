@@ -16,6 +16,11 @@ Three ring layouts (`layout=`):
   published allocation logs describe.
 The full-snapshot scheme (SGLang's default, our oracle) is the same in every layout: all-layer states and
 conv windows after every verify token.
+
+On the reference backend (torch, the CPU) ReplaySSM with eager commit also keeps `step_ssm` and `step_conv_window`,
+one token's state and conv window per running row: a one-token round (a plain decode step, which the verify runs as
+the fold's own step) commits them by copy instead of folding its record again, the same bits for less work. The
+Triton backend folds every round and never allocates them, so `spec_bytes` (the device's comparison) leaves them out.
 """
 
 from __future__ import annotations
@@ -107,6 +112,10 @@ def buffer_specs(cfg: StateConfig, *, layout: str = "eager") -> dict[str, Buffer
         # tree verify with ReplaySSM: the parent states a later child reloads, of ONE layer, reused layer after
         # layer (never committed): log2 of the node count (kernels/common.py `tree_stack_slots`)
         "tree_state_stack": ((rows, tree_stack_slots(d), h, k, v), torch.promote_types(ssm, torch.float32)),
+        # the reference backend's one-token rounds (a plain decode step): the state and conv window after the
+        # token, which commit copies in place of folding its record (allocated by the first such round)
+        "step_ssm": ((n, rows, 1, h, k, v), ssm),
+        "step_conv_window": ((n, rows, 1, c, w), act),
     }
     if layout != "sglang":
         shapes["conv_inputs"] = ((n, rows, d, c), act)

@@ -153,7 +153,8 @@ def test_buffer_specs_contract():
     cfg = StateConfig(num_layers=3, num_heads=2, head_k_dim=8, head_v_dim=16, conv_kernel=4, max_requests=5,
                       max_running=3, num_verify_tokens=4, ring_len=8, ssm_dtype="bfloat16", act_dtype="bfloat16")
     c = 2 * (8 + 8 + 16)
-    common = {"conv_state", "ssm_state", "intermediate_conv_window", "snapshot_intermediate_ssm", "tree_state_stack"}
+    common = {"conv_state", "ssm_state", "intermediate_conv_window", "snapshot_intermediate_ssm", "tree_state_stack",
+              "step_ssm", "step_conv_window"}
     sglang = buffer_specs(cfg, layout="sglang")
     assert set(sglang) == common | set(RINGS)
     assert set(buffer_specs(cfg, layout="lazy")) == common | set(RINGS) | {"conv_inputs"}
@@ -167,6 +168,9 @@ def test_buffer_specs_contract():
         # one layer's stack of parent states (floor(log2(4 + 1)) - 1 = 1 slot), fp32 even with a bf16 checkpoint
         assert specs["tree_state_stack"].shape == (4, 1, 2, 8, 16)
         assert specs["tree_state_stack"].dtype == torch.float32
+        # one token's state and conv window per running row (the reference backend's one-token rounds)
+        assert specs["step_ssm"].shape == (3, 4, 1, 2, 8, 16) and specs["step_ssm"].dtype == torch.bfloat16
+        assert specs["step_conv_window"].shape == (3, 4, 1, c, 3)
     # per slot, depth L: SGLang's layout (and lazy commit's)
     assert sglang["ring_d"].shape == (3, 6, 2, 8, 16)
     assert sglang["ring_k"].shape == (3, 6, 2, 8, 8)
@@ -314,5 +318,23 @@ def test_allocation_equals_plan(strategy, commit, gate_in_kernel, monkeypatch):
                    torch.rand(2, 5, 3, generator=g))
         st.commit(path=[[0, 1, 3], [0, 2, -1]])
         assert allocated_bytes(st, seen) == spec_bytes(cfg, layout=commit, tree=True)["replayssm"]
+    if strategy == "replay" and commit == "eager":  # the reference backend: a one-token round keeps its state
+        monkeypatch.delenv("SPECDEC_FORCE_TRITON", raising=False)
+        st = make_strategy(cfg, strategy, commit=commit)
+        seen = {t.untyped_storage().data_ptr() for t in (st.pool.conv, st.pool.ssm)}
+        if gate_in_kernel:
+            seen |= {t.untyped_storage().data_ptr() for t in (st.gate_A_log, st.gate_dt_bias)}
+            for layer in range(cfg.num_layers):
+                st.set_gate(layer, -torch.rand(3), torch.randn(15))
+        slots = st.pool.alloc(2)
+        for _ in range(2):  # allocated once
+            st.begin(slots, num_tokens=1)
+            for layer in range(cfg.num_layers):
+                st.conv(layer, r(2, 1, cfg.conv_dim), r(cfg.conv_dim, 4))
+                st.mix(layer, r(2, 1, 3, 5), r(2, 1, 3, 5), r(2, 1, 3, 7), -torch.rand(2, 1, 3, 5, generator=g),
+                       torch.rand(2, 1, 3, generator=g))
+            st.commit(torch.tensor([1, 1]))
+        assert allocated_bytes(st, seen) == plan["replayssm"] + specs["step_ssm"].nbytes + \
+            specs["step_conv_window"].nbytes
     # a tree of T nodes is the plan of T verify tokens
     assert spec_bytes(with_tokens(cfg, 16), layout=commit, tree=True)["replayssm"] > plan["replayssm"]

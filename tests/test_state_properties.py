@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -184,6 +186,69 @@ def test_tree_state_stack_only_for_the_triton_kernel(backend, monkeypatch):
     # one layer's size: [rows, T, H, K, V], not [layers, ...]
     assert strat.tree_stack.shape == (cfg.max_running + 1, tree_stack_slots(cfg.num_verify_tokens), cfg.num_heads,
                                       cfg.head_k_dim, cfg.head_v_dim)
+
+
+def one_token_pair(cfg: StateConfig, seed: int) -> tuple[Harness, Harness]:
+    """Two replay-eager harnesses on the same inputs: one commits one-token rounds by copy (the default on the
+    reference backend), the other folds their record as every longer round does."""
+    copy, fold = Harness(cfg, seed=seed, strategies=("replay-eager",)), Harness(cfg, seed=seed,
+                                                                               strategies=("replay-eager",))
+    fold.strats["replay-eager"]._one_token = lambda r: False
+    return copy, fold
+
+
+def committed(strat) -> list[torch.Tensor]:
+    p = strat.pool
+    return [t for t in (p.ssm, p.conv, p.seq_len, p.track_ssm, p.track_conv, p.track_len) if t is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@settings(max_examples=30)
+@given(data=st.data())
+def test_one_token_round_commits_the_folds_bits(dtype, data):
+    """A one-token round (plain decode) of replay-eager on the reference backend keeps the verify's state and conv
+    window and commits them by copy, no record: the verify's step is the fold's, so everything committed (states,
+    windows, lengths, track states) equals bit for bit what folding the round's record commits, round after round,
+    one-token rounds mixed with longer ones, in random slot orders with null rows; the verify's outputs too. Both
+    rules (delta, mamba2)."""
+    cfg = data.draw(configs(torch.float64))
+    mamba2 = dict(rule="mamba2", gate="gdn", gate_in_kernel=False) if data.draw(st.booleans()) else {}
+    cfg = dataclasses.replace(cfg, ssm_dtype=torch.float32 if dtype == torch.bfloat16 else dtype, act_dtype=dtype,
+                              track_interval=data.draw(st.sampled_from([None, 1, 2])), **mamba2)
+    copy, fold = one_token_pair(cfg, data.draw(st.integers(0, 2 ** 16)))
+    for _ in range(data.draw(st.integers(1, 6))):
+        slots = slot_map(data.draw, cfg)
+        T = data.draw(st.sampled_from([1, 1, cfg.num_verify_tokens]))
+        inp = copy.inputs(len(slots), T)
+        n = torch.tensor([0 if s in (-1, cfg.null_slot) else data.draw(st.integers(1, T)) for s in slots])
+        outs = [h.verify("replay-eager", slots, inp) for h in (copy, fold)]
+        for a, b in zip(*outs):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), "verify outputs differ"
+        for h in (copy, fold):
+            h.strats["replay-eager"].commit(n)
+        for a, b in zip(committed(copy.strats["replay-eager"]), committed(fold.strats["replay-eager"])):
+            assert torch.equal(a, b), f"T={T}: committed state differs"
+    assert copy.strats["replay-eager"].step_states is not None or cfg.num_verify_tokens > 1
+
+
+def test_one_token_copy_has_teeth():
+    """The copy path is what commits: a corrupted kept state of a one-token round shows in the committed state
+    (and against plain decode), while the fold path never reads it."""
+    cfg = StateConfig.tiny(ssm_dtype=torch.float64, act_dtype=torch.float64, track_interval=None)
+    copy, fold = one_token_pair(cfg, 9)
+    inp = copy.inputs(1, 1)
+    for h in (copy, fold):
+        strat = h.strats["replay-eager"]
+        h.verify("replay-eager", [1], inp)
+        if strat.step_states is not None:
+            strat.step_states[0, 0, 0, 0, 0, 0] += 1e-3
+        strat.commit(torch.tensor([1]))
+    assert copy.strats["replay-eager"].step_states is not None and fold.strats["replay-eager"].step_states is None
+    copy.oracle(1, 0, inp, [0], advance=True)
+    with pytest.raises(AssertionError, match="rel err"):
+        copy.check_state("replay-eager", [1])
+    fold.oracle(1, 0, inp, [0], advance=True)
+    fold.check_state("replay-eager", [1])
 
 
 @pytest.mark.parametrize("record", ["rawk", "g"])
