@@ -15,11 +15,15 @@ interleaved (spec, plain, spec, plain, ...), after a short warmup of both: with 
 (`specdec.draft.NoDraft`: plain decoding through the same runner); the comparison is `specdec.timing`, the
 same as `specdec demo`'s. Each prompt's time is the median of its repeats, and
 `speedup = tokens/s spec / tokens/s plain` over the pooled medians compares like with like on this machine.
+transformers' own `generate` (`specdec.hf_compat.transformers_generate`: what a user runs without specdec; on a CPU
+through transformers' pure-torch code) runs in the same interleave unless `--reference none`: `tok/s hf` and
+`vs hf` (tokens/s spec over its tokens/s), so the speedup is also stated against the decode a user has today.
 `spread` is the median over prompts of (max - min) / median of a prompt's repeats (the larger of the two paths);
 above 25% the table shows the range of the per-repeat speedups instead of one figure and a line says that timing
 is noisy on this machine. Models under 50M parameters run on one torch thread unless `--threads` says otherwise.
 Greedy runs (`--temperature 0`) are also checked for losslessness: the speculative
-output must equal the plain output token for token (`identical`). The counts behind tau, alpha and the
+output must equal the plain output token for token (`identical`; and transformers' greedy output,
+`identical_transformers`). The counts behind tau, alpha and the
 per-position acceptance (`per_position[i]`: draft i accepted given drafts < i were; for trees, depth i)
 are pooled over all prompts. Spec-state memory is the memory plan of the run's own state config
 (`specdec.replayssm.plan.plan_json`): the replay strategy's spec state (rings + conv windows, plus one
@@ -56,11 +60,12 @@ except ImportError:  # a bare checkout: the top-level folders are subpackages of
     _spec.loader.exec_module(_mod)
 
 import specdec  # noqa: E402
-from specdec import timing  # noqa: E402
+from specdec import hf_compat, timing  # noqa: E402
 from specdec.draft import NoDraft  # noqa: E402  (also bench/throughput.py's plain decode)
 
 KEYS = ("tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
-        "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread", "noisy")
+        "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread", "noisy",
+        "tokens_per_s_transformers", "speedup_vs_transformers", "identical_transformers")
 EMBEDDED = Path(specdec.__file__).resolve().parent / "embedded"
 
 
@@ -198,8 +203,9 @@ class Pool:
         self.rounds = self.tokens = self.proposed = self.accepted = self.failures = 0
         self.reached: list[int] = []
         self.accepted_at: list[int] = []
-        self.spec, self.plain = timing.Pooled(), timing.Pooled()
+        self.spec, self.plain, self.ref = timing.Pooled(), timing.Pooled(), timing.Pooled()
         self.mismatches: list[str] = []
+        self.ref_mismatches: list[str] = []
 
     def add(self, stats) -> None:
         self.rounds += stats.rounds
@@ -222,37 +228,55 @@ class Pool:
                 "tokens_per_s_spec": self.spec.tokens_per_s, "tokens_per_s_plain": self.plain.tokens_per_s,
                 "speedup": timing.speedup(self.spec, self.plain),
                 "speedup_per_repeat": timing.speedup_per_repeat(self.spec, self.plain),
-                "spread": spread, "noisy": timing.is_noisy(spread)}
+                "spread": spread, "noisy": timing.is_noisy(spread),
+                "tokens_per_s_transformers": self.ref.tokens_per_s if self.ref.seconds else None,
+                "speedup_vs_transformers": timing.speedup(self.spec, self.ref) if self.ref.seconds else None}
 
 
 def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos, bar, options=None) -> dict:
     engine = specdec.wrap(model, drafter=drafter_arg, num_draft_tokens=args.gamma, max_batch_size=1, **(options or {}))
     replay, snapshot = spec_state_bytes(engine)
     kw = dict(eos_token_id=eos, **sampling)
+    def reference(ids, n, seed):  # transformers' own generate (`--reference transformers`)
+        return hf_compat.transformers_generate(model, ids[None], max_new_tokens=n, eos_token_id=eos, seed=seed,
+                                               **sampling)
+
     timing.warm_up([lambda n, e=e: e.generate(prompts[0]["ids"], max_new_tokens=n, seed=args.seed, **kw)
-                    for e in (plain, engine)], args.max_new_tokens)
+                    for e in (plain, engine)]
+                   + ([lambda n: reference(prompts[0]["ids"], n, args.seed)] if args.reference else []),
+                   args.max_new_tokens)
     pool = Pool()
     for i, p in enumerate(prompts):
         seed = args.seed + i
-        runs = timing.interleave({k: lambda e=e: e.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed,
-                                                             **kw) for k, e in (("spec", engine), ("plain", plain))},
-                                 args.repeats)
+        paths = {k: lambda e=e: e.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed, **kw)
+                 for k, e in (("spec", engine), ("plain", plain))}
+        if args.reference:
+            paths["transformers"] = lambda: reference(p["ids"], args.max_new_tokens, seed)
+        runs = timing.interleave(paths, args.repeats)
         out, ref = runs["spec"][0][0], runs["plain"][0][0]
         n = p["ids"].numel()  # one prompt per call: no right padding
         ref_new, out_new = ref.sequences[0, n:].tolist(), out.sequences[0, n:].tolist()
         pool.add(out.stats)
         pool.spec.add(len(out_new), [t for _, t in runs["spec"]])
         pool.plain.add(len(ref_new), [t for _, t in runs["plain"]])
-        if not sampling["do_sample"] and out_new != ref_new:
-            at = next((j for j, (a, b) in enumerate(zip(out_new, ref_new)) if a != b), min(len(out_new), len(ref_new)))
-            pool.mismatches.append(f"{p['id']} (first difference at new token {at})")
+        hf_new = None
+        if args.reference:
+            hf_new = runs["transformers"][0][0][0, n:].tolist()
+            pool.ref.add(len(hf_new), [t for _, t in runs["transformers"]])
+        for want, where in ((ref_new, pool.mismatches), (hf_new, pool.ref_mismatches)):
+            if not sampling["do_sample"] and want is not None and out_new != want:
+                at = next((j for j, (a, b) in enumerate(zip(out_new, want)) if a != b), min(len(out_new), len(want)))
+                where.append(f"{p['id']} (first difference at new token {at})")
         bar.update(1)
     res = pool.result()
     res["spec_state_bytes_replay"], res["spec_state_bytes_snapshot"] = replay, snapshot
     res["identical"] = None if sampling["do_sample"] else not pool.mismatches
-    if pool.mismatches:
-        bar.write(f"WARNING: drafter {name}: speculative output differs from plain greedy decoding on "
-                  f"{len(pool.mismatches)}/{len(prompts)} prompts: {', '.join(pool.mismatches[:5])}", file=sys.stderr)
+    res["identical_transformers"] = None if sampling["do_sample"] or not args.reference else not pool.ref_mismatches
+    for what, miss in (("plain greedy decoding", pool.mismatches), ("transformers' greedy generate",
+                                                                    pool.ref_mismatches)):
+        if miss:
+            bar.write(f"WARNING: drafter {name}: speculative output differs from {what} on "
+                      f"{len(miss)}/{len(prompts)} prompts: {', '.join(miss[:5])}", file=sys.stderr)
     if pool.failures:
         bar.write(f"WARNING: drafter {name}: failed in {pool.failures} rounds (plain decode there)", file=sys.stderr)
     del engine
@@ -272,19 +296,25 @@ def fmt_bytes(n: int | None) -> str:
 def format_table(results: dict) -> str:
     w = max([10] + [len(n) for n in results])
     head = (f"{'drafter':{w}s} {'tau':>6s} {'alpha':>6s} {'tok/s spec':>11s} {'tok/s plain':>11s} {'speedup':>8s} "
-            f"{'replay state':>13s} {'snapshot state':>15s} {'identical':>9s}  per-position acceptance")
+            f"{'tok/s hf':>9s} {'vs hf':>6s} {'replay state':>13s} {'snapshot state':>15s} {'identical':>9s}  "
+            f"per-position acceptance")
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         if r.get("skipped"):
             lines.append(f"{name:{w}s} skipped: {r['skipped']}")
             continue
         ident = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        if r["identical"] and r.get("identical_transformers") is False:
+            ident = "NO (hf)"
+        hf_tps, vs_hf = r.get("tokens_per_s_transformers"), r.get("speedup_vs_transformers")
+        hf_tps, vs_hf = ("-", "-") if hf_tps is None else (f"{hf_tps:.1f}", f"{vs_hf:.2f}x")
         pos = " ".join(f"{a:.2f}" for a in r["per_position"]) or "-"
         speed = f"{r['speedup']:.2f}x"
         if r.get("noisy"):  # a range, not one misleading figure
             speed = f"{min(r['speedup_per_repeat']):.1f}-{max(r['speedup_per_repeat']):.1f}x"
         lines.append(f"{name:{w}s} {r['tau']:6.2f} {r['alpha']:6.3f} {r['tokens_per_s_spec']:11.1f} "
-                     f"{r['tokens_per_s_plain']:11.1f} {speed:>8s} {fmt_bytes(r['spec_state_bytes_replay']):>13s} "
+                     f"{r['tokens_per_s_plain']:11.1f} {speed:>8s} {hf_tps:>9s} {vs_hf:>6s} "
+                     f"{fmt_bytes(r['spec_state_bytes_replay']):>13s} "
                      f"{fmt_bytes(r['spec_state_bytes_snapshot']):>15s} {ident:>9s}  {pos}")
     for name, r in results.items():
         if r.get("noisy"):
@@ -347,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads on CPU (default: 1 for models under 50M parameters, else torch's)")
     p.add_argument("--repeats", type=int, default=3,
                    help="interleaved timed repeats of each prompt, spec and plain, >= 3 (median)")
+    p.add_argument("--reference", choices=("transformers", "none"), default="transformers",
+                   help="also time transformers' own generate, interleaved with the two (`tok/s hf`, `vs hf`), "
+                        "and check the greedy output against it; none: skip it")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="acceptance plot (needs matplotlib)")
     return p
@@ -360,6 +393,7 @@ def split_list(text: str) -> list[str]:
 def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    a.reference = a.reference == "transformers"
     drafters, kinds = split_list(a.drafters), split_list(a.kinds)
     if not drafters:
         parser.error("--drafters: no drafter named")
@@ -469,6 +503,7 @@ def main(argv=None) -> int:
                      "prompts_truncated": truncated, "gamma": a.gamma, "temperature": a.temperature,
                      "greedy": not sampling["do_sample"], "max_new_tokens": a.max_new_tokens, "seed": a.seed,
                      "repeats": a.repeats, "threads": threads,
+                     "reference": "transformers" if a.reference else None,
                      "strategy": "replay", "commit": "eager", "max_batch_size": 1, "device": a.device,
                      "dtype": str(dtype).removeprefix("torch."), "elapsed_s": elapsed},
         "drafters": results,

@@ -63,3 +63,27 @@ def torch_fallbacks(*families: str, chunked: bool = False, chunk_size: int = 16)
     finally:
         for mod, name, fn in reversed(swaps):
             setattr(mod, name, fn)
+
+
+def transformers_generate(model, input_ids, *, max_new_tokens: int, eos_token_id=None, pad_token_id=None,
+                          do_sample: bool = False, temperature: float = 1.0, seed: int | None = None):
+    """transformers' own `model.generate` on `input_ids [B, n]`, as a user runs it without specdec: the
+    plain-decode reference of the benchmarks. Under inference mode; on a CPU a hybrid family's fla kernels (Triton,
+    GPU only) give way to transformers' own pure-torch code and its prefill's chunked delta rule to
+    `kernels.chunk_delta_rule` (`torch_fallbacks(chunked=True)`: the faster torch prefill, so the reference is not
+    held back). `seed` seeds torch's global generator when sampling. -> sequences `[B, n + new]`."""
+    import torch
+
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, attention_mask=torch.ones_like(input_ids))
+    for key, val in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
+        if val is not None:
+            kw[key] = val
+    if do_sample:
+        kw.update(temperature=temperature, top_k=0, top_p=1.0)  # plain temperature sampling, as specdec's default
+        if seed is not None:
+            torch.manual_seed(seed)
+    family = getattr(model.config, "model_type", None)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    ctx = torch_fallbacks(family, chunked=True) if on_cpu and family in ALL_FAMILIES else contextlib.nullcontext()
+    with torch.inference_mode(), ctx:
+        return model.generate(input_ids, **kw)

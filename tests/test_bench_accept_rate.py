@@ -27,7 +27,7 @@ PROMPTS = [
 ]
 DRAFTER_KEYS = {"tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
                 "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread",
-                "noisy"}
+                "noisy", "tokens_per_s_transformers", "speedup_vs_transformers", "identical_transformers"}
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +69,10 @@ def test_ngram_json_shape_and_lossless(saved, tmp_path):
     r = res["drafters"]["ngram"]
     assert set(r) == DRAFTER_KEYS
     assert r["identical"] is True
+    # transformers' own greedy generate, timed in the same interleave: the same tokens
+    assert s["reference"] == "transformers" and "tok/s hf" in proc.stdout
+    assert r["identical_transformers"] is True and r["tokens_per_s_transformers"] > 0
+    assert r["speedup_vs_transformers"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_transformers"])
     assert r["tau"] >= 1 and 0 <= r["alpha"] <= 1
     assert all(0 <= a <= 1 for a in r["per_position"]) and len(r["per_position"]) <= 7
     assert r["tokens_per_s_spec"] > 0 and r["tokens_per_s_plain"] > 0
@@ -89,13 +93,16 @@ def test_missing_trained_drafter_is_skipped(saved, tmp_path, capsys):
     try:
         rc = bench.main(["--model", str(model), "--prompts", str(prompts), "--drafters", "ngram,mtp",
                          "--max-new-tokens", "4", "--max-prompts", "1", "--device", "cpu", "--threads", "1",
-                         "--json", str(out)])
+                         "--reference", "none", "--json", str(out)])
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
     res = json.loads(out.read_text())["drafters"]
     assert list(res) == ["ngram", "mtp"]
     assert res["ngram"]["identical"] is True and "skipped" not in res["ngram"]
+    # --reference none: transformers' generate is not run
+    assert all(res["ngram"][k] is None for k in ("tokens_per_s_transformers", "speedup_vs_transformers",
+                                                 "identical_transformers"))
     reason = res["mtp"]["skipped"]
     assert "no trained drafter" in reason and str(Path(model) / "drafters" / "mtp") in reason
     assert all(res["mtp"][k] is None for k in DRAFTER_KEYS)

@@ -147,7 +147,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import specdec
     from specdec import timing
     from specdec.draft import NoDraft
-    from specdec.hf_compat import torch_fallbacks
+    from specdec.hf_compat import transformers_generate
 
     hf_logging.disable_progress_bar()
     model, tokenizer = load_model(args.model, "--model", torch.float32, "cpu", parser, tokenizer=True)
@@ -171,9 +171,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     eos = spec.eos_token_id if spec.eos_token_id is not None else tokenizer.eos_token_id
 
     def hf_generate(ids, n: int) -> list[int]:  # the model's own greedy decode, on transformers' pure-torch layers
-        with torch_fallbacks(), torch.no_grad():
-            out = model.generate(ids[None], do_sample=False, max_new_tokens=n, eos_token_id=eos,
-                                 pad_token_id=spec.pad_token_id)
+        out = transformers_generate(model, ids[None], max_new_tokens=n, eos_token_id=eos,
+                                    pad_token_id=spec.pad_token_id)
         return out[0, ids.numel():].tolist()
 
     def specdec_generate(engine, ids, n: int, streamer=None):
