@@ -54,6 +54,7 @@ from accept_rate import (NoDraft, load_prompts, machine_info, resolve_drafter, r
                          split_list)
 
 import specdec  # noqa: E402  (accept_rate makes `specdec` importable from a bare checkout)
+from specdec.hf_compat import transformers_generate  # noqa: E402
 
 PLAIN, HF = "plain", "hf"
 
@@ -80,8 +81,6 @@ class Runner:
                  max_batch_size=None):
         self.mode, self.model, self.prompts, self.max_new = mode, model, prompts, max_new
         if mode == HF:
-            from specdec.hf_compat import torch_fallbacks
-            self.fallbacks = torch_fallbacks
             width = max(len(p) for p in prompts)
             self.width = width
             self.ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
@@ -96,12 +95,10 @@ class Runner:
 
     def run(self) -> tuple[list[list[int]], float, float | None]:
         if self.mode == HF:
-            with self.fallbacks(), torch.no_grad():
-                t = time.perf_counter()
-                out = self.model.generate(self.ids, attention_mask=self.mask, do_sample=False,
-                                          max_new_tokens=self.max_new, min_new_tokens=self.max_new,
-                                          eos_token_id=None, pad_token_id=self.pad)
-                dt = time.perf_counter() - t
+            t = time.perf_counter()
+            out = transformers_generate(self.model, self.ids, attention_mask=self.mask, max_new_tokens=self.max_new,
+                                        min_new_tokens=self.max_new, pad_token_id=self.pad)
+            dt = time.perf_counter() - t
             return out[:, self.width:].tolist(), dt, None
         t = time.perf_counter()
         out = self.engine.generate(self.prompts, max_new_tokens=self.max_new, eos_token_id=None)

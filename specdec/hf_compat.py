@@ -66,15 +66,18 @@ def torch_fallbacks(*families: str, chunked: bool = False, chunk_size: int = 16)
 
 
 def transformers_generate(model, input_ids, *, max_new_tokens: int, eos_token_id=None, pad_token_id=None,
-                          do_sample: bool = False, temperature: float = 1.0, seed: int | None = None):
+                          do_sample: bool = False, temperature: float = 1.0, seed: int | None = None,
+                          attention_mask=None, **generate_kwargs):
     """transformers' own `model.generate` on `input_ids [B, n]`, as a user runs it without specdec: the
     plain-decode reference of the benchmarks. Under inference mode; on a CPU a hybrid family's fla kernels (Triton,
     GPU only) give way to transformers' own pure-torch code and its prefill's chunked delta rule to
     `kernels.chunk_delta_rule` (`torch_fallbacks(chunked=True)`: the faster torch prefill, so the reference is not
-    held back). `seed` seeds torch's global generator when sampling. -> sequences `[B, n + new]`."""
+    held back). `seed` seeds torch's global generator when sampling; `attention_mask` (default all ones: one
+    unpadded row or rows of one length) and any other keyword go to `generate`. -> sequences `[B, n + new]`."""
     import torch
 
-    kw = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, attention_mask=torch.ones_like(input_ids))
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, **generate_kwargs,
+              attention_mask=torch.ones_like(input_ids) if attention_mask is None else attention_mask)
     for key, val in (("eos_token_id", eos_token_id), ("pad_token_id", pad_token_id)):
         if val is not None:
             kw[key] = val
