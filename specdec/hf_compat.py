@@ -85,7 +85,7 @@ def transformers_generate(model, input_ids, *, max_new_tokens: int, eos_token_id
         kw.update(temperature=temperature, top_k=0, top_p=1.0)  # plain temperature sampling, as specdec's default
         if seed is not None:
             torch.manual_seed(seed)
-    family = getattr(model.config, "model_type", None)
+    family = (type(model).__module__.split(".")[-2:] or [None])[0]  # transformers.models.<family>.modeling_<family>
     on_cpu = next(model.parameters()).device.type == "cpu"
     ctx = torch_fallbacks(family, chunked=True) if on_cpu and family in ALL_FAMILIES else contextlib.nullcontext()
     with torch.inference_mode(), ctx:
