@@ -237,6 +237,7 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
     engine = specdec.wrap(model, drafter=drafter_arg, num_draft_tokens=args.gamma, max_batch_size=1, **(options or {}))
     replay, snapshot = spec_state_bytes(engine)
     kw = dict(eos_token_id=eos, **sampling)
+
     def reference(ids, n, seed):  # transformers' own generate (`--reference transformers`)
         return hf_compat.transformers_generate(model, ids[None], max_new_tokens=n, eos_token_id=eos, seed=seed,
                                                **sampling)
