@@ -68,6 +68,8 @@ def test_json_is_lossless_and_has_the_numbers(saved):
         assert out[key] > 0, key
     # the speedup is the ratio of the pooled tokens/s (one prompt: of its median tokens/s)
     assert out["speedup"] == pytest.approx(out["tokens_per_s_spec"] / out["tokens_per_s_plain"])
+    # transformers' own generate, timed in the same interleave, pooled the same way
+    assert out["speedup_vs_transformers"] == pytest.approx(out["tokens_per_s_spec"] / out["tokens_per_s_transformers"])
     assert out["threads"] == 1 and out["repeats"] == 3 and out["prompt_ids"] == ["custom"]
     (p,) = out["prompts"]
     assert len(p["seconds_spec"]) == len(p["seconds_plain"]) == len(p["seconds_transformers"]) == 3  # interleaved
@@ -94,7 +96,7 @@ def test_auto_picks_the_shipped_drafter_and_streams(saved, tmp_path, prompts_fil
     assert "tau" in text and "alpha" in text and "acceptance per draft position" in text
     assert "transformers generate" in text and "specdec without drafts" in text
     assert "speedup" in text and ("pooled over 2 held-out prompts" in text or "timing is noisy on this machine" in text)
-    assert "identical to transformers' greedy output, token for token: yes" in text
+    assert "identical to transformers' greedy output, token for token: yes on all 2 prompt(s)" in text
     table = text[text.index("drafters side by side"):].splitlines()[2:]  # after the header lines
     assert [ln.split()[1] for ln in table] == ["eagle", "ngram", "mtp"]  # the chosen one first
     assert all(ln.split()[6] == "yes" for ln in table), table  # each lossless vs plain decode

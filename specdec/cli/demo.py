@@ -188,19 +188,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     lambda n: hf_generate(runs[0]["ids"], n)], N)
     if not args.json:
         others = ", ".join(k for k in engines if k != kind)
-        print(f"\n[demo] timing: {len(runs)} prompt(s) x {R} interleaved repeats of {kind} and plain decode (and "
-              f"transformers generate on {runs[0]['id']}){f', one run per prompt of {others}' if others else ''}, "
+        print(f"\n[demo] timing: {len(runs)} prompt(s) x {R} interleaved repeats of {kind}, plain decode and "
+              f"transformers generate{f', one run per prompt of {others}' if others else ''}, "
               f"torch threads {threads} ...", flush=True)
 
-    # timed runs, per prompt interleaved: spec, plain, spec, plain, ... (on the streamed prompt also transformers'
-    # generate in every repeat); then the other drafters once per prompt
-    pooled_spec, pooled_plain = timing.Pooled(), timing.Pooled()
+    # timed runs, per prompt interleaved: spec, plain, transformers' generate, spec, plain, ...; then the other
+    # drafters once per prompt
+    pooled_spec, pooled_plain, pooled_hf = timing.Pooled(), timing.Pooled(), timing.Pooled()
     pooled_other = {k: timing.Pooled() for k in engines if k != kind}
-    for n, run in enumerate(runs):
+    for run in runs:
         ids = run["ids"]
-        paths = {"spec": lambda: specdec_generate(spec, ids, N), "plain": lambda: specdec_generate(plain, ids, N)}
-        if n == 0:
-            paths["transformers"] = lambda: hf_generate(ids, N)
+        paths = {"spec": lambda: specdec_generate(spec, ids, N), "plain": lambda: specdec_generate(plain, ids, N),
+                 "transformers": lambda: hf_generate(ids, N)}
         timed = timing.interleave(paths, R)
         run["times"] = {path: [t for _, t in timed[path]] for path in timed}
         (run["spec"], run["stats"]), _ = timed["spec"][0]
@@ -209,16 +208,16 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         for k, e in engines.items() if k != kind}  # {kind: ((tokens, stats), seconds)}
         one_spec = timing.Pooled().add(len(run["spec"]), run["times"]["spec"])
         one_plain = timing.Pooled().add(len(run["plain"]), run["times"]["plain"])
-        run["tps_spec"], run["speedup"] = one_spec.tokens_per_s, timing.speedup(one_spec, one_plain)
+        run["speedup"] = timing.speedup(one_spec, one_plain)
         run["spread"] = timing.pooled_spread(one_spec, one_plain)
-        if n == 0:
-            run["hf"] = timed["transformers"][0][0]
-            run["tps_hf"] = timing.Pooled().add(len(run["hf"]), run["times"]["transformers"]).tokens_per_s
+        run["hf"] = timed["transformers"][0][0]
         pooled_spec.add(len(run["spec"]), run["times"]["spec"])
         pooled_plain.add(len(run["plain"]), run["times"]["plain"])
+        pooled_hf.add(len(run["hf"]), run["times"]["transformers"])
         for k, ((toks, _), t) in run["other"].items():
             pooled_other[k].add(len(toks), [t])
-        run["diff"] = _first_difference(run["spec"], run["plain"])  # the plain decode: checked against transformers
+        run["diff"] = _first_difference(run["spec"], run["plain"])
+        run["hf_diff"] = _first_difference(run["spec"], run["hf"])
 
     def pooled(stats_list) -> dict:
         rounds = sum(s.rounds for s in stats_list)
@@ -248,8 +247,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                        "speedup": timing.speedup(pooled_other[k], pooled_plain),
                        "identical": all(r["other"][k][0][0] == r["plain"] for r in runs), "repeats": 1}
     first = runs[0]
-    hf_diff = _first_difference(first["spec"], first["hf"])
-    diffs = ([(first["id"], hf_diff, "transformers' greedy output")] if hf_diff is not None else []) + \
+    hf_diff = first["hf_diff"]
+    diffs = [(r["id"], r["hf_diff"], "transformers' greedy output") for r in runs if r["hf_diff"] is not None] + \
         [(r["id"], r["diff"], "plain decode") for r in runs if r["diff"] is not None]
     result = {
         "model": os.path.abspath(args.model), "params": n_params, "threads": threads, "drafter": kind,
@@ -258,10 +257,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "prompt_id": first["id"], "prompt_tokens": first["P"], "new_tokens": len(first["spec"]),
         "text": tokenizer.decode(first["spec"], skip_special_tokens=True), "tokens": first["spec"], **head,
         "tokens_per_s_spec": drafters[kind]["tokens_per_s"], "tokens_per_s_plain": pooled_plain.tokens_per_s,
-        "tokens_per_s_transformers": first["tps_hf"], "speedup": speedup,
-        "speedup_vs_transformers": first["tps_spec"] / first["tps_hf"],
+        "tokens_per_s_transformers": pooled_hf.tokens_per_s, "speedup": speedup,
+        "speedup_vs_transformers": timing.speedup(pooled_spec, pooled_hf),
         "speedup_per_repeat": per_repeat, "spread": spread, "noisy": noisy,
-        "identical": not diffs, "first_difference": hf_diff, "identical_plain_specdec": first["plain"] == first["hf"],
+        "identical": not diffs, "first_difference": hf_diff, "identical_plain_specdec": all(r["plain"] == r["hf"] for r in runs),
         "drafters": drafters,
         "prompts": [{"id": r["id"], "prompt_tokens": r["P"], "new_tokens": len(r["spec"]), "tau": r["stats"].tau,
                      "speedup": r["speedup"], "spread": r["spread"], "seconds_spec": r["times"]["spec"],
@@ -275,7 +274,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             print(tokenizer.decode(first["ids"].tolist() + first["spec"], skip_special_tokens=True))
         per_pos = " ".join(f"{a:.2f}" for a in head["per_position"]) or "-"
         n_new = sum(len(r["spec"]) for r in runs)
-        lossless = (f"yes on {first['id']}, and equal to plain decode on all {len(runs)} prompt(s) ({n_new} tokens)"
+        lossless = (f"yes on all {len(runs)} prompt(s) ({n_new} tokens), and equal to plain decode"
                     if not diffs else "NO: " + ", ".join(f"{pid} differs from {what} at new token {d}"
                                                          for pid, d, what in diffs))
         over = f"pooled over {len(runs)} held-out prompts" if len(runs) > 1 else f"prompt {first['id']}"
@@ -293,8 +292,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"[demo] acceptance per draft position: {per_pos}\n"
               f"[demo] speculative decode ({kind}):    {result['tokens_per_s_spec']:7.1f} tokens/s\n"
               f"[demo] plain, specdec without drafts: {result['tokens_per_s_plain']:7.1f} tokens/s, {verdict}\n"
-              f"[demo] plain, transformers generate:  {result['tokens_per_s_transformers']:7.1f} tokens/s "
-              f"(prompt {first['id']}, median of {R}), speedup {result['speedup_vs_transformers']:.2f}x there\n"
+              f"[demo] plain, transformers generate:  {result['tokens_per_s_transformers']:7.1f} tokens/s, "
+              f"speedup {result['speedup_vs_transformers']:.2f}x ({over}, the same repeats)\n"
               f"[demo] identical to transformers' greedy output, token for token: {lossless}")
         if len(drafters) > 1:
             print(f"[demo] drafters side by side ({over}; speedup vs plain specdec decode"
@@ -317,9 +316,9 @@ def add_parser(subparsers) -> None:
         "demo", help="speculative vs plain decode on the embedded model",
         description="Greedy generation with a drafter on the embedded model (or --model DIR): the first prompt's "
                     "text is streamed as tokens are committed; then, on each held-out code prompt shipped with the "
-                    "package, the drafter and plain decode (specdec without drafts) run interleaved, --repeats "
-                    "times after a warmup of each path, with transformers' own generate on the first prompt, and the "
-                    "other shipped drafters once per prompt. Prints the torch thread count, tau, alpha, per-position "
+                    "package, the drafter, plain decode (specdec without drafts) and transformers' own generate "
+                    "run interleaved, --repeats times after a warmup of each path, and the other shipped drafters "
+                    "once per prompt. Prints the torch thread count, tau, alpha, per-position "
                     "acceptance, tokens/s and speedup (each prompt's median over its repeats, pooled over prompts, "
                     f"as bench/accept_rate.py does; a range instead when repeats differ by more than {NOISY:.0%}), "
                     "a table of the drafters side by side, and whether the output equals transformers' greedy output "
