@@ -40,6 +40,7 @@ LAYOUTS = ("eager", "lazy", "sglang")
 RING_NAMES = ("ring_d", "ring_k", "ring_g", "ring_rawv", "ring_rawk", "ring_beta")
 FOLD_RING_NAMES = ("ring_g", "ring_rawv", "ring_rawk", "ring_beta")  # what the exact fold reads
 SNAPSHOT_NAMES = ("snapshot_intermediate_ssm", "intermediate_conv_window")
+STEP_NAMES = ("step_ssm", "step_conv_window")  # ReplaySSM, torch backend: a one-token round's state (see above)
 TREE_SIZES = (8, 16, 64)  # tree node budgets of the comparison
 
 
@@ -182,8 +183,9 @@ def format_plan(cfg: StateConfig, *, layout: str = "eager") -> str:
     lines = []
     for name, spec in specs.items():
         shape = "[" + ", ".join(map(str, spec.shape)) + "]"
+        where = "  (torch backend only: one-token rounds)" if name in STEP_NAMES else ""
         lines.append(f"{name:<{width}}  shape={shape:<32} dtype={_dtype_name(spec.dtype):<8} "
-                     f"size={spec.gib:.3f}GB ({spec.nbytes} bytes)")
+                     f"size={spec.gib:.3f}GB ({spec.nbytes} bytes){where}")
 
     def gb(nbytes: int, digits: int = 2) -> str:
         return f"{nbytes / GIB:.{digits}f}GB"

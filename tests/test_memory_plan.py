@@ -198,6 +198,9 @@ def test_buffer_specs_contract():
         assert plan["ring_total"] == sum(plan[k] for k in rings)
         text = format_plan(cfg, layout=layout)
         assert all(name in text for name in buffer_specs(cfg, layout=layout)) and f"layout: {layout}" in text
+        # the torch backend's one-token buffers say so: a GPU (Triton) plan never allocates them
+        assert all("(torch backend only: one-token rounds)" in line for line in text.splitlines()
+                   if line.startswith("step_"))
     with pytest.raises(ValueError, match="layout: expected one of eager, lazy, sglang"):
         buffer_specs(cfg, layout="slots")
 
