@@ -237,6 +237,7 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
     engine = specdec.wrap(model, drafter=drafter_arg, num_draft_tokens=args.gamma, max_batch_size=1, **(options or {}))
     replay, snapshot = spec_state_bytes(engine)
     kw = dict(eos_token_id=eos, **sampling)
+    with_ref = args.reference == "transformers"
 
     def reference(ids, n, seed):  # transformers' own generate (`--reference transformers`)
         return hf_compat.transformers_generate(model, ids[None], max_new_tokens=n, eos_token_id=eos, seed=seed,
@@ -244,14 +245,14 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
 
     timing.warm_up([lambda n, e=e: e.generate(prompts[0]["ids"], max_new_tokens=n, seed=args.seed, **kw)
                     for e in (plain, engine)]
-                   + ([lambda n: reference(prompts[0]["ids"], n, args.seed)] if args.reference else []),
+                   + ([lambda n: reference(prompts[0]["ids"], n, args.seed)] if with_ref else []),
                    args.max_new_tokens)
     pool = Pool()
     for i, p in enumerate(prompts):
         seed = args.seed + i
         paths = {k: lambda e=e: e.generate(p["ids"], max_new_tokens=args.max_new_tokens, seed=seed, **kw)
                  for k, e in (("spec", engine), ("plain", plain))}
-        if args.reference:
+        if with_ref:
             paths["transformers"] = lambda: reference(p["ids"], args.max_new_tokens, seed)
         runs = timing.interleave(paths, args.repeats)
         out, ref = runs["spec"][0][0], runs["plain"][0][0]
@@ -261,7 +262,7 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
         pool.spec.add(len(out_new), [t for _, t in runs["spec"]])
         pool.plain.add(len(ref_new), [t for _, t in runs["plain"]])
         hf_new = None
-        if args.reference:
+        if with_ref:
             hf_new = runs["transformers"][0][0][0, n:].tolist()
             pool.ref.add(len(hf_new), [t for _, t in runs["transformers"]])
         for want, where in ((ref_new, pool.mismatches), (hf_new, pool.ref_mismatches)):
@@ -272,7 +273,7 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
     res = pool.result()
     res["spec_state_bytes_replay"], res["spec_state_bytes_snapshot"] = replay, snapshot
     res["identical"] = None if sampling["do_sample"] else not pool.mismatches
-    res["identical_transformers"] = None if sampling["do_sample"] or not args.reference else not pool.ref_mismatches
+    res["identical_transformers"] = None if sampling["do_sample"] or not with_ref else not pool.ref_mismatches
     for what, miss in (("plain greedy decoding", pool.mismatches), ("transformers' greedy generate",
                                                                     pool.ref_mismatches)):
         if miss:
@@ -394,7 +395,6 @@ def split_list(text: str) -> list[str]:
 def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
-    a.reference = a.reference == "transformers"
     drafters, kinds = split_list(a.drafters), split_list(a.kinds)
     if not drafters:
         parser.error("--drafters: no drafter named")
@@ -504,7 +504,7 @@ def main(argv=None) -> int:
                      "prompts_truncated": truncated, "gamma": a.gamma, "temperature": a.temperature,
                      "greedy": not sampling["do_sample"], "max_new_tokens": a.max_new_tokens, "seed": a.seed,
                      "repeats": a.repeats, "threads": threads,
-                     "reference": "transformers" if a.reference else None,
+                     "reference": None if a.reference == "none" else a.reference,
                      "strategy": "replay", "commit": "eager", "max_batch_size": 1, "device": a.device,
                      "dtype": str(dtype).removeprefix("torch."), "elapsed_s": elapsed},
         "drafters": results,

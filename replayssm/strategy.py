@@ -34,6 +34,7 @@ class Round:
     num_tokens: int  # T
     parent: torch.Tensor | None  # [B, T] tree parents; None = chain
     schedule: tuple | None = None  # the Triton tree kernel's walk (kernels.common.tree_schedule), once per round
+    copy_commit: bool = False  # ReplaySSM: a one-token round that keeps its state and commits it by copy
     conv_done: set[int] = field(default_factory=set)
     mix_done: set[int] = field(default_factory=set)
 
@@ -373,9 +374,13 @@ class ReplayStrategy(StateStrategy):
         self.step_states: torch.Tensor | None = None
         self.step_windows: torch.Tensor | None = None
 
-    def _one_token(self, r: Round) -> bool:
-        """Whether round r commits by copy: one token, eager commit, the reference backend."""
-        return r.num_tokens == 1 and self.commit_mode == "eager" and not kernels.dispatch.uses_triton(self.pool.ssm)
+    def _one_token(self, num_tokens: int) -> bool:
+        """Whether a round of `num_tokens` commits by copy: one token, eager commit, the reference backend."""
+        return num_tokens == 1 and self.commit_mode == "eager" and not kernels.dispatch.uses_triton(self.pool.ssm)
+
+    def _begin(self, slots, num_tokens, parent):
+        super()._begin(slots, num_tokens, parent)
+        self._round.copy_commit = self._one_token(num_tokens)  # decided once, read by every layer and commit
 
     def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.step_states is None:  # allocated by the first one-token round, then reused
@@ -385,7 +390,7 @@ class ReplayStrategy(StateStrategy):
         return self.step_states, self.step_windows
 
     def _conv_out(self, layer):
-        if self._one_token(self._round):
+        if self._round.copy_commit:
             return dict(window_states=self._step_buffers()[1][layer])
         return dict(conv_inputs=self.conv_inputs[layer])
 
@@ -394,24 +399,23 @@ class ReplayStrategy(StateStrategy):
         return torch.arange(r.slots.shape[0], device=self.device)
 
     def _verify(self, layer, r, q, k, v, g, beta):
-        if self._one_token(r):  # the state after the token, kept for commit; no records
-            return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
-                                             validate=False, intermediate_states=self._step_buffers()[0][layer],
-                                             **self._kw(layer))
-        tree = self._tree_walk(r, q)
-        # the Triton tree kernel reloads parent states from a stack; the CPU's chunk form needs none (commit
-        # folds the records)
-        if tree:
-            if self.tree_stack is None:  # allocated once, overwritten layer after layer
-                self.tree_stack = allocate(buffer_specs(self.cfg)["tree_state_stack"], self.device)
-            tree["tree_stack"] = self.tree_stack
-        if self.commit_mode == "lazy":
-            ring_kw = dict(ring_start=self.rings.start, num_pending=self.rings.pending)
+        if r.copy_commit:  # the state after the token, kept for commit; no records
+            kw = dict(intermediate_states=self._step_buffers()[0][layer])
         else:
-            ring_kw = dict(ring_indices=self._rows(r))
+            kw = self._tree_walk(r, q)
+            # the Triton tree kernel reloads parent states from a stack; the CPU's chunk form needs none (commit
+            # folds the records)
+            if kw:
+                if self.tree_stack is None:  # allocated once, overwritten layer after layer
+                    self.tree_stack = allocate(buffer_specs(self.cfg)["tree_state_stack"], self.device)
+                kw["tree_stack"] = self.tree_stack
+            if self.commit_mode == "lazy":
+                kw.update(ring_start=self.rings.start, num_pending=self.rings.pending)
+            else:
+                kw.update(ring_indices=self._rows(r))
+            kw["ring"] = self.rings.layer(layer)
         return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
-                                         validate=False, ring=self.rings.layer(layer), **tree, **ring_kw,
-                                         **self._kw(layer))
+                                         validate=False, **kw, **self._kw(layer))
 
     def _fold(self, ssm: torch.Tensor, slots: torch.Tensor, num: torch.Tensor, offsets=None, *,
               track: bool = True, **kw) -> None:
@@ -423,7 +427,7 @@ class ReplayStrategy(StateStrategy):
                            null_slot=self.pool.null_slot, rule=c.rule, **self.gate(), **kw)
 
     def _commit_state(self, r, path, n, before):
-        if self._one_token(r):
+        if r.copy_commit:
             self._scatter_commit(r, path, n, before, *self._step_buffers())
             return
         slots = torch.where(valid_slots(r.slots, self.pool.null_slot), r.slots, self.pool.null_slot)

@@ -193,7 +193,7 @@ def one_token_pair(cfg: StateConfig, seed: int) -> tuple[Harness, Harness]:
     reference backend), the other folds their record as every longer round does."""
     copy, fold = Harness(cfg, seed=seed, strategies=("replay-eager",)), Harness(cfg, seed=seed,
                                                                                strategies=("replay-eager",))
-    fold.strats["replay-eager"]._one_token = lambda r: False
+    fold.strats["replay-eager"]._one_token = lambda num_tokens: False
     return copy, fold
 
 

@@ -247,7 +247,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                        "speedup": timing.speedup(pooled_other[k], pooled_plain),
                        "identical": all(r["other"][k][0][0] == r["plain"] for r in runs), "repeats": 1}
     first = runs[0]
-    hf_diff = first["hf_diff"]
     diffs = [(r["id"], r["hf_diff"], "transformers' greedy output") for r in runs if r["hf_diff"] is not None] + \
         [(r["id"], r["diff"], "plain decode") for r in runs if r["diff"] is not None]
     result = {
@@ -260,7 +259,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "tokens_per_s_transformers": pooled_hf.tokens_per_s, "speedup": speedup,
         "speedup_vs_transformers": timing.speedup(pooled_spec, pooled_hf),
         "speedup_per_repeat": per_repeat, "spread": spread, "noisy": noisy,
-        "identical": not diffs, "first_difference": hf_diff, "identical_plain_specdec": all(r["plain"] == r["hf"] for r in runs),
+        "identical": not diffs, "first_difference": first["hf_diff"],
+        "identical_plain_specdec": all(r["plain"] == r["hf"] for r in runs),
         "drafters": drafters,
         "prompts": [{"id": r["id"], "prompt_tokens": r["P"], "new_tokens": len(r["spec"]), "tau": r["stats"].tau,
                      "speedup": r["speedup"], "spread": r["spread"], "seconds_spec": r["times"]["spec"],
