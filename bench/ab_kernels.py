@@ -1,7 +1,7 @@
-"""A/B of `bench/kernels.py` between an older revision and the working tree, in one run.
+"""A/B of `bench/kernel_speed.py` between an older revision and the working tree, in one run.
 
     python bench/ab_kernels.py --old 7d2e787 --rounds 7 --json ab.json      # CPU references, tiny shapes
-    python bench/ab_kernels.py --old 7d2e787 -- --heads 4 --head-dim 64      # extra kernels.py arguments
+    python bench/ab_kernels.py --old 7d2e787 -- --heads 4 --head-dim 64      # extra kernel_speed.py arguments
 
 The benchmark script is the working tree's; only the package differs (the worktree of the old revision and
 the import mapping are `bench/ab.py`'s, which does the same for any bench script). Each round runs both sides as
@@ -26,7 +26,7 @@ finally:
 
 
 def run_side(pythonpath: str, extra: list[str], out: Path) -> dict[str, float]:
-    run_script(pythonpath, [str(ROOT / "bench" / "kernels.py"), "--device", "cpu", "--json", str(out), *extra])
+    run_script(pythonpath, [str(ROOT / "bench" / "kernel_speed.py"), "--device", "cpu", "--json", str(out), *extra])
     rows = json.loads(out.read_text())["results"]
     return {r["op"]: r["ms"] for r in rows if r["impl"] == "reference"}
 
@@ -35,14 +35,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old", required=True, help="git revision to compare against")
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--reps", type=int, default=20, help="timed calls per op per round (kernels.py --reps)")
+    p.add_argument("--reps", type=int, default=20, help="timed calls per op per round (kernel_speed.py --reps)")
     p.add_argument("--json", default=None)
-    p.add_argument("extra", nargs="*", help="more kernels.py arguments (after --)")
+    p.add_argument("extra", nargs="*", help="more kernel_speed.py arguments (after --)")
     a = p.parse_args(argv)
     extra = ["--reps", str(a.reps), *a.extra]
     with sides(a.old) as paths, tempfile.TemporaryDirectory() as tmp:
         times = alternate(a.rounds, lambda side: run_side(paths[side], extra, Path(tmp) / f"{side}.json"))
-    print(f"# bench/kernels.py --device cpu {' '.join(a.extra)}: torch references, old = {a.old}, new = working tree; "
+    print(f"# bench/kernel_speed.py --device cpu {' '.join(a.extra)}: torch references, old = {a.old}, new = working tree; "
           f"{a.rounds} rounds x {a.reps} calls, 1 thread, medians")
     print(f"{'op':24s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s} {'spread old':>10s} {'spread new':>10s}")
     rows = []

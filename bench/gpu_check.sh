@@ -53,8 +53,8 @@ echo "== pytest tests/test_triton_kernels.py tests/test_fold_exactness.py tests/
     --junitxml="$OUTDIR/pytest.xml" 2>&1) | tee "$OUTDIR/pytest.log"
 TEST_RC=${PIPESTATUS[0]}
 
-echo "== bench/kernels.py --device cuda =="
-(cd /tmp && timeout 240 $PY "$REPO/bench/kernels.py" --device cuda --json "$OUTDIR/kernels.json" 2>&1) \
+echo "== bench/kernel_speed.py --device cuda =="
+(cd /tmp && timeout 240 $PY "$REPO/bench/kernel_speed.py" --device cuda --json "$OUTDIR/kernels.json" 2>&1) \
     | tee "$OUTDIR/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
 

@@ -42,3 +42,43 @@ def test_draft_does_not_import_the_runner():
                     continue
                 assert not any(n == "specdec.runner" or n.startswith("specdec.runner.") for n in names), \
                     f"{path}:{node.lineno} imports the runner"
+
+
+def test_bench_scripts_shadow_no_module():
+    """`python bench/X.py` puts bench/ first on sys.path, so a script named like a module that transformers or torch
+    imports (transformers imports the `kernels` package when it is installed) would be imported in its place."""
+    import importlib.metadata
+    import importlib.util
+    import sys
+
+    installed = set(importlib.metadata.packages_distributions())
+    for name in sorted(os.listdir(os.path.join(ROOT, "bench"))):
+        stem = name[:-3] if name.endswith(".py") else None
+        if stem is None:
+            continue
+        assert stem not in sys.stdlib_module_names, f"bench/{name} shadows the standard library's {stem}"
+        assert stem not in installed, f"bench/{name} shadows the installed package {stem}"
+        assert importlib.util.find_spec(stem) is None, f"bench/{name} shadows the importable module {stem}"
+
+
+def test_checkout_root_on_sys_path_hides_no_package():
+    """`python -m specdec ...` from the checkout root puts the root on sys.path, where the folder `kernels/` would
+    stand in for the PyPI package `kernels` (which transformers imports when it is installed): there a top-level
+    `import kernels` gets the real package, or fails as if the folder were not there."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    probe = ("import kernels, os; print(os.path.abspath(kernels.__file__))"
+             "\nimport transformers.models.kimi_linear.modeling_kimi_linear, specdec.kernels as k; print(k.__name__)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=120)
+    try:
+        importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        assert proc.returncode != 0 and "No module named 'kernels'" in proc.stderr, proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    where, name = proc.stdout.split()
+    assert not where.startswith(ROOT + os.sep) and name == "specdec.kernels", proc.stdout
