@@ -37,10 +37,24 @@ def _chunk_adapter(norm: str, default_chunk: int, torch_chunk):
     return fn
 
 
+def torch_original(fn):
+    """The pure-torch function behind one of transformers' dispatching names (e.g. a modeling module's
+    `recurrent_kimi_delta_attention`), or None when `fn` is not one. transformers wraps the torch function in a
+    dispatcher to fla or the hub (`functools.wraps`: the original is its `__wrapped__`); with the `kernels` package
+    installed (a dependency of transformers from 5.25) that dispatcher is in turn called by the `forward` of a
+    `kernels` function module, the object the name then holds."""
+    orig = getattr(fn, "__wrapped__", None)
+    forward = getattr(type(fn), "forward", None)
+    if orig is None and getattr(forward, "__closure__", None):
+        inner = dict(zip(forward.__code__.co_freevars, forward.__closure__)).get("func")
+        orig = getattr(inner.cell_contents, "__wrapped__", None) if inner is not None else None
+    return orig if callable(orig) else None
+
+
 @contextlib.contextmanager
 def torch_fallbacks(*families: str, chunked: bool = False, chunk_size: int = 16):
     """Route transformers' linear-attention layers to pure-torch code: swap each hub/fla-backed function of the
-    modeling module for its `__wrapped__` original, restored on exit. Needed to run the transformers model's own
+    modeling module for its pure-torch original (`torch_original`), restored on exit. Needed to run the transformers model's own
     forward (training, reference outputs) on CPU when fla is installed.
 
     chunked: also replace the family's chunked delta rule (prefill / training) with `kernels.chunk_delta_rule`,
@@ -50,8 +64,8 @@ def torch_fallbacks(*families: str, chunked: bool = False, chunk_size: int = 16)
     for fam in families or ALL_FAMILIES:
         mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
         for name, fn in list(vars(mod).items()):
-            orig = getattr(fn, "__wrapped__", None)
-            if callable(fn) and orig is not None and getattr(fn, "__module__", None) == mod.__name__:
+            orig = torch_original(fn)
+            if orig is not None and getattr(orig, "__module__", None) == mod.__name__:
                 swaps.append((mod, name, fn))
                 setattr(mod, name, orig)
         if chunked:

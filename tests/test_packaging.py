@@ -47,18 +47,21 @@ def test_draft_does_not_import_the_runner():
 def test_bench_scripts_shadow_no_module():
     """`python bench/X.py` puts bench/ first on sys.path, so a script named like a module that transformers or torch
     imports (transformers imports the `kernels` package when it is installed) would be imported in its place."""
+    import importlib.machinery
     import importlib.metadata
-    import importlib.util
     import sys
 
+    bench = os.path.join(ROOT, "bench")
+    path = [p for p in sys.path if os.path.abspath(p or ".") != bench]  # (tests that load bench scripts add it)
     installed = set(importlib.metadata.packages_distributions())
-    for name in sorted(os.listdir(os.path.join(ROOT, "bench"))):
+    for name in sorted(os.listdir(bench)):
         stem = name[:-3] if name.endswith(".py") else None
         if stem is None:
             continue
         assert stem not in sys.stdlib_module_names, f"bench/{name} shadows the standard library's {stem}"
         assert stem not in installed, f"bench/{name} shadows the installed package {stem}"
-        assert importlib.util.find_spec(stem) is None, f"bench/{name} shadows the importable module {stem}"
+        found = importlib.machinery.PathFinder.find_spec(stem, path)
+        assert found is None, f"bench/{name} shadows the importable module {stem} ({found.origin})"
 
 
 def test_checkout_root_on_sys_path_hides_no_package():

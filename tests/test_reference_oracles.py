@@ -12,6 +12,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from specdec.hf_compat import torch_fallbacks, torch_original
 from specdec.kernels.common import l2norm
 from specdec.kernels.fold import exact_fold
 from specdec.kernels.rebuild import fast_rebuild
@@ -107,8 +108,10 @@ def test_recurrent_vs_fla_naive(B, T, H, K, V, gdn, dtype, seed, scale):
 # ----------------------------------------------------------------------------------------------------------------
 
 def _torch_fallback(fn):
-    """transformers decorates these with a hub/fla dispatcher; `__wrapped__` is the torch function."""
-    return getattr(fn, "__wrapped__", fn)
+    """transformers' pure-torch function behind a dispatching name (`specdec.hf_compat.torch_original`)."""
+    orig = torch_original(fn)
+    assert orig is not None, f"{fn!r}: no pure-torch original found behind it"
+    return orig
 
 
 def _kimi():
@@ -123,14 +126,21 @@ def _qwen_modules():
 
 
 def test_transformers_fallbacks_are_wrapped_torch_functions():
-    """With fla installed the public names dispatch to fla; the torch fallback sits under `__wrapped__`."""
+    """With fla installed the public names dispatch to fla (and, with the `kernels` package, through a function
+    module): behind each sits the modeling module's own torch function, which `torch_fallbacks` puts in its place
+    for the duration of the context and no longer."""
     mk = _kimi()
-    fns = [mk.recurrent_kimi_delta_attention, mk.causal_conv1d_update, mk.causal_conv1d_fn]
-    fns += [m.torch_recurrent_gated_delta_rule for m in _qwen_modules()]
-    for fn in fns:
-        torch_fn = _torch_fallback(fn)
-        assert torch_fn.__module__.startswith("transformers."), fn
-        assert torch_fn.__name__ == fn.__name__
+    names = [(mk, n) for n in ("recurrent_kimi_delta_attention", "causal_conv1d_update", "causal_conv1d_fn")]
+    names += [(m, "torch_recurrent_gated_delta_rule") for m in _qwen_modules()]
+    for mod, name in names:
+        public = getattr(mod, name)
+        torch_fn = _torch_fallback(public)
+        assert torch_fn.__module__ == mod.__name__ and torch_fn.__name__ == name, (mod.__name__, name, torch_fn)
+        assert torch_fn is not public
+        with torch_fallbacks(mod.__name__.split(".")[-2]):
+            assert getattr(mod, name) is torch_fn
+        assert getattr(mod, name) is public
+    assert torch_original(mk.l2norm) is None and torch_original(torch.nn.Linear(2, 2)) is None
 
 
 @settings(max_examples=20)
