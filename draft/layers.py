@@ -57,17 +57,20 @@ def _inv_freq(D: int, theta: float, device: torch.device) -> torch.Tensor:
 
 @per_tensor
 def _rope_tables(positions: torch.Tensor, D: int, theta: float, dtype: torch.dtype):
-    """`(cos, sin)` `[B, 1, T, D/2]` in `dtype` of `positions [B, T]`: made once for the q and k of a layer."""
+    """`(cos, sin)` `[B, 1, T, D]` in `dtype` of `positions [B, T]`, each half's angles twice, sin negated on the
+    first half: made once for the q and k of a layer."""
     ang = positions[:, None, :, None].to(torch.float64) * _inv_freq(D, theta, positions.device)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    return torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate pairs of x `[B, H, T, D]` by `positions [B, T]` (half-split RoPE)."""
+    """Rotate pairs of x `[B, H, T, D]` by `positions [B, T]` (half-split RoPE): `(x1 cos - x2 sin, x2 cos +
+    x1 sin)` for the halves x1, x2, as `x * cos + (x2, x1) * (-sin, sin)`: the same roundings (a negation is
+    exact), in four ops instead of seven."""
     D = x.shape[-1]
     cos, sin = _rope_tables(positions, D, theta, x.dtype)
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return x * cos + torch.cat([x[..., D // 2:], x[..., : D // 2]], dim=-1) * sin
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past, mask: torch.Tensor | None, scale: float, *,
