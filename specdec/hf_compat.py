@@ -54,8 +54,8 @@ def torch_original(fn):
 @contextlib.contextmanager
 def torch_fallbacks(*families: str, chunked: bool = False, chunk_size: int = 16):
     """Route transformers' linear-attention layers to pure-torch code: swap each hub/fla-backed function of the
-    modeling module for its pure-torch original (`torch_original`), restored on exit. Needed to run the transformers model's own
-    forward (training, reference outputs) on CPU when fla is installed.
+    modeling module for its pure-torch original (`torch_original`), restored on exit. Needed to run the transformers
+    model's own forward (training, reference outputs) on CPU when fla is installed.
 
     chunked: also replace the family's chunked delta rule (prefill / training) with `kernels.chunk_delta_rule`,
     the same recurrence vectorized across chunks; several times faster on CPU, forward and backward.
