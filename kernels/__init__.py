@@ -9,8 +9,8 @@ if __name__ == "kernels":
     import os as _os
     import sys as _sys
 
-    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-    _spec = _machinery.PathFinder.find_spec("kernels", [p for p in _sys.path if _os.path.abspath(p or ".") != _root])
+    _root = _os.path.dirname(_os.path.dirname(_os.path.realpath(__file__)))  # (real paths: a symlinked checkout)
+    _spec = _machinery.PathFinder.find_spec("kernels", [p for p in _sys.path if _os.path.realpath(p or ".") != _root])
     if _spec is None:
         raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
     _real = _util.module_from_spec(_spec)

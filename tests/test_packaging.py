@@ -64,24 +64,31 @@ def test_bench_scripts_shadow_no_module():
         assert found is None, f"bench/{name} shadows the importable module {stem} ({found.origin})"
 
 
-def test_checkout_root_on_sys_path_hides_no_package():
+def test_checkout_root_on_sys_path_hides_no_package(tmp_path):
     """`python -m specdec ...` from the checkout root puts the root on sys.path, where the folder `kernels/` would
     stand in for the PyPI package `kernels` (which transformers imports when it is installed): there a top-level
-    `import kernels` gets the real package, or fails as if the folder were not there."""
+    `import kernels` gets the real package, or fails as if the folder were not there; also with the root on the
+    path a second time through a symlink."""
     import importlib.metadata
     import subprocess
     import sys
 
-    probe = ("import kernels, os; print(os.path.abspath(kernels.__file__))"
+    probe = ("import kernels, os; print(os.path.realpath(kernels.__file__))"
              "\nimport transformers.models.kimi_linear.modeling_kimi_linear, specdec.kernels as k; print(k.__name__)")
+    link = tmp_path / "checkout"
+    link.symlink_to(ROOT, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=120)
     try:
         importlib.metadata.distribution("kernels")
+        installed = True
     except importlib.metadata.PackageNotFoundError:
-        assert proc.returncode != 0 and "No module named 'kernels'" in proc.stderr, proc.stderr
-        return
-    assert proc.returncode == 0, proc.stderr
-    where, name = proc.stdout.split()
-    assert not where.startswith(ROOT + os.sep) and name == "specdec.kernels", proc.stdout
+        installed = False
+    for extra in ({}, {"PYTHONPATH": str(link)}):
+        proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
+                              env={**env, **extra}, timeout=120)
+        if not installed:
+            assert proc.returncode != 0 and "No module named 'kernels'" in proc.stderr, (extra, proc.stderr)
+            continue
+        assert proc.returncode == 0, (extra, proc.stderr[-2000:])
+        where, name = proc.stdout.split()
+        assert not where.startswith(os.path.realpath(ROOT) + os.sep) and name == "specdec.kernels", proc.stdout
