@@ -42,8 +42,8 @@ def main(argv=None) -> int:
     extra = ["--reps", str(a.reps), *a.extra]
     with sides(a.old) as paths, tempfile.TemporaryDirectory() as tmp:
         times = alternate(a.rounds, lambda side: run_side(paths[side], extra, Path(tmp) / f"{side}.json"))
-    print(f"# bench/kernel_speed.py --device cpu {' '.join(a.extra)}: torch references, old = {a.old}, new = working tree; "
-          f"{a.rounds} rounds x {a.reps} calls, 1 thread, medians")
+    print(f"# bench/kernel_speed.py --device cpu {' '.join(a.extra)}: torch references, old = {a.old}, "
+          f"new = working tree; {a.rounds} rounds x {a.reps} calls, 1 thread, medians")
     print(f"{'op':24s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s} {'spread old':>10s} {'spread new':>10s}")
     rows = []
     for r in compare(times):

@@ -1,8 +1,8 @@
 """Kernel benchmark: each Triton kernel vs its torch reference (and, on CUDA, fla's fused_recurrent_kda).
 
-    python bench/kernel_speed.py --device cuda --json kernels.json          # Kimi-Linear shapes
-    python bench/kernel_speed.py --device cpu                               # tiny shapes, references only
-    TRITON_INTERPRET=1 python bench/kernel_speed.py --device cpu            # + Triton in the interpreter
+    python bench/kernel_speed.py --device cuda --json kernels.json      # Kimi-Linear shapes
+    python bench/kernel_speed.py --device cpu                           # tiny shapes, references only
+    TRITON_INTERPRET=1 python bench/kernel_speed.py --device cpu        # + Triton in the interpreter
 
 For every op it reports milliseconds per call, GB/s (bytes the op has to move / time, 1 GB = 1e9 B) and
 that bandwidth as a fraction of a measured device copy (`dst.copy_(src)` of a large tensor, counted as

@@ -51,8 +51,8 @@ def test_bench_scripts_shadow_no_module():
     import importlib.metadata
     import sys
 
-    bench = os.path.join(ROOT, "bench")
-    path = [p for p in sys.path if os.path.abspath(p or ".") != bench]  # (tests that load bench scripts add it)
+    bench = os.path.realpath(os.path.join(ROOT, "bench"))
+    path = [p for p in sys.path if os.path.realpath(p or ".") != bench]  # (tests that load bench scripts add it)
     installed = set(importlib.metadata.packages_distributions())
     for name in sorted(os.listdir(bench)):
         stem = name[:-3] if name.endswith(".py") else None
