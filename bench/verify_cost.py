@@ -193,8 +193,10 @@ def measure(runner, slots: list[int], ids: torch.Tensor, shapes: dict, repeats: 
 def components(runner) -> dict[str, list]:
     """label -> code objects whose cumulative time makes that part of a forward (cProfile keys)."""
     layers = runner.layers
-    attn = {type(layer.self_attn).forward.__code__ for i, layer in enumerate(layers)
-            if i not in runner.linear_index and hasattr(layer, "self_attn")}
+    # what the runner calls for each attention layer: the module, or a family's stand-in for it (Kimi's MLA in
+    # latent form, `adapters.KimiLatentAttention`), whose work never passes through the module's own forward
+    attn = {(type(a).forward if isinstance(a, torch.nn.Module) else type(a).__call__).__code__
+            for a in runner._attn.values()}
     mlp = {type(layer.mlp).forward.__code__ for layer in layers}
     kv = type(runner.kv)
     return {
