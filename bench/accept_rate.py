@@ -29,6 +29,12 @@ are pooled over all prompts. Spec-state memory is the memory plan of the run's o
 (`specdec.replayssm.plan.plan_json`): the replay strategy's spec state (rings + conv windows, plus one
 layer's tree node states for tree drafters) vs full per-token snapshots for the same settings.
 
+A second table says where a `generate` goes, by the engine's own timers (`SpecStats.timings`, mean over every
+timed run): the prefill (with the drafter's read of the prompt), the rounds, and per round the draft, the verify
+(with acceptance and commit) and the rest (the drafter's observe, bookkeeping), beside plain decoding's step. Its
+last column is the round budget of `--target-speedup` (default 2.5): the longest round at which this drafter's
+generate, with the same prefill and rounds, would take plain decoding's time over that speedup.
+
 Prompts: a JSONL file of `{"id", "kind", "source", "prompt"}`; `--kinds` filters them and `--max-prompts`
 takes that many, round-robin over the kinds in `--kinds` order (file order within a kind).
 """
@@ -63,9 +69,10 @@ import specdec  # noqa: E402
 from specdec import hf_compat, timing  # noqa: E402
 from specdec.draft import NoDraft  # noqa: E402  (also bench/throughput.py's plain decode)
 
+PARTS = ("prefill", "draft", "verify", "total", "rounds", "runs")
 KEYS = ("tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
         "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread", "noisy",
-        "tokens_per_s_transformers", "speedup_vs_transformers", "identical_transformers")
+        "tokens_per_s_transformers", "speedup_vs_transformers", "identical_transformers", "time_parts")
 EMBEDDED = Path(specdec.__file__).resolve().parent / "embedded"
 
 
@@ -206,6 +213,16 @@ class Pool:
         self.spec, self.plain, self.ref = timing.Pooled(), timing.Pooled(), timing.Pooled()
         self.mismatches: list[str] = []
         self.ref_mismatches: list[str] = []
+        # the engine's own timers (`SpecStats.timings`) and rounds, summed over every timed run of each path
+        self.parts = {k: dict.fromkeys(PARTS, 0.0) for k in ("spec", "plain")}
+
+    def add_parts(self, path: str, stats) -> None:
+        """One timed `generate` of `path` ("spec" or "plain"): its timers and rounds."""
+        acc = self.parts[path]
+        for k in ("prefill", "draft", "verify", "total"):
+            acc[k] += stats.timings[k]
+        acc["rounds"] += stats.rounds
+        acc["runs"] += 1
 
     def add(self, stats) -> None:
         self.rounds += stats.rounds
@@ -231,6 +248,27 @@ class Pool:
                 "spread": spread, "noisy": timing.is_noisy(spread),
                 "tokens_per_s_transformers": self.ref.tokens_per_s if self.ref.seconds else None,
                 "speedup_vs_transformers": timing.speedup(self.spec, self.ref) if self.ref.seconds else None}
+
+    def time_parts(self, target: float) -> dict:
+        """Where a `generate` goes, by the engine's timers, as means over the timed runs: per generate the prefill
+        (with the drafter's read of the prompt) and the rounds; per round the draft, the verify (with acceptance
+        and commit) and the rest (the drafter's observe, the engine's bookkeeping); plain decode's prefill and
+        step. `round_budget_ms`: the longest round at which this drafter's generate (same prefill, same rounds)
+        would take plain decode's time / `target`; <= 0: its prefill alone is over that time."""
+        s, p = self.parts["spec"], self.parts["plain"]
+        if not s["runs"] or not p["runs"] or not s["rounds"] or not p["rounds"]:
+            return {}
+        per_round = {k: 1e3 * s[k] / s["rounds"] for k in ("draft", "verify")}
+        round_ms = 1e3 * (s["total"] - s["prefill"]) / s["rounds"]
+        rounds = s["rounds"] / s["runs"]
+        prefill = 1e3 * s["prefill"] / s["runs"]
+        plain_ms = 1e3 * p["total"] / p["runs"]
+        return {"prefill_ms": prefill, "rounds_per_generate": rounds, "round_ms": round_ms,
+                "draft_ms": per_round["draft"], "verify_ms": per_round["verify"],
+                "other_ms": round_ms - per_round["draft"] - per_round["verify"],
+                "plain_prefill_ms": 1e3 * p["prefill"] / p["runs"],
+                "plain_step_ms": 1e3 * (p["total"] - p["prefill"]) / p["rounds"], "plain_generate_ms": plain_ms,
+                "target_speedup": target, "round_budget_ms": (plain_ms / target - prefill) / rounds}
 
 
 def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos, bar, options=None) -> dict:
@@ -259,6 +297,9 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
         n = p["ids"].numel()  # one prompt per call: no right padding
         ref_new, out_new = ref.sequences[0, n:].tolist(), out.sequences[0, n:].tolist()
         pool.add(out.stats)
+        for k in ("spec", "plain"):
+            for o, _ in runs[k]:
+                pool.add_parts(k, o.stats)
         pool.spec.add(len(out_new), [t for _, t in runs["spec"]])
         pool.plain.add(len(ref_new), [t for _, t in runs["plain"]])
         hf_new = None
@@ -271,6 +312,7 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
                 where.append(f"{p['id']} (first difference at new token {at})")
         bar.update(1)
     res = pool.result()
+    res["time_parts"] = pool.time_parts(args.target_speedup)
     res["spec_state_bytes_replay"], res["spec_state_bytes_snapshot"] = replay, snapshot
     res["identical"] = None if sampling["do_sample"] else not pool.mismatches
     res["identical_transformers"] = None if sampling["do_sample"] or not with_ref else not pool.ref_mismatches
@@ -322,6 +364,25 @@ def format_table(results: dict) -> str:
         if r.get("noisy"):
             lines.append(f"timing is noisy on this machine: {name}: "
                          f"{timing.noisy_note(r['spread'], r['speedup_per_repeat'])}")
+    return "\n".join(lines)
+
+
+def format_parts(results: dict) -> str:
+    """Where each drafter's `generate` goes (`Pool.time_parts`), and the round budget of the target speedup."""
+    rows = {n: r["time_parts"] for n, r in results.items() if not r.get("skipped") and r.get("time_parts")}
+    if not rows:
+        return ""
+    target = next(iter(rows.values()))["target_speedup"]
+    w = max([10] + [len(n) for n in rows])
+    head = (f"{'drafter':{w}s} {'prefill ms':>10s} {'rounds':>6s} {'round ms':>8s} {'draft':>6s} {'verify':>6s} "
+            f"{'other':>6s} {'plain step ms':>13s} {f'round budget at {target:g}x':>23s}")
+    lines = [f"where a generate goes (the engine's timers, mean of the timed runs; verify: with acceptance and "
+             f"commit; other: the drafter's observe, bookkeeping)", head, "-" * len(head)]
+    for name, t in rows.items():
+        budget = f"{t['round_budget_ms']:.1f} ms" if t["round_budget_ms"] > 0 else "none (prefill over it)"
+        lines.append(f"{name:{w}s} {t['prefill_ms']:10.1f} {t['rounds_per_generate']:6.1f} {t['round_ms']:8.1f} "
+                     f"{t['draft_ms']:6.1f} {t['verify_ms']:6.1f} {t['other_ms']:6.1f} {t['plain_step_ms']:13.2f} "
+                     f"{budget:>23s}")
     return "\n".join(lines)
 
 
@@ -382,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", choices=("transformers", "none"), default="transformers",
                    help="also time transformers' own generate, interleaved with the two (`tok/s hf`, `vs hf`), "
                         "and check the greedy output against it; none: skip it")
+    p.add_argument("--target-speedup", type=float, default=2.5,
+                   help="the speedup whose round budget the time table shows (the longest round that reaches it)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="acceptance plot (needs matplotlib)")
     return p
@@ -411,6 +474,8 @@ def main(argv=None) -> int:
         parser.error(f"--temperature: expected >= 0, got {a.temperature}")
     if a.threads is not None and a.threads < 1:
         parser.error(f"--threads: expected >= 1, got {a.threads}")
+    if not a.target_speedup > 0:
+        parser.error(f"--target-speedup: expected > 0, got {a.target_speedup}")
     if a.repeats < 3:
         parser.error(f"--repeats: expected >= 3 (a median of at least 3), got {a.repeats}")
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -514,6 +579,9 @@ def main(argv=None) -> int:
              f"{a.max_new_tokens} new tokens, median of {a.repeats} interleaved repeats, torch threads {threads}")
     print(f"# {title}")
     print(format_table(results))
+    parts = format_parts(results)
+    if parts:
+        print(parts)
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     if a.plot:

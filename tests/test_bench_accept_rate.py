@@ -27,7 +27,8 @@ PROMPTS = [
 ]
 DRAFTER_KEYS = {"tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
                 "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread",
-                "noisy", "tokens_per_s_transformers", "speedup_vs_transformers", "identical_transformers"}
+                "noisy", "tokens_per_s_transformers", "speedup_vs_transformers", "identical_transformers",
+                "time_parts"}
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,19 @@ def test_ngram_json_shape_and_lossless(saved, tmp_path):
     assert len(r["speedup_per_repeat"]) == 3 and all(x > 0 for x in r["speedup_per_repeat"])
     assert r["spread"] >= 0 and r["noisy"] == (r["spread"] > 0.25)
     assert ("timing is noisy on this machine: ngram" in proc.stdout) == r["noisy"]
+    # where a generate goes, by the engine's timers: the parts make up the round, the rounds commit the new
+    # tokens after the first (tau tokens each), and the budget is the round that would reach 2.5x plain's time
+    t = r["time_parts"]
+    assert "round budget at 2.5x" in proc.stdout
+    assert min(t["prefill_ms"], t["round_ms"], t["verify_ms"], t["plain_step_ms"], t["plain_prefill_ms"]) > 0
+    assert t["draft_ms"] >= 0 and t["other_ms"] >= 0
+    assert t["draft_ms"] + t["verify_ms"] + t["other_ms"] == pytest.approx(t["round_ms"])
+    assert 1 <= t["rounds_per_generate"] <= NEW - 1
+    assert t["rounds_per_generate"] * r["tau"] <= NEW - 1 + 1e-9
+    assert t["plain_generate_ms"] > t["plain_prefill_ms"] + t["plain_step_ms"]
+    assert t["target_speedup"] == 2.5
+    assert t["round_budget_ms"] == pytest.approx((t["plain_generate_ms"] / 2.5 - t["prefill_ms"])
+                                                 / t["rounds_per_generate"])
     if has_matplotlib():
         assert (tmp_path / "out.png").stat().st_size > 0
 
@@ -137,6 +151,9 @@ def test_drafter_options_are_passed_and_checked(saved, tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             bench.main(["--model", str(model), "--prompts", str(prompts), "--drafters", "ngram:max_ngram"])
         assert e.value.code == 2
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--model", str(model), "--prompts", str(prompts), "--target-speedup", "0"])
+        assert e.value.code == 2
     finally:
         torch.set_num_threads(threads)
     assert rc == 0
@@ -145,4 +162,5 @@ def test_drafter_options_are_passed_and_checked(saved, tmp_path, capsys):
     assert res["ngram"]["identical"] is True and res["ngram:max_ngram=1"]["identical"] is True
     assert "min_ngram" in res["ngram:min_ngram=4"]["skipped"]  # 4 > max_ngram 3: the drafter's own check
     assert "ValueError: bogus: not an option of the ngram drafter" in res["ngram:bogus=1"]["skipped"]
-    assert "--drafters" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--drafters" in err and "--target-speedup: expected > 0, got 0.0" in err
