@@ -83,10 +83,11 @@ VERIFY_IMPLS = {"chunk": verify_chunk.verify_delta_rule, "per-token": verify_nai
 @contextlib.contextmanager
 def case(impl: str | None, linear: str):
     """One measured case: verify implementation `impl` (see `verify_impl`) and the `nn.Linear` backend `linear`
-    ("onednn": the installed `OneDNNLinear` layers; "aten": the same layers with oneDNN switched off, so every call
-    is `F.linear`)."""
+    ("onednn": the installed `OneDNNLinear` layers, engaged as inside the engine's `generate`; "aten": the same
+    layers with oneDNN switched off, so every call is `F.linear`)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(verify_impl(impl))
+        stack.enter_context(cpu_linear.engaged())
         if linear == "aten":
             stack.enter_context(warnings.catch_warnings())
             warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")  # flags() says it each time

@@ -11,10 +11,16 @@ rows and `MIN_MACS` multiply-adds.
 
 `install(model)` turns every plain `nn.Linear` of `model` (type exactly `nn.Linear`) into `OneDNNLinear`, a
 subclass whose forward dispatches by shape; weights, parameters, `state_dict` and `isinstance(m, nn.Linear)` are
-unchanged, and `uninstall(model)` turns them back. The oneDNN copy of a weight (its blocked layout: as much memory
-again as the weight) is made at the first call that uses it and remade when the weight changes (a new tensor or an
-in-place update: its version counter). Calls that need autograd, non-fp32 tensors, tensors off the CPU and weights
-made under `torch.inference_mode` (no version counter) take `F.linear` unchanged.
+unchanged, and `uninstall(model)` turns them back. Only calls made inside `engaged()` (the engine's `generate`)
+go to oneDNN: anywhere else an installed layer is `nn.Linear`, bit for bit, so the model a user holds computes
+what it did before it was wrapped. The oneDNN copy of a weight (its blocked layout: as much memory again as the
+weight) is made at the first call that uses it and remade when the weight changes: another tensor or storage,
+an in-place update its version counter records, and a write the counter does not record (through `.data`, a
+fused optimizer's step), found at the copy's first use in each `engaged()` block by the weight's rows summed bit
+for bit (`_row_sums`; ~1% of a `generate` of the embedded model). So a model updated between two `generate`
+calls, however it was updated, is verified with its new weights.
+Calls that need autograd, non-fp32 tensors, tensors off the CPU and weights made under `torch.inference_mode`
+(no version counter) take `F.linear` unchanged.
 
 Exactness: a row's output from oneDNN and from MKL differ in the last bits (another summation order), as MKL's own
 results already differ between 1 row and T rows; speculative decoding stays lossless in the sense the engine
@@ -24,6 +30,8 @@ still run `F.linear`, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 
 import torch
@@ -34,7 +42,11 @@ MIN_ROWS = 2  # at 1 row a matmul is memory-bound: MKL is as fast and plain deco
 MIN_MACS = 1 << 19  # below ~0.5M multiply-adds oneDNN's fixed cost per call outweighs its faster loops
 
 MODES = ("auto", "onednn", "aten")
+# layer -> (weakref to its weight, the weight's version, its data pointer, its row sums, the `engaged` block that
+# last checked them, the oneDNN copy)
 _packed: "weakref.WeakKeyDictionary[nn.Linear, tuple]" = weakref.WeakKeyDictionary()
+_engaged = threading.local()  # .depth: `engaged()` blocks open in this thread
+_block = [0]  # outermost `engaged()` blocks entered so far, any thread
 
 
 def available() -> bool:
@@ -73,18 +85,48 @@ def apply(mode: str, model: nn.Module, *others: nn.Module) -> str:
     return backend
 
 
+@contextlib.contextmanager
+def engaged():
+    """Inside, installed layers run oneDNN for calls of enough rows (the engine's `generate`, and benchmarks that
+    time its forwards, enter it); outside they are `nn.Linear`. Entering the outermost block has every oneDNN copy
+    checked against its weight's contents at its first use inside it."""
+    depth = getattr(_engaged, "depth", 0)
+    if not depth:
+        _block[0] += 1
+    _engaged.depth = depth + 1
+    try:
+        yield
+    finally:
+        _engaged.depth = depth
+
+
+def _row_sums(w: torch.Tensor) -> torch.Tensor:
+    """`[out]` sums of a fp32 weight `[out, in]`'s rows as integers (each element's bits, summed in int64): one
+    read of it, exact, so changing any one element (by an ulp too) changes them; only a permutation within a row
+    or changes whose bit patterns cancel exactly would not."""
+    return w.detach().view(torch.int32).sum(1)
+
+
 def _weight(m: nn.Linear) -> torch.Tensor:
-    """`m.weight` in oneDNN's blocked layout, remade when the weight tensor or its contents changed."""
+    """`m.weight` in oneDNN's blocked layout, remade when the weight tensor, its storage or its contents changed."""
     w = m.weight
     hit = _packed.get(m)
-    if hit is None or hit[0]() is not w or hit[1] != w._version:
-        hit = (weakref.ref(w), w._version, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
-        _packed[m] = hit
-    return hit[2]
+    block = _block[0]
+    if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == w.data_ptr():
+        if hit[4] == block:
+            return hit[5]
+        if torch.equal(_row_sums(w), hit[3]):  # first use in this block: unchanged
+            _packed[m] = (*hit[:4], block, hit[5])
+            return hit[5]
+    hit = (weakref.ref(w), w._version, w.data_ptr(), _row_sums(w), block,
+           torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+    _packed[m] = hit
+    return hit[5]
 
 
 class OneDNNLinear(nn.Linear):
-    """`nn.Linear` whose fp32 CPU calls of at least `MIN_ROWS` rows and `MIN_MACS` multiply-adds run oneDNN.
+    """`nn.Linear` whose fp32 CPU calls of at least `MIN_ROWS` rows and `MIN_MACS` multiply-adds run oneDNN
+    inside `engaged()`; every other call is `nn.Linear`'s.
 
     x `[..., in_features]` -> `[..., out_features]`, as `nn.Linear`.
     """
@@ -93,7 +135,8 @@ class OneDNNLinear(nn.Linear):
         # the size test first and alone: a 1-row call (every plain decode step) costs one numel() more than
         # nn.Linear's forward
         n = x.numel()
-        if n * self.out_features >= MIN_MACS and n >= MIN_ROWS * self.in_features and _onednn_ok(self, x):
+        if (n * self.out_features >= MIN_MACS and n >= MIN_ROWS * self.in_features
+                and getattr(_engaged, "depth", 0) and _onednn_ok(self, x)):
             return _linear_pointwise()(x, _weight(self), self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

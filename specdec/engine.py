@@ -133,9 +133,10 @@ class SpecConfig:
     drafter keeps its node budget; the schedule bounds its depth.
     cpu_linear: the matmul backend of the `nn.Linear` layers of an fp32 model on CPU and of its drafter, which a
     verify feeds many rows at once. "onednn": `specdec.cpu_linear.install` turns them into `OneDNNLinear` (calls
-    of >= 2 rows run oneDNN, on some x86 CPUs about twice MKL's sgemm at tree sizes; 1-row calls and the weights
-    are unchanged; a second, blocked copy of each weight is kept). "aten": left as they are. "auto" (default):
-    "onednn" for an fp32 model on CPU when torch has oneDNN, else "aten". The model is changed in place (plain
+    of >= 2 rows inside `generate` run oneDNN, on some x86 CPUs about twice MKL's sgemm at tree sizes; 1-row
+    calls, calls outside `generate` and the weights are unchanged; a second, blocked copy of each weight is kept
+    and checked against the weight in every `generate`). "aten": left as they are. "auto" (default): "onednn"
+    for an fp32 model on CPU when torch has oneDNN, else "aten". The model's layers change class in place (plain
     decoding through it runs the same layers); `specdec.cpu_linear.uninstall(model)` undoes it.
     """
 
@@ -327,6 +328,7 @@ class SpecEngine:
         return [p.to(self.runner.device, torch.long) for p in prompts], [p.tolist() for p in prompts]
 
     @torch.inference_mode()
+    @cpu_linear.engaged()
     def generate(self, input_ids, max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
                  top_k: int = 0, top_p: float = 1.0, eos_token_id="default", seed: int | None = None,
                  streamer=None) -> GenerateOutput:
@@ -339,7 +341,9 @@ class SpecEngine:
 
         Runs under `torch.inference_mode` (no autograd bookkeeping per op: ~10% less time per token on a CPU, where
         ops are small); what the engine keeps across calls stays normal tensors, so its runner and drafter can be
-        driven outside it, and `sequences` is a normal tensor."""
+        driven outside it, and `sequences` is a normal tensor. Runs inside `cpu_linear.engaged()`: the oneDNN
+        copies of a CPU model's weights are checked against the weights at their first use in each call, so
+        weights updated between calls (however: an optimizer step, a write through `.data`) are the ones used."""
         t0 = time.perf_counter()
         prompts, host_prompts = self._prompts(input_ids)
         N = len(prompts)

@@ -2,6 +2,7 @@
 against `F.linear` bit for bit, weight updates, undo, and the engine's `cpu_linear` option (greedy output equal to
 transformers' greedy generate on an untouched copy of the model)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -21,9 +22,9 @@ def test_available():
     assert cpu_linear.available(), "torch's CPU wheels ship oneDNN (torch.backends.mkldnn)"
 
 
-def onednn_calls(fn):
-    """Run `fn()`, returning its result and the layers whose call took the oneDNN path (fetched their oneDNN
-    weight)."""
+def onednn_calls(fn, *, engaged: bool = True):
+    """Run `fn()` (inside `cpu_linear.engaged()`, as the engine's `generate` runs, unless `engaged` is False),
+    returning its result and the layers whose call took the oneDNN path (fetched their oneDNN weight)."""
     calls = []
     orig = cpu_linear._weight
 
@@ -33,7 +34,8 @@ def onednn_calls(fn):
 
     cpu_linear._weight = counting
     try:
-        return fn(), calls
+        with cpu_linear.engaged() if engaged else contextlib.nullcontext():
+            return fn(), calls
     finally:
         cpu_linear._weight = orig
 
@@ -90,7 +92,7 @@ def test_weight_updates_are_seen():
     cpu_linear.install(lin)
     x = torch.randn(16, 256)
     ref = lambda: F.linear(x.double(), lin.weight.double()).float()  # noqa: E731
-    with torch.no_grad():
+    with torch.no_grad(), cpu_linear.engaged():
         lin(x)
         lin.weight.mul_(-2.0)  # in place: the version counter moves
         y, calls = onednn_calls(lambda: lin(x))
@@ -98,6 +100,56 @@ def test_weight_updates_are_seen():
         assert_close(y, ref(), msg="after an in-place update")
         lin.weight = nn.Parameter(torch.randn(256, 256) / 16)  # a new tensor, nn.Linear's scale
         assert_close(lin(x), ref(), msg="after a new weight")
+        lin.weight.data = torch.randn(256, 256) / 16  # new storage under the same tensor
+        assert_close(lin(x), ref(), msg="after new storage")
+
+
+def test_unrecorded_weight_writes_are_seen_at_the_next_engaged_block():
+    """Writes torch's version counter does not record (through `.data`, as weight-sync code does; a fused
+    optimizer's step) are seen from the next `engaged()` block on (one per `generate`): the copy is checked
+    against the weight's row sums at its first use there. Teeth: with the version counter alone the old copy
+    would answer (the first check below)."""
+    torch.manual_seed(4)
+    lin = nn.Linear(256, 256)
+    cpu_linear.install(lin)
+    x = torch.randn(16, 256)
+    ref = lambda: F.linear(x.double(), lin.weight.double(), lin.bias.double()).float()  # noqa: E731
+    with torch.no_grad():
+        onednn_calls(lambda: lin(x))
+        version = lin.weight._version
+        lin.weight.data.mul_(-2.0)
+        assert lin.weight._version == version  # unrecorded
+        y, calls = onednn_calls(lambda: lin(x))
+    assert calls
+    assert_close(y, ref(), msg="after a write through .data")
+    opt = torch.optim.AdamW(lin.parameters(), lr=0.1, fused=True)
+    lin(x).square().sum().backward()
+    version = lin.weight._version
+    opt.step()
+    assert lin.weight._version == version  # the fused step records nothing either
+    with torch.no_grad():
+        y, calls = onednn_calls(lambda: lin(x))
+    assert calls
+    assert_close(y, ref(), msg="after a fused optimizer step")
+
+
+def test_outside_engaged_an_installed_layer_is_nn_linear():
+    """Calls outside `engaged()` (the user's own forwards of a wrapped model) are `F.linear`'s, bit for bit, at
+    any row count."""
+    torch.manual_seed(6)
+    lin = nn.Linear(256, 768)
+    cpu_linear.install(lin)
+    x = torch.randn(49, 256)
+    with torch.no_grad():
+        y, calls = onednn_calls(lambda: lin(x), engaged=False)
+        assert not calls
+        assert_close(y, F.linear(x, lin.weight, lin.bias), exact=True)
+        y, calls = onednn_calls(lambda: lin(x))
+        assert calls
+        with cpu_linear.engaged(), cpu_linear.engaged():  # nested blocks
+            pass
+        y, calls = onednn_calls(lambda: lin(x), engaged=False)
+        assert not calls
 
 
 def test_inference_mode_weights_take_f_linear():
@@ -162,6 +214,42 @@ def test_engine_option(monkeypatch):
     with torch_fallbacks():
         ref = ref_model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
     assert out.sequences.tolist() == ref.tolist()
+
+
+def test_engine_decodes_with_weights_updated_between_calls(monkeypatch):
+    """A wrapped model updated between two `generate` calls without torch's version counter seeing it (a weight
+    sync through `.data`, as RL loops do; a fused optimizer's step) decodes with its new weights: greedy output
+    equal to transformers' generate on an unwrapped copy holding the same weights. Teeth: with the oneDNN copies
+    of the old weights in its verifies, the negated head below would pick other tokens there; and the wrapped
+    model's own forward outside `generate` equals the copy's bit for bit."""
+    model = tiny_model("qwen3_next", dtype=torch.float32).eval()
+    ref_model = copy.deepcopy(model)
+    engine = specdec.wrap(model, drafter="ngram")
+    monkeypatch.setattr(cpu_linear, "MIN_MACS", 1)  # the tiny model's matmuls are far below the real threshold
+    prompt = torch.tensor([[3, 5, 7, 9, 11, 3, 5, 7, 9, 11, 3, 5, 7, 9]])
+
+    def check():
+        out, calls = onednn_calls(lambda: engine.generate(prompt, max_new_tokens=24, eos_token_id=None))
+        assert calls and out.stats.proposed > 0
+        with torch_fallbacks():
+            ref = ref_model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
+            with torch.no_grad():
+                assert_close(model(prompt).logits, ref_model(prompt).logits, exact=True)
+        assert out.sequences.tolist() == ref.tolist()
+
+    check()
+    for m in (model, ref_model):  # weight sync through .data: the version counter does not move
+        m.lm_head.weight.data.mul_(-1.0)
+        m.model.layers[0].linear_attn.out_proj.weight.data.mul_(1.5)
+    check()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    model(prompt).logits.square().mean().backward()
+    opt.step()
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref_model.parameters()):
+            q.copy_(p)
+    check()
 
 
 def test_drafters_score_through_the_targets_head():
