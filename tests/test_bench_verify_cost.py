@@ -138,3 +138,30 @@ def test_matmul_floor_records_every_linear_of_a_forward():
     floor = bench.matmul_floor(runner, slots, inputs, 1e-3, repeats=2, warmup=0)
     assert floor["step_1"]["floor"] == pytest.approx(1.0)
     assert set(floor) == set(inputs) and all(f["matmul_ms"] > 0 for f in floor.values())
+
+
+def test_onednn_case_runs_onednn_and_aten_case_does_not(monkeypatch):
+    """The "onednn" case times what `generate` runs (installed layers inside `cpu_linear.engaged()`: oneDNN from
+    its threshold on); the "aten" case the same layers as `F.linear`. Counted by the layers fetching their oneDNN
+    weight."""
+    import torch
+    from torch import nn
+
+    from specdec import cpu_linear
+
+    bench = load_bench("verify_cost")
+    lin = nn.Linear(256, 768)
+    cpu_linear.install(lin)
+    x = torch.randn(8, 256)
+    calls = []
+    orig = cpu_linear._weight
+    monkeypatch.setattr(cpu_linear, "_weight", lambda m: calls.append(m) or orig(m))
+    with torch.no_grad():
+        with bench.case(None, "aten"):
+            lin(x)
+        assert not calls
+        with bench.case(None, "onednn"):
+            lin(x)
+        assert calls == [lin]
+        lin(x)  # outside any case: nn.Linear
+        assert calls == [lin]
