@@ -112,14 +112,15 @@ def _weight(m: nn.Linear) -> torch.Tensor:
     w = m.weight
     hit = _packed.get(m)
     block = _block[0]
-    if hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == w.data_ptr():
-        if hit[4] == block:
-            return hit[5]
-        if torch.equal(_row_sums(w), hit[3]):  # first use in this block: unchanged
-            _packed[m] = (*hit[:4], block, hit[5])
-            return hit[5]
-    hit = (weakref.ref(w), w._version, w.data_ptr(), _row_sums(w), block,
-           torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+    same = hit is not None and hit[0]() is w and hit[1] == w._version and hit[2] == w.data_ptr()
+    if same and hit[4] == block:
+        return hit[5]
+    sums = _row_sums(w)  # first use in this block: the contents checked once
+    if same and torch.equal(sums, hit[3]):
+        hit = (*hit[:4], block, hit[5])
+    else:
+        hit = (weakref.ref(w), w._version, w.data_ptr(), sums, block,
+               torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
     _packed[m] = hit
     return hit[5]
 
