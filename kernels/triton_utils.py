@@ -3,8 +3,9 @@
 
 Every kernel that advances a state (verify, exact fold, fast rebuild's callers) calls `delta_step` from here,
 and every launch passes `enable_fp_fusion=False`: the step's fused multiply-adds are the explicit `tl.fma`
-below and nothing else is contracted, so each inlining compiles to the same fp32 arithmetic. That is what
-makes a fold of n records bitwise equal to n verify steps on one device (DESIGN §5). All math is fp32.
+below and nothing else is contracted, and every reduction is `pair_sum`'s fixed tree, whose bits do not depend
+on the layouts the compiler picks. So each inlining compiles to the same fp32 arithmetic, which makes a fold of
+n records bitwise equal to n verify steps on one device (DESIGN §5). All math is fp32.
 """
 
 from __future__ import annotations
@@ -53,10 +54,51 @@ def cast_to(x, ptr):
 
 
 @triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.constexpr_function
+def _bits(n, *tail):
+    """`[n, *tail]` with n split into its bits: `[2, 2, ..., 2, *tail]`."""
+    return [2] * _levels(n) + list(tail)
+
+
+@triton.constexpr_function
+def _levels(n):
+    """log2 of a power of two."""
+    return n.bit_length() - 1
+
+
+@triton.jit
+def pair_sum(x, N: tl.constexpr):
+    """Sum over axis 0 of `x` `[N]` or `[N, BV]` (N a power of two) as a fixed pairwise tree: element i + N/2 is
+    added to element i, then the same over the N/2 sums, down to one. Returns `[]` or `[BV]` fp32.
+
+    The bits of `tl.sum` depend on the layout the compiler picks (what a thread adds in registers, what it adds
+    across lanes and across warps), and a kernel's layouts change with its loads and with triton's version. A
+    sum of two elements is one value whatever the layout (`a + b == b + a`), so a tree of them fixes the bits:
+    every kernel that steps a state gets the same ones (bench/step_check.py checks the compiled code). The
+    index bits become axes of size 2 in one reshape, and each level sums the leading one.
+    """
+    if N == 1:
+        r = tl.sum(x, axis=0)
+    else:
+        if len(x.shape) == 1:
+            x = tl.reshape(x, _bits(N))
+        else:
+            x = tl.reshape(x, _bits(N, x.shape[1]))
+        for _ in tl.static_range(_levels(N)):
+            x = tl.sum(x, axis=0)
+        r = x
+    return r
+
+
+@triton.jit
 def l2norm(x, eps, SQRT_DIV: tl.constexpr):
     """`x * rsqrt(sum(x^2) + eps)` (fla, Qwen3-Next) or `x / sqrt(sum(x^2) + eps)` (Kimi-Linear), `[BK]` fp32;
     one square root per vector."""
-    ss = tl.sum(x * x, axis=0) + eps
+    ss = pair_sum(x * x, x.shape[0]) + eps
     if SQRT_DIV:
         y = x / tl.sqrt(ss)
     else:
@@ -144,7 +186,7 @@ def delta_step(S, k, v, alpha, beta, MAMBA2: tl.constexpr):
     if MAMBA2:
         d = beta * v
     else:
-        d = beta * (v - tl.sum(S * k[:, None], axis=0))
+        d = beta * (v - pair_sum(S * k[:, None], S.shape[0]))
     S = tl.fma(k[:, None], d[None, :], S)
     return S, d
 
@@ -152,4 +194,4 @@ def delta_step(S, k, v, alpha, beta, MAMBA2: tl.constexpr):
 @triton.jit
 def readout(S, q):
     """`S^T q` over K: `[BK, BV]`, `[BK]` -> `[BV]`."""
-    return tl.sum(S * q[:, None], axis=0)
+    return pair_sum(S * q[:, None], S.shape[0])
