@@ -232,6 +232,8 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="all", help="comma-separated op names (default: all)")
     p.add_argument("--no-reference", action="store_true", help="skip the torch references")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no new case after this many seconds (what was measured is printed and written)")
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
@@ -247,10 +249,18 @@ def main(argv=None) -> int:
     s.extra = {"fla"} if a.device == "cuda" else set()
     reps = a.reps or (20 if a.device == "cuda" else 3)
 
+    t0 = time.perf_counter()
     bw = copy_bandwidth(a.device)
     nbytes = byte_counts(s)
-    rows = []
+    print(f"# device={a.device} ({torch.cuda.get_device_name() if a.device == 'cuda' else 'cpu'}) "
+          f"H={s.H} K=V={s.K} D={s.D} B={s.B} layers={s.Lyr} L={s.L} act={a.dtype} "
+          f"copy bandwidth {bw:.1f} GB/s", flush=True)
+    print(f"{'op':30s} {'impl':10s} {'ms':>10s} {'GB/s':>9s} {'copy bw':>8s} {'vs ref':>8s}", flush=True)
+    rows, ref_ms, skipped = [], {}, []
     for op, impl, fn in build_cases(s, a.device, impls):
+        if a.budget_s is not None and time.perf_counter() - t0 > a.budget_s:
+            skipped.append(f"{op}[{impl}]")
+            continue
         slow = impl == "reference" or (impl == "triton" and a.device == "cpu")
         try:
             ms = timed(fn, a.device, warmup=1 if slow else 3, reps=(a.reps or 2) if slow else reps,
@@ -259,24 +269,20 @@ def main(argv=None) -> int:
             print(f"# {op} [{impl}] failed: {type(e).__name__}: {e}", file=sys.stderr)
             continue
         gbps = nbytes[op] / (ms * 1e-3) / GB
-        rows.append(dict(op=op, impl=impl, ms=ms, bytes=nbytes[op], gbps=gbps, frac_copy_bw=gbps / bw))
-
-    order = list(nbytes)
-    rows.sort(key=lambda r: (order.index(r["op"]) if r["op"] in order else len(order), r["impl"] != "reference"))
-    ref_ms = {r["op"]: r["ms"] for r in rows if r["impl"] == "reference"}
-    print(f"# device={a.device} ({torch.cuda.get_device_name() if a.device == 'cuda' else 'cpu'}) "
-          f"H={s.H} K=V={s.K} D={s.D} B={s.B} layers={s.Lyr} L={s.L} act={a.dtype} "
-          f"copy bandwidth {bw:.1f} GB/s")
-    print(f"{'op':30s} {'impl':10s} {'ms':>10s} {'GB/s':>9s} {'copy bw':>8s} {'vs ref':>8s}")
-    for r in rows:
-        sp = ref_ms.get(r["op"])
-        vs = f"{sp / r['ms']:7.1f}x" if sp and r["impl"] != "reference" else ""
-        print(f"{r['op']:30s} {r['impl']:10s} {r['ms']:10.4f} {r['gbps']:9.2f} {r['frac_copy_bw']:8.1%} {vs:>8s}")
+        r = dict(op=op, impl=impl, ms=ms, bytes=nbytes[op], gbps=gbps, frac_copy_bw=gbps / bw)
+        rows.append(r)
+        if impl == "reference":
+            ref_ms[op] = ms
+        sp = ref_ms.get(op)
+        vs = f"{sp / ms:7.1f}x" if sp and impl != "reference" else ""
+        print(f"{op:30s} {impl:10s} {ms:10.4f} {gbps:9.2f} {r['frac_copy_bw']:8.1%} {vs:>8s}", flush=True)
+    if skipped:
+        print(f"# budget of {a.budget_s:.0f} s spent: not measured {', '.join(skipped)}", flush=True)
     if a.json:
         out = dict(device=a.device, device_name=torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
                    shapes=dict(heads=s.H, head_dim=s.K, draft_tokens=s.D, requests=s.B, layers=s.Lyr, ring_depth=s.L,
                                conv_channels=s.C, conv_kernel=s.Kc, act_dtype=a.dtype),
-                   copy_bandwidth_gbps=bw, results=rows, triton_interpret=interpret())
+                   copy_bandwidth_gbps=bw, results=rows, not_measured=skipped, triton_interpret=interpret())
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 0 if rows else 1
 

@@ -1,0 +1,78 @@
+"""The compiled state step (sm_90 TTGIR, no GPU) is the same arithmetic in verify (chain, tree, snapshot tree,
+lazy), exact fold and fast rebuild, under this environment's triton and under each triton named by
+`SPECDEC_TRITON_PATHS` (`os.pathsep`-separated folders, each holding one triton package: `.ci/run` installs
+torch 2.11's triton 3.6 there). bench/step_check.py holds the check; here also its teeth."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import step_check  # noqa: E402
+
+ALT = [p for p in os.environ.get("SPECDEC_TRITON_PATHS", "").split(os.pathsep) if p]
+
+
+@pytest.mark.parametrize("K", [3, 128])
+@pytest.mark.parametrize("variant", step_check.VARIANTS, ids=lambda v: "-".join(v))
+def test_same_step_in_every_kernel(K, variant):
+    r = step_check.check_variant(K, *variant)
+    assert r["ok"], r["problems"]
+    # the check compares something: the fold has its step, each verify holds it
+    assert len(r["kernels"]["exact_fold"]) == 1 and all(r["kernels"][n] for n in r["kernels"])
+
+
+@pytest.mark.parametrize("path", ALT or [None], ids=lambda p: p or "this-triton")
+def test_same_step_under_other_tritons(path, tmp_path):
+    """The script end to end, in a fresh process: under each other triton, or (none named) under this one."""
+    env = dict(os.environ)
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
+    found = subprocess.run([sys.executable, "-c", "import triton; print(triton.__file__)"], env=env,
+                           capture_output=True, text=True, cwd=tmp_path).stdout
+    assert path is None or found.startswith(path), f"triton came from {found!r}, not {path}"
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "step_check.py"), "--head-dims", "3,128",
+                          "--json", str(tmp_path / "s.json")], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "the same step in every kernel" in out.stdout
+
+
+_MODULE = """#b4 = #ttg.blocked<{{sizePerThread = [{a}], threadsPerWarp = [32], warpsPerCTA = [1], order = [0]}}>
+#b2 = #ttg.blocked<{{sizePerThread = [{b}, 1], threadsPerWarp = [{c}, 16], warpsPerCTA = [1, 1], order = [1, 0]}}>
+module {{
+  tt.func @k(%p: !tt.ptr<f32>) {{
+    %x = tt.load %p : tensor<{n}xf32, #b4>
+    %y = arith.mulf %x, %x : tensor<{n}xf32, #b4>
+    %s = "tt.reduce"(%y) <{{axis = 0 : i32}}> ({{
+    ^bb0(%u: f32, %v: f32):
+      %w = arith.addf %u, %v : f32
+      tt.reduce.return %w : f32
+    }}) : (tensor<{n}xf32, #b4>) -> f32
+    %r = math.{op} %s : f32
+    %t = tt.splat %r : f32 -> tensor<2x2xf32, #b2>
+    %S = tt.load %p : tensor<2x2xf32, #b2>
+    %f = math.fma %t, %S, %S : tensor<2x2xf32, #b2>
+    tt.return
+  }}
+}}
+"""
+
+
+def _updates(**kw):
+    return step_check.TTGIR(_MODULE.format(**{"a": 1, "b": 1, "c": 2, "n": 4, "op": "rsqrt", **kw})).updates()
+
+
+def test_check_has_teeth():
+    base = _updates()
+    assert len(base) == 1 and "tt.reduce" in base[0] and "math.rsqrt" in base[0]
+    # a reduction over 4 elements in another layout sums in another order: a different step
+    assert _updates(a=4) != base
+    # over 2 elements the layout cannot change the sum
+    assert _updates(n=2) == _updates(n=2, a=2)
+    # another op, another step; a layout of the update tile alone (no reduction over it) changes nothing
+    assert _updates(op="sqrt") != base
+    assert _updates(b=2, c=1) == base
