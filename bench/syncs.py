@@ -16,6 +16,9 @@ tensors) are host work and are reported apart (`input_reads`). A Python scalar s
 (`t[i] = 0`) passes by value and is not a copy. With `--kernels gpu` (default) each kernel op counts as it would
 on a GPU: the Triton wrapper's host side (checks, copies) plus one launch, while the torch reference computes
 the values uncounted; `--kernels cpu` counts the references as they run here.
+
+`CaptureCheck` (tests/test_capture_safety.py) is the strict form for one step that a CUDA graph captures: any sync,
+and any host data reaching device work (a host-to-device copy, which a capture refuses), is a violation.
 """
 
 from __future__ import annotations
@@ -45,7 +48,23 @@ HERE = str(Path(__file__).resolve())
 aten = torch.ops.aten
 SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
             aten.repeat_interleave.Tensor, aten.lift_fresh.default, aten.lift_fresh_copy.default,
-            aten.unique_consecutive.default, aten._unique2.default}
+            aten.unique_consecutive.default, aten._unique2.default, aten._unique.default, aten.unique_dim.default,
+            aten.bincount.default, aten.item.default}
+BOOL_INDEX_OPS = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
+
+
+def sync_kind(func, args, kwargs) -> str | None:
+    """The op's name if it blocks the host on a CUDA device (a scalar read, an output sized by values, a boolean
+    mask, a tensor built from Python data), else None. A 0-dim `lift_fresh` is a Python scalar (`t[i] = 0`): it
+    reaches the kernel by value."""
+    if func in (aten.lift_fresh.default, aten.lift_fresh_copy.default) and args[0].dim() == 0:
+        return None
+    if func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None:
+        return None  # sized by the caller: no read of the repeats
+    if func in SYNC_OPS or (func in BOOL_INDEX_OPS and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                                                           for i in (args[1] or ()) if i is not None)):
+        return func.__name__
+    return None
 
 
 ALLOC_OPS = {aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default, aten.new_empty.default,
@@ -116,31 +135,28 @@ class Counter(TorchDispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        is_sync = func in SYNC_OPS or (func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default)
-                                       and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
-                                               for i in (args[1] or ()) if i is not None))
-        if func in (aten.lift_fresh.default, aten.lift_fresh_copy.default) and args[0].dim() == 0:
-            is_sync = False  # a Python scalar (`t[i] = 0`) goes to the kernel by value, not by a copy
-        if is_sync:
-            self.sync(func.__name__)
+        kind = sync_kind(func, args, kwargs)
+        if kind:
+            self.sync(kind)
         elif not _is_view(func):
             self.launch()
         return func(*args, **kwargs)
 
 
-def patched(counter: Counter):
-    """Context: `Tensor.tolist` / `Tensor.numpy` count as syncs while `counter` is active."""
+def patched(counter: Counter, names: tuple[str, ...] = ("tolist", "numpy")):
+    """Context: `Tensor.tolist` / `Tensor.numpy` (and any other method of `names`, e.g. `cpu`) count as syncs
+    while `counter` is active; on a tensor made on the host (`is_host`) they are host work."""
     import contextlib
 
     @contextlib.contextmanager
     def cm():
-        saved = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy")}
+        saved = {n: getattr(torch.Tensor, n) for n in names}
 
         def wrap(name):
             orig = saved[name]
 
             def f(self, *a, **k):
-                if not counter.paused:
+                if not counter.paused and not is_host(self):
                     counter.sync(name)
                 return orig(self, *a, **k)
             return f
@@ -206,6 +222,145 @@ def gpu_view(counter: Counter):
             for j, r in saved_run.items():
                 j.run = r
     return cm()
+
+
+# ---- what a CUDA-graph capture refuses ----------------------------------------------------------------------
+# arguments an op reads as a whole tensor on its own device (a copy's source, an indexed read's or write's indices
+# and values): a host tensor there is copied to the device, even a 0-dim one
+COPY_ARGS = {aten.copy_.default: (1,), aten._to_copy.default: (0,), aten.index.Tensor: (1,),
+             aten.index_put_.default: (1, 2), aten.index_put.default: (1, 2), aten._index_put_impl_.default: (1, 2),
+             aten.index_copy_.default: (2, 3), aten.index_copy.default: (2, 3), aten.index_select.default: (2,),
+             aten.scatter_.src: (2, 3), aten.scatter.src: (2, 3), aten.masked_scatter_.default: (1, 2),
+             aten.masked_scatter.default: (1, 2)}
+_HOST = "_syncs_host_data"  # attribute that marks a tensor made on the host
+
+
+def is_host(t) -> bool:
+    """Whether `t` was made on the host while a `CaptureCheck` was active (see there)."""
+    return isinstance(t, torch.Tensor) and getattr(t, _HOST, False)
+
+
+def _mark(out, host: bool) -> None:
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            setattr(t, _HOST, host)
+
+
+class CaptureCheck(Counter):
+    """What a CUDA-graph capture of a step refuses, by source line (`violations`): every sync `Counter` counts
+    (scalar reads, value-sized outputs, boolean masks, tensors built from Python lists, `.tolist()`, `.numpy()`,
+    `.cpu()`), and host data reaching device work: a host-to-device copy, which a capture refuses
+    (`Cannot copy between CPU and CUDA tensors during CUDA graph capture`).
+
+    On a CPU every tensor is on one device, so host data is followed from where it is made (`is_host`): tensors
+    built from Python data (`torch.tensor`, and the 0-dim tensor that a Python scalar written through a tensor
+    index becomes: `lift_fresh`), factory calls given no device (the default device, the host's), and what ops
+    compute from those alone. A host tensor that an op reads together with device tensors is a violation, except
+    a 0-dim one in an operand's place (`x + t`, `fill_`: passed by value); one read as a copy's source or as an
+    index or value of an indexed read or write (`COPY_ARGS`: `x[rows] = 0`) is copied to the device first.
+    `torch.tensor(scalar, device=...)` is itself a copy. Syncs on host tensors are host work, not counted.
+
+    Use `with check.checking():` around the step (`gpu_view(check)` may wrap a whole run: the Triton wrappers'
+    host side is checked, their torch references not)."""
+
+    def __init__(self, cpu_only=()):
+        """cpu_only: code objects of paths that CUDA tensors never take (a memo of CPU tensors): what runs
+        inside them is not checked."""
+        super().__init__()
+        self.cpu_only = frozenset(cpu_only)
+
+    def sync(self, kind: str) -> None:
+        f = sys._getframe(1)
+        while f is not None:
+            if f.f_code in self.cpu_only:
+                return
+            f = f.f_back
+        super().sync(kind)
+
+    def violations(self) -> list[str]:
+        return [f"{phase}: {line} (x{n})" for (phase, line), n in self.sync_lines.items()]
+
+    def checking(self):
+        """Context: this dispatch mode, the factory mode and the patched methods."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self)
+        stack.enter_context(_HostFactories(self))
+        stack.enter_context(patched(self, ("tolist", "numpy", "cpu")))
+        return stack
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.paused or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            return super().__torch_dispatch__(func, types, args, kwargs)  # (decomposed: its ops come back here)
+        ins = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        host = [t for t in ins if is_host(t)]
+        on_device = len(host) < len(ins)
+        if host and not on_device:
+            # host work: run uncounted; what it makes stays on the host (until `_HostFactories` sees it moved)
+            out = func(*args, **kwargs)
+            _mark(out, True)
+            return out
+        if func is aten.equal.default:  # (not counted by `Counter`: the CPU-only checks that call it run on no GPU)
+            self.sync(func.__name__)
+        if host:
+            copied = [t for i in COPY_ARGS.get(func, ()) if i < len(args)
+                      for t in torch.utils._pytree.tree_leaves(args[i]) if is_host(t)]
+            if copied or any(t.dim() > 0 for t in host):
+                self.sync(f"host data into {func.__name__}")
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
+            _mark(out, True)
+        return out
+
+
+class _HostFactories(torch.overrides.TorchFunctionMode):
+    """`CaptureCheck`'s view of calls before dispatch, where an omitted `device` is still visible: factory calls
+    without one make host tensors; `torch.tensor(scalar, device=...)`, and `.to(device)`, `.cuda()` or
+    `torch.as_tensor(t, device=...)` of a host tensor, copy host data to the device (here, where the device is
+    the host, `.to` may return its input unchanged, unseen by the dispatch mode)."""
+
+    def __init__(self, check: CaptureCheck):
+        super().__init__()
+        self.check = check
+        from torch.utils._device import _device_constructors
+        self.factories = _device_constructors()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.check.paused:
+            return out
+        if func in (torch.Tensor.to, torch.Tensor.cuda):
+            to = [*args[1:], kwargs.get("device")]
+            if "cpu" in to and not is_host(args[0]):  # (spelled out: a device here is the host too)
+                self.check.sync("device data to the host (.to('cpu'))")
+            moves = func is torch.Tensor.cuda or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in to)
+            return self._to_device(args[0], out, ".to" if func is torch.Tensor.to else ".cuda") if moves else out
+        if func not in self.factories:
+            return out
+        device = kwargs.get("device")
+        if device is None and func is torch.as_tensor and len(args) > 2:
+            device = args[2]
+        data = args[0] if args else None
+        if device is None:
+            if not isinstance(data, torch.Tensor) or is_host(data):
+                _mark(out, True)
+        elif isinstance(data, torch.Tensor):
+            return self._to_device(data, out, func.__name__) if func in (torch.as_tensor, torch.asarray) else out
+        elif func in (torch.tensor, torch.as_tensor, torch.asarray):
+            if isinstance(out, torch.Tensor) and out.dim() == 0:  # (a list: `lift_fresh` counted it already)
+                self.check.sync(f"{func.__name__} of a Python scalar on the device")
+            _mark(out, False)  # on the device now
+        return out
+
+    def _to_device(self, src, out, what: str):
+        """`out`, a copy of `src` to the device: a violation if `src` is a host tensor, and not one itself."""
+        if not is_host(src):
+            return out
+        self.check.sync(f"host data to the device ({what})")
+        out = out.view_as(out) if out is src else out  # (the input itself here: a view carries the mark)
+        _mark(out, False)
+        return out
 
 
 def measure(engine, prompts, max_new_tokens: int, *, kernels: str = "gpu") -> dict:

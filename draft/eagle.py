@@ -334,7 +334,7 @@ class EagleDrafter(Drafter):
                 _, kvs, _ = self._forward(rows_t, tok[:, 1:], feat[:, :-1], pos, ok.expand(B, -1, -1), 0)
                 self._write(rows_t, pos, kvs)
             self.len_t[rows_t] = n - 1
-            self.pend_n[rows_t] = 0
+            self.pend_n.index_fill_(0, rows_t, 0)  # (by value, as in `_draft`)
             for r, c in zip(rows, counts):
                 self.rows[r].length, self.rows[r].pending = c - 1, 0
         else:  # queue the previous root (f, anchor), then (f_i, x_i+1) of the accepted drafts
@@ -452,7 +452,9 @@ class EagleDrafter(Drafter):
         h, kvs, past = self._forward(rows_t, tok, feat, positions, ok, span)
         self._write(rows_t, positions[:, :Q], [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
         self.len_t[rows_t] = lens + qn
-        self.pend_n[rows_t] = 0
+        # by value: a Python scalar assigned through a tensor index is a host tensor copied to the device, which a
+        # CUDA-graph capture refuses
+        self.pend_n.index_fill_(0, rows_t, 0)
         for r in rows or ():
             st = self.rows[r]
             st.length, st.pending = st.length + st.pending, 0

@@ -18,22 +18,11 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 syncs = pytest.importorskip("syncs")  # bench/syncs.py
-from accept_rate import load_prompts, resolve_drafter, resolve_model_dir  # noqa: E402
+from accept_rate import resolve_drafter  # noqa: E402
 
 import specdec  # noqa: E402
 
 ROUND_SYNC_BOUND = 4
-
-
-@pytest.fixture(scope="module")
-def embedded():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model_dir = resolve_model_dir("embedded")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    texts = [r["prompt"] for r in load_prompts(str(BENCH / "data" / "prompts.jsonl"), ["code", "prose"], None)]
-    return model, model_dir, [tok(t)["input_ids"][:32] for t in texts]
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "mtp", "eagle"])  # eagle: a tree round, its own KV catch-up
