@@ -1,10 +1,16 @@
 import os
+import sys
+from pathlib import Path
 
-# Triton kernels run on CPU only in the interpreter, and the flag must be set before any
-# `@triton.jit` decorator runs, i.e. before any kernel module is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
 
-import torch  # noqa: E402
+# Triton runs CPU tensors only in its interpreter, so without a GPU the tests turn it on; with a GPU the kernels
+# compile for real on CUDA tensors. The flag must be set before any `@triton.jit` decorator runs, i.e. before any
+# kernel module is imported (importing torch and asking for CUDA loads no triton). An exported value wins.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", deadline=None, max_examples=25, derandomize=True)
@@ -14,3 +20,36 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Tiny models gain nothing from intra-op threads, and OpenMP barriers stall badly on a busy machine.
 torch.set_num_threads(1)
+
+# the values triton itself reads as true
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
+# Where a Triton kernel can run: the interpreter takes CPU tensors, compiled kernels take CUDA tensors; None on a
+# machine with neither (TRITON_INTERPRET=0 exported and no GPU).
+TRITON_DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() else None)
+
+
+@pytest.fixture(scope="session")
+def triton_device() -> str:
+    """The device every test that runs a Triton kernel builds its tensors (inputs, state pools) on: "cuda" with a GPU
+    and the interpreter off, "cpu" under TRITON_INTERPRET=1. Session-scoped, so hypothesis tests may take it."""
+    if TRITON_DEVICE is None:
+        pytest.skip("Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
+    return TRITON_DEVICE
+
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """The embedded model (fp32, eval), its directory, and the held-out bench prompts cut to 32 tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(BENCH))
+    from accept_rate import load_prompts, resolve_model_dir
+
+    model_dir = resolve_model_dir("embedded")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    texts = [r["prompt"] for r in load_prompts(str(BENCH / "data" / "prompts.jsonl"), ["code", "prose"], None)]
+    return model, model_dir, [tok(t)["input_ids"][:32] for t in texts]

@@ -45,12 +45,18 @@ def root_path(parent: list[int], node: int) -> list[int]:
 
 
 class Harness:
-    """Same slots in every strategy; an independent plain-decode oracle per slot."""
+    """Same slots in every strategy; an independent plain-decode oracle per slot.
 
-    def __init__(self, cfg: StateConfig, *, seed: int = 0, strategies=tuple(STRATEGIES)):
+    The strategies (pools, rings) live on `device` (the Triton kernels' device, see conftest's `triton_device`);
+    inputs, weights and the oracle stay on CPU, and `verify` moves what the strategies read onto `device`."""
+
+    def __init__(self, cfg: StateConfig, *, seed: int = 0, strategies=tuple(STRATEGIES),
+                 device: torch.device | str = "cpu"):
         self.cfg = cfg
+        self.device = torch.device(device)
         self.gen = torch.Generator().manual_seed(seed)
-        self.strats = {n: make_strategy(cfg, STRATEGIES[n][0], commit=STRATEGIES[n][1]) for n in strategies}
+        self.strats = {n: make_strategy(cfg, STRATEGIES[n][0], commit=STRATEGIES[n][1], device=self.device)
+                       for n in strategies}
         self.slots = None
         for st in self.strats.values():
             self.slots = st.pool.alloc(cfg.max_requests)
@@ -62,14 +68,18 @@ class Harness:
         self.ssm = (0.5 * self.randn(c.num_layers, c.num_slots, c.num_heads, c.head_k_dim, c.head_v_dim)).to(dt)
         for st in self.strats.values():
             for s in self.slots:
-                st.pool.load(s, conv=self.conv[:, s], ssm=self.ssm[:, s])
+                st.pool.load(s, conv=self.conv[:, s].to(self.device), ssm=self.ssm[:, s].to(self.device))
         self.conv, self.ssm = self.conv.clone(), self.ssm.clone()
         if c.gate_in_kernel:  # Kimi's gate parameters per layer: decays exp(A_log) * softplus(f + dt_bias)
             self.A_log = (0.5 * self.randn(c.num_layers, c.num_heads) - 1.0).float()
             self.dt_bias = self.randn(c.num_layers, c.num_heads, c.head_k_dim).float()
             for st in self.strats.values():
                 for layer in range(c.num_layers):
-                    st.set_gate(layer, self.A_log[layer], self.dt_bias[layer])
+                    st.set_gate(layer, self.A_log[layer].to(self.device), self.dt_bias[layer].to(self.device))
+
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` where the strategies read it."""
+        return t.to(self.device)
 
     def randn(self, *shape, dtype=torch.float64):
         return torch.randn(*shape, generator=self.gen, dtype=torch.float64).to(dtype)
@@ -98,9 +108,10 @@ class Harness:
         T = inp["x"].shape[2]
         st.begin(slots, num_tokens=None if parent is not None else T, parent=parent)
         ys, os = [], []
+        dev = self.on_device
         for layer in range(self.cfg.num_layers):
-            ys.append(st.conv(layer, inp["x"][layer], self.weights[layer]))
-            os.append(st.mix(layer, *(inp[n][layer] for n in ("q", "k", "v", "g", "beta"))))
+            ys.append(st.conv(layer, dev(inp["x"][layer]), dev(self.weights[layer])))
+            os.append(st.mix(layer, *(dev(inp[n][layer]) for n in ("q", "k", "v", "g", "beta"))))
         if corrupt is not None:
             corrupt(st)
         return ys, os
@@ -126,9 +137,9 @@ class Harness:
         """Committed conv (bitwise) and ssm of `slots` equal the oracle's: replay's exact fold within `rel_tol`,
         the snapshot's node states within `check_verify_value`'s tolerance."""
         st = self.strats[name]
-        ssm = st.committed_ssm()
+        ssm, conv = st.committed_ssm().cpu(), st.pool.conv.cpu()
         for s in slots:
-            assert torch.equal(st.pool.conv[:, s], self.conv[:, s]), f"{name}: conv of slot {s} differs"
+            assert torch.equal(conv[:, s], self.conv[:, s]), f"{name}: conv of slot {s} differs"
             if name == "snapshot":  # it commits the verify's node states
                 check_verify_value(ssm[:, s], self.ssm[:, s], self.cfg.ssm_dtype, f"{name}: ssm of slot {s}")
                 continue

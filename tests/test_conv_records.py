@@ -8,6 +8,7 @@ per-token `conv_step` recurrence, and against plain decode (`short_conv` along e
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -116,13 +117,15 @@ def test_windows_rebuilt_from_records_equal_kept_windows(c, data):
         assert_close(got[0, b], full[:, full.shape[1] - (Kc - 1):], exact=True, msg=f"row {b}, {int(n[b])} tokens")
 
 
-def test_no_tokens_gives_an_empty_output():
+@pytest.mark.triton
+def test_no_tokens_gives_an_empty_output(triton_device):
     """T = 0: an empty output and nothing written, as the Triton kernel and `short_conv` give it (the reference
     raised from an unfold over nothing)."""
     from specdec.kernels.verify.triton import short_conv_verify as triton_conv
     x, w, state = torch.randn(2, 0, 6), torch.randn(6, 4), torch.randn(4, 6, 3)
     win = torch.zeros(2, 3, 6, 3)
-    for fn in (short_conv_verify, triton_conv):
-        y = fn(x, w, None, state, torch.tensor([0, 1]), window_states=win)
-        assert y.shape == (2, 0, 6) and bool((win == 0).all())
+    for fn, dev in ((short_conv_verify, "cpu"), (triton_conv, triton_device)):
+        win_d = win.to(dev)
+        y = fn(x.to(dev), w.to(dev), None, state.to(dev), torch.tensor([0, 1], device=dev), window_states=win_d)
+        assert y.shape == (2, 0, 6) and bool((win_d == 0).all())
     assert short_conv(x, w, conv_state=state[:2])[0].shape == (2, 0, 6)

@@ -26,7 +26,7 @@ from specdec.kernels import dispatch
 from specdec.testing import assert_close
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-BACKENDS = ["reference"] + (["triton"] if INTERPRET or torch.cuda.is_available() else [])
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.triton)]
 F32, BF16 = torch.float32, torch.bfloat16
 
 
@@ -42,8 +42,10 @@ def ops(backend: str, rule: str = "delta"):
     return verify, dispatch.reference_impl("exact_fold")
 
 
-def device_of(backend: str) -> str:
-    return "cuda" if backend == "triton" and not INTERPRET else "cpu"
+def device_of(backend: str, request) -> str:
+    """The Triton kernels take tensors on conftest's `triton_device` (session-scoped, so hypothesis accepts it);
+    the torch reference runs on CPU."""
+    return request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
 
 
 @st.composite
@@ -86,10 +88,10 @@ def tokens(g, T, H, K, V, gdn, act, dev, rule="delta", gate_in=False):
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=20 if INTERPRET else 60)
 @given(c=cases())
-def test_fold_equals_single_steps(backend, c):
+def test_fold_equals_single_steps(backend, request, c):
     rule = c["rule"]
     verify, fold = ops(backend, rule)
-    dev = device_of(backend)
+    dev = device_of(backend, request)
     K, V, H, T, L, act, norm = c["K"], c["V"], c["H"], c["T"], c["L"], c["act"], c["norm"]
     gdn = c["gdn"] or rule == "mamba2"  # a Mamba2 head's decay is one scalar
     gate_in = c["gate_in"] and not gdn and K > 1
@@ -141,11 +143,11 @@ def test_fold_equals_single_steps(backend, c):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_teeth_one_corrupted_record_breaks_equality(backend):
+def test_teeth_one_corrupted_record_breaks_equality(backend, request):
     """The equality above is not vacuous: a few ulps in one element of one ring record (one ulp can vanish in
     the key's normalization) and the fold no longer matches the single steps."""
     verify, fold = ops(backend)
-    dev = device_of(backend)
+    dev = device_of(backend, request)
     g = torch.Generator().manual_seed(3)
     H, K, V, T, L = 2, 5, 6, 4, 8
     S0 = torch.randn(1, H, K, V, generator=g).to(dev)
@@ -190,12 +192,12 @@ def batches(draw):
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=15 if INTERPRET else 60, deadline=None)
 @given(c=batches())
-def test_fold_rows_together_equal_one_by_one(backend, c):
+def test_fold_rows_together_equal_one_by_one(backend, request, c):
     """One fold call over many rows == the same rows folded one call each (each of which is n single steps,
     above), bit for bit: checkpoints and interval snapshots; the null-slot row and foreign slots untouched.
     The Triton kernel folds the rows in parallel programs, the torch reference one after the other."""
     _, fold = ops(backend)
-    dev = device_of(backend)
+    dev = device_of(backend, request)
     g = torch.Generator().manual_seed(c["seed"])
     Lyr, H, K, V, N, L = c["Lyr"], c["H"], c["K"], c["V"], c["N"], c["L"]
     r = lambda *s: torch.randn(*s, generator=g).to(dev)  # noqa: E731

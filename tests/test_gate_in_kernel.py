@@ -11,8 +11,6 @@ memory plan's allocation (tests/test_memory_plan.py) draw this mode too.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,8 +18,13 @@ from specdec.kernels import dispatch, kda_gate
 from specdec.replayssm import StateConfig, make_strategy
 from specdec.testing import assert_close
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-BACKENDS = ["reference"] + (["triton"] if INTERPRET or torch.cuda.is_available() else [])
+BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.triton)]
+
+
+@pytest.fixture
+def device(backend, request):
+    """The Triton kernels take tensors on conftest's `triton_device`; the torch reference runs on CPU."""
+    return request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
@@ -48,15 +51,16 @@ def test_kda_gate_is_transformers_forget_gate(dtype):
     assert bool((f.float() + fg.dt_bias.float().view(3, 8) > 20).any())
 
 
-def _inputs(gen, B, T, H, K, V, act):
+def _inputs(gen, B, T, H, K, V, act, device="cpu"):
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    return dict(q=r(B, T, H, K).to(act), k=r(B, T, H, K).to(act), v=r(B, T, H, V).to(act),
-                f=(2 * r(B, T, H, K) - 1).to(act), beta=torch.rand(B, T, H, generator=gen),
-                A_log=r(H) - 1, dt_bias=r(H, K))
+    x = dict(q=r(B, T, H, K).to(act), k=r(B, T, H, K).to(act), v=r(B, T, H, V).to(act),
+             f=(2 * r(B, T, H, K) - 1).to(act), beta=torch.rand(B, T, H, generator=gen),
+             A_log=r(H) - 1, dt_bias=r(H, K))
+    return {n: t.to(device) for n, t in x.items()}
 
 
-def _rings(N, H, L, K, V, act, gate_dtype, lazy):
-    nan = lambda *s, dtype=act: torch.full(s, float("nan"), dtype=dtype)  # noqa: E731
+def _rings(N, H, L, K, V, act, gate_dtype, lazy, device="cpu"):
+    nan = lambda *s, dtype=act: torch.full(s, float("nan"), dtype=dtype, device=device)  # noqa: E731
     # fp32 d / k: the rebuild reads d, and a bf16 d would round the two gates' last-bit differences apart
     d, k = (nan(N, H, L, V, dtype=torch.float32), nan(N, H, L, K, dtype=torch.float32)) if lazy else (None, None)
     return (d, k, nan(N, H, L, K, dtype=gate_dtype), nan(N, H, L, V), nan(N, H, L, K), nan(N, H, L,
@@ -66,7 +70,7 @@ def _rings(N, H, L, K, V, act, gate_dtype, lazy):
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_verify_from_gate_input_equals_verify_from_log_decays(backend, tree, lazy):
+def test_verify_from_gate_input_equals_verify_from_log_decays(backend, tree, lazy, device):
     """A verify given f and (A_log, dt_bias) gives the outputs of the same verify given `kda_gate(f)` (the reference
     bitwise, Triton within fp32 tolerance), every record but g the same bits, and the g ring holds f itself (bf16);
     lazy: pending f records rebuild the start state as pending log-decays do."""
@@ -74,27 +78,28 @@ def test_verify_from_gate_input_equals_verify_from_log_decays(backend, tree, laz
     verify = impl("verify_delta_rule")
     gen = torch.Generator().manual_seed(1)
     B, T, H, K, V, N, L, act = 2, 5, 3, 8, 6, 4, 16, torch.bfloat16
-    x = _inputs(gen, B, T, H, K, V, act)
+    x = _inputs(gen, B, T, H, K, V, act, device)
     gate = dict(A_log=x["A_log"], dt_bias=x["dt_bias"])
     g = kda_gate(x["f"], **gate)
-    S0 = torch.randn(N, H, K, V, generator=gen)
-    idx = torch.tensor([2, 0])
-    parent = torch.tensor([-1, 0, 0, 1, -1]) if tree else None
+    S0 = torch.randn(N, H, K, V, generator=gen).to(device)
+    idx = torch.tensor([2, 0], device=device)
+    parent = torch.tensor([-1, 0, 0, 1, -1], device=device) if tree else None
     kw = dict(parent=parent)
     if tree and backend == "triton":  # the kernel keeps parent states in a stack; the chunk form needs none
-        kw["tree_stack"] = torch.empty(B, 2, H, K, V)
+        kw["tree_stack"] = torch.empty(B, 2, H, K, V, device=device)
     rings = {}
     outs = {}
     for mode, gdt in (("g", torch.float32), ("input", act)):
-        ring = _rings(N, H, L, K, V, act, gdt, lazy)
+        ring = _rings(N, H, L, K, V, act, gdt, lazy, device)
         extra = {} if mode == "g" else gate
-        ring_kw = dict(ring=ring, ring_indices=torch.arange(B)) if not lazy else dict(
-            ring=ring, ring_start=torch.tensor([3, 0, 9, 0]), num_pending=torch.zeros(N, dtype=torch.long))
+        ring_kw = dict(ring=ring, ring_indices=torch.arange(B, device=device)) if not lazy else dict(
+            ring=ring, ring_start=torch.tensor([3, 0, 9, 0], device=device),
+            num_pending=torch.zeros(N, dtype=torch.long, device=device))
         if lazy:  # an earlier round's two accepted tokens stay pending in the slot's ring
-            pend = _inputs(torch.Generator().manual_seed(2), B, 2, H, K, V, act)
+            pend = _inputs(torch.Generator().manual_seed(2), B, 2, H, K, V, act, device)
             pg = pend["f"] if mode == "input" else kda_gate(pend["f"], **gate)
             verify(pend["q"], pend["k"], pend["v"], pg, pend["beta"], S0, idx, **ring_kw, **extra)
-            ring_kw["num_pending"] = torch.tensor([0, 0, 2, 0]).index_fill(0, idx[1:], 2)
+            ring_kw["num_pending"] = torch.tensor([0, 0, 2, 0], device=device).index_fill(0, idx[1:], 2)
         outs[mode] = verify(x["q"], x["k"], x["v"], x["f"] if mode == "input" else g, x["beta"], S0, idx,
                             **kw, **ring_kw, **extra)
         rings[mode] = ring
@@ -111,14 +116,14 @@ def test_verify_from_gate_input_equals_verify_from_log_decays(backend, tree, laz
         got = f_ring[ring_row].transpose(0, 1)  # [L, H, K]
         if lazy:
             start = [3, 0, 9, 0][s]
-            got = got[(start + 2 + torch.arange(T)) % L]
+            got = got[(start + 2 + torch.arange(T, device=device)) % L]
         else:
             got = got[:T]
         assert torch.equal(got, x["f"][b]), f"row {b}: the g ring does not hold the gate input"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fast_rebuild_from_gate_input(backend):
+def test_fast_rebuild_from_gate_input(backend, device):
     """The lazy rebuild from f records equals the rebuild from their log-decays (reference bitwise, Triton within
     fp32 tolerance)."""
     rebuild = (dispatch.triton_impl if backend == "triton" else dispatch.reference_impl)("fast_rebuild")
@@ -126,11 +131,12 @@ def test_fast_rebuild_from_gate_input(backend):
     N, H, K, V, L = 3, 2, 8, 5, 8
     f = (2 * torch.randn(N, H, L, K, generator=gen) - 1).to(torch.bfloat16)
     A_log, dt_bias = torch.randn(H, generator=gen) - 1, torch.randn(H, K, generator=gen)
-    g = kda_gate(f.transpose(1, 2), A_log, dt_bias).transpose(1, 2)
     d, k = torch.randn(N, H, L, V, generator=gen), torch.randn(N, H, L, K, generator=gen)
     S0 = torch.randn(N, H, K, V, generator=gen)
-    args = (torch.tensor([2, 0]),)
-    tail = (torch.tensor([6, 1, 3]), torch.tensor([4, 3]))
+    f, A_log, dt_bias, d, k, S0 = (t.to(device) for t in (f, A_log, dt_bias, d, k, S0))
+    g = kda_gate(f.transpose(1, 2), A_log, dt_bias).transpose(1, 2)
+    args = (torch.tensor([2, 0], device=device),)
+    tail = (torch.tensor([6, 1, 3], device=device), torch.tensor([4, 3], device=device))
     got = rebuild(S0, *args, d, k, f, *tail, A_log=A_log, dt_bias=dt_bias)
     want = rebuild(S0, *args, d, k, g, *tail)
     if backend == "reference":

@@ -177,18 +177,19 @@ def test_chunked_prefill_equals_recurrence():
         assert max_rel_err(S[b], h.transpose(-1, -2)) < 1e-12
 
 
-def test_gpu_dispatch_runs_the_mamba2_kernels(monkeypatch):
-    """Where the Triton kernels run (forced here), the mamba2 rule gets their mamba2 flag: the per-token
-    reference's outputs within the fp32 tolerance (across backends, DESIGN §5), never the delta rule's."""
+@pytest.mark.triton
+def test_gpu_dispatch_runs_the_mamba2_kernels(monkeypatch, triton_device):
+    """Where the Triton kernels run (CUDA tensors; forced on CPU), the mamba2 rule gets their mamba2 flag: the
+    per-token reference's outputs within the fp32 tolerance (across backends, DESIGN §5), never the delta rule's."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")
+    monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")  # CPU tensors (the interpreter) take the Triton kernels too
     cfg = StateConfig.tiny(gate="gdn", rule="mamba2", ssm_dtype=torch.float32, act_dtype=torch.float32)
-    h = Mamba2Harness(cfg, seed=9, strategies=("replay-eager",))
+    h = Mamba2Harness(cfg, seed=9, strategies=("replay-eager",), device=triton_device)
     inp = {n: t[0] for n, t in h.inputs(2, 4).items()}
     state = h.strats["replay-eager"].pool.ssm[0]
-    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], state, torch.tensor([0, 1]))
-    got = kernels.verify_delta_rule(*args, rule="mamba2")
-    want = verify_naive.verify_delta_rule(*args, rule="mamba2")
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], state.cpu(), torch.tensor([0, 1]))
+    got = kernels.verify_delta_rule(*(t.to(triton_device) for t in args), rule="mamba2").cpu()
+    want = verify_naive.verify_delta_rule(*args, rule="mamba2")  # the reference on CPU copies
     assert_close(got, want, dtype=torch.float32)
     assert not torch.allclose(got, verify_naive.verify_delta_rule(*args))  # the delta rule differs
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 from state_harness import root_path
 from test_mamba2_state import Mamba2Harness
-from test_triton_kernels import (DEVICES, FOLD_SLOTS, FOLD_TOKENS, L, NULL, RING_START, check_fold, check_values,
+from test_triton_kernels import (FOLD_SLOTS, FOLD_TOKENS, L, NULL, RING_START, check_fold, check_values,
                                  check_verify, check_verify_bf16, fold_case, gen, rand, to, verify_case)
 
 from specdec import kernels
@@ -46,8 +46,14 @@ from specdec.kernels.verify import triton as tverify  # noqa: E402
 
 F32, BF16 = torch.float32, torch.bfloat16
 FP32_REL = tolerance(F32)[0]  # Triton vs the torch reference: the fp32 rtol of the table
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 M2 = "mamba2"
+pytestmark = pytest.mark.triton
+
+
+@pytest.fixture
+def device(triton_device):
+    """The device the kernels run on (conftest's `triton_device`); the torch references run on CPU copies."""
+    return triton_device
 
 
 @pytest.fixture
@@ -83,7 +89,6 @@ VERIFY_CASES = {
 
 
 @pytest.mark.usefixtures("nan_outputs")
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(VERIFY_CASES))
 def test_verify_mamba2(device, case):
     """Outputs, node states and ring records (d = beta x, k = B as it came, g, rawv, rawk, beta) vs the reference;
@@ -102,7 +107,6 @@ def test_verify_mamba2(device, case):
 
 
 @pytest.mark.usefixtures("nan_outputs")
-@pytest.mark.parametrize("device", DEVICES)
 def test_verify_mamba2_bf16(device):
     """bf16 activations and d / k / rawv / rawk rings (lazy, wrapping) vs the all-fp32 reference."""
     kw = mamba2_gate(verify_case(33, K=5, V=6, gdn=True, tree=False, lazy=True, inter=True, ring=True), 34)
@@ -111,7 +115,6 @@ def test_verify_mamba2_bf16(device):
 
 # -------------------------------------------------------------------------------------------- fold
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["offsets-track", "bf16ring-multi-vblock"])
 def test_exact_fold_mamba2(device, case):
     Lyr, K, V, rdt = (2, 5, 6, F32) if case == "offsets-track" else (1, 3, 70, BF16)
@@ -129,7 +132,6 @@ def test_exact_fold_mamba2(device, case):
     assert max_rel_err(S_delta.cpu()[:, folded], S_tri.cpu()[:, folded]) > 1e-2
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_teeth_corrupt_one_record_changes_the_fold(device):
     """One ring record off by a little (one element of x, then of B) changes the folded state of its slot and no
     other; a record outside the folded range changes nothing."""
@@ -155,7 +157,6 @@ def test_teeth_corrupt_one_record_changes_the_fold(device):
 
 # ---------------------------------------------------------------------------------------- dispatch
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_dispatch_sends_mamba2_to_triton(monkeypatch, device):
     """On CUDA tensors (on CPU: forced, as the interpreter runs them) the dispatched verify and fold of the rule run
     the Triton kernels; CPU tensors not forced get the recurrent reference (the chunk-form verify is delta-rule
@@ -190,16 +191,15 @@ def test_dispatch_sends_mamba2_to_triton(monkeypatch, device):
 
 # ---------------------------------------------------------------------------------------- strategies
 
-@pytest.mark.skipif(not INTERPRET, reason="the state harness holds CPU tensors: forced Triton needs the interpreter")
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_triton_strategies_follow_mamba2_recurrence(monkeypatch, tree):
+def test_triton_strategies_follow_mamba2_recurrence(monkeypatch, tree, device):
     """The strategies on the Triton kernels (fp32): committed states follow the float64 Mamba2 recurrence within
     the fp32 tolerance round after round (replay lazy: pending records rebuilt in verify, folded later; track
     boundaries crossed); conv windows bitwise; slots outside the round untouched."""
-    monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")
+    monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")  # CPU tensors (the interpreter) take the Triton kernels too
     cfg = StateConfig(num_layers=1, num_heads=2, head_k_dim=4, head_v_dim=3, conv_kernel=3, gate="gdn", rule=M2,
                       max_requests=4, num_verify_tokens=4, track_interval=3)
-    h = Mamba2Harness(cfg, seed=41)
+    h = Mamba2Harness(cfg, seed=41, device=device)
     g_ = gen(42)
     slots = [2, cfg.null_slot, 0, -1, 3]
     valid = [b for b, s in enumerate(slots) if s not in (-1, cfg.null_slot)]
@@ -212,7 +212,7 @@ def test_triton_strategies_follow_mamba2_recurrence(monkeypatch, tree):
             paths = {b: root_path(parent, int(torch.randint(0, T, (), generator=g_))) for b in valid}
         else:
             paths = {b: list(range(int(torch.randint(1, T + 1, (), generator=g_)))) for b in valid}
-        before = {n: (s.pool.conv[:, untouched].clone(), s.committed_ssm()[:, untouched].clone())
+        before = {n: (s.pool.conv[:, untouched].cpu(), s.committed_ssm()[:, untouched].cpu())
                   for n, s in h.strats.items()}
         for name, strat in h.strats.items():
             h.verify(name, slots, inp, parent=parent)
@@ -226,14 +226,14 @@ def test_triton_strategies_follow_mamba2_recurrence(monkeypatch, tree):
         for b in valid:
             h.oracle(slots[b], b, inp, paths[b], advance=True)
         for name, strat in h.strats.items():
-            ssm = strat.committed_ssm()
+            ssm, conv = strat.committed_ssm().cpu(), strat.pool.conv.cpu()  # the float64 oracle is on CPU
             for b in valid:
                 s = slots[b]
-                assert torch.equal(strat.pool.conv[:, s], h.conv[:, s]), f"{name}: conv of slot {s}"
+                assert torch.equal(conv[:, s], h.conv[:, s]), f"{name}: conv of slot {s}"
                 err = max_rel_err(ssm[:, s], h.ssm[:, s])
                 assert err < FP32_REL, f"{name}: ssm of slot {s} rel err {err:.3e}"
             conv0, ssm0 = before[name]
-            assert torch.equal(strat.pool.conv[:, untouched], conv0) and torch.equal(ssm[:, untouched], ssm0), name
+            assert torch.equal(conv[:, untouched], conv0) and torch.equal(ssm[:, untouched], ssm0), name
     assert int(h.strats["snapshot"].pool.track_len.max()) >= 3  # track boundaries were crossed
 
 

@@ -285,15 +285,19 @@ def allocated_bytes(obj, seen: set) -> int:
 
 
 @pytest.mark.parametrize("gate_in_kernel", [False, True], ids=["g-records", "gate-input-records"])
-@pytest.mark.parametrize("strategy,commit", [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")])
-def test_allocation_equals_plan(strategy, commit, gate_in_kernel, monkeypatch):
+@pytest.mark.parametrize("strategy,commit", [pytest.param("replay", "eager", marks=pytest.mark.triton),
+                                             pytest.param("replay", "lazy", marks=pytest.mark.triton),
+                                             ("snapshot", "eager")])
+def test_allocation_equals_plan(strategy, commit, gate_in_kernel, monkeypatch, request):
     """What a strategy actually allocates equals the plan of its layout: the pool (conv_state + ssm_state), and
     the speculative state (rings + conv inputs; + one layer's tree state stack once a tree ran; snapshot: states and
     conv windows per token); with `gate_in_kernel` also the gate parameters (weights, outside the spec state)."""
     cfg = StateConfig(num_layers=2, num_heads=3, head_k_dim=5, head_v_dim=7, conv_kernel=4, max_requests=6,
                       max_running=3, num_verify_tokens=5, ssm_dtype="bfloat16", act_dtype="bfloat16",
                       track_interval=None, gate_in_kernel=gate_in_kernel)
-    st = make_strategy(cfg, strategy, commit=commit)
+    # replay runs a tree round on the Triton kernels below: its state lives where they run
+    dev = request.getfixturevalue("triton_device") if strategy == "replay" else "cpu"
+    st = make_strategy(cfg, strategy, commit=commit, device=dev)
     specs = buffer_specs(cfg, layout=commit)
     assert allocated_bytes(st.pool, set()) == specs["conv_state"].nbytes + specs["ssm_state"].nbytes
     seen = {t.untyped_storage().data_ptr() for t in (st.pool.conv, st.pool.ssm)}
@@ -303,13 +307,13 @@ def test_allocation_equals_plan(strategy, commit, gate_in_kernel, monkeypatch):
                                                                            + specs["gate_dt_bias"].nbytes)
         seen |= {t.untyped_storage().data_ptr() for t in (st.gate_A_log, st.gate_dt_bias)}
         for layer in range(cfg.num_layers):
-            st.set_gate(layer, -torch.rand(3), torch.randn(15))
+            st.set_gate(layer, -torch.rand(3).to(dev), torch.randn(15).to(dev))
     plan = spec_bytes(cfg, layout=commit)
     assert allocated_bytes(st, seen) == plan["snapshot" if strategy == "snapshot" else "replayssm"]
     if strategy == "replay":  # a tree round allocates one layer's state stack, once
         monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")  # the plan is the GPU's: the Triton tree kernel's buffer
         g = torch.Generator().manual_seed(0)
-        r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+        r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16).to(dev)  # noqa: E731
         slots = st.pool.alloc(2)
         st.begin(slots, parent=[-1, 0, 0, 1, 1])
         seen = {t.untyped_storage().data_ptr() for t in (st.pool.conv, st.pool.ssm)}
@@ -317,13 +321,14 @@ def test_allocation_equals_plan(strategy, commit, gate_in_kernel, monkeypatch):
             seen |= {t.untyped_storage().data_ptr() for t in (st.gate_A_log, st.gate_dt_bias)}
         for layer in range(cfg.num_layers):
             st.conv(layer, r(2, 5, cfg.conv_dim), r(cfg.conv_dim, 4))
-            st.mix(layer, r(2, 5, 3, 5), r(2, 5, 3, 5), r(2, 5, 3, 7), -torch.rand(2, 5, 3, 5, generator=g),
-                   torch.rand(2, 5, 3, generator=g))
+            st.mix(layer, r(2, 5, 3, 5), r(2, 5, 3, 5), r(2, 5, 3, 7), -torch.rand(2, 5, 3, 5, generator=g).to(dev),
+                   torch.rand(2, 5, 3, generator=g).to(dev))
         st.commit(path=[[0, 1, 3], [0, 2, -1]])
         assert allocated_bytes(st, seen) == spec_bytes(cfg, layout=commit, tree=True)["replayssm"]
     if strategy == "replay" and commit == "eager":  # the reference backend: a one-token round keeps its state
         monkeypatch.delenv("SPECDEC_FORCE_TRITON", raising=False)
         st = make_strategy(cfg, strategy, commit=commit)
+        r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
         seen = {t.untyped_storage().data_ptr() for t in (st.pool.conv, st.pool.ssm)}
         if gate_in_kernel:
             seen |= {t.untyped_storage().data_ptr() for t in (st.gate_A_log, st.gate_dt_bias)}

@@ -82,7 +82,8 @@ def test_conv_rows_follow_the_arguments():
     assert torch.equal(verify_naive.conv_columns(conv_state, x, one, 3), want)
 
 
-def test_validate_false_skips_the_check(monkeypatch):
+@pytest.mark.triton
+def test_validate_false_skips_the_check(monkeypatch, triton_device):
     """`validate=False` (a caller that checked the tree at its own boundary, as the state strategies do): the
     verify and conv ops never run the topology check (a host read on a GPU, once per layer) and return what the
     checked call returns."""
@@ -110,6 +111,7 @@ def test_validate_false_skips_the_check(monkeypatch):
         assert torch.equal(op(validate=False), want)
         with pytest.raises(AssertionError, match="topology check ran"):  # teeth: the default does check
             op()
-    assert verify_triton._parents(parent, B, T, parent.device, validate=False).tolist() == parent.tolist()
+    pd = parent.to(triton_device)  # the Triton side's parents live where its kernels run
+    assert verify_triton._parents(pd, B, T, pd.device, validate=False).tolist() == parent.tolist()
     with pytest.raises(AssertionError, match="topology check ran"):
-        verify_triton._parents(parent, B, T, parent.device)
+        verify_triton._parents(pd, B, T, pd.device)

@@ -161,22 +161,24 @@ def test_bf16_ring_storage_matches_decode_of_same_bf16_activations(gate_in_kerne
         run_round(h, draw, [0, 2, 1], tree=False, check_outputs=i % 8 == 0)
 
 
-@pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_tree_state_stack_only_for_the_triton_kernel(backend, monkeypatch):
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "reference"])
+def test_tree_state_stack_only_for_the_triton_kernel(backend, monkeypatch, request):
     """The Triton tree kernel reloads parent states from one layer's stack (log2 of the node count), allocated
     once and reused; the CPU's chunk form needs none (commit folds the records), so none is allocated there."""
+    device = "cpu"
     if backend == "triton":
-        monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")
+        monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")  # CPU tensors (the interpreter) take the Triton kernels too
+        device = request.getfixturevalue("triton_device")
     cfg = StateConfig.tiny(num_layers=3, ssm_dtype=torch.float32, act_dtype=torch.float32)
-    h = Harness(cfg, seed=5, strategies=("replay-eager",))
+    h = Harness(cfg, seed=5, strategies=("replay-eager",), device=device)
     strat = h.strats["replay-eager"]
     ptrs = set()
     for _ in range(3):
         inp = h.inputs(2, 4)
         strat.begin([0, 1], parent=[-1, 0, 0, 1])
         for layer in range(cfg.num_layers):
-            strat.conv(layer, inp["x"][layer], h.weights[layer])
-            strat.mix(layer, *(inp[n][layer] for n in ("q", "k", "v", "g", "beta")))
+            strat.conv(layer, h.on_device(inp["x"][layer]), h.on_device(h.weights[layer]))
+            strat.mix(layer, *(h.on_device(inp[n][layer]) for n in ("q", "k", "v", "g", "beta")))
             ptrs.add(None if strat.tree_stack is None else strat.tree_stack.data_ptr())
         strat.commit(path=[[0, 1, 3], [0, 2, -1]])
     if backend == "reference":

@@ -1,8 +1,8 @@
-"""The strategies on the Triton kernels (the interpreter on CPU, `SPECDEC_FORCE_TRITON=1`), chains and trees:
-the eager layout (rings by running row, conv windows rebuilt from input records inside the fold's launch) and
-the lazy layout commit the same conv windows as the full-snapshot scheme, bit for bit, and the same states
-within fp32 tolerance (across backends the contract is tolerance, DESIGN §5); every committed state follows
-plain decode (the torch oracle) within that tolerance; slots outside the round are untouched."""
+"""The strategies on the Triton kernels (compiled on a GPU; on CPU the interpreter, `SPECDEC_FORCE_TRITON=1`),
+chains and trees: the eager layout (rings by running row, conv windows rebuilt from input records inside the fold's
+launch) and the lazy layout commit the same conv windows as the full-snapshot scheme, bit for bit, and the same
+states within fp32 tolerance (across backends the contract is tolerance, DESIGN §5); every committed state follows
+plain decode (the torch oracle, on CPU) within that tolerance; slots outside the round are untouched."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from specdec.replayssm import StateConfig
 from specdec.testing import max_rel_err
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.triton
 
 FP32_REL = 1e-5  # Triton vs the torch oracle (tests/test_triton_kernels.py)
 
@@ -23,13 +24,13 @@ FP32_REL = 1e-5  # Triton vs the torch oracle (tests/test_triton_kernels.py)
 # chains with it: tests/test_gate_in_kernel.py and the fold property of tests/test_fold_exactness.py
 @pytest.mark.parametrize("tree,gate_in_kernel", [(False, False), (True, False), (True, True)],
                          ids=["chain", "tree", "tree-gate-input-records"])
-def test_triton_strategies_agree(monkeypatch, tree, gate_in_kernel):
-    monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")
+def test_triton_strategies_agree(monkeypatch, tree, gate_in_kernel, triton_device):
+    monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")  # CPU tensors (the interpreter) take the Triton kernels too
     for op in ("verify_delta_rule", "short_conv_verify", "exact_fold", "masked_scatter"):
-        assert dispatch.pick(op, torch.zeros(1)) is dispatch.triton_impl(op)
+        assert dispatch.pick(op, torch.zeros(1, device=triton_device)) is dispatch.triton_impl(op)
     cfg = StateConfig(num_layers=2, num_heads=2, head_k_dim=5, head_v_dim=3, conv_kernel=4, max_requests=4,
                       num_verify_tokens=4, track_interval=3, norm="sqrt_div", gate_in_kernel=gate_in_kernel)
-    h = Harness(cfg, seed=21)
+    h = Harness(cfg, seed=21, device=triton_device)
     gen = torch.Generator().manual_seed(22)
     slots = [2, cfg.null_slot, 0, -1, 3]  # max_running + 1 rows: reversed slots, a null row, a skipped row
     valid = [b for b, s in enumerate(slots) if s not in (-1, cfg.null_slot)]
@@ -42,7 +43,7 @@ def test_triton_strategies_agree(monkeypatch, tree, gate_in_kernel):
             paths = {b: root_path(parent, int(torch.randint(0, T, (), generator=gen))) for b in valid}
         else:
             paths = {b: list(range(int(torch.randint(1, T + 1, (), generator=gen)))) for b in valid}
-        before = {n: (s.pool.conv[:, untouched].clone(), s.committed_ssm()[:, untouched].clone())
+        before = {n: (s.pool.conv[:, untouched].cpu(), s.committed_ssm()[:, untouched].cpu())
                   for n, s in h.strats.items()}
         for name, st in h.strats.items():
             h.verify(name, slots, inp, parent=parent)
@@ -57,16 +58,16 @@ def test_triton_strategies_agree(monkeypatch, tree, gate_in_kernel):
             h.oracle(slots[b], b, inp, paths[b], advance=True)
         snap = h.strats["snapshot"]
         for name, st in h.strats.items():
-            ssm = st.committed_ssm()
+            ssm, conv = st.committed_ssm().cpu(), st.pool.conv.cpu()  # the oracle is on CPU
             for b in valid:
                 s = slots[b]
                 # conv windows are copies: records rebuilt == snapshot windows == plain decode, bit for bit
                 assert torch.equal(st.pool.conv[:, s], snap.pool.conv[:, s]), f"{name}: conv of slot {s}"
-                assert torch.equal(st.pool.conv[:, s], h.conv[:, s]), f"{name}: conv of slot {s} vs decode"
+                assert torch.equal(conv[:, s], h.conv[:, s]), f"{name}: conv of slot {s} vs decode"
                 err = max_rel_err(ssm[:, s], h.ssm[:, s])
                 assert err < FP32_REL, f"{name}: ssm of slot {s} rel err {err:.3e}"
             conv0, ssm0 = before[name]
-            assert torch.equal(st.pool.conv[:, untouched], conv0) and torch.equal(ssm[:, untouched], ssm0), name
+            assert torch.equal(conv[:, untouched], conv0) and torch.equal(ssm[:, untouched], ssm0), name
             assert torch.equal(st.pool.track_conv, snap.pool.track_conv), f"{name}: track conv windows"
             assert torch.equal(st.pool.track_len, snap.pool.track_len), f"{name}: track lengths"
     assert int(snap.pool.track_len.max()) >= 3  # track boundaries were crossed

@@ -17,12 +17,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import test_triton_kernels as ttk
-from test_triton_kernels import DEVICES, NULL, SLOTS, check_values, nan, to, verify_case
+from test_triton_kernels import NULL, SLOTS, check_values, nan, to, verify_case
 
 from specdec.kernels.common import tree_schedule, tree_stack_slots
 from specdec.kernels.verify import triton as tverify
 from specdec.kernels.verify.naive import verify_delta_rule as ref_verify_delta_rule
 from specdec.testing import assert_close
+
+
+@pytest.fixture
+def device(triton_device):
+    """The device the kernels run on (conftest's `triton_device`); the torch references run on CPU copies."""
+    return triton_device
 
 
 def simulate(parents: list[list[int]]) -> int:
@@ -83,7 +89,7 @@ WIDE = [[-1, 0, 0, 1, 1, 0, 2, 6, 6, 3, 3, 4], [-1, 0, 1, 0, 3, 3, 4, 5, 5, 0, 9
         [-1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.triton
 @pytest.mark.parametrize("case", ["eager-kda", "lazy-gdn", "wide-lazy-kda"])
 def test_stack_equals_node_states_bitwise(device, case, monkeypatch):
     lazy, gdn = "lazy" in case, "gdn" in case
@@ -110,7 +116,7 @@ def test_stack_equals_node_states_bitwise(device, case, monkeypatch):
     check_values("outputs vs reference", o_stack, o_ref)
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.triton
 def test_stack_too_small_is_refused(device):
     kw = verify_case(12, K=4, V=4, gdn=False, tree=True, lazy=False, inter=False, ring=True)
     kt = {n: to(t, device) for n, t in kw.items()}

@@ -40,18 +40,16 @@ from specdec.kernels.verify import triton as tverify  # noqa: E402
 F32, BF16 = torch.float32, torch.bfloat16
 EPS32 = torch.finfo(F32).eps
 FP32_REL = 1e-5
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-# CPU tensors only run in the interpreter; compiled kernels need CUDA tensors.
-DEVICES = ["cpu"] if INTERPRET else (["cuda"] if torch.cuda.is_available() else [])
-if not DEVICES:
-    # Guards a real missing device, not unfinished work: CI sets TRITON_INTERPRET=1 (tests/conftest.py) and runs
-    # these in the interpreter; a GPU run (bench/gpu_check.sh) has CUDA. Only a bare machine with neither skips.
-    pytest.skip("Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device", allow_module_level=True)
-
 NAN = float("nan")
+pytestmark = pytest.mark.triton
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+@pytest.fixture
+def device(triton_device):
+    """The device the kernels run on (conftest's `triton_device`); the torch references run on CPU copies."""
+    return triton_device
+
 
 @pytest.fixture(autouse=True)
 def nan_empty(monkeypatch):
@@ -181,7 +179,6 @@ VERIFY_CASES = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(VERIFY_CASES))
 def test_verify_delta_rule(device, case):
     K, V, gdn, tree, lazy, inter, ring, norm, rgd = VERIFY_CASES[case]
@@ -207,7 +204,6 @@ def check_verify(case: str, kw: dict, device):
     return o_ref, kt
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_verify_eager_layout(device, tree):
     """Eager layout: rings `[R, H, D, *]` indexed by the running row (`ring_indices`), record t at position t
@@ -246,7 +242,6 @@ def strided(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([t, torch.full_like(t, NAN)], -1).flatten(-2)[..., ::2]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_verify_strided_inputs(device):
     """q / k / v / g / beta are read at their own strides (views of fused projections, no copies): the same
     outputs and ring records, bit for bit, as from contiguous inputs."""
@@ -263,7 +258,6 @@ def test_verify_strided_inputs(device):
         assert_close(a.cpu(), b.cpu(), exact=True, msg=f"ring {name}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_verify_bf16_storage(device):
     """bf16 activations and bf16 d/k/rawv/rawk rings (lazy, wrapping) vs the all-fp32 reference."""
     kw = verify_case(2, K=5, V=6, gdn=False, tree=False, lazy=True, inter=True, ring=True)
@@ -285,7 +279,6 @@ def check_verify_bf16(kw: dict, device, *, exact: tuple[str, ...]) -> None:
             assert_close(got.cpu().float(), want, exact=True, msg=f"ring {name}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_verify_all_rows_skipped_and_errors(device):
     kw = verify_case(3, K=4, V=4, gdn=False, tree=True, lazy=False, inter=True, ring=True)
     kw["ssm_state_indices"] = torch.tensor([-1, NULL, -1, NULL, -1])
@@ -314,7 +307,6 @@ CONV_CASES = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CONV_CASES))
 def test_short_conv_verify(device, case):
     C, Kc, tree, bias, act, dt = CONV_CASES[case]
@@ -339,7 +331,6 @@ def test_short_conv_verify(device, case):
     assert_close(win.cpu().float(), win_ref, exact=True, msg=f"{case}: window_states")
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_short_conv_verify_inputs_and_rebuilt_windows(device, tree):
     """The conv records: each token's pre-conv input is stored (bitwise); the window rebuilt from them at commit
@@ -388,12 +379,12 @@ def test_short_conv_verify_inputs_and_rebuilt_windows(device, tree):
     assert max_rel_err(out["reference"][:, folded], S[:, folded]) > 1e-2  # the fold did something
 
 
-def test_short_conv_verify_kernel_size_limit():
+def test_short_conv_verify_kernel_size_limit(device):
     """The kernel keeps the window in registers for kernel sizes up to 4 (every hybrid's conv); larger ones
     are one clear error before anything runs."""
+    z = lambda *s: torch.zeros(*s, device=device)  # noqa: E731
     with pytest.raises(ValueError, match="weight: the Triton short conv takes kernel sizes 2..4"):
-        tverify.short_conv_verify(torch.zeros(1, 2, 3), torch.zeros(3, 5), None, torch.zeros(2, 3, 4),
-                                  torch.tensor([0]))
+        tverify.short_conv_verify(z(1, 2, 3), z(3, 5), None, z(2, 3, 4), torch.tensor([0], device=device))
 
 
 # ---------------------------------------------------------------------------------------------- fold
@@ -421,7 +412,6 @@ FOLD_CASES = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(FOLD_CASES))
 def test_exact_fold(device, case):
     Lyr, K, V, gdn, norm, use_off, track, rdt = FOLD_CASES[case]
@@ -460,7 +450,6 @@ def check_fold(case: str, device, inputs: tuple, kw: dict, *, offsets: bool, tra
 
 # -------------------------------------------------------------------------------------- fast rebuild
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gdn,dt", [(False, F32), (True, BF16)], ids=["kda-fp32", "gdn-bf16"])
 def test_fast_rebuild(device, gdn, dt):
     K, V = 5, 6
@@ -479,7 +468,6 @@ def test_fast_rebuild(device, gdn, dt):
     assert_close(got.cpu()[1], S[3], exact=True, msg="m = 0 returns the checkpoint")
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(6))
 def test_fast_rebuild_strong_gates(device, seed):
     """Full queues of KDA gates down to -30 (log-decays summing to ~-120) against a float64 recomputation: each
@@ -498,7 +486,6 @@ def test_fast_rebuild_strong_gates(device, seed):
 
 # ------------------------------------------------------------------------------------- masked scatter
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("what", ["ssm-fp32", "conv-bf16", "fp32-to-bf16", "strided-dst"])
 def test_masked_scatter(device, what):
     Lyr, R, Ts = 2, 6, 4
@@ -534,7 +521,6 @@ def test_masked_scatter(device, what):
 DRIFT_EPS_PER_ROUND = 2
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("gdn,norm", [(False, "rsqrt"), (True, "sqrt_div")], ids=["kda-rsqrt", "gdn-sqrtdiv"])
 def test_fold_matches_plain_decode_64_rounds(device, gdn, norm):
     """64 chained rounds: write D records per slot into the rings, fold a random accepted count with the
@@ -590,7 +576,6 @@ def test_dispatch_picks(monkeypatch):
     assert dispatch.pick("exact_fold", x, x.double()) is ref_exact_fold  # fp64 -> reference
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_dispatched_op_runs_triton(monkeypatch, device):
     import specdec.kernels as K
     if device == "cpu":
