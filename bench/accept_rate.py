@@ -11,10 +11,13 @@ missing or does not load: an untrained drafter is never used in its place.
 
 For each drafter and prompt the same generation runs `--repeats` times (default 3) in each of two ways,
 interleaved (spec, plain, spec, plain, ...), after a short warmup of both: with the drafter
-(`specdec.wrap(model, drafter=..., num_draft_tokens=gamma)`) and with a drafter that proposes nothing
-(`specdec.draft.NoDraft`: plain decoding through the same runner); the comparison is `specdec.timing`, the
-same as `specdec demo`'s. Each prompt's time is the median of its repeats, and
-`speedup = tokens/s spec / tokens/s plain` over the pooled medians compares like with like on this machine.
+(`specdec.wrap(model, drafter=..., num_draft_tokens=gamma)`) and without one (`drafter=None`: plain decoding,
+one token per forward through the same runner); the comparison is `specdec.timing`, the same as `specdec demo`'s.
+Each prompt's time is the median of its repeats, and `speedup = tokens/s spec / tokens/s plain` over the pooled
+medians compares like with like on this machine. `--cuda-graph` wraps every engine, the plain one included, with
+`static_shapes=True, cuda_graph=True` (on a CPU, where `wrap` refuses CUDA graphs, with `static_shapes=True` alone:
+the padded rounds a graph replays, run eagerly; `graph_mode` in the JSON's settings says which); the baseline and
+the speedup are then also `tokens_per_s_plain_graph` and `speedup_vs_plain_graph` (None without the flag).
 transformers' own `generate` (`specdec.hf_compat.transformers_generate`: what a user runs without specdec; on a CPU
 through transformers' pure-torch code) runs in the same interleave unless `--reference none`: `tok/s hf` and
 `vs hf` (tokens/s spec over its tokens/s), so the speedup is also stated against the decode a user has today.
@@ -36,7 +39,9 @@ last column is the round budget of `--target-speedup` (default 2.5): the longest
 generate, with the same prefill and rounds, would take plain decoding's time over that speedup.
 
 Prompts: a JSONL file of `{"id", "kind", "source", "prompt"}`; `--kinds` filters them and `--max-prompts`
-takes that many, round-robin over the kinds in `--kinds` order (file order within a kind).
+takes that many, round-robin over the kinds in `--kinds` order (file order within a kind). `--budget-s`: once that
+many seconds have passed since the start no further drafter starts (each left is reported as skipped, with the
+reason); what was measured is printed and written.
 """
 
 from __future__ import annotations
@@ -67,12 +72,12 @@ except ImportError:  # a bare checkout: the top-level folders are subpackages of
 
 import specdec  # noqa: E402
 from specdec import hf_compat, timing  # noqa: E402
-from specdec.draft import NoDraft  # noqa: E402  (also bench/throughput.py's plain decode)
 
 PARTS = ("prefill", "draft", "verify", "total", "rounds", "runs")
 KEYS = ("tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
         "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread", "noisy",
-        "tokens_per_s_transformers", "speedup_vs_transformers", "identical_transformers", "time_parts")
+        "tokens_per_s_transformers", "speedup_vs_transformers", "identical_transformers", "time_parts",
+        "tokens_per_s_plain_graph", "speedup_vs_plain_graph")
 EMBEDDED = Path(specdec.__file__).resolve().parent / "embedded"
 
 
@@ -271,8 +276,17 @@ class Pool:
                 "target_speedup": target, "round_budget_ms": (plain_ms / target - prefill) / rounds}
 
 
+def graph_options(args) -> dict:
+    """`wrap`'s options for `--cuda-graph` (every engine, plain decoding's too): CUDA graphs on a GPU, on a CPU the
+    static shapes they replay; none without it."""
+    if not args.cuda_graph:
+        return {}
+    return {"static_shapes": True, "cuda_graph": args.device == "cuda"}
+
+
 def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos, bar, options=None) -> dict:
-    engine = specdec.wrap(model, drafter=drafter_arg, num_draft_tokens=args.gamma, max_batch_size=1, **(options or {}))
+    engine = specdec.wrap(model, drafter=drafter_arg, num_draft_tokens=args.gamma, max_batch_size=1,
+                          **graph_options(args), **(options or {}))
     replay, snapshot = spec_state_bytes(engine)
     kw = dict(eos_token_id=eos, **sampling)
     with_ref = args.reference == "transformers"
@@ -312,6 +326,9 @@ def bench_drafter(name, drafter_arg, model, prompts, plain, args, sampling, eos,
                 where.append(f"{p['id']} (first difference at new token {at})")
         bar.update(1)
     res = pool.result()
+    graphed = bool(args.cuda_graph)  # then the plain baseline is plain decoding with graphs (or static shapes)
+    res["tokens_per_s_plain_graph"] = res["tokens_per_s_plain"] if graphed else None
+    res["speedup_vs_plain_graph"] = res["speedup"] if graphed else None
     res["time_parts"] = pool.time_parts(args.target_speedup)
     res["spec_state_bytes_replay"], res["spec_state_bytes_snapshot"] = replay, snapshot
     res["identical"] = None if sampling["do_sample"] else not pool.mismatches
@@ -443,6 +460,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", choices=("transformers", "none"), default="transformers",
                    help="also time transformers' own generate, interleaved with the two (`tok/s hf`, `vs hf`), "
                         "and check the greedy output against it; none: skip it")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
+                   help="wrap every engine (plain decoding's too) with static_shapes=True, cuda_graph=True; on a "
+                        "CPU static shapes alone")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="start no further drafter after this many seconds; print and write what was measured")
     p.add_argument("--target-speedup", type=float, default=2.5,
                    help="the speedup whose round budget the time table shows (the longest round that reaches it)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
@@ -456,6 +478,7 @@ def split_list(text: str) -> list[str]:
 
 
 def main(argv=None) -> int:
+    start = time.perf_counter()
     parser = build_parser()
     a = parser.parse_args(argv)
     drafters, kinds = split_list(a.drafters), split_list(a.kinds)
@@ -474,6 +497,8 @@ def main(argv=None) -> int:
         parser.error(f"--temperature: expected >= 0, got {a.temperature}")
     if a.threads is not None and a.threads < 1:
         parser.error(f"--threads: expected >= 1, got {a.threads}")
+    if a.budget_s is not None and not a.budget_s > 0:
+        parser.error(f"--budget-s: expected > 0, got {a.budget_s}")
     if not a.target_speedup > 0:
         parser.error(f"--target-speedup: expected > 0, got {a.target_speedup}")
     if a.repeats < 3:
@@ -510,7 +535,7 @@ def main(argv=None) -> int:
         prompts = load_prompts(a.prompts, kinds, a.max_prompts)
     except ValueError as e:
         parser.error(f"--prompts: {e}")
-    plain = specdec.wrap(model, drafter=NoDraft(), num_draft_tokens=a.gamma, max_batch_size=1)
+    plain = specdec.wrap(model, drafter=None, max_batch_size=1, **graph_options(a))
     budget = plain.max_length - a.max_new_tokens
     if budget < 1:
         parser.error(f"--max-new-tokens: {a.max_new_tokens} leaves no room for a prompt (max length "
@@ -540,7 +565,11 @@ def main(argv=None) -> int:
         if arg is None:
             print(f"# {name}: skipped ({reason})", file=sys.stderr)
     t0 = time.perf_counter()
+    budget_spent = False
     for name, arg, reason in plan:
+        if arg is not None and a.budget_s is not None and time.perf_counter() - start > a.budget_s:
+            arg, reason, budget_spent = None, f"budget of {a.budget_s:g} s spent", True
+            bar.write(f"# {name}: skipped ({reason})", file=sys.stderr)
         if arg is None:
             results[name] = {**dict.fromkeys(KEYS), "skipped": reason}
             continue
@@ -556,6 +585,7 @@ def main(argv=None) -> int:
     bar.close()
     elapsed = time.perf_counter() - t0
 
+    graph_mode = ("graph" if a.device == "cuda" else "static") if a.cuda_graph else None
     tc = model.config.get_text_config()
     out = {
         "machine": machine_info(a.device),
@@ -568,7 +598,8 @@ def main(argv=None) -> int:
                      "prompt_tokens_mean": sum(p["ids"].numel() for p in prompts) / len(prompts),
                      "prompts_truncated": truncated, "gamma": a.gamma, "temperature": a.temperature,
                      "greedy": not sampling["do_sample"], "max_new_tokens": a.max_new_tokens, "seed": a.seed,
-                     "repeats": a.repeats, "threads": threads,
+                     "repeats": a.repeats, "threads": threads, "cuda_graph": a.cuda_graph,
+                     "graph_mode": graph_mode, "budget_s": a.budget_s,
                      "reference": None if a.reference == "none" else a.reference,
                      "strategy": "replay", "commit": "eager", "max_batch_size": 1, "device": a.device,
                      "dtype": str(dtype).removeprefix("torch."), "elapsed_s": elapsed},
@@ -576,7 +607,10 @@ def main(argv=None) -> int:
     }
     title = (f"{out['model']['name']} ({n_params / 1e6:.1f}M params, {out['model']['dtype']}, {a.device}): "
              f"{len(prompts)} prompts [{','.join(kinds)}], gamma={a.gamma}, T={a.temperature}, "
-             f"{a.max_new_tokens} new tokens, median of {a.repeats} interleaved repeats, torch threads {threads}")
+             f"{a.max_new_tokens} new tokens, median of {a.repeats} interleaved repeats, torch threads {threads}"
+             + {None: "", "graph": ", every engine with CUDA graphs (plain decoding too)",
+                "static": ", every engine with static shapes (plain decoding too; no CUDA graphs on a CPU)"}[
+                 graph_mode])
     print(f"# {title}")
     print(format_table(results))
     parts = format_parts(results)
@@ -586,7 +620,7 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps(out, indent=1))
     if a.plot:
         write_plot(results, a.plot, title)
-    return 0 if any(not r.get("skipped") for r in results.values()) else 1
+    return 0 if budget_spent or any(not r.get("skipped") for r in results.values()) else 1
 
 
 if __name__ == "__main__":

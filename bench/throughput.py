@@ -1,4 +1,4 @@
-"""Aggregate CPU throughput at several batch sizes: speculative decoding vs plain decoding, in one run.
+"""Aggregate throughput at several batch sizes: speculative decoding vs plain decoding, in one run.
 
     python bench/throughput.py                                  # embedded model, batch 1 / 8 / 32, mtp + ngram
     python bench/throughput.py --batch-sizes 1,2 --drafters ngram --max-new-tokens 8 --repeats 1 --json out.json
@@ -14,8 +14,8 @@ batched and one by one. The modes:
 
 - each drafter of `--drafters`: `specdec.wrap(model, drafter=D, max_batch_size=B)` (`ngram` is prompt lookup;
   other names are trained drafters in MODEL/drafters/NAME, reported as skipped when missing);
-- `plain`: the same engine with a drafter that proposes nothing (bench/accept_rate.py's `NoDraft`), so every
-  round verifies the anchor alone: plain decoding through the same runner, the baseline of `speedup`;
+- `plain`: the same engine without a drafter (`drafter=None`), so every round verifies the anchor alone: plain
+  decoding through the same runner, the baseline of `speedup`;
 - `hf`: transformers' own `model.generate` (greedy, left-padded batch with its attention mask, the model's
   pure-torch layers), a second baseline; reported as not run, with the reason, when it fails.
 
@@ -28,6 +28,11 @@ drains at the end of the workload, when no request waits to refill a finished la
 different rounds, plain decoding's all in the same one, so the drain weighs on spec decode alone and less the more
 requests the workload has), the speedup over `plain` at the same batch and the scaling `xB1` over batch 1 (same
 mode), both the median of the ratios within each repeat.
+The model runs on `--device` (cpu by default; on cuda in `--dtype`). `--cuda-graph` wraps every specdec mode, plain
+decoding included, with `static_shapes=True, cuda_graph=True` (on a CPU, where `wrap` refuses CUDA graphs, with
+`static_shapes=True` alone: the padded rounds a graph replays, run eagerly; `graph_mode` in the JSON's settings
+says which); `speedup_vs_plain` is then over plain decoding with graphs, and each row also carries it as
+`speedup_vs_plain_graph` (None without the flag). `speedup_vs_hf` is over transformers' generate.
 Greedy speculative decoding is lossless: every spec run's output must equal the plain output token for token, or
 the script exits with status 1, as it does when a specdec mode fails to run (the `hf` output is compared too, and
 a difference or failure there is only reported).
@@ -50,13 +55,17 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from accept_rate import (NoDraft, load_prompts, machine_info, resolve_drafter, resolve_model_dir,  # noqa: E402
-                         split_list)
+from accept_rate import load_prompts, machine_info, resolve_drafter, resolve_model_dir, split_list  # noqa: E402
 
 import specdec  # noqa: E402  (accept_rate makes `specdec` importable from a bare checkout)
 from specdec.hf_compat import transformers_generate  # noqa: E402
 
 PLAIN, HF = "plain", "hf"
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
 def digest(rows: list[list[int]]) -> str:
@@ -83,11 +92,13 @@ class Runner:
         if mode == HF:
             width = max(len(p) for p in prompts)
             self.width = width
-            self.ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-            self.mask = torch.zeros(len(prompts), width, dtype=torch.long)
+            ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+            mask = torch.zeros(len(prompts), width, dtype=torch.long)
             for i, p in enumerate(prompts):  # left padding: every row continues at the same position
-                self.ids[i, width - len(p):] = torch.tensor(p)
-                self.mask[i, width - len(p):] = 1
+                ids[i, width - len(p):] = torch.tensor(p)
+                mask[i, width - len(p):] = 1
+            self.device = next(model.parameters()).device
+            self.ids, self.mask = ids.to(self.device), mask.to(self.device)
             self.pad = pad_token_id
         else:
             self.engine = specdec.wrap(model, drafter=drafter, max_batch_size=max_batch_size or len(prompts),
@@ -95,9 +106,11 @@ class Runner:
 
     def run(self) -> tuple[list[list[int]], float, float | None]:
         if self.mode == HF:
+            _sync(self.device)
             t = time.perf_counter()
             out = transformers_generate(self.model, self.ids, attention_mask=self.mask, max_new_tokens=self.max_new,
                                         min_new_tokens=self.max_new, pad_token_id=self.pad)
+            _sync(self.device)
             dt = time.perf_counter() - t
             return out[:, self.width:].tolist(), dt, None
         t = time.perf_counter()
@@ -257,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run every drafter with this draft-length schedule (wrap's draft_tokens_by_batch: from "
                         "batch B on, G drafts a round), as the mode DRAFTER@SCHEDULE")
     p.add_argument("--no-hf", action="store_true", help="leave out transformers' generate baseline")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
+                   help="wrap every specdec mode (plain decoding too) with static_shapes=True, cuda_graph=True; on a "
+                        "CPU static shapes alone")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     return p
 
@@ -294,6 +312,8 @@ def main(argv=None) -> int:
         parser.error(f"--model: {e}")
     if not os.path.isfile(a.prompts):
         parser.error(f"--prompts: no such file: {a.prompts}")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device")
     torch.set_num_threads(a.threads)
 
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
@@ -301,7 +321,7 @@ def main(argv=None) -> int:
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(a.device).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     try:
         texts = [r["prompt"] for r in load_prompts(a.prompts, kinds, None)]
@@ -309,7 +329,9 @@ def main(argv=None) -> int:
         parser.error(f"--prompts: {e}")
     if not texts:
         parser.error(f"--prompts: no prompt of kinds {kinds} in {a.prompts}")
-    pad = specdec.wrap(model, drafter=NoDraft(), max_batch_size=1).pad_token_id
+    pad = specdec.wrap(model, drafter=None, max_batch_size=1).pad_token_id
+    graph_mode = ("graph" if a.device == "cuda" else "static") if a.cuda_graph else None
+    graph = {"static_shapes": True, "cuda_graph": graph_mode == "graph"} if graph_mode else {}
 
     modes: dict = {}
     skipped: dict[str, str] = {}
@@ -319,29 +341,32 @@ def main(argv=None) -> int:
             skipped[name] = why
         else:
             modes[name] = arg
-    engine_opts = {}
+    engine_opts = {name: dict(graph) for name in modes}
     if schedule:
         for name in list(modes):
             sched_mode = f"{name}@{a.draft_schedule}"
             modes[sched_mode] = modes[name]
-            engine_opts[sched_mode] = {"draft_tokens_by_batch": schedule}
-    modes[PLAIN] = None  # filled per engine: a fresh NoDraft each (a drafter binds to one engine)
+            engine_opts[sched_mode] = {"draft_tokens_by_batch": schedule, **graph}
+    modes[PLAIN] = None  # drafter=None: plain decoding
+    engine_opts[PLAIN] = dict(graph)
     if not a.no_hf:
         modes[HF] = None
 
     print(f"# bench/throughput.py: {a.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
-          f"float32, cpu), greedy, {a.requests} requests at every batch size ({a.batching} batching), prompts "
+          f"{a.dtype}, {a.device}), greedy, {a.requests} requests at every batch size ({a.batching} batching), prompts "
           f"cut to {a.prompt_tokens} "
           f"tokens, {a.max_new_tokens} new tokens, "
           f"{a.repeats} repeats (medians), torch threads {torch.get_num_threads()}"
-          + (f", draft schedule {schedule} in the DRAFTER@ modes" if schedule else ""), flush=True)
+          + (f", draft schedule {schedule} in the DRAFTER@ modes" if schedule else "")
+          + {None: "", "graph": ", every specdec mode with CUDA graphs (plain decoding too)",
+             "static": ", every specdec mode with static shapes (plain decoding too; no CUDA graphs on a CPU)"}[
+              graph_mode], flush=True)
     rows: list[dict] = []
     errors: list[str] = []
     t0 = time.perf_counter()
     prepared = {}
     for B in sizes:
-        batch_modes = {m: (NoDraft() if m == PLAIN else d) for m, d in modes.items()}
-        prepared[B] = prepare_batch(B, batch_modes, model, texts, tok, a, pad, engine_opts)
+        prepared[B] = prepare_batch(B, modes, model, texts, tok, a, pad, engine_opts)
         errors += prepared[B][3]
         print(f"# batch {B} ready ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     configs = {(B, mode): (res[mode], runners[mode], outputs[mode])
@@ -359,6 +384,7 @@ def main(argv=None) -> int:
         hf = next((x for x in rows if x["batch"] == r["batch"] and x["mode"] == HF and not x.get("skipped")), None)
         one = next((x for x in rows if x["batch"] == 1 and x["mode"] == r["mode"] and not x.get("skipped")), None)
         r["speedup_vs_plain"] = paired_ratio(r, base)
+        r["speedup_vs_plain_graph"] = r["speedup_vs_plain"] if graph_mode else None
         r["speedup_vs_hf"] = paired_ratio(r, hf)
         r["scaling_vs_batch1"] = paired_ratio(r, one)
     elapsed = time.perf_counter() - t0
@@ -368,18 +394,21 @@ def main(argv=None) -> int:
         print(f"# {name}: skipped ({why})")
     for r in rows:
         if r["mode"] == HF and r.get("skipped"):
-            print(f"# transformers' generate does not run for this model on CPU (batch {r['batch']}): {r['skipped']}")
+            print(f"# transformers' generate does not run for this model on {a.device} (batch {r['batch']}): "
+                  f"{r['skipped']}")
     for e in errors:
         print(f"ERROR: {e}", file=sys.stderr)
     if a.json:
-        out = {"machine": machine_info("cpu"),
+        out = {"machine": machine_info(a.device),
                "settings": {"model": str(model_dir), "drafters": drafters, "skipped_drafters": skipped,
                             "batch_sizes": sizes, "requests": a.requests, "batching": a.batching,
                             "prompts_file": str(a.prompts),
                             "kinds": kinds,
                             "prompt_tokens": a.prompt_tokens, "max_new_tokens": a.max_new_tokens,
                             "repeats": a.repeats, "threads": torch.get_num_threads(), "greedy": True,
-                            "hf_baseline": not a.no_hf, "draft_schedule": schedule, "elapsed_s": elapsed},
+                            "hf_baseline": not a.no_hf, "draft_schedule": schedule, "device": a.device,
+                            "dtype": a.dtype, "cuda_graph": a.cuda_graph, "graph_mode": graph_mode,
+                            "elapsed_s": elapsed},
                "rows": rows, "errors": errors, "lossless": not errors}
         Path(a.json).write_text(json.dumps(out, indent=1))
     return 1 if errors else 0

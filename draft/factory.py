@@ -5,26 +5,56 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from .base import Drafter
+from .base import Drafter, NoDraft
 from .registry import KINDS, build_drafter_net, kind_module, load_drafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 
 
+# the kinds whose weights come from training: named without weights they are refused unless `untrained=True`
+TRAINED_KINDS = tuple(sorted(k for k in KINDS if k != "native"))
+
+
+def no_weights_message(kind: str) -> str:
+    """Why `drafter=kind` alone is refused, and where a drafter's weights come from."""
+    return (f"drafter: {kind!r} names a drafter kind but gives it no weights, and an untrained {kind} head drafts "
+            f"tokens the target rejects (tau about 1: slower than plain decoding). Weights come from a trained drafter "
+            f"directory (drafter='path/to/dir', e.g. the embedded model's specdec/embedded/drafters/{kind}; "
+            f"python -m specdec.draft.train writes one), drafter='native' (the MTP layers of the target's own "
+            f"checkpoint), or for eagle an EAGLE-3 checkpoint (drafter='eagle', draft_model=DIR). untrained=True "
+            f"builds the untrained head anyway (training, benchmarks of its cost).")
+
+
 def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_length: int, draft_model=None,
-                 runner_factory: Callable | None = None, **drafter_kwargs) -> Drafter:
+                 runner_factory: Callable | None = None, untrained: bool = False, **drafter_kwargs) -> Drafter:
     """-> the drafter for `target_model`.
 
-    `drafter`: a `Drafter` (returned as is), 'ngram', 'model' (needs `draft_model`, same vocabulary, and
-    `runner_factory`), 'native' (the MTP layers in the target's checkpoint; option `native_path`), a trained kind
-    ('mtp', 'eagle', 'dspark': an untrained net sized for the target; 'eagle' with `draft_model=DIR`: an EAGLE-3
-    checkpoint in the SpecForge / SGLang format), a trained drafter directory or an EAGLE-3 directory. `gamma`:
-    drafts per round; `max_batch_size`, `max_length`: the engine's limits.
+    `drafter`: a `Drafter` (returned as is), None or 'none' (`NoDraft`: plain decoding), 'ngram', 'model' (needs
+    `draft_model`, same vocabulary, and `runner_factory`), 'native' (the MTP layers in the target's checkpoint;
+    option `native_path`), 'eagle' with `draft_model=DIR` (an EAGLE-3 checkpoint in the SpecForge / SGLang
+    format), a trained drafter directory or an EAGLE-3 directory. A trained kind alone ('mtp', 'eagle', 'dspark')
+    is a `ValueError` (`no_weights_message`) unless `untrained=True`: then an untrained net of that kind sized for
+    the target (training, benchmarks). `gamma`: drafts per round; `max_batch_size`, `max_length`: the engine's
+    limits.
     `runner_factory`: a callable with `specdec.runner.make_runner`'s signature, for drafters that run a model
     of their own. `drafter_kwargs`: the drafter's own options.
     """
+    if not isinstance(untrained, bool):
+        raise ValueError(f"untrained: expected True or False, got {untrained!r}")
+    if untrained:  # explicit: an untrained head is only ever wanted on purpose
+        if not (isinstance(drafter, str) and drafter in TRAINED_KINDS) or draft_model is not None:
+            raise ValueError(f"untrained: builds an untrained net of a trained kind (drafter one of "
+                             f"{list(TRAINED_KINDS)}, no draft_model), not for drafter={drafter!r}"
+                             + (" with a draft_model" if draft_model is not None else ""))
+        net = build_drafter_net(drafter, target_model)
+        return kind_module(drafter).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size, **drafter_kwargs)
     if isinstance(drafter, Drafter):
         return drafter
+    if drafter is None or (isinstance(drafter, str) and drafter == "none"):  # plain decoding
+        if drafter_kwargs:
+            raise ValueError(f"{next(iter(drafter_kwargs))}: not an option of drafter=None (plain decoding "
+                             f"takes none)")
+        return NoDraft()
     if drafter == "ngram":
         return NgramDrafter(**drafter_kwargs)
     if drafter == "model":
@@ -49,12 +79,11 @@ def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_
         if eagle3_format.is_eagle3_dir(drafter):
             return eagle3_format.make_drafter(drafter, target_model, gamma=gamma, max_batch_size=max_batch_size,
                                               **drafter_kwargs)
-    if isinstance(drafter, str) and drafter in KINDS:  # untrained net of that kind, sized for the target
-        net = build_drafter_net(drafter, target_model)
-        return kind_module(drafter).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size, **drafter_kwargs)
+    if isinstance(drafter, str) and drafter in TRAINED_KINDS:  # refused before anything is built
+        raise ValueError(no_weights_message(drafter))
     if isinstance(drafter, (str, os.PathLike)) and os.path.isdir(drafter):
         net = load_drafter(os.fspath(drafter), target_model)
         return kind_module(net.config.kind).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size,
                                                          **drafter_kwargs)
-    raise ValueError(f"drafter: expected 'ngram', 'model', 'native', one of {sorted(KINDS)}, a trained drafter "
-                     f"directory or a Drafter instance, got {drafter!r}")
+    raise ValueError(f"drafter: expected None (plain decoding), 'ngram', 'model', 'native', one of {sorted(KINDS)}, "
+                     f"a trained drafter directory or a Drafter instance, got {drafter!r}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from specdec.draft import Drafter, DraftBlock, TargetView, make_drafter
+from specdec.draft import Drafter, DraftBlock, NoDraft, TargetView, make_drafter
 from specdec.kernels.common import outside_inference
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
@@ -117,8 +117,11 @@ class GenerateOutput:
 class SpecConfig:
     """Options of the engine (drafter options are separate: `wrap(model, config, **drafter_options)`).
 
-    drafter: "ngram", "model" (with `draft_model`), a trained kind ("mtp", "eagle", "dspark"), a trained drafter
-    directory, or a `Drafter`. num_draft_tokens: gamma, drafts per round. strategy: "replay" or "snapshot".
+    drafter: "ngram", "model" (with `draft_model`), "native", a trained drafter directory, or a `Drafter` (a kind
+    alone, "mtp", "eagle" or "dspark", needs the drafter option `untrained=True`: see `make_drafter`); None (or
+    "none", or a `NoDraft`): plain decoding, one token per forward through the same runner (every round verifies
+    the anchor alone, `[Bk, 1]` with static shapes; num_draft_tokens and draft_tokens_by_batch are not used).
+    num_draft_tokens: gamma, drafts per round. strategy: "replay" or "snapshot".
     commit: "eager" or "lazy". max_batch_size: requests at once. max_length: prompt + new tokens per request.
     static_shapes: every round has the same shapes for a batch bucket (the batch padded with null-slot rows to
     1, 2, 4, ..., max_batch_size; drafts padded to gamma; the KV cache read as a static view with a mask).
@@ -159,7 +162,8 @@ class SpecConfig:
             raise ValueError(f"commit: expected one of {COMMITS}, got {self.commit!r}")
         cpu_linear.check_mode(self.cpu_linear)
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens: expected an int >= 1, got {self.num_draft_tokens!r}")
+            raise ValueError(f"num_draft_tokens: expected an int >= 1, got {self.num_draft_tokens!r} (plain decoding: "
+                             f"drafter=None)")
         if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size: expected an int >= 1, got {self.max_batch_size!r}")
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
@@ -178,8 +182,16 @@ class SpecConfig:
                 raise ValueError("cuda_graph: needs commit='eager' (lazy commit decides on the host when to fold)")
             self.static_shapes = True
 
+    @property
+    def plain(self) -> bool:
+        """No drafter: plain decoding (`drafter` None, "none" or a `NoDraft`)."""
+        d = self.drafter
+        return d is None or isinstance(d, NoDraft) or (isinstance(d, str) and d == "none")
+
     def gamma_for(self, batch: int) -> int:
-        """Drafts per round for a round of `batch` rows (see `draft_tokens_by_batch`)."""
+        """Drafts per round for a round of `batch` rows (see `draft_tokens_by_batch`); 0 for plain decoding."""
+        if self.plain:
+            return 0
         gamma = self.num_draft_tokens
         for k, v in (self.draft_tokens_by_batch or {}).items():
             if batch >= k:
@@ -280,6 +292,14 @@ class SpecEngine:
             eos = self.eos_token_id
             pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
         self.pad_token_id = int(pad)
+
+    @property
+    def graph_counts(self) -> dict[str, int]:
+        """With `cuda_graph`, the step shapes captured as CUDA graphs, those that fell back to eager rounds and those
+        not captured yet (`RoundGraphs.counts`); all 0 without."""
+        if self._graphs is None:
+            return {"captured": 0, "eager": 0, "warm": 0}
+        return self._graphs.counts()
 
     @staticmethod
     def _check_model(model, cfg: SpecConfig) -> None:
@@ -490,7 +510,10 @@ class SpecEngine:
         # a drafter with a static draft step drafts inside the device step (with the verify, in one CUDA graph)
         static_draft = static and getattr(self.drafter, "static_draft", False)
         t = time.perf_counter()
-        block = None if static_draft else self._propose(active, contexts, gamma, sampling, gen, stats)
+        if gamma == 0:  # plain decoding: nothing to draft, and no block to check (its check reads back)
+            block = DraftBlock.empty(B, self.runner.device)
+        else:
+            block = None if static_draft else self._propose(active, contexts, gamma, sampling, gen, stats)
         stats.timings["draft"] += time.perf_counter() - t
         t = time.perf_counter()
         host_slots = [slots[b] for b in active]
@@ -849,10 +872,11 @@ def _eos_ids(eos) -> set[int]:
 def wrap(model, config: SpecConfig | None = None, **options) -> SpecEngine:
     """Speculative decoding for a transformers causal LM: `wrap(model).generate(input_ids)`.
 
-    Engine options (`SpecConfig`, or its fields as keywords): drafter ("ngram", "model", a trained kind or
-    directory, or a Drafter), num_draft_tokens (gamma, 7), strategy ("replay" or "snapshot"), commit ("eager"
-    or "lazy"), draft_model, max_batch_size (8), max_length, static_shapes, cuda_graph, draft_tokens_by_batch
-    (fewer drafts at larger batches, e.g. `{8: 3}`), cpu_linear ("auto", "onednn" or "aten"). Any other keyword is
-    an option of the drafter (e.g. `max_ngram=2` for "ngram", `topk=4` for "eagle").
+    Engine options (`SpecConfig`, or its fields as keywords): drafter ("ngram", "model", "native", a trained drafter
+    directory, a Drafter, or None: plain decoding through the same runner), num_draft_tokens (gamma, 7), strategy
+    ("replay" or "snapshot"), commit ("eager" or "lazy"), draft_model, max_batch_size (8), max_length,
+    static_shapes, cuda_graph, draft_tokens_by_batch (fewer drafts at larger batches, e.g. `{8: 3}`), cpu_linear
+    ("auto", "onednn" or "aten"). Any other keyword is an option of the drafter (e.g. `max_ngram=2` for "ngram",
+    `topk=4` for "eagle"; `untrained=True` with "mtp", "eagle" or "dspark": an untrained net of that kind).
     """
     return SpecEngine(model, config, **options)

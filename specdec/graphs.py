@@ -40,6 +40,13 @@ class RoundGraphs:
         self.pool = None
         self._current: _Captured | None = None
 
+    def counts(self) -> dict[str, int]:
+        """Step shapes by what their rounds run: `captured` (replayed as CUDA graphs), `eager` (their capture
+        failed: they run eagerly from then on) and `warm` (seen once, not captured yet)."""
+        captured = sum(isinstance(e, _Captured) for e in self.entries.values())
+        eager = sum(e == "eager" for e in self.entries.values())
+        return {"captured": captured, "eager": eager, "warm": len(self.entries) - captured - eager}
+
     @staticmethod
     def _key(step: dict) -> tuple:
         return tuple(step["ids"].shape), step["parent"] is not None

@@ -1,5 +1,6 @@
 """`bench/accept_rate.py` on a tiny saved Kimi-Linear: run as a user would (subprocess), JSON shape, the
-on-the-fly losslessness check, and a missing trained drafter reported as skipped."""
+on-the-fly losslessness check, a missing trained drafter reported as skipped, `--cuda-graph` (static shapes on a
+CPU, plain decoding included) and `--budget-s`."""
 
 import importlib.util
 import json
@@ -28,7 +29,7 @@ PROMPTS = [
 DRAFTER_KEYS = {"tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
                 "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread",
                 "noisy", "tokens_per_s_transformers", "speedup_vs_transformers", "identical_transformers",
-                "time_parts"}
+                "time_parts", "tokens_per_s_plain_graph", "speedup_vs_plain_graph"}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,8 @@ def test_ngram_json_shape_and_lossless(saved, tmp_path):
     r = res["drafters"]["ngram"]
     assert set(r) == DRAFTER_KEYS
     assert r["identical"] is True
+    assert r["tokens_per_s_plain_graph"] is None and r["speedup_vs_plain_graph"] is None  # no --cuda-graph
+    assert (s["cuda_graph"], s["graph_mode"], s["budget_s"]) == (False, None, None)
     # transformers' own greedy generate, timed in the same interleave: the same tokens
     assert s["reference"] == "transformers" and "tok/s hf" in proc.stdout
     assert r["identical_transformers"] is True and r["tokens_per_s_transformers"] > 0
@@ -164,3 +167,35 @@ def test_drafter_options_are_passed_and_checked(saved, tmp_path, capsys):
     assert "ValueError: bogus: not an option of the ngram drafter" in res["ngram:bogus=1"]["skipped"]
     err = capsys.readouterr().err
     assert "--drafters" in err and "--target-speedup: expected > 0, got 0.0" in err
+
+
+def test_cuda_graph_flag_and_budget(saved, tmp_path, capsys):
+    """`--cuda-graph` on a CPU: every engine, plain decoding's too, with static shapes (wrap refuses CUDA graphs
+    off CUDA); the speculative output equals the static plain output and transformers' greedy generate, and the
+    plain-graph fields are the plain baseline's. A spent `--budget-s` starts no drafter: each is skipped, exit 0."""
+    model, prompts = saved
+    bench = load_bench("accept_rate")
+    out, spent = tmp_path / "out.json", tmp_path / "spent.json"
+    threads = torch.get_num_threads()
+    common = ["--model", str(model), "--prompts", str(prompts), "--max-new-tokens", "6", "--max-prompts", "2",
+              "--device", "cpu", "--threads", "1"]
+    try:
+        rc = bench.main(common + ["--drafters", "ngram", "--cuda-graph", "--json", str(out)])
+        rc_spent = bench.main(common + ["--drafters", "ngram,ngram:max_ngram=1", "--budget-s", "1e-9", "--json",
+                                        str(spent)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0 and rc_spent == 0
+    res = json.loads(out.read_text())
+    s, r = res["settings"], res["drafters"]["ngram"]
+    assert (s["cuda_graph"], s["graph_mode"]) == (True, "static")
+    assert "every engine with static shapes (plain decoding too" in capsys.readouterr().out
+    assert set(r) == DRAFTER_KEYS
+    assert r["identical"] is True and r["identical_transformers"] is True
+    assert r["tokens_per_s_plain_graph"] == r["tokens_per_s_plain"] > 0
+    assert r["speedup_vs_plain_graph"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_plain_graph"])
+    assert r["speedup_vs_transformers"] == pytest.approx(r["tokens_per_s_spec"] / r["tokens_per_s_transformers"])
+    res = json.loads(spent.read_text())
+    assert res["settings"]["budget_s"] == 1e-9
+    assert list(res["drafters"]) == ["ngram", "ngram:max_ngram=1"]
+    assert all(r["skipped"] == "budget of 1e-09 s spent" for r in res["drafters"].values())

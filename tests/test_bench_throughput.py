@@ -1,5 +1,7 @@
 """`bench/throughput.py` on the embedded model at tiny settings: run as a user would (subprocess), JSON shape,
-positive throughput for every (batch, mode), and speculative output identical to plain output."""
+positive throughput for every (batch, mode), and speculative output identical to plain output (and plain output
+to transformers' generate, where it runs); with `--cuda-graph` on a CPU every specdec mode, plain decoding's too,
+keeps static shapes."""
 
 import json
 import os
@@ -16,17 +18,18 @@ SCRIPT = ROOT / "bench" / "throughput.py"
 EMBEDDED = Path(specdec.__file__).resolve().parent / "embedded"
 ROW_KEYS = {"batch", "mode", "tokens_per_s", "seconds", "new_tokens", "tau", "busy", "tokens_per_s_median",
             "spread", "output_sha256", "new_tokens_per_row", "identical_to_plain", "speedup_vs_plain", "speedup_vs_hf",
-            "scaling_vs_batch1"}
+            "scaling_vs_batch1", "speedup_vs_plain_graph"}
 NEW = 8
 
 
 @pytest.mark.skipif(not (EMBEDDED / "config.json").is_file(), reason="the embedded model is not built")
-@pytest.mark.parametrize("batching", ["continuous", "calls"])
-def test_tiny_run_json_shape_and_lossless(tmp_path, batching):
+@pytest.mark.parametrize("batching, graph", [("continuous", False), ("calls", False), ("continuous", True)])
+def test_tiny_run_json_shape_and_lossless(tmp_path, batching, graph):
     out = tmp_path / "out.json"
     args = [sys.executable, SCRIPT, "--batch-sizes", "1,2", "--drafters", "ngram", "--max-new-tokens", NEW,
             "--prompt-tokens", 24, "--repeats", 1, "--threads", 1, "--draft-schedule", "2:1", "--json", out]
     args += [] if batching == "continuous" else ["--batching", batching]
+    args += ["--cuda-graph"] if graph else []
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(list(map(str, args)), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -39,6 +42,8 @@ def test_tiny_run_json_shape_and_lossless(tmp_path, batching):
     assert res["settings"]["requests"] == 4  # default: twice the largest batch size
     assert res["settings"]["batching"] == batching
     assert res["settings"]["draft_schedule"] == {"2": 1}
+    assert (res["settings"]["device"], res["settings"]["cuda_graph"]) == ("cpu", graph)
+    assert res["settings"]["graph_mode"] == ("static" if graph else None)  # no CUDA graphs on a CPU
     assert res["machine"]["threads"] == 1
     rows = {(r["batch"], r["mode"]): r for r in res["rows"]}
     hf_ran = not rows[(1, "hf")].get("skipped")
@@ -51,7 +56,8 @@ def test_tiny_run_json_shape_and_lossless(tmp_path, batching):
         assert set(r) == ROW_KEYS, (B, mode)
         assert len(r["tokens_per_s"]) == 1 and r["tokens_per_s_median"] > 0
         assert r["new_tokens"] == 4 * NEW and r["new_tokens_per_row"] == [NEW]  # every batch size serves 4 requests
-        assert r["spread"] >= 1.0 and r["identical_to_plain"] is True
+        assert r["spread"] >= 1.0 and r["identical_to_plain"] is True  # hf too: plain decoding is its output
+        assert r["speedup_vs_plain_graph"] == (r["speedup_vs_plain"] if graph else None)
         assert r["scaling_vs_batch1"] == pytest.approx(
             r["tokens_per_s_median"] / rows[(1, mode)]["tokens_per_s_median"])
     for B, mode in ((1, "ngram"), (2, "ngram"), (1, "ngram@2:1"), (2, "ngram@2:1")):

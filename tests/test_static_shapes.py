@@ -3,7 +3,8 @@
 `wrap(model, static_shapes=True)` pads the batch with null-slot rows to a bucket (1, 2, 4, ..., max_batch_size),
 the drafts to gamma (a tree to its node budget) and reads the KV cache as a static view with a mask: what
 CUDA graphs need. Checked here on CPU, in float64 on tiny random models of transformers' own classes:
-- greedy output equals transformers' own greedy `generate` (chains and trees, every strategy);
+- greedy output equals transformers' own greedy `generate` (chains and trees, every strategy), and so does plain
+  decoding through the engine (`drafter=None`), whose verify steps are `[Bk, 1]`;
 - every aten op of the verify step and of the commit step, with the shapes of its tensor arguments, is the same
   in every round of a bucket (and the dynamic path, as a control, is not); so is the draft step of a drafter that
   drafts inside the device step (eagle, and mtp and dspark as chains and trees), which reads nothing back to the
@@ -22,6 +23,7 @@ from tiny_models import float64_everywhere, tiny_model, torch_fallbacks
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import specdec
+from specdec.draft.factory import TRAINED_KINDS
 from specdec.engine import SpecConfig, _buckets
 from specdec.kernels import dispatch
 
@@ -101,9 +103,12 @@ def _record(engine, monkeypatch) -> dict[str, list]:
 
 def _wrap(target, drafter: str, **kw):
     """`drafter`: a drafter name, or "mtp_tree" / "dspark_tree" (the heads drafting trees); eagle and the trees
-    take `TREE`."""
+    take `TREE`. The trained kinds are untrained nets here."""
     if drafter.endswith("_tree"):
-        return specdec.wrap(target, drafter=drafter[:-5], **kw, **{k: v for k, v in TREE.items() if k != "depth"})
+        return specdec.wrap(target, drafter=drafter[:-5], untrained=True, **kw,
+                            **{k: v for k, v in TREE.items() if k != "depth"})
+    if drafter in TRAINED_KINDS:
+        kw["untrained"] = True
     return specdec.wrap(target, drafter=drafter, **kw, **(TREE if drafter == "eagle" else {}))
 
 
@@ -137,6 +142,37 @@ def test_static_greedy_identity(targets, family, drafter, mode):
         ref = _reference(target, p)
         assert out.sequences[b, :len(ref)].tolist() == ref, f"row {b} differs from transformers' greedy generate"
     assert engine.runner.num_free == 4
+
+
+@pytest.mark.parametrize("drafter", [None, "none"])
+def test_plain_decoding_static(targets, drafter):
+    """`drafter=None` (or "none"): plain decoding through the same engine, with static shapes every verify step is
+    `[Bk, 1]` (the anchor alone, not padded to gamma); the output equals transformers' greedy generate and the
+    ngram drafter's speculative output, token for token."""
+    target = targets["qwen3_5"]
+    kw = dict(num_draft_tokens=GAMMA, max_batch_size=4, max_length=64, static_shapes=True)
+    plain = specdec.wrap(target, drafter=drafter, **kw)
+    assert plain.config.plain and plain.config.gamma_for(4) == 0
+    shapes = []
+    inner = plain._verify_step
+
+    def verify(step, *a, **k):
+        shapes.append(tuple(step["ids"].shape))
+        return inner(step, *a, **k)
+
+    plain._verify_step = verify
+    out = _generate(plain, PROMPTS)
+    spec = _generate(specdec.wrap(target, drafter="ngram", **kw), PROMPTS)
+    assert {T for _, T in shapes} == {1} and {Bk for Bk, _ in shapes} <= {1, 2, 4}
+    assert out.stats.proposed == 0 and out.stats.tau == 1.0
+    assert plain.graph_counts == {"captured": 0, "eager": 0, "warm": 0}  # no cuda_graph here
+    assert spec.stats.accepted > 0
+    for b, p in enumerate(PROMPTS):
+        ref = _reference(target, p)
+        assert out.sequences[b, :len(ref)].tolist() == ref, f"row {b}: plain decoding differs from transformers"
+        assert spec.sequences[b, :len(ref)].tolist() == ref, f"row {b}: ngram differs from transformers"
+    with pytest.raises(ValueError, match="max_ngram: not an option of drafter=None"):
+        specdec.wrap(target, drafter=None, max_ngram=2)
 
 
 # what reads a value back to the host (`.item()`, `bool(t)`, `.tolist()`) or sizes a tensor by its values
@@ -292,7 +328,7 @@ def test_sdpa_attention(targets, family):
     mask): greedy identity with a tree drafter, against the eager-attention model's own generate."""
     sdpa = tiny_model(family, seed=0)
     sdpa.config._attn_implementation = "sdpa"
-    engine = specdec.wrap(sdpa, drafter="eagle", num_draft_tokens=GAMMA, max_batch_size=3, **TREE)
+    engine = specdec.wrap(sdpa, drafter="eagle", untrained=True, num_draft_tokens=GAMMA, max_batch_size=3, **TREE)
     out = _generate(engine, PROMPTS)
     for b, p in enumerate(PROMPTS):
         ref = _reference(targets[family], p)
