@@ -29,8 +29,9 @@ def check_float(name: str, *tensors: torch.Tensor | None) -> None:
 
 
 def state_blocks(K: int, V: int) -> tuple[int, int, int]:
-    """`(BK, BV, num_warps)` of a `[K, V]` state tile, the same for every kernel that steps a state (the tile
-    shape fixes the reduction order of `S^T x`, so verify and fold must agree): fla's choice for K = 128."""
+    """`(BK, BV, num_warps)` of a `[K, V]` state tile: the whole K in one program (`pair_sum` reduces over it);
+    fla's choice for K = 128. The bits do not depend on this choice (`pair_sum`), the speed does: each warp bit
+    of K is one exchange through shared memory per reduction (bench/tile_sweep.py measures the candidates)."""
     BK = triton.next_power_of_2(K)
     BV = min(triton.next_power_of_2(V), 32 if BK >= 128 else 64)
     return BK, BV, num_warps_for(BK * BV)

@@ -48,8 +48,14 @@ def device_of(backend: str, request) -> str:
     return request.getfixturevalue("triton_device") if backend == "triton" else "cpu"
 
 
+# The drawn step families, one test each (they spread over workers: on a GPU each example compiles new variants)
+FAMILIES = {"kda": dict(rule="delta", gdn=False, gate_in=False), "gdn": dict(rule="delta", gdn=True, gate_in=False),
+            "kimi-gate": dict(rule="delta", gdn=False, gate_in=True), "mamba2": dict(rule="mamba2", gdn=True,
+                                                                                       gate_in=False)}
+
+
 @st.composite
-def cases(draw):
+def cases(draw, family: str):
     K, V, H = draw(st.integers(1, 9)), draw(st.integers(1, 9)), draw(st.integers(1, 3))
     T = draw(st.integers(1, 6))
     tree = draw(st.booleans())
@@ -64,8 +70,7 @@ def cases(draw):
             path.insert(0, node)
             node = parent[node]
     return dict(K=K, V=V, H=H, T=T, parent=parent, pending=pending, L=L, path=path,
-                start=draw(st.integers(0, L - 1)), gdn=draw(st.booleans()), gate_in=draw(st.booleans()),
-                rule=draw(st.sampled_from(["delta", "delta", "mamba2"])),
+                start=draw(st.integers(0, L - 1)), **FAMILIES[family],
                 norm=draw(st.sampled_from(["rsqrt", "sqrt_div"])), act=draw(st.sampled_from([F32, BF16])),
                 seed=draw(st.integers(0, 2**16)))
 
@@ -85,10 +90,12 @@ def tokens(g, T, H, K, V, gdn, act, dev, rule="delta", gate_in=False):
     return q, k, v, gate, beta
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("backend", BACKENDS)
-@settings(max_examples=20 if INTERPRET else 60)
-@given(c=cases())
-def test_fold_equals_single_steps(backend, request, c):
+@settings(max_examples=6 if INTERPRET else 20)
+@given(data=st.data())
+def test_fold_equals_single_steps(backend, family, request, data):
+    c = data.draw(cases(family))
     rule = c["rule"]
     verify, fold = ops(backend, rule)
     dev = device_of(backend, request)
