@@ -210,8 +210,8 @@ def part_realistic(out: Path, budget: float) -> dict:
 
 def part_accept(out: Path, budget: float) -> dict:
     path = out / "accept.json"
-    rc = _run_main("accept_rate", ["--model", "embedded", "--device", "cuda", "--kinds", "code", "--max-prompts", "4",
-                                   "--max-new-tokens", "48", "--repeats", "2", "--cuda-graph",
+    rc = _run_main("accept_rate", ["--model", "embedded", "--device", "cuda", "--kinds", "code", "--max-prompts", "3",
+                                   "--max-new-tokens", "32", "--repeats", "3", "--cuda-graph",
                                    "--budget-s", str(budget * 0.85), "--json", str(path)], budget + 30)
     data = json.loads(path.read_text()) if path.exists() else {}
     keep = ("tau", "tokens_per_s_spec", "tokens_per_s_plain_graph", "speedup_vs_plain_graph",
