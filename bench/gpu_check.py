@@ -42,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGETS = {"tests": 100, "kernels": 15, "tiles": 30, "graphs": 105, "realistic": 80, "accept": 40}
-# DESIGN §5 / the GPU issue's kernel goals at Kimi shapes: (op, measure, target, at most / at least)
+# The kernel goals at Kimi shapes: (op, measure, target, at most / at least)
 GOALS = [("verify_chain_vs_fla", "verify chain ms / fla fused_recurrent_kda ms", 1.0, "max"),
          *[(f"exact_fold_n{n}", f"exact fold n={n}, share of copy bandwidth", 0.8, "min") for n in (1, 2, 4, 8)],
          ("fast_rebuild", "fast rebuild, share of copy bandwidth", 0.6, "min"),

@@ -5,7 +5,7 @@
     PYTHONPATH=/path/to/triton-3.6 python bench/step_check.py     # under another triton
 
 A committed state is bitwise the one plain decode reaches only if the exact fold runs the verify's step with the
-same arithmetic, in the same order, on the same device (DESIGN §5). Whether it does is decided by the compiler:
+same arithmetic, in the same order, on the same device (docs/EXACTNESS.md). Whether it does is decided by the compiler:
 the order of a reduction follows the layout it picks for the reduced tensor, and a kernel's layouts change with
 its loads and with triton's version. This check compiles each kernel through its public wrapper for
 `GPUTarget("cuda", 90, 32)` (bench/sass_report.py `capture`) and reads the TTGIR, the last level where the

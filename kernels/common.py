@@ -2,7 +2,7 @@
 
 Pure torch; never imports triton. The math runs in fp32 (fp64 when an input is fp64). Plain decode,
 verify and the exact fold all advance a state through `delta_step`, so on this backend a fold of n records
-is bit for bit the state of n decode steps (DESIGN §5).
+is bit for bit the state of n decode steps (docs/EXACTNESS.md).
 """
 
 from __future__ import annotations

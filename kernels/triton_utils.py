@@ -5,7 +5,7 @@ Every kernel that advances a state (verify, exact fold, fast rebuild's callers) 
 and every launch passes `enable_fp_fusion=False`: the step's fused multiply-adds are the explicit `tl.fma`
 below and nothing else is contracted, and every reduction is `pair_sum`'s fixed tree, whose bits do not depend
 on the layouts the compiler picks. So each inlining compiles to the same fp32 arithmetic, which makes a fold of
-n records bitwise equal to n verify steps on one device (DESIGN §5). All math is fp32.
+n records bitwise equal to n verify steps on one device (docs/EXACTNESS.md). All math is fp32.
 """
 
 from __future__ import annotations

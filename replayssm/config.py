@@ -44,7 +44,7 @@ def check_ring_len(ring_len: int, num_verify_tokens: int) -> None:
 class StateConfig:
     """Shapes and dtypes of every buffer the state strategies hold.
 
-    `rule="mamba2"` (Mamba2 heads, DESIGN §2 with no delta correction): per token `S = exp(g) S + beta k v^T`,
+    `rule="mamba2"` (Mamba2 heads, docs/EXACTNESS.md, the recurrence with no delta correction): per token `S = exp(g) S + beta k v^T`,
     `o = S^T q` with k = B `[K = N]`, v = x `[V = P]`, q = C, g = dt * A, beta = dt; no L2 norm, no scale.
 
     Pool: `conv[layer, slot, C, Kc-1]` in `act_dtype`, `ssm[layer, slot, H, K, V]` in `ssm_dtype`;

@@ -19,7 +19,7 @@ def rel_tol(dtype: torch.dtype) -> float:
 def check_verify_value(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, msg: str) -> None:
     """Verify outputs and the snapshot scheme's states (node states of the verify): off the GPU the verify is the
     chunk form, the recurrence in another op order, so fp64 1e-12 relative and fp32 the fp32 tolerance of
-    `specdec.testing` (DESIGN §5), not the 2 eps of the exact fold."""
+    `specdec.testing` (docs/EXACTNESS.md), not the 2 eps of the exact fold."""
     if dtype == torch.float64:
         err = max_rel_err(got, want)
         assert err <= 1e-12, f"{msg}: rel err {err:.3e}"

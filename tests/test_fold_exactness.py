@@ -1,4 +1,4 @@
-"""The exactness contract (DESIGN §5): on one backend, the exact fold of n accepted records gives bit for bit
+"""The exactness contract (docs/EXACTNESS.md): on one backend, the exact fold of n accepted records gives bit for bit
 the state of n single-token verify steps from the same checkpoint.
 
 Both backends are checked, each against itself: the torch reference, and the Triton kernels (in the

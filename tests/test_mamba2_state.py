@@ -180,7 +180,7 @@ def test_chunked_prefill_equals_recurrence():
 @pytest.mark.triton
 def test_gpu_dispatch_runs_the_mamba2_kernels(monkeypatch, triton_device):
     """Where the Triton kernels run (CUDA tensors; forced on CPU), the mamba2 rule gets their mamba2 flag: the
-    per-token reference's outputs within the fp32 tolerance (across backends, DESIGN §5), never the delta rule's."""
+    per-token reference's outputs within the fp32 tolerance (across backends, docs/EXACTNESS.md), never the delta rule's."""
     pytest.importorskip("triton")
     monkeypatch.setenv("SPECDEC_FORCE_TRITON", "1")  # CPU tensors (the interpreter) take the Triton kernels too
     cfg = StateConfig.tiny(gate="gdn", rule="mamba2", ssm_dtype=torch.float32, act_dtype=torch.float32)

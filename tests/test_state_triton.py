@@ -1,7 +1,7 @@
 """The strategies on the Triton kernels (compiled on a GPU; on CPU the interpreter, `SPECDEC_FORCE_TRITON=1`),
 chains and trees: the eager layout (rings by running row, conv windows rebuilt from input records inside the fold's
 launch) and the lazy layout commit the same conv windows as the full-snapshot scheme, bit for bit, and the same
-states within fp32 tolerance (across backends the contract is tolerance, DESIGN §5); every committed state follows
+states within fp32 tolerance (across backends the contract is tolerance, docs/EXACTNESS.md); every committed state follows
 plain decode (the torch oracle, on CPU) within that tolerance; slots outside the round are untouched."""
 
 from __future__ import annotations

@@ -513,7 +513,7 @@ def test_masked_scatter(device, what):
 
 # ----------------------------------------------------------------------------------- fold vs decode
 
-# Across backends the contract is fp32 tolerance (DESIGN §5): the kernel and the reference round differently
+# Across backends the contract is fp32 tolerance (docs/EXACTNESS.md): the kernel and the reference round differently
 # (reduction order, exp), so the state drifts like a random walk of a few eps per round. The bound grows by
 # 2 eps of the state's max per round; it still catches any systematic error (a state rounded through bf16,
 # ~4e-3, an open-loop rebuild from bf16 `d`, a misplaced gate). Within one backend the fold is bitwise equal

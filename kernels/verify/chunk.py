@@ -19,7 +19,7 @@ matmuls, batched over requests and heads, with the decays factored per channel (
 are too strong for fp32 factors take fp64 ones, as the chunked prefill does (`chunk.strong_replaced`). (The
 embedded model's KDA gates reach -47 per token: about 4% of its verify calls on code prompts have such a head.)
 
-Exactness (DESIGN §5). The committed state never comes from here: the exact fold replays the records, which are
+Exactness (docs/EXACTNESS.md). The committed state never comes from here: the exact fold replays the records, which are
 the inputs (rawk, rawv, g, beta: copied bit for bit), step by step, so a committed state is still the one plain
 decode reaches. Outputs, `d` and node states are the recurrence's in another op order: fp32 tolerance (fp64:
 1e-12), not bits. The snapshot strategy commits node states, so its committed state is the recurrence's within
