@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.replayssm.plan import BufferSpec
+
 
 @dataclass
 class DraftBlock:
@@ -57,6 +59,18 @@ class TargetView:
     index: Callable[[list[int]], torch.Tensor]
 
 
+def grown_kv_specs(name: str, attns, rows: int, window: int, dtype: torch.dtype, *,
+                   static: bool) -> dict[str, BufferSpec]:
+    """K and V `[rows, heads, cap, head_dim]` of each attention in `attns` (its `num_kv` K/V heads where it groups
+    queries, else `num_heads`; `head_dim`) for a cache
+    holding `window` positions per row: `cap = window` with static shapes (sized once), else `max(2 * window, 64)`,
+    a conservative bound: a cache grown by doubling (from 64) ends below twice the positions it must hold."""
+    cap = window if static else max(2 * window, 64)
+    return {f"{name}.{i}.{kv}": BufferSpec(f"{name}.{i}.{kv}", (rows, getattr(a, "num_kv", a.num_heads), cap,
+                                                                  a.head_dim), dtype)
+            for i, a in enumerate(attns) for kv in ("k", "v")}
+
+
 def observed_counts(tokens: list[torch.Tensor], device) -> torch.Tensor:
     """`observe`'s new positions per row as a device tensor `[B]` (long): the engine's `tokens.counts`, else built
     from the tokens' lengths (one host-to-device copy)."""
@@ -95,6 +109,13 @@ class Drafter(ABC):
     def max_verify_tokens(self, gamma: int) -> int:
         """Most tokens one verify window needs (anchor included): a chain's gamma + 1, a tree's node budget."""
         return gamma + 1
+
+    def memory_specs(self, *, max_length: int, num_verify_tokens: int, gamma: int,
+                     static: bool) -> dict[str, BufferSpec]:
+        """The caches this drafter will allocate, at their largest, beside a target of `max_length` tokens that
+        verifies `num_verify_tokens` per round (`gamma` drafts; `static`: static shapes): the engine's memory plan,
+        made before either allocates. None here: a drafter that keeps nothing per position (ngram's host tables)."""
+        return {}
 
     def begin(self, rows: list[int], prompts: list[torch.Tensor]) -> None:
         """New requests `rows` with their prompts `[P]`."""

@@ -26,12 +26,12 @@ and hard-hit confidence target (`Config`). Reference followed: DeepSpec
 `deepspec/modeling/dspark/{loss.py, markov_head.py, common.py, qwen3/modeling.py}` and
 `config/dspark/dspark_qwen3_8b.py`.
 
-Use: `specdec.wrap(model, drafter="dspark")` (untrained, sized for the target) or `drafter=DIR` (trained with
-`python -m specdec.draft.train --drafter dspark`); options `confidence_threshold` (default 0: never truncate; chains
-only) and the draft shape `topk` / `num_nodes`: topk 1 drafts the block as one chain; above 1 (on targets that
-verify trees) EAGLE-2's dynamic tree over the block's slots, each node's children scored by the block's logits of
-its slot plus the Markov term of the node's own token, so the tree costs no more drafter forwards than the chain
-(`DSparkDrafter._tree`). Unset, topk is 1: the reference's block, one chain.
+Use: `specdec.wrap(model, drafter=DIR)` (trained with `python -m specdec.draft.train --drafter dspark`) or
+`drafter="dspark", untrained=True` (an untrained net sized for the target); options `confidence_threshold` (default
+0: never truncate; chains only) and the draft shape `topk` / `num_nodes`: topk 1 drafts the block as one chain;
+above 1 (on targets that verify trees) EAGLE-2's dynamic tree over the block's slots, each node's children scored by
+the block's logits of its slot plus the Markov term of the node's own token, so the tree costs no more drafter
+forwards than the chain (`DSparkDrafter._tree`). Unset, topk is 1: the reference's block, one chain.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from specdec.kernels.common import outside_inference
 
-from .base import DraftBlock, Drafter, observed_counts, padded
+from .base import BufferSpec, DraftBlock, Drafter, grown_kv_specs, observed_counts, padded
 from .layers import Block, RMSNorm, target_logits
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores, tree_options
@@ -483,6 +483,12 @@ class DSparkDrafter(Drafter):
 
     def max_verify_tokens(self, gamma: int) -> int:
         return (self.num_nodes if self.tree else gamma) + 1
+
+    def memory_specs(self, *, max_length: int, num_verify_tokens: int, gamma: int,
+                     static: bool) -> dict[str, BufferSpec]:
+        """The context cache: each layer's K/V over the target's window (see `grown_kv_specs`)."""
+        return grown_kv_specs("dspark", [b.attn for b in self.net.layers], self.max_batch_size,
+                              max_length + num_verify_tokens, self.net.mask_embed.dtype, static=static)
 
     def begin(self, rows, prompts):
         for r in rows:

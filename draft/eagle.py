@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from specdec.kernels.common import outside_inference
 
-from .base import DraftBlock, Drafter, observed_counts, padded
+from .base import BufferSpec, DraftBlock, Drafter, grown_kv_specs, observed_counts, padded
 from .layers import Block, RMSNorm, soft_ce, target_logits
 from .registry import DraftConfig, TargetBatch, check_target
 from .tree import DynamicTree, log_scores, tree_options
@@ -285,6 +285,20 @@ class EagleDrafter(Drafter):
     def max_verify_tokens(self, gamma: int) -> int:
         return self.num_nodes + 1
 
+    def memory_specs(self, *, max_length: int, num_verify_tokens: int, gamma: int,
+                     static: bool) -> dict[str, BufferSpec]:
+        """Each layer's K/V over the target's window (see `grown_kv_specs`) and the queue of a verify window's
+        features `[max_batch_size, T (twice that without static shapes), F]` with each row's root feature."""
+        attns = [getattr(b, "attn", None) or b.self_attn for b in self.net.layers]  # ours, or an EAGLE-3 checkpoint's
+        specs = grown_kv_specs("eagle", attns, self.max_batch_size,
+                               max_length + num_verify_tokens, self.dtype, static=static)
+        fuse = getattr(self.net, "fuse", None) or self.net.fc  # the target features' width: [3 d] -> [d]
+        width, queue = fuse.in_features, num_verify_tokens * (1 if static else 2)
+        for name, shape in (("eagle.pend_f", (self.max_batch_size, queue, width)),
+                            ("eagle.root_f", (self.max_batch_size, width))):
+            specs[name] = BufferSpec(name, shape, self.dtype)
+        return specs
+
     # ---- request lifecycle ---------------------------------------------------------------------------
     def begin(self, rows, prompts) -> None:
         for r in rows:
@@ -510,7 +524,7 @@ class EagleDrafter(Drafter):
 
 def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
                  depth: int | None = None, num_nodes: int | None = None, **kwargs) -> EagleDrafter:
-    """`specdec.wrap(model, drafter="eagle" or DIR, topk=..., depth=gamma, num_nodes=...)`: `topk` children per
+    """`specdec.wrap(model, drafter=DIR, topk=..., depth=gamma, num_nodes=...)`: `topk` children per
     expanded node and nodes expanded per depth, `depth` tree depth (capped by the round's gamma), `num_nodes`
     drafts kept after reranking (the verify window is num_nodes + 1). Unset, `topk` and `num_nodes` (at least
     `depth`) are the device's default tree (`DEFAULT_TREE`: 8 and 48 on a GPU, 2 and 16 on a CPU)."""

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from .base import DraftBlock, Drafter
+from .base import BufferSpec, DraftBlock, Drafter
 
 
 class ModelDrafter(Drafter):
@@ -30,6 +30,12 @@ class ModelDrafter(Drafter):
         self.gamma = gamma
         self.slot: dict[int, int] = {}
         self.seen: dict[int, int] = {}
+
+    def memory_specs(self, *, max_length: int, num_verify_tokens: int, gamma: int,
+                     static: bool) -> dict[str, BufferSpec]:
+        """What its runner allocates at first use (its KV cache; what it allocated at build is in memory already)."""
+        plan = getattr(self.runner, "memory", None)
+        return {} if plan is None else {f"draft.{n}": s for n, s in plan.specs(deferred=True).items()}
 
     def begin(self, rows, prompts):
         slots = self.runner.alloc(len(rows))

@@ -492,7 +492,7 @@ class MTPDrafter(Drafter):
 
 def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
                  num_nodes: int | None = None, **kwargs) -> MTPDrafter:
-    """`specdec.wrap(model, drafter="mtp" or DIR, topk=..., num_nodes=...)`: `topk` 1 drafts a chain of gamma
+    """`specdec.wrap(model, drafter=DIR, topk=..., num_nodes=...)`: `topk` 1 drafts a chain of gamma
     tokens; above 1, EAGLE-2's dynamic tree of depth gamma, `topk` children per expanded node, `num_nodes` drafts
     (the verify window is num_nodes + 1; default 16). Unset, topk is 1: the chain vLLM and SGLang draft.
     `max_batch_size`: request rows at once (the hidden-state buffer's rows)."""

@@ -57,7 +57,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import DraftBlock, Drafter
+from .base import BufferSpec, DraftBlock, Drafter
 from .layers import SharesTarget, soft_ce, target_logits
 from .registry import DraftConfig, check_target
 
@@ -375,8 +375,21 @@ class NativeDrafter(Drafter):
         if self.net.target_embed is not _base(model).embed_tokens:
             raise ValueError("drafter: this native net was read for another target model")
         super().bind(target)
-        room = target.max_length + 2 * max(self.gamma, target.gamma) + 2
-        self.kv = KVCache(self.max_batch_size, room, device=self.net.fc.weight.device)
+        self.kv = KVCache(self.max_batch_size, self._room(target.max_length, target.gamma),
+                          device=self.net.fc.weight.device)
+
+    def _room(self, max_length: int, gamma: int) -> int:
+        """Cache positions per row beside a target of `max_length` tokens drafting `gamma` per round."""
+        return max_length + 2 * max(self.gamma, gamma) + 2
+
+    def memory_specs(self, *, max_length: int, num_verify_tokens: int, gamma: int,
+                     static: bool) -> dict[str, BufferSpec]:
+        """The KV cache of its one decoder layer (`specdec.kv_cache.KVCache`, a row per request row)."""
+        from specdec.adapters import kv_dims
+        from specdec.kv_cache import kv_specs
+        return {f"native.{name}": spec for name, spec in kv_specs(
+            self.max_batch_size, self._room(max_length, gamma), {0: kv_dims(self.net.layer)},
+            self.net.fc.weight.dtype).items()}
 
     def begin(self, rows, prompts) -> None:
         for r in rows:

@@ -166,6 +166,19 @@ def build_drafter_net(kind: str, target, **overrides) -> nn.Module:
     return to_target(net, target)
 
 
+def load_plain(path: str, *, what: str):
+    """`torch.load` of a file the package saved (tensors, numbers, strings and containers of them) without running
+    code: any other object in it (unpickling one can run code) is refused with a `ValueError` naming `what`."""
+    import pickle
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        detail = next((line.split("error:", 1)[1].split(". ")[0].strip() for line in str(e).splitlines()
+                       if "WeightsUnpickler error:" in line), type(e).__name__)
+        raise ValueError(f"{what}: {path!r} holds objects other than tensors, numbers, strings and containers "
+                         f"({detail}); not loaded, since unpickling them can run code") from None
+
+
 # ---- target batches ----------------------------------------------------------------------------------
 @dataclass
 class TargetBatch:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from .registry import TargetBatch, build_drafter_net, own_state_dict, target_batch
+from .registry import TargetBatch, build_drafter_net, load_plain, own_state_dict, target_batch
 
 
 def windows(ids: torch.Tensor, seq_len: int, batch_size: int, gen: torch.Generator) -> torch.Tensor:
@@ -47,9 +47,13 @@ def cached_batches(runner, ids: torch.Tensor, num: int, *, seq_len: int, batch_s
     key = {"num": num, "seq_len": seq_len, "batch_size": batch_size, "seed": seed, "tokens": int(ids.numel()),
            "checksum": int((ids[: 1 << 20].double() * torch.arange(min(ids.numel(), 1 << 20))).sum())}
     if path and os.path.exists(path):
-        state = torch.load(path, weights_only=False)
-        if state["key"] == key:
-            return state["batches"]
+        try:
+            state = load_plain(path, what="cache")
+        except ValueError as e:  # a cache is derived data: one that does not load safely is computed again
+            print(f"# {e}; computing the batches again", file=sys.stderr)
+            state = None
+        if isinstance(state, dict) and state.get("key") == key:
+            return [TargetBatch(b["tokens"], b["logits"], b["hidden"], b["features"]) for b in state["batches"]]
     gen = torch.Generator().manual_seed(seed + 2)
     layers = tuple(range(num_layers))
     half = lambda t: t.to(torch.float16)  # noqa: E731
@@ -62,7 +66,9 @@ def cached_batches(runner, ids: torch.Tensor, num: int, *, seq_len: int, batch_s
         b = target_batch(runner, windows(ids, seq_len, batch_size, gen), layers)
         out.append(TargetBatch(b.tokens, half(b.logits), half(b.hidden), {i: half(f) for i, f in b.features.items()}))
     if path:
-        torch.save({"key": key, "batches": out}, path + ".tmp")
+        # plain dicts, not TargetBatch objects: the file then loads with `weights_only=True`
+        batches = [{"tokens": b.tokens, "logits": b.logits, "hidden": b.hidden, "features": b.features} for b in out]
+        torch.save({"key": key, "batches": batches}, path + ".tmp")
         os.replace(path + ".tmp", path)
     return out
 
@@ -134,7 +140,7 @@ def train(target, ids: torch.Tensor, kind: str, *, runner_factory: Callable, ste
     history = {"train_loss": [], "val": [], "best": None}
     start = 1
     if checkpoint and os.path.exists(checkpoint):
-        state = torch.load(checkpoint, weights_only=False)
+        state = load_plain(checkpoint, what="checkpoint")
         if state["kind"] != kind or state["steps"] != steps:
             raise ValueError(f"checkpoint: {checkpoint!r} is a {state['kind']} run of {state['steps']} steps, not "
                              f"{kind} with {steps}")

@@ -126,6 +126,46 @@ def buffer_specs(cfg: StateConfig, *, layout: str = "eager") -> dict[str, Buffer
     return {name: BufferSpec(name, tuple(int(x) for x in shape), dtype) for name, (shape, dtype) in shapes.items()}
 
 
+POOL_NAMES = ("conv_state", "ssm_state")
+TRACK_NAMES = ("track_ssm", "track_conv")
+# allocated by the first round of a kind, not at build: a one-token round on the reference backend, a tree round
+# on the Triton kernels (ReplaySSM)
+DEFERRED_NAMES = (*STEP_NAMES, "tree_state_stack")
+
+
+def pool_specs(cfg: StateConfig) -> dict[str, BufferSpec]:
+    """The slot pool's buffers (`SlotPool`): `conv_state`, `ssm_state` and, with a track interval, their ping-pong
+    copies `track_ssm [layer, slot, 2, H, K, V]` and `track_conv [layer, slot, 2, C, Kc-1]`."""
+    specs = buffer_specs(cfg)
+    out = {name: specs[name] for name in POOL_NAMES}
+    if cfg.track_interval is not None:
+        for name, base in zip(TRACK_NAMES, ("ssm_state", "conv_state")):
+            s = specs[base]
+            out[name] = BufferSpec(name, (*s.shape[:2], 2, *s.shape[2:]), s.dtype)
+    return out
+
+
+def strategy_specs(cfg: StateConfig, strategy: str = "replay", *, commit: str = "eager",
+                   triton: bool = False) -> dict[str, BufferSpec]:
+    """Every buffer a strategy of `make_strategy` holds once it has run every kind of round: the pool
+    (`pool_specs`), the gate parameters (`gate_in_kernel`) and the speculative state. Snapshot: all-layer states and
+    conv windows per token. ReplaySSM: the rings and conv inputs of the commit layout, and (`DEFERRED_NAMES`) on the
+    reference backend with eager commit the one-token round's `step_ssm` and `step_conv_window`, on the Triton
+    kernels (`triton`) one layer's `tree_state_stack`."""
+    specs = buffer_specs(cfg, layout=commit)
+    out = pool_specs(cfg)
+    if cfg.gate_in_kernel:
+        out.update({name: specs[name] for name in ("gate_A_log", "gate_dt_bias")})
+    if strategy == "snapshot":
+        names = SNAPSHOT_NAMES
+    elif triton:
+        names = replay_names(commit, tree=True)
+    else:
+        names = (*replay_names(commit), *(STEP_NAMES if commit == "eager" else ()))
+    out.update({name: specs[name] for name in names})
+    return out
+
+
 def with_tokens(cfg: StateConfig, num_tokens: int) -> StateConfig:
     """`cfg` verifying `num_tokens` tokens (a tree's node budget); the ring depth grows to hold two windows."""
     ring_len = max(cfg.ring_len, next_pow2(2 * num_tokens))

@@ -7,7 +7,7 @@ import torch
 from specdec.kernels.common import outside_inference
 
 from .config import StateConfig
-from .plan import BufferSpec, buffer_specs
+from .plan import BufferSpec, pool_specs
 
 
 def allocate(spec: BufferSpec, device: torch.device | str, *, fill: float = 0.0) -> torch.Tensor:
@@ -27,15 +27,14 @@ class SlotPool:
     def __init__(self, cfg: StateConfig, *, device: torch.device | str = "cpu"):
         self.cfg = cfg
         self.device = torch.device(device)
-        specs = buffer_specs(cfg)
+        specs = pool_specs(cfg)
         self.conv = allocate(specs["conv_state"], self.device)
         self.ssm = allocate(specs["ssm_state"], self.device)
         self.seq_len = torch.zeros(cfg.num_slots, dtype=torch.long, device=self.device)
         if cfg.track_interval is not None:
-            Lyr, N = cfg.num_layers, cfg.num_slots
-            self.track_ssm = torch.zeros(Lyr, N, 2, *self.ssm.shape[2:], dtype=self.ssm.dtype, device=self.device)
-            self.track_conv = torch.zeros(Lyr, N, 2, *self.conv.shape[2:], dtype=self.conv.dtype, device=self.device)
-            self.track_len = torch.full((N, 2), -1, dtype=torch.long, device=self.device)
+            self.track_ssm = allocate(specs["track_ssm"], self.device)
+            self.track_conv = allocate(specs["track_conv"], self.device)
+            self.track_len = torch.full((cfg.num_slots, 2), -1, dtype=torch.long, device=self.device)
         else:
             self.track_ssm = self.track_conv = self.track_len = None
         self._free = list(range(cfg.max_requests))

@@ -309,6 +309,27 @@ class KimiLatentAttention:
         return m.o_proj(out), None
 
 
+def kv_dims(attn, config=None) -> list[tuple[int, int]]:
+    """`(heads, dim)` of each tensor an attention stores in the KV cache through `update` (the memory plan's KV
+    shapes; the cache itself allocates from the tensors it is given): MLA (Kimi, Bailing) its two latents,
+    `(1, kv_lora_rank)` and `(1, qk_rope_head_dim)`; otherwise K and V, `(k_proj.out_features / head_dim, head_dim)`
+    and the same of `v_proj`. `attn` is the module, `KimiLatentAttention` around one, or Zamba2's shared block (its
+    `self_attn`). A module with neither: the model config's `num_key_value_heads` and head dim (`config`), or []
+    (not planned) without one."""
+    mod = attn.mod if isinstance(attn, KimiLatentAttention) else attn
+    inner = getattr(mod, "self_attn", None)
+    mod = inner if isinstance(inner, torch.nn.Module) else mod
+    if isinstance(getattr(mod, "kv_lora_rank", None), int) and isinstance(getattr(mod, "qk_rope_head_dim", None), int):
+        return [(1, mod.kv_lora_rank), (1, mod.qk_rope_head_dim)]
+    head_dim = getattr(mod, "head_dim", None)
+    projs = [getattr(mod, name, None) for name in ("k_proj", "v_proj")]
+    if isinstance(head_dim, int) and all(isinstance(getattr(p, "out_features", None), int) for p in projs):
+        return [(p.out_features // head_dim, head_dim) for p in projs]
+    heads = getattr(config, "num_key_value_heads", None)
+    dim = getattr(config, "head_dim", None) or (config.hidden_size // config.num_attention_heads if heads else None)
+    return [(heads, dim)] * 2 if heads and dim else []
+
+
 @dataclass(frozen=True)
 class LayerLayout:
     """Where a decoder layer puts its norms and modules (attribute names, dotted for a sub-module's; None: none

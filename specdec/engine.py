@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 import difflib
@@ -16,7 +17,7 @@ from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sa
                             accept_tree_sampling, probs_from_logits, sample_token)
 from specdec.verify.accept import is_int_tensor
 
-from . import cpu_linear
+from . import cpu_linear, memory
 from .adapters import HYBRID_FAMILIES
 from .graphs import RoundGraphs
 from .runner import HybridRunner, index_tensor, make_runner, path_and_count
@@ -263,9 +264,12 @@ class SpecEngine:
         self._check_model(model, cfg)
         self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options)
         verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
+        self.memory_plan: memory.MemoryPlan | None = None  # the buffers by part (None: a runner with no plan)
+        # the hybrid runner calls `_check_memory` with its plan before it allocates its pool, rings and KV cache
         self.runner = make_runner(model, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
                                   max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
-                                  static=cfg.static_shapes)
+                                  static=cfg.static_shapes,
+                                  check_memory=lambda plan: self._check_memory(plan, verify_tokens))
         if cfg.static_shapes and not isinstance(self.runner, HybridRunner):
             raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
                              f"forward, whose cache grows every round")
@@ -319,8 +323,23 @@ class SpecEngine:
                                  f"forward")
 
     def _make_drafter(self, drafter, draft_model, max_batch_size, kwargs) -> Drafter:
+        # a draft model's runner is checked on its own, before it allocates (the target's plan needs the drafter's
+        # verify window, so it comes after)
+        factory = functools.partial(make_runner, check_memory=lambda plan: memory.check_fits(
+            plan, self._memory_options(), what="the draft model"))
         return make_drafter(drafter, self.model, gamma=self.gamma, max_batch_size=max_batch_size,
-                            max_length=self.max_length, draft_model=draft_model, runner_factory=make_runner, **kwargs)
+                            max_length=self.max_length, draft_model=draft_model, runner_factory=factory, **kwargs)
+
+    def _memory_options(self) -> dict:
+        return {"max_batch_size": self.config.max_batch_size, "max_length": self.max_length}
+
+    def _check_memory(self, plan: memory.MemoryPlan, verify_tokens: int) -> None:
+        """The target runner's plan with the drafter's caches (kept as `memory_plan`) against the free memory
+        (`memory.check_fits`)."""
+        self.memory_plan = plan.copy().add("drafter caches", self.drafter.memory_specs(
+            max_length=self.max_length, num_verify_tokens=verify_tokens, gamma=self.gamma,
+            static=self.config.static_shapes), deferred=True)
+        memory.check_fits(self.memory_plan, self._memory_options())
 
     # ---- generate ----------------------------------------------------------------------------------
     def _prompts(self, input_ids) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -828,12 +847,6 @@ class SpecEngine:
                 depth, j = depth + 1, int(par[i, j])
         pos = contexts[i].shape[0] - 1 + depth
         return self._nonfinite(logits[i, t], active[i], pos, f"verify window token {t} of {logits.shape[1]}")
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, sampling: SamplingParams, gen) -> int:
-        if not sampling.do_sample:
-            return int(logits.argmax())
-        return int(torch.multinomial(probs_from_logits(logits, sampling).to(torch.float64), 1, generator=gen))
 
     @staticmethod
     def _done(toks: list[int], max_new: int, eos_set: set) -> bool:

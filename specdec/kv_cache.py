@@ -4,7 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.common import ancestor_mask, outside_inference
+from specdec.kernels.common import ancestor_mask
+from specdec.replayssm.plan import BufferSpec
+from specdec.replayssm.pool import allocate
+
+
+def kv_spec(layer_idx: int, index: int, num_slots: int, heads: int, max_length: int, dim: int,
+            dtype: torch.dtype) -> BufferSpec:
+    """Stored tensor `index` (0: K, 1: V, or MLA's latents) of one layer: `[N, heads, max_length, dim]`."""
+    return BufferSpec(f"kv.{layer_idx}.{index}", (num_slots, heads, max_length, dim), dtype)
+
+
+def kv_specs(num_slots: int, max_length: int, layers: dict[int, list[tuple[int, int]]],
+             dtype: torch.dtype) -> dict[str, BufferSpec]:
+    """The buffers a `KVCache(num_slots, max_length)` allocates, for attention layers `{layer: [(heads, dim) per
+    stored tensor]}` whose tensors come in `dtype`."""
+    return {spec.name: spec for layer, dims in layers.items() for j, (heads, dim) in enumerate(dims)
+            for spec in [kv_spec(layer, j, num_slots, heads, max_length, dim, dtype)]}
 
 
 class KVCache:
@@ -98,10 +114,9 @@ class KVCache:
         """`update(key [B, h, T, dk], value [B, h, T, dv], layer_idx, ...)` -> full `[B, h, S, d]` each."""
         layer_idx = states[2] if len(states) > 2 else kwargs["layer_idx"]
         new = states[:2]
-        if layer_idx not in self.store:
-            with outside_inference():  # kept across calls
-                self.store[layer_idx] = [torch.zeros(self.lengths.shape[0], x.shape[1], self.max_length,
-                                                     x.shape[3], dtype=x.dtype, device=self.device) for x in new]
+        if layer_idx not in self.store:  # normal tensors (`allocate`): kept across calls
+            self.store[layer_idx] = [allocate(kv_spec(layer_idx, j, self.lengths.shape[0], x.shape[1], self.max_length,
+                                                      x.shape[3], x.dtype), self.device) for j, x in enumerate(new)]
         lens = self.lengths[self.slots]
         S = self.span
         idx = lens[:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]

@@ -15,10 +15,12 @@ import torch
 
 from specdec import kernels
 from specdec.replayssm import StateConfig, make_strategy
+from specdec.replayssm.plan import DEFERRED_NAMES, pool_specs, strategy_specs
 from specdec.kernels.common import outside_inference
 
-from .adapters import HYBRID_FAMILIES, attr_path, layer_kind
-from .kv_cache import KVCache
+from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
+from .kv_cache import KVCache, kv_specs
+from .memory import MemoryPlan
 
 
 @dataclass
@@ -236,7 +238,9 @@ class HybridRunner:
 
     def __init__(self, model, *, strategy: str = "replay", commit: str = "eager", max_batch_size: int = 8,
                  max_length: int = 4096, num_verify_tokens: int = 8, track_interval: int | None = None,
-                 prefill_chunk: int = 512, static: bool = False):
+                 prefill_chunk: int = 512, static: bool = False, check_memory=None):
+        """`check_memory`: called with the runner's `MemoryPlan` before any of its buffers is allocated (raising
+        there stops the build)."""
         family = model.config.model_type
         if family not in HYBRID_FAMILIES:
             raise ValueError(f"model: no hybrid adapter for model_type {family!r}; known: {sorted(HYBRID_FAMILIES)}")
@@ -273,6 +277,9 @@ class HybridRunner:
                           num_verify_tokens=num_verify_tokens,
                           ssm_dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
                           act_dtype=self.dtype, track_interval=track_interval)
+        self.memory = self._memory_plan(cfg, strategy, commit, max_length)
+        if check_memory is not None:
+            check_memory(self.memory)
         self.state = make_strategy(cfg, strategy, commit=commit, device=self.device)
         if gate_in_kernel:
             for i, n in self.linear_index.items():
@@ -283,6 +290,24 @@ class HybridRunner:
         self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         self.vocab_size = model.config.vocab_size
         self.hidden_size = model.config.hidden_size
+
+    def _memory_plan(self, cfg: StateConfig, strategy: str, commit: str, max_length: int) -> MemoryPlan:
+        """The buffers this runner holds: its strategy's (`replayssm.plan.strategy_specs`, the pool apart) and
+        the KV cache of every attention (each layer's at its first write), from the same specs they allocate."""
+        # the backend the strategy's rounds will pick (`kernels.dispatch.uses_triton`: device and state dtype)
+        probe = torch.empty(0, dtype=cfg.ssm_dtype, device=self.device)
+        specs = strategy_specs(cfg, strategy, commit=commit, triton=kernels.dispatch.uses_triton(probe))
+        pool = pool_specs(cfg)
+        attns = dict(self._attn)
+        attns.update({i: j.shared for i, j in self._joins.items() if j.shared is not None})
+        layers = {i: kv_dims(a, self.model.config.get_text_config()) for i, a in sorted(attns.items())}
+        plan = MemoryPlan(self.device)
+        plan.add("state pool", {n: s for n, s in specs.items() if n in pool})
+        plan.add("snapshots" if strategy == "snapshot" else "rings",
+                 {n: s for n, s in specs.items() if n not in pool and n not in DEFERRED_NAMES})
+        plan.add("rings", {n: s for n, s in specs.items() if n in DEFERRED_NAMES}, deferred=True)
+        plan.add("KV cache", kv_specs(cfg.num_slots, max_length, layers, self.dtype), deferred=True)
+        return plan
 
     # ---- requests ----------------------------------------------------------------------------------
     @property

@@ -189,6 +189,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdec.draft.registry import load_plain
     from specdec.hf_compat import torch_fallbacks
 
     torch.manual_seed(args.seed)
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
     log = []
     step, t_train = 0, time.time()
     if args.checkpoint and os.path.exists(args.checkpoint):
-        state = torch.load(args.checkpoint, weights_only=False)
+        state = load_plain(args.checkpoint, what="--checkpoint")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])

@@ -74,8 +74,8 @@ def test_rounds_follow_the_schedule(target, static):
 
 
 def test_tree_depth_follows_the_schedule(target):
-    engine = specdec.wrap(target, drafter="eagle", num_draft_tokens=GAMMA, max_batch_size=4, max_length=64,
-                          topk=2, num_nodes=6, draft_tokens_by_batch={3: 1})
+    engine = specdec.wrap(target, drafter="eagle", untrained=True, num_draft_tokens=GAMMA, max_batch_size=4,
+                          max_length=64, topk=2, num_nodes=6, draft_tokens_by_batch={3: 1})
     depths = []
     propose = engine.drafter.propose
     engine.drafter.propose = lambda rows, ctx, gamma, **k: (depths.append((len(rows), gamma)),

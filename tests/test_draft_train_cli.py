@@ -145,12 +145,56 @@ def test_stop_at_then_resume_is_the_uninterrupted_run(setup, capsys, tmp_path):
     ck = tmp_path / "state.pt"
     rc, part = _run(root, capsys, *common, "--out", tmp_path / "p", "--checkpoint", ck, "--stop-at", 3,
                     "--last", tmp_path / "p3")
-    assert rc == 0 and torch.load(ck, weights_only=False)["step"] == 3
+    assert rc == 0 and torch.load(ck, weights_only=True)["step"] == 3  # plain data: loads without running code
     rc, rest = _run(root, capsys, *common, "--out", tmp_path / "p", "--checkpoint", ck, "--last", tmp_path / "p6")
-    assert rc == 0 and torch.load(ck, weights_only=False)["step"] == 6
+    assert rc == 0 and torch.load(ck, weights_only=True)["step"] == 6
     w, p3, p6 = (load_file(tmp_path / d / "model.safetensors") for d in ("w_last", "p3", "p6"))
     assert all(torch.equal(w[k], p6[k]) for k in w)
     assert not all(torch.equal(w[k], p3[k]) for k in w)
     with pytest.raises(SystemExit) as e:
         _run(root, capsys, *common, "--out", tmp_path / "x", "--stop-at", 7)
     assert e.value.code == 2 and "stop_at: expected an int in [1, steps=6]" in capsys.readouterr().err
+
+
+RAN = []  # what unpickling a `_Payload` ran
+
+
+def _record(tag):
+    RAN.append(tag)
+    return tag
+
+
+class _Payload:
+    """Unpickling it calls `_record`: the stand-in for the code a crafted file would run."""
+
+    def __reduce__(self):
+        return (_record, ("payload",))
+
+
+def test_files_holding_objects_are_refused_unrun(setup, capsys, tmp_path):
+    """`--checkpoint` and `--cache` load with `weights_only=True`: a checkpoint holding a pickled object is an
+    argument error naming the file, a cache holding one is computed again, and the object's code never runs. The
+    files a run writes itself load that way (resume: `test_stop_at_then_resume_is_the_uninterrupted_run`)."""
+    root = setup
+    evil = tmp_path / "evil.pt"
+    torch.save({"kind": "mtp", "steps": 2, "step": 1, "net": _Payload(), "key": _Payload()}, evil)
+    assert torch.load(evil, weights_only=False)["net"] == "payload" and RAN == ["payload", "payload"]  # teeth
+    RAN.clear()
+    with pytest.raises(SystemExit) as e:
+        _run(root, capsys, "--drafter", "mtp", "--steps", 2, "--checkpoint", evil, "--out", tmp_path / "o")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"checkpoint: {str(evil)!r} holds objects other than tensors" in err, err
+    assert "_record" in err and RAN == [] and not (tmp_path / "o").exists()
+    # a cache: refused, computed again (and saved as plain data), then read back by the next run
+    cache = tmp_path / "cache.pt"
+    cache.write_bytes(evil.read_bytes())
+    opts = ["--drafter", "mtp", "--steps", 2, "--lr", 0, "--cache-batches", 2, "--cache", cache]
+    rc, first = _run(root, capsys, *opts, "--out", tmp_path / "c1")
+    assert rc == 0 and RAN == []
+    state = torch.load(cache, weights_only=True)
+    assert len(state["batches"]) == 2 and set(state["batches"][0]) == {"tokens", "logits", "hidden", "features"}
+    written = os.stat(cache)
+    rc, second = _run(root, capsys, *opts, "--out", tmp_path / "c2")
+    again = os.stat(cache)
+    assert rc == 0 and (again.st_ino, again.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)  # not rewritten
+    assert second["val_loss_end"] == first["val_loss_end"]

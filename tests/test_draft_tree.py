@@ -106,7 +106,8 @@ def _mtp_engine(family, batch):
     with torch.no_grad():
         target.lm_head.weight.mul_(4.0)
     torch.manual_seed(0)
-    engine = specdec.wrap(target, drafter="mtp", num_draft_tokens=4, topk=2, num_nodes=12, max_batch_size=batch)
+    engine = specdec.wrap(target, drafter="mtp", untrained=True, num_draft_tokens=4, topk=2, num_nodes=12,
+                          max_batch_size=batch)
     with torch.no_grad():  # a head whose steps depend on the state fed in as much as on the token
         engine.drafter.net.hidden_norm.weight.mul_(20.0)
     return engine
@@ -186,7 +187,8 @@ def test_mtp_tree_fed_the_wrong_parent_state_fails():
 def test_dspark_tree_nodes_follow_block_logits_and_markov_head():
     target = tiny_model("kimi_linear", seed=0)
     torch.manual_seed(0)
-    d = specdec.wrap(target, drafter="dspark", num_draft_tokens=5, topk=3, num_nodes=10, max_batch_size=2).drafter
+    d = specdec.wrap(target, drafter="dspark", untrained=True, num_draft_tokens=5, topk=3, num_nodes=10,
+                     max_batch_size=2).drafter
     net = d.net
     with torch.no_grad():  # a Markov term strong enough to reorder the block's own logits
         net.markov_w.weight.normal_(0.0, 3.0 / net.config.markov_rank ** 0.5,
@@ -230,7 +232,7 @@ def test_greedy_identity(kind, shape):
         target.lm_head.weight.mul_(4.0)
     torch.manual_seed(0)
     opts = dict(topk=2) if shape == "tree" else {}
-    engine = specdec.wrap(target, drafter=kind, num_draft_tokens=4, max_batch_size=2, **opts)
+    engine = specdec.wrap(target, drafter=kind, untrained=True, num_draft_tokens=4, max_batch_size=2, **opts)
     assert engine.drafter.tree == (shape == "tree")
     prompts = [PROMPT, PROMPT[:7]]
     with torch_fallbacks(), float64_everywhere():
@@ -251,8 +253,8 @@ def test_tree_sampling_follows_target(kind):
     with torch.no_grad():
         target.lm_head.weight.mul_(4.0)
     torch.manual_seed(3)
-    engine = specdec.wrap(target, drafter=kind, num_draft_tokens=2, topk=2, num_nodes=4, max_batch_size=BATCH,
-                          max_length=32)
+    engine = specdec.wrap(target, drafter=kind, untrained=True, num_draft_tokens=2, topk=2, num_nodes=4,
+                          max_batch_size=BATCH, max_length=32)
     assert engine.drafter.tree
     params = dict(temperature=0.7)
     joint = exact_joint(target, SAMPLE_PROMPT, SamplingParams(do_sample=True, **params), NEW)
@@ -280,14 +282,14 @@ def test_default_shape_is_the_chain():
     assert tree_mod.tree_options(7, 4, 30) == (4, 30)
     target = tiny_model("kimi_linear", seed=0)
     for kind in ("mtp", "dspark"):
-        c = specdec.wrap(target, drafter=kind, num_draft_tokens=5).drafter
+        c = specdec.wrap(target, drafter=kind, untrained=True, num_draft_tokens=5).drafter
         assert (c.topk, c.tree, c.max_verify_tokens(5)) == (1, False, 6)
-        d = specdec.wrap(target, drafter=kind, num_draft_tokens=5, topk=2).drafter
+        d = specdec.wrap(target, drafter=kind, untrained=True, num_draft_tokens=5, topk=2).drafter
         assert (d.topk, d.num_nodes, d.tree, d.max_verify_tokens(5)) == (2, 16, True, 17)
     # dspark's confidence threshold cuts a chain: a tree with it is refused
-    assert not specdec.wrap(target, drafter="dspark", confidence_threshold=0.5).drafter.tree
+    assert not specdec.wrap(target, drafter="dspark", untrained=True, confidence_threshold=0.5).drafter.tree
     with pytest.raises(ValueError, match="topk"):
-        specdec.wrap(target, drafter="dspark", confidence_threshold=0.5, topk=2)
+        specdec.wrap(target, drafter="dspark", untrained=True, confidence_threshold=0.5, topk=2)
 
 
 @pytest.mark.parametrize("kind", ["mtp", "dspark"])
@@ -297,7 +299,7 @@ def test_default_shape_is_the_chain():
 def test_bad_shape_options_raise(kind, opts, match):
     target = tiny_model("kimi_linear", seed=0)
     with pytest.raises(ValueError, match=match):
-        specdec.wrap(target, drafter=kind, num_draft_tokens=5, **opts)
+        specdec.wrap(target, drafter=kind, untrained=True, num_draft_tokens=5, **opts)
 
 
 def test_tree_stays_closed_with_nonfinite_scores():

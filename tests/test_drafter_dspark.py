@@ -86,7 +86,8 @@ def setup(tmp_path_factory):
 def _engine(setup, family, which, **kw):
     torch.manual_seed(0)  # untrained weights are reproducible
     drafter = "dspark" if which == "untrained" else setup.train(family)[0]
-    return specdec.wrap(setup.target(family), drafter=drafter, num_draft_tokens=GAMMA, max_batch_size=2, **kw)
+    return specdec.wrap(setup.target(family), drafter=drafter, untrained=which == "untrained", num_draft_tokens=GAMMA,
+                        max_batch_size=2, **kw)
 
 
 def _generate(engine, prompts, **kw):
@@ -184,8 +185,8 @@ def small():
 
 def _small_engine(target):
     torch.manual_seed(1)
-    engine = specdec.wrap(target, drafter="dspark", num_draft_tokens=2, max_batch_size=BATCH, max_length=64,
-                          topk=1)  # a chain: its drafts carry the distributions they were drawn from
+    engine = specdec.wrap(target, drafter="dspark", untrained=True, num_draft_tokens=2, max_batch_size=BATCH,
+                          max_length=64, topk=1)  # a chain: its drafts carry the distributions they were drawn from
     net = engine.drafter.net
     with torch.no_grad():  # Markov rows (a free table, entries ~N(0, 1)) -> bias logits of std ~3
         net.markov_w.weight.normal_(0.0, 3.0 / net.config.markov_rank ** 0.5,
@@ -379,9 +380,9 @@ def test_bad_options_raise(setup):
             dspark.make_drafter(net, gamma=gamma)
     for thr in (-0.1, 1.5, "high"):
         with pytest.raises(ValueError, match="confidence_threshold"):
-            specdec.wrap(target, drafter="dspark", confidence_threshold=thr)
+            specdec.wrap(target, drafter="dspark", untrained=True, confidence_threshold=thr)
     with pytest.raises(ValueError, match="confidence_treshold"):
-        specdec.wrap(target, drafter="dspark", confidence_treshold=0.5)
+        specdec.wrap(target, drafter="dspark", untrained=True, confidence_treshold=0.5)
     with pytest.raises(ValueError, match="markov_rank"):
         build_drafter_net("dspark", target, markov_rank=0)
     with pytest.raises(ValueError, match="feature_layers"):

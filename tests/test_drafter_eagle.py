@@ -136,7 +136,7 @@ def test_greedy_identity(setup, family, trained):
             engine = specdec.wrap(target, drafter=str(setup.trained_dir(family)), **kw)
         else:  # the untrained net the engine builds itself
             torch.manual_seed(11)
-            engine = specdec.wrap(target, drafter="eagle", **kw)
+            engine = specdec.wrap(target, drafter="eagle", untrained=True, **kw)
         assert isinstance(engine.drafter, EagleDrafter) and engine.drafter.max_verify_tokens(GAMMA) == 11
         rec = _Recorder(engine)
         out = _generate(engine, PROMPTS)
@@ -184,7 +184,7 @@ def test_generic_target_gets_chains(setup):
     model = LlamaForCausalLM(cfg).to(torch.float64).eval()
     ref = model.generate(torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=N, eos_token_id=None)[0]
     torch.manual_seed(3)
-    engine = specdec.wrap(model, drafter="eagle", num_draft_tokens=GAMMA, max_batch_size=1, **TREE)
+    engine = specdec.wrap(model, drafter="eagle", untrained=True, num_draft_tokens=GAMMA, max_batch_size=1, **TREE)
     rec = _Recorder(engine)
     out = engine.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=N, eos_token_id=None)
     assert out.sequences[0].tolist() == ref.tolist()
@@ -461,7 +461,7 @@ def test_errors_name_the_argument(setup):
         with pytest.raises(ValueError, match=arg):
             make_drafter(net, **args)
     with pytest.raises(ValueError, match="num_nodes"):
-        specdec.wrap(target, drafter="eagle", num_draft_tokens=4, num_nodes=2)
+        specdec.wrap(target, drafter="eagle", untrained=True, num_draft_tokens=4, num_nodes=2)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         specdec.wrap(target, drafter="eagle", num_draft_tokens=0)
     # a drafter trained for another target: through a directory and as an instance

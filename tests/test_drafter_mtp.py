@@ -154,8 +154,8 @@ def test_greedy_identity(targets, trained, refs, family, strategy, commit, weigh
     target = targets[family]
     torch.manual_seed(0)
     drafter = "mtp" if weights == "untrained" else trained[family][1]
-    engine = specdec.wrap(target, drafter=drafter, num_draft_tokens=GAMMA, strategy=strategy, commit=commit,
-                          max_batch_size=2)
+    engine = specdec.wrap(target, drafter=drafter, untrained=weights == "untrained", num_draft_tokens=GAMMA,
+                          strategy=strategy, commit=commit, max_batch_size=2)
     assert type(engine.drafter).__name__ == "MTPDrafter"
     out = generate(engine, PROMPTS, max_new_tokens=N)
     for b, p in enumerate(PROMPTS):
@@ -197,8 +197,8 @@ def sampling_engine():
     target = sharpened("qwen3_next", vocab_size=SAMPLE_V, num_layers=2)
     torch.manual_seed(3)
     # a chain (topk 1): its drafts carry the distributions they were drawn from (trees: tests/test_draft_tree.py)
-    return target, specdec.wrap(target, drafter="mtp", num_draft_tokens=2, max_batch_size=BATCH, max_length=32,
-                                topk=1)
+    return target, specdec.wrap(target, drafter="mtp", untrained=True, num_draft_tokens=2, max_batch_size=BATCH,
+                                max_length=32, topk=1)
 
 
 SAMPLE_PARAMS = dict(temperature=0.7)
@@ -248,7 +248,8 @@ def test_training_lowers_loss_and_raises_tau(targets, trained):
     taus = {}
     for name, drafter in (("untrained", "mtp"), ("trained", path)):
         torch.manual_seed(0)
-        engine = specdec.wrap(target, drafter=drafter, num_draft_tokens=4, max_batch_size=2)
+        engine = specdec.wrap(target, drafter=drafter, untrained=name == "untrained", num_draft_tokens=4,
+                              max_batch_size=2)
         out = generate(engine, PROMPTS, max_new_tokens=40)
         assert out.stats.drafter_failures == 0
         taus[name] = out.stats.tau
@@ -337,7 +338,7 @@ def test_errors(targets, trained, tmp_path):
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError, match="drafter.*hybrid"):
-        specdec.wrap(llama, drafter="mtp")
+        specdec.wrap(llama, drafter="mtp", untrained=True)
 
 
 def test_loss_chains_as_many_steps_as_it_drafts(targets):

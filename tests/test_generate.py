@@ -19,7 +19,8 @@ import torch
 from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
 
 import specdec
-from specdec.draft import DraftBlock, Drafter, NgramDrafter
+from specdec import SpecConfig
+from specdec.draft import DraftBlock, Drafter, NgramDrafter, factory, make_drafter, registry
 
 GAMMA = 7
 N = 17  # 1 token from prefill + 2 full rounds of GAMMA + 1: with everything accepted tau == GAMMA + 1 exactly
@@ -352,7 +353,7 @@ def test_continuous_batching_trained_kinds(models, kind, options):
     through refilled lanes: 5 requests through 2 lanes equal transformers' greedy generate per prompt."""
     target = models.target(FAMILY)
     torch.manual_seed(7)  # the untrained net the engine builds for the target
-    engine = specdec.wrap(target, drafter=kind, num_draft_tokens=GAMMA, max_batch_size=2, **options)
+    engine = specdec.wrap(target, drafter=kind, untrained=True, num_draft_tokens=GAMMA, max_batch_size=2, **options)
     events = _record_batches(engine)
     refs = [models.ref(target, PROMPTS[n], eos=None) for n in CONTINUOUS]
     out = _spec_generate(engine, [torch.tensor(PROMPTS[n]) for n in CONTINUOUS], max_new_tokens=N, eos_token_id=None)
@@ -484,6 +485,54 @@ def test_bad_input_generic():
             call()
         assert engine.runner.num_free == 2
     assert torch.equal(engine.generate([p], max_new_tokens=8).sequences, first.sequences)
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle", "dspark"])
+def test_kind_without_weights_is_refused_at_wrap(models, kind, monkeypatch):
+    """`drafter="mtp"` alone would be an untrained head (tau about 1, slower than plain decoding): one ValueError
+    naming `drafter` and where weights come from, raised before any net, runner or cache is built."""
+    target = models.target(FAMILY)
+    built = []
+    for owner, name in [(specdec.engine, "make_runner"), (specdec.engine.cpu_linear, "apply"),
+                        (factory, "build_drafter_net"), (registry.kind_module(kind).Net, "from_target")]:
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name,
+                            lambda *a, _name=name, _real=real, **k: (built.append(_name), _real(*a, **k))[1])
+    for call in (lambda: specdec.wrap(target, drafter=kind, num_draft_tokens=GAMMA, max_batch_size=2),
+                 lambda: specdec.wrap(target, SpecConfig(drafter=kind)),
+                 lambda: make_drafter(kind, target, gamma=GAMMA, max_batch_size=2, max_length=40)):
+        with pytest.raises(ValueError) as err:
+            call()
+        msg = str(err.value)
+        assert msg == factory.no_weights_message(kind) and msg.startswith(f"drafter: {kind!r}"), msg
+        assert f"drafter='path/to/dir', e.g. the embedded model's specdec/embedded/drafters/{kind}" in msg, msg
+        assert "drafter='native' (the MTP layers of the target's own checkpoint)" in msg, msg
+        assert "EAGLE-3 checkpoint (drafter='eagle', draft_model=DIR)" in msg and "untrained=True" in msg, msg
+    assert built == [], f"built before the error: {built}"
+    # the option is checked too: a bool, and only for a kind that has no weights given
+    for kw in [dict(drafter=kind, untrained=1), dict(drafter="ngram", untrained=True),
+               dict(drafter=None, untrained=True), dict(drafter="eagle", draft_model=target, untrained=True)]:
+        with pytest.raises(ValueError, match="^untrained: "):
+            specdec.wrap(target, **kw)
+    assert built == [], f"built before the error: {built}"
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle", "dspark"])
+def test_untrained_option_builds_the_untrained_head(models, kind):
+    """`untrained=True`: the net `build_drafter_net` sizes for the target (the same weights for the same seed), and
+    greedy output still equals transformers' generate."""
+    target = models.target(FAMILY)
+    torch.manual_seed(5)
+    engine = specdec.wrap(target, drafter=kind, untrained=True, num_draft_tokens=GAMMA, max_batch_size=2)
+    assert engine.drafter.name == kind
+    torch.manual_seed(5)
+    expected = registry.own_state_dict(registry.build_drafter_net(kind, target))
+    got = registry.own_state_dict(engine.drafter.net)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    prompts = [PROMPTS["rep4"], PROMPTS["plain"]]
+    out = _spec_generate(engine, [torch.tensor(p) for p in prompts], max_new_tokens=N, eos_token_id=None)
+    _assert_rows_match(out, [models.ref(target, p, eos=None) for p in prompts], engine.pad_token_id)
+    assert out.stats.proposed > 0 and out.stats.drafter_failures == 0, out.stats.as_dict()
 
 
 # ---- 4. a drafter that fails mid-generation ---------------------------------------------------------------

@@ -63,7 +63,8 @@ def target():
 @pytest.mark.parametrize("drafter", ["ngram", "mtp", "eagle", "dspark"])
 def test_generate_in_inference_mode_leaves_normal_state(target, drafter, mode):
     torch.manual_seed(0)  # untrained drafter weights: reproducible
-    engine = specdec.wrap(target, drafter=drafter, num_draft_tokens=4, max_batch_size=2, **MODES[mode])
+    engine = specdec.wrap(target, drafter=drafter, untrained=drafter != "ngram", num_draft_tokens=4, max_batch_size=2,
+                          **MODES[mode])
     seen = []
     forward = engine.runner.forward
 

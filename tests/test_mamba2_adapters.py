@@ -154,7 +154,7 @@ def test_greedy_identity(family, drafter, strategy, commit):
         names = ["rep4"]
     elif drafter == "eagle":  # an untrained head: branching trees, verified as trees
         torch.manual_seed(11)
-        engine = specdec.wrap(target, drafter="eagle", **kw, **TREE)
+        engine = specdec.wrap(target, drafter="eagle", untrained=True, **kw, **TREE)
         assert isinstance(engine.drafter, EagleDrafter)
     else:
         engine = specdec.wrap(target, drafter="ngram", **kw)
@@ -183,9 +183,9 @@ def test_greedy_identity_trained_kinds(family, drafter):
     kw = dict(num_draft_tokens=GAMMA, max_batch_size=2)
     if drafter == "mtp" and family == "zamba2":
         with pytest.raises(ValueError, match="drafter: mtp .*'zamba2' has none it can read"):
-            specdec.wrap(target, drafter="mtp", **kw)
+            specdec.wrap(target, drafter="mtp", untrained=True, **kw)
         return
-    engine = specdec.wrap(target, drafter=drafter, **kw)
+    engine = specdec.wrap(target, drafter=drafter, untrained=True, **kw)
     names = ["rep4", "rep3"]
     refs = [greedy_reference(target, PROMPTS[n], N) for n in names]
     with float64_everywhere():

@@ -13,7 +13,9 @@ import torch
 from specdec.__main__ import main
 from specdec.replayssm import make_strategy
 from specdec.replayssm.config import StateConfig
-from specdec.replayssm.plan import BufferSpec, buffer_specs, format_plan, plan_json, spec_bytes, with_tokens
+from specdec.replayssm.plan import (BufferSpec, buffer_specs, format_plan, plan_json, pool_specs, spec_bytes,
+                                    strategy_specs, with_tokens)
+from specdec.replayssm.pool import SlotPool
 
 GIB = 2 ** 30
 BASE = ["memory", "--layers", "69", "--heads", "96", "--tp", "8", "--head-dim", "128", "--draft-tokens", "8",
@@ -346,3 +348,34 @@ def test_allocation_equals_plan(strategy, commit, gate_in_kernel, monkeypatch, r
             specs["step_conv_window"].nbytes
     # a tree of T nodes is the plan of T verify tokens
     assert spec_bytes(with_tokens(cfg, 16), layout=commit, tree=True)["replayssm"] > plan["replayssm"]
+
+
+def test_pool_specs_with_track_states():
+    """The pool's plan (with a track interval: the ping-pong copies of every slot's state) is its allocation."""
+    cfg = StateConfig(num_layers=2, num_heads=3, head_k_dim=5, head_v_dim=7, max_requests=4, track_interval=16,
+                      ssm_dtype="float32", act_dtype="bfloat16")
+    pool, specs = SlotPool(cfg), pool_specs(cfg)
+    assert list(specs) == ["conv_state", "ssm_state", "track_ssm", "track_conv"]
+    assert specs["track_ssm"].shape == (2, 5, 2, 3, 5, 7) and specs["track_conv"].shape == (2, 5, 2, cfg.conv_dim, 3)
+    for name, t in (("conv_state", pool.conv), ("ssm_state", pool.ssm), ("track_ssm", pool.track_ssm),
+                    ("track_conv", pool.track_conv)):
+        assert (tuple(t.shape), t.dtype) == (specs[name].shape, specs[name].dtype), name
+    assert allocated_bytes(pool, set()) == sum(s.nbytes for s in specs.values())
+    assert list(pool_specs(StateConfig.tiny(track_interval=None))) == ["conv_state", "ssm_state"]
+
+
+def test_strategy_specs_buffers():
+    """Which buffers each strategy holds: the pool, then snapshot's per-token states, or ReplaySSM's rings and conv
+    inputs with a one-token round's buffers (reference backend, eager) or one layer's tree stack (Triton)."""
+    cfg = StateConfig.tiny(track_interval=None)
+    pool = {"conv_state", "ssm_state"}
+    fold = {"ring_g", "ring_rawv", "ring_rawk", "ring_beta", "conv_inputs"}
+    assert set(strategy_specs(cfg, "snapshot")) == pool | {"snapshot_intermediate_ssm", "intermediate_conv_window"}
+    assert set(strategy_specs(cfg)) == pool | fold | {"step_ssm", "step_conv_window"}
+    assert set(strategy_specs(cfg, triton=True)) == pool | fold | {"tree_state_stack"}
+    assert set(strategy_specs(cfg, commit="lazy")) == pool | set(RINGS) | {"conv_inputs"}
+    gated = StateConfig.tiny(track_interval=None, gate_in_kernel=True)
+    assert set(strategy_specs(gated, commit="lazy")) == pool | set(RINGS) | {"conv_inputs", "gate_A_log",
+                                                                             "gate_dt_bias"}
+    specs = buffer_specs(cfg)
+    assert all(spec == specs[name] for name, spec in strategy_specs(cfg).items())

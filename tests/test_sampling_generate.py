@@ -142,6 +142,8 @@ def test_sampling_on_more_paths(family, drafter, options):
     target = make_model(0, family)
     if drafter == "model":
         options = dict(options, draft_model=make_model(1, family))
+    else:  # an untrained net of the kind
+        options = dict(options, untrained=True)
     engine = specdec.wrap(target, drafter=drafter, num_draft_tokens=GAMMA, max_batch_size=BATCH, max_length=64,
                           **options)
     params = SETTINGS["temperature=1"]
