@@ -1,9 +1,11 @@
-"""A/B of any bench script between an older revision and the working tree, in one run.
+"""A/B of a bench script between an older revision and the working tree, in one run.
 
     python bench/ab.py --old 49fbd9e --rounds 3 --metric 'ratios.*' -- \\
         verify_cost.py --verify chunk --repeats 15 --trees 13,49
     python bench/ab.py --old 49fbd9e --rounds 2 --metric 'drafters.*.speedup' -- \\
         accept_rate.py --model embedded --kinds code --threads 1 --drafters eagle,dspark --max-prompts 10
+    python bench/ab.py --old 7d2e787 --rounds 7 --kernels                    # the kernels' CPU references
+    python bench/ab.py --old 7d2e787 --kernels -- --heads 4 --head-dim 64    # ... at other shapes
 
 The script is the working tree's (`bench/SCRIPT`, or a path); only the package differs. The old revision is checked
 out into a temporary git worktree, and each side imports the package through a folder that maps its top-level
@@ -11,8 +13,14 @@ folders onto the `specdec` namespace (as pyproject's package-dir does), ahead of
 outside either checkout, so neither tree's own folders shadow the mapping. Each round runs both sides as separate
 processes, in alternating order, one torch thread each; every run writes its JSON (`--json FILE` is appended to the
 script's arguments) and the numbers at the `--metric` paths are collected: dotted keys into the JSON, `*` for any one
-key (a list's items are keyed 0, 1, ...). The table gives per metric each round's old and new values, their medians
-and new / old; a metric path that matches nothing on either side is an error.
+key (a list's items are keyed 0, 1, ...). A metric path that matches nothing on either side is an error.
+
+`--kernels` compares the torch references of the kernels: the script is bench/kernel_speed.py with `--device cpu
+--reps 20` (the arguments after `--` go after those, so `--reps N` there wins), and the metrics are the milliseconds
+per call of each op's reference row, named by the op.
+
+The table gives per metric each round's old and new values, their medians, new / old and the spread of each side
+(max / min over the rounds), so that a noisy machine shows as such.
 """
 
 from __future__ import annotations
@@ -28,7 +36,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
+try:
+    from common import BENCH, ROOT, max_over_min  # noqa: E402
+finally:
+    sys.path.pop(0)
 
 
 def mapped(checkout: Path, into: Path) -> Path:
@@ -112,53 +124,79 @@ def compare(vals: dict[str, dict[str, list[float]]]) -> list[dict]:
     for k in [k for k in vals["new"] if k in vals["old"]]:
         old, new = vals["old"][k], vals["new"][k]
         o, n = statistics.median(old), statistics.median(new)
-        spread = lambda xs: max(xs) / min(xs) if min(xs) > 0 else float("nan")  # noqa: E731
         rows.append(dict(name=k, old=old, new=new, old_median=o, new_median=n, ratio=n / o if o else float("nan"),
-                         spread_old=spread(old), spread_new=spread(new)))
+                         spread_old=max_over_min(old), spread_new=max_over_min(new)))
     return rows
+
+
+def kernel_references(doc: dict) -> dict[str, float]:
+    """bench/kernel_speed.py's JSON -> {op: ms per call} of its torch reference rows."""
+    return {r["op"]: r["ms"] for r in doc["results"] if r["impl"] == "reference"}
+
+
+def format_rows(rows: list[dict]) -> str:
+    per = lambda xs: " / ".join(f"{x:.3g}" for x in xs)  # noqa: E731
+    w = max([24] + [len(r["name"]) for r in rows])
+    lines = [f"{'metric':{w}s} {'old (per round)':>24s} {'new (per round)':>24s} {'old':>9s} {'new':>9s} "
+             f"{'new/old':>8s} {'spread old':>10s} {'spread new':>10s}"]
+    for r in rows:
+        lines.append(f"{r['name']:{w}s} {per(r['old']):>24s} {per(r['new']):>24s} {r['old_median']:9.4g} "
+                     f"{r['new_median']:9.4g} {r['ratio']:8.3f} {r['spread_old']:10.2f} {r['spread_new']:10.2f}")
+    return "\n".join(lines)
 
 
 def script_path(name: str) -> Path:
     """`name` as a file (absolute: the runs start elsewhere), else `bench/name`."""
     p = Path(name)
-    return p.resolve() if p.is_file() else ROOT / "bench" / name
+    return p.resolve() if p.is_file() else BENCH / name
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old", required=True, help="git revision to compare against")
     p.add_argument("--rounds", type=int, default=3, help="runs of each side, order alternated")
-    p.add_argument("--metric", action="append", required=True,
+    p.add_argument("--metric", action="append", default=None,
                    help="dotted path into the script's JSON, * for any one key (repeatable)")
+    p.add_argument("--kernels", action="store_true",
+                   help="bench/kernel_speed.py's torch references on the CPU, ms per op (no script or --metric)")
     p.add_argument("--json", default=None, help="write the collected values here")
-    p.add_argument("script", help="bench script (a name under bench/ or a path), then its arguments")
+    p.add_argument("script", nargs="?", help="bench script (a name under bench/ or a path), then its arguments")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds: expected >= 1, got {a.rounds}")
-    script = script_path(a.script)
-    if not script.is_file():
-        p.error(f"script: no file {a.script} (nor bench/{a.script})")
-    args = a.args[1:] if a.args[:1] == ["--"] else a.args
+    unfence = lambda xs: xs[1:] if xs[:1] == ["--"] else xs  # noqa: E731
+    if a.kernels:  # everything after the options is kernel_speed.py's
+        if a.metric:
+            p.error("--metric: not with --kernels (its metrics are the references' ms per op)")
+        script, collect = BENCH / "kernel_speed.py", kernel_references
+        args = ["--device", "cpu", "--reps", "20", *unfence(a.args if a.script is None else [a.script, *a.args])]
+        what = "the kernels' torch references (ms per call)"
+    else:
+        if not a.metric:
+            p.error("--metric: at least one (or --kernels)")
+        if a.script is None:
+            p.error("script: a bench script to run (or --kernels)")
+        script, args = script_path(a.script), unfence(a.args)
+        if not script.is_file():
+            p.error(f"script: no file {a.script} (nor bench/{a.script})")
+        collect = lambda doc: pick(flatten(doc), a.metric)  # noqa: E731
+        what = "--metric " + ", ".join(a.metric)
     with sides(a.old) as paths, tempfile.TemporaryDirectory() as tmp:
         def run(side: str) -> dict[str, float]:
             out = Path(tmp) / f"{side}.json"
             run_side(paths[side], [str(script), *args, "--json", str(out)])
-            return pick(flatten(json.loads(out.read_text())), a.metric)
+            return collect(json.loads(out.read_text()))
         vals = alternate(a.rounds, run)
     rows = compare(vals)
     if not rows:
-        raise SystemExit(f"--metric: {a.metric} matched nothing in both sides' JSON")
-    print(f"# bench/ab.py: {script.name} {' '.join(args)}; old = {a.old}, new = working tree; {a.rounds} rounds, "
-          f"order alternated, 1 thread")
-    print(f"{'metric':40s} {'old (per round)':>24s} {'new (per round)':>24s} {'old':>8s} {'new':>8s} {'new/old':>8s}")
-    per = lambda xs: " / ".join(f"{x:.3g}" for x in xs)  # noqa: E731
-    for r in rows:
-        print(f"{r['name']:40s} {per(r['old']):>24s} {per(r['new']):>24s} {r['old_median']:8.4g} "
-              f"{r['new_median']:8.4g} {r['ratio']:8.3f}")
+        raise SystemExit(f"{what}: matched nothing in both sides' JSON")
+    print(f"# bench/ab.py: {script.name} {' '.join(args)}; {what}; old = {a.old}, new = working tree; "
+          f"{a.rounds} rounds, order alternated, 1 thread, medians")
+    print(format_rows(rows))
     if a.json:
         Path(a.json).write_text(json.dumps(dict(old=a.old, rounds=a.rounds, script=script.name, args=args,
-                                                metrics=a.metric, rows=rows), indent=1))
+                                                metrics=a.metric, kernels=a.kernels, rows=rows), indent=1))
     return 0
 
 

@@ -4,7 +4,7 @@
     python bench/accept_rate.py --model DIR --device cuda --dtype bfloat16 --max-prompts 20 --kinds code
 
 `--model embedded` is the package's own small Kimi-Linear (`specdec/embedded`, made by
-`python -m specdec.train_embedded`). `ngram` is prompt lookup, `native` the MTP layers the model's checkpoint
+`python -m specdec train-embedded`). `ngram` is prompt lookup, `native` the MTP layers the model's checkpoint
 ships (Qwen3-Next / Qwen3.5 / Bailing, `specdec.draft.native`); any other drafter name is a trained drafter
 loaded from `MODEL/drafters/NAME` and reported as skipped (with the reason) when that directory is
 missing or does not load: an untrained drafter is never used in its place.
@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 import warnings
@@ -57,18 +56,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
 try:
-    import specdec.engine  # noqa: F401  (installed: pip install -e .)
-except ImportError:  # a bare checkout: the top-level folders are subpackages of `specdec` (see pyproject.toml);
-    import importlib.util  # never put the repo root on sys.path: its `kernels` and `verify` would shadow packages
-
-    _spec = importlib.util.spec_from_file_location("specdec", ROOT / "specdec" / "__init__.py",
-                                                   submodule_search_locations=[str(ROOT / "specdec"), str(ROOT)])
-    _mod = importlib.util.module_from_spec(_spec)
-    sys.modules["specdec"] = _mod
-    _spec.loader.exec_module(_mod)
+    from common import (PROMPTS, load_prompts, machine_info, parse_drafter, resolve_drafter,  # noqa: E402
+                        resolve_model_dir, split_list)
+finally:
+    sys.path.pop(0)
 
 import specdec  # noqa: E402
 from specdec import hf_compat, timing  # noqa: E402
@@ -78,7 +71,6 @@ KEYS = ("tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain
         "spec_state_bytes_replay", "spec_state_bytes_snapshot", "identical", "speedup_per_repeat", "spread", "noisy",
         "tokens_per_s_transformers", "speedup_vs_transformers", "identical_transformers", "time_parts",
         "tokens_per_s_plain_graph", "speedup_vs_plain_graph")
-EMBEDDED = Path(specdec.__file__).resolve().parent / "embedded"
 
 
 class NoBar:
@@ -95,105 +87,6 @@ class NoBar:
 
     def close(self):
         pass
-
-
-# ---- inputs ------------------------------------------------------------------------------------------
-def resolve_model_dir(model: str) -> Path:
-    if model == "embedded":
-        if not (EMBEDDED / "config.json").is_file():
-            raise FileNotFoundError(f"the embedded model is not at {EMBEDDED} (no config.json); train it with "
-                                    f"`python -m specdec.train_embedded`")
-        return EMBEDDED
-    path = Path(model)
-    if not path.is_dir():
-        raise FileNotFoundError(f"no such model directory: {model}")
-    return path
-
-
-def parse_drafter(spec: str) -> tuple[str, dict]:
-    """`NAME[:key=value...]` -> (NAME, options for `specdec.wrap`), e.g. `eagle:num_nodes=16:topk=4`.
-    Values are ints or floats where they parse as such. Raises ValueError naming the bad part."""
-    name, *parts = spec.split(":")
-    opts: dict = {}
-    for part in parts:
-        key, eq, val = part.partition("=")
-        if not eq or not key.isidentifier() or not val:
-            raise ValueError(f"{spec!r}: expected NAME[:key=value...], got the part {part!r}")
-        for cast in (int, float):
-            try:
-                opts[key] = cast(val)
-                break
-            except ValueError:
-                continue
-        else:
-            opts[key] = val
-    if not name:
-        raise ValueError(f"{spec!r}: no drafter name before ':'")
-    return name, opts
-
-
-def resolve_drafter(model_dir: Path, name: str) -> tuple[str | None, str | None]:
-    """-> (the `drafter=` argument for `specdec.wrap`, None) or (None, why it is skipped)."""
-    if name in ("ngram", "native"):  # built in: prompt lookup; the checkpoint's own MTP layers
-        return name, None
-    path = model_dir / "drafters" / name
-    if not path.is_dir():
-        return None, f"no trained drafter at {path}"
-    if not (path / "config.json").is_file():
-        return None, f"{path} has no config.json (not a trained drafter)"
-    return str(path), None
-
-
-def load_prompts(path: str, kinds: list[str], limit: int | None) -> list[dict]:
-    """Prompts of `kinds`, at most `limit`, round-robin over the kinds (file order within a kind)."""
-    by_kind: dict[str, list[dict]] = {k: [] for k in kinds}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise ValueError(f"{path}:{n}: expected an object with a string 'prompt'")
-            rec.setdefault("id", f"line-{n}")
-            if rec.get("kind") in by_kind:
-                by_kind[rec["kind"]].append(rec)
-    out: list[dict] = []
-    queues = [list(v) for v in by_kind.values()]
-    while any(queues) and (limit is None or len(out) < limit):
-        for q in queues:
-            if q and (limit is None or len(out) < limit):
-                out.append(q.pop(0))
-    return out
-
-
-# ---- facts about the run --------------------------------------------------------------------------
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info(device: str) -> dict:
-    import transformers
-    info = {"cpu": cpu_name(), "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "device": device, "gpu": None, "cuda": torch.version.cuda}
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-        try:
-            import triton
-            info["triton"] = triton.__version__
-        except ImportError:
-            info["triton"] = None
-    return info
 
 
 def spec_state_bytes(engine) -> tuple[int | None, int | None]:
@@ -443,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafters", default="ngram,mtp,eagle,dspark",
                    help="comma-separated: ngram, or names of trained drafters under MODEL/drafters/; each may "
                         "carry drafter options as NAME:key=value[:key=value], e.g. eagle:num_nodes=16:topk=4")
-    p.add_argument("--prompts", default=str(ROOT / "bench" / "data" / "prompts.jsonl"), help="JSONL prompt file")
+    p.add_argument("--prompts", default=str(PROMPTS), help="JSONL prompt file")
     p.add_argument("--gamma", type=int, default=7, help="draft tokens per round (num_draft_tokens)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (checked lossless); > 0: sampling")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -470,11 +363,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="acceptance plot (needs matplotlib)")
     return p
-
-
-def split_list(text: str) -> list[str]:
-    """`"a, b,,c"` -> `["a", "b", "c"]`: a comma-separated option."""
-    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,12 @@ import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
+try:
+    from common import ROOT, load_script  # noqa: E402
+finally:
+    sys.path.pop(0)
+
 BUDGETS = {"tests": 100, "kernels": 15, "tiles": 30, "graphs": 105, "realistic": 80, "accept": 40}
 # The kernel goals at Kimi shapes: (op, measure, target, at most / at least)
 GOALS = [("verify_chain_vs_fla", "verify chain ms / fla fused_recurrent_kda ms", 1.0, "max"),
@@ -53,15 +58,6 @@ class _Expired(Exception):
     pass
 
 
-def _load(name: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _run_main(name: str, argv: list[str], hard_s: float) -> int | str:
     """`bench/<name>.py`'s main(argv), stopped by SIGALRM after `hard_s` (its own `--budget-s` comes first)."""
     def expire(*_):
@@ -70,7 +66,7 @@ def _run_main(name: str, argv: list[str], hard_s: float) -> int | str:
     old = signal.signal(signal.SIGALRM, expire)
     signal.alarm(max(1, int(hard_s)))
     try:
-        return _load(name).main(argv)
+        return load_script(name).main(argv)
     except _Expired as e:
         print(f"# {e}", flush=True)
         return "expired"
@@ -106,7 +102,7 @@ def part_tests(out: Path, budget: float) -> dict:
             proc.kill()
             rc = proc.wait()
     counts, fold = read_report(xml)
-    bitwise, missing = fold_bitwise(fold, _fold_families())
+    bitwise, missing = fold_bitwise(fold, fold_families())
     print(f"# fold == single verify steps, compiled: {fold or 'not run'}; families not run: {missing or 'none'}",
           flush=True)
     return {"tests": {**counts, "rc": rc, "files": [Path(f).name for f in files]}, "fold_bitwise": bitwise,
@@ -140,7 +136,7 @@ def fold_bitwise(fold: dict, families: list[str]) -> tuple[bool | None, list[str
     return (None if missing else True), missing
 
 
-def _fold_families() -> list[str]:
+def fold_families() -> list[str]:
     """The step families tests/test_fold_exactness.py draws (its FAMILIES), read without importing the tests."""
     import re
 

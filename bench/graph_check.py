@@ -35,13 +35,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
+try:
+    from common import left_padded, max_over_min, resolve_model_dir, sync  # noqa: E402
+finally:
+    sys.path.pop(0)
+
 PLAIN, HF = "plain", "hf"
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def _timed_runs(calls: dict, repeats: int, device: str) -> tuple[dict, dict]:
@@ -51,10 +51,10 @@ def _timed_runs(calls: dict, repeats: int, device: str) -> tuple[dict, dict]:
     order = list(calls)
     for r in range(repeats + 1):  # the first pass warms up (and, for graphs, captures)
         for m in order[r % len(order):] + order[:r % len(order)]:
-            _sync(device)
+            sync(device)
             t = time.perf_counter()
             outs[m] = calls[m]()
-            _sync(device)
+            sync(device)
             if r:
                 times[m].append(time.perf_counter() - t)
     return outs, times
@@ -63,18 +63,15 @@ def _timed_runs(calls: dict, repeats: int, device: str) -> tuple[dict, dict]:
 def _rate(B: int, new: int, seconds: list[float]) -> tuple[float, float]:
     """(median tokens/s, spread: max / min over the repeats)."""
     rate = [B * new / t for t in seconds]
-    return statistics.median(rate), max(rate) / min(rate)
+    return statistics.median(rate), max_over_min(rate)
 
 
 def _transformers_row(model, prompts, tok, a, transformers_generate) -> dict:
     """transformers' greedy `generate` on the B prompts (left-padded with a mask where their lengths differ), timed
     as the engines are. -> {tokens_per_s, spread, new: new tokens per row}, or {skipped: why} when it fails."""
-    B, width = len(prompts), max(map(len, prompts))
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    ids = torch.full((B, width), pad, dtype=torch.long)
-    mask = torch.zeros(B, width, dtype=torch.long)
-    for i, q in enumerate(prompts):  # left padding: every row continues at the same position
-        ids[i, width - len(q):], mask[i, width - len(q):] = torch.tensor(q), 1
+    ids, mask = left_padded(prompts, pad)
+    B, width = ids.shape
     ids, mask = ids.to(a.device), mask.to(a.device)
 
     def call():
@@ -123,7 +120,7 @@ def main(argv=None) -> int:
     from specdec.hf_compat import transformers_generate
 
     t0 = time.perf_counter()
-    model_dir = ROOT / "specdec" / "embedded"
+    model_dir = resolve_model_dir("embedded")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(a.device).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     texts = [json.loads(line)["prompt"] for line in (model_dir / "prompts.jsonl").read_text().splitlines() if line]

@@ -21,18 +21,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
 try:
-    import specdec.kernels  # noqa: F401  (installed: pip install -e .)
-except ImportError:  # a bare checkout: map the folders onto the specdec namespace (never put the repo root on
-    import importlib.util  # sys.path: its `kernels` and `verify` folders would shadow real packages)
-
-    root = Path(__file__).resolve().parents[1]
-    for name, folder in (("specdec", "specdec"), ("specdec.kernels", "kernels")):
-        spec = importlib.util.spec_from_file_location(name, root / folder / "__init__.py",
-                                                      submodule_search_locations=[str(root / folder)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
+    from common import sync  # noqa: E402  (also: `specdec` from a bare checkout)
+finally:
+    sys.path.pop(0)
 
 from specdec.kernels import dispatch  # noqa: E402
 
@@ -47,11 +40,6 @@ FOLD_N = (1, 2, 4, 8)  # accepted tokens folded per request
 
 def interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, device: str, *, warmup: int, reps: int, budget_s: float) -> float:

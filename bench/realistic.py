@@ -14,13 +14,13 @@ first), with random weights (`--seed`): nothing is downloaded. The realistic pre
 Steps (`step_1`, `chain_8`, `tree_49`): one `HybridRunner` in static-shape mode (`static=True`, as the engine's
 runner with `static_shapes`: the KV cache read as a fixed `[.., max_length, ..]` view with a mask, so a step's
 cost depends on its shapes only), replay strategy, eager commit, `--batch` slots, sized for the largest verify
-(49 tokens). Each step is one `runner.forward(slots, ids [B, T], parent=...)`, the verify forward the engine's
-device step calls (`SpecEngine._verify_step`), from the committed state (no prefill: with static shapes the
-state's and cache's contents do not change the work), and the round is left open (never committed):
+(49 tokens). Each step is one `runner.forward(slots, ids [B, T], parent=...)`, the verify forward of the
+engine's device step, from the committed state (no prefill: with static shapes the state's and cache's contents
+do not change the work), and the round is left open (never committed):
 
     step_1   ids [B, 1]: the forward of one plain decode step
     chain_8  ids [B, 8]: anchor + 7 drafts, a gamma-7 chain round (mtp, dspark, ngram)
-    tree_49  ids [B, 49], parent [B, 49]: anchor + 48 nodes in EAGLE's top-8 shape (bench/verify_cost.py's
+    tree_49  ids [B, 49], parent [B, 49]: anchor + 48 nodes in EAGLE's top-8 shape (bench/common.py's
              `tree_parents(49, 8)`: depth 7), the size of the eagle drafter's GPU tree
 
 On CUDA each step is captured once as a CUDA graph (after one eager forward that compiles its kernels) and every
@@ -78,11 +78,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
 try:
-    from accept_rate import machine_info, parse_drafter  # noqa: E402  (also makes `specdec` importable)
-    from verify_cost import spread, tree_parents  # noqa: E402
+    from common import BENCH, machine_info, parse_drafter, spread, tree_parents  # noqa: E402
 finally:
     sys.path.pop(0)
 
@@ -90,7 +88,7 @@ import specdec  # noqa: E402
 from specdec import cpu_linear, timing  # noqa: E402
 from specdec.draft.factory import TRAINED_KINDS  # noqa: E402
 
-DEFAULT_TAU_JSON = ROOT / "bench" / "results" / "accept_rate_cpu_code.json"
+DEFAULT_TAU_JSON = BENCH / "results" / "accept_rate_cpu_code.json"
 DRAFTERS = ("ngram", "mtp", "dspark", "eagle")
 CHAIN, TREE, TOPK = 8, 49, 8  # verify tokens: anchor + gamma 7; anchor + 48 nodes of EAGLE's top-8 tree
 
@@ -298,14 +296,12 @@ def measure_rounds(engine, prompt: torch.Tensor, new_tokens: int, repeats: int, 
         per_round.append((wall - s.timings["prefill"]) / s.steps * 1e3)
         taus.append(s.tau)
         rounds.append(s.steps)
-    g = engine._graphs
-    entries = list(g.entries.values()) if g is not None else []
-    captured = sum(e not in ("warm", "eager") for e in entries)
+    graphs = engine.graph_counts
     return {"round_ms": statistics.median(per_round), "samples_ms": per_round, "spread": spread(per_round),
             "rounds_per_call": rounds, "tau_untrained": statistics.mean(taus),
             "verify_tokens": 1 if getattr(engine.config, "plain", False) else int(engine.runner.num_verify_tokens),
             "tree": bool(getattr(engine.drafter, "tree", False)),
-            "graphs_captured": captured, "graphs_eager": sum(e == "eager" for e in entries)}
+            "graphs_captured": graphs["captured"], "graphs_eager": graphs["eager"]}
 
 
 # ---- budget ----------------------------------------------------------------------------------------

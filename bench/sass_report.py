@@ -25,6 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile for real, even when called from the test suite's environment
@@ -60,15 +61,30 @@ class _CompileOnlyDriver:
         return torch.device("cpu")
 
 
-def capture(jit_fns, call):
-    """Run `call()` with the launches of `jit_fns` (triton JITFunctions) compiled, not run.
+def jit_functions(kernels) -> list:
+    """`kernels` as triton JIT functions: each item one already, or a module standing for every JIT function it
+    defines (what its public wrappers launch; the helpers it imports are left out)."""
+    from triton.runtime import JITFunction
+
+    out = []
+    for k in kernels:
+        if isinstance(k, types.ModuleType):
+            out += [v for v in vars(k).values() if isinstance(v, JITFunction) and v.__module__ == k.__name__]
+        else:
+            out.append(k)
+    return out
+
+
+def capture(kernels, call):
+    """Run `call()` with the launches of `kernels` (triton JIT functions, or modules: see `jit_functions`)
+    compiled, not run.
 
     Returns `[(jit_fn, CompiledKernel, grid)]` in launch order.
     """
     from triton.runtime import driver
 
     seen, saved = [], {}
-    for fn in jit_fns:
+    for fn in jit_functions(kernels):
         orig = fn.run
 
         def run(*args, grid, warmup=False, _fn=fn, _orig=orig, **kw):
@@ -206,7 +222,7 @@ def summarize(kernel, grid, nbytes: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------ the cases
 
-def _empty(*shape, dtype=torch.float32):
+def empty(*shape, dtype=torch.float32):
     """A tensor the kernel never touches: allocated, not initialized (large ones are expanded views of one
     row, which keeps the strides' divisibility and costs no memory)."""
     n = 1
@@ -219,11 +235,11 @@ def _empty(*shape, dtype=torch.float32):
 
 def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype = torch.bfloat16, gdn: bool = False,
           rule: str = "delta", gate_in_kernel: bool = False):
-    """`[(name, jit_fns, call, bytes)]`: the package's launches at these shapes (activations and rings in `act`;
-    fp32 state, gates and beta; KDA gates, or GDN's one per head), and fla's fused_recurrent_kda on the same
-    tokens (KDA). `rule="mamba2"`: verify and fold run the Mamba2 step (their MAMBA2 flag); the other kernels
-    do not depend on the rule. `gate_in_kernel`: the gate inputs and g records are Kimi's gate input in `act`,
-    and verify, fold, rebuild and fla's kernel compute the gate (A_log, dt_bias)."""
+    """`[(name, kernels, call, bytes)]` (`kernels` as `capture` takes them): the package's launches at these shapes
+    (activations and rings in `act`; fp32 state, gates and beta; KDA gates, or GDN's one per head), and fla's
+    fused_recurrent_kda on the same tokens (KDA). `rule="mamba2"`: verify and fold run the Mamba2 step (their
+    MAMBA2 flag); the other kernels do not depend on the rule. `gate_in_kernel`: the gate inputs and g records are
+    Kimi's gate input in `act`, and verify, fold, rebuild and fla's kernel compute the gate (A_log, dt_bias)."""
     from specdec.kernels.fold import triton as tf
     from specdec.kernels.rebuild import triton as tr
     from specdec.kernels.scatter import triton as ts
@@ -234,50 +250,50 @@ def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype
     ab = torch.tensor([], dtype=act).element_size()
     GK = 1 if gdn else K
     C = 3 * H * K  # the q, k and v convs of one layer
-    q, k, v = (_empty(B, D, H, K, dtype=bf) for _ in range(3))
+    q, k, v = (empty(B, D, H, K, dtype=bf) for _ in range(3))
     gk_dt = bf if gate_in_kernel else f  # the gate's input in act, or the fp32 log-decay
     gk_b = torch.tensor([], dtype=gk_dt).element_size()
-    g, beta = _empty(B, D, H, K, dtype=gk_dt) if not gdn else _empty(B, D, H), _empty(B, D, H)
-    gate = dict(A_log=_empty(H), dt_bias=_empty(H, K)) if gate_in_kernel else {}
-    gate_all = dict(A_log=_empty(Lyr, H), dt_bias=_empty(Lyr, H, K)) if gate_in_kernel else {}
-    state = _empty(N, H, K, V)
+    g, beta = empty(B, D, H, K, dtype=gk_dt) if not gdn else empty(B, D, H), empty(B, D, H)
+    gate = dict(A_log=empty(H), dt_bias=empty(H, K)) if gate_in_kernel else {}
+    gate_all = dict(A_log=empty(Lyr, H), dt_bias=empty(Lyr, H, K)) if gate_in_kernel else {}
+    state = empty(N, H, K, V)
     idx = torch.arange(B)
-    ring = (_empty(N, H, L, V, dtype=bf), _empty(N, H, L, K, dtype=bf), _empty(N, H, L, GK, dtype=gk_dt),
-            _empty(N, H, L, V, dtype=bf), _empty(N, H, L, K, dtype=bf), _empty(N, H, L))
+    ring = (empty(N, H, L, V, dtype=bf), empty(N, H, L, K, dtype=bf), empty(N, H, L, GK, dtype=gk_dt),
+            empty(N, H, L, V, dtype=bf), empty(N, H, L, K, dtype=bf), empty(N, H, L))
     start = torch.zeros(N, dtype=i64)
     parent = torch.tensor([-1] + [0] * (D - 1)).expand(B, D)  # a star: every node reloads its parent's state
-    inter = _empty(B, D, H, K, V)
+    inter = empty(B, D, H, K, V)
     state_b = B * H * K * V * 4
     tokens_in = B * D * H * ((2 * K + V) * ab + K * gk_b + 4)
     out = B * D * H * V * ab
     ring_rec = B * D * H * ((2 * V + 2 * K) * ab + K * gk_b + 4)
     pending = B * D * H * ((V + K) * ab + K * gk_b)
     fold_rec = B * D * H * ((V + K) * ab + K * gk_b + 4)
-    x, w, conv_state = _empty(B, D, C, dtype=bf), _empty(C, Kc, dtype=bf), _empty(N, C, Kc - 1, dtype=bf)
-    win = _empty(B, D, C, Kc - 1, dtype=bf)
+    x, w, conv_state = empty(B, D, C, dtype=bf), empty(C, Kc, dtype=bf), empty(N, C, Kc - 1, dtype=bf)
+    win = empty(B, D, C, Kc - 1, dtype=bf)
     res = [
-        ("verify_chain", [tv._verify_kernel],
+        ("verify_chain", [tv],
          lambda: tv.verify_delta_rule(q, k, v, g, beta, state, idx, ring=ring, ring_start=start, rule=rule, **gate),
          tokens_in + state_b + out + ring_rec),
-        ("verify_tree", [tv._verify_kernel],
+        ("verify_tree", [tv],
          lambda: tv.verify_delta_rule(q, k, v, g, beta, state, idx, parent=parent, intermediate_states=inter,
                                       ring=ring, ring_start=start, rule=rule, **gate),
          tokens_in + state_b + out + ring_rec + 2 * D * state_b),
-        ("exact_fold", [tf._exact_fold_kernel],
-         lambda: tf.exact_fold(_empty(Lyr, N, H, K, V), _empty(Lyr, N, H, L, V, dtype=bf),
-                               _empty(Lyr, N, H, L, K, dtype=bf), _empty(Lyr, N, H, L, GK, dtype=gk_dt),
-                               _empty(Lyr, N, H, L), idx, start, torch.full((B,), D),
+        ("exact_fold", [tf],
+         lambda: tf.exact_fold(empty(Lyr, N, H, K, V), empty(Lyr, N, H, L, V, dtype=bf),
+                               empty(Lyr, N, H, L, K, dtype=bf), empty(Lyr, N, H, L, GK, dtype=gk_dt),
+                               empty(Lyr, N, H, L), idx, start, torch.full((B,), D),
                                seq_lens=torch.zeros(N, dtype=i64), track_interval=256,
-                               track_states=_empty(Lyr, N, 2, H, K, V), rule=rule, **gate_all),
+                               track_states=empty(Lyr, N, 2, H, K, V), rule=rule, **gate_all),
          Lyr * (2 * state_b + fold_rec)),
-        ("fast_rebuild", [tr._fast_rebuild_kernel],
+        ("fast_rebuild", [tr],
          lambda: tr.fast_rebuild(state, idx, ring[0], ring[1], ring[2], start, torch.full((B,), D), **gate),
          2 * state_b + pending),
-        ("short_conv_verify", [tv._short_conv_verify_kernel],
+        ("short_conv_verify", [tv],
          lambda: tv.short_conv_verify(x, w, None, conv_state, idx, window_states=win),
          B * D * C * ab * (2 + (Kc - 1)) + B * C * (Kc - 1) * ab + C * Kc * ab),
-        ("masked_scatter", [ts._masked_scatter_kernel],
-         lambda: ts.masked_scatter(_empty(Lyr, B, D, H, K, V), _empty(Lyr, N, H, K, V), idx, torch.zeros(B, dtype=i64)),
+        ("masked_scatter", [ts],
+         lambda: ts.masked_scatter(empty(Lyr, B, D, H, K, V), empty(Lyr, N, H, K, V), idx, torch.zeros(B, dtype=i64)),
          2 * Lyr * state_b),
     ]
     if gdn or rule != "delta":
@@ -287,7 +303,7 @@ def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype
     except Exception as e:  # noqa: BLE001 - report without the baseline rather than not at all
         print(f"# fla unavailable: {type(e).__name__}: {e}", file=sys.stderr)
         return res, None
-    h0 = _empty(B, H, K, V)
+    h0 = empty(B, H, K, V)
     fla = ("fla_fused_recurrent_kda", [fr.fused_recurrent_kda_fwd_kernel],
            lambda: fr.fused_recurrent_kda_fwd(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True,
                                               inplace_final_state=False, use_qk_l2norm_in_kernel=True,

@@ -26,6 +26,7 @@ The canonical form is written per kernel in the JSON (`--json`) so two tritons c
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import re
@@ -34,18 +35,19 @@ from pathlib import Path
 
 import torch
 
-BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
+try:
+    from common import load_script  # noqa: E402
+finally:
+    sys.path.pop(0)
 
 
+@functools.cache
 def _sass_report():
-    """bench/sass_report.py, which sets TRITON_INTERPRET=0 for this process: import it (and so this check's
+    """bench/sass_report.py, which sets TRITON_INTERPRET=0 for this process: load it (and so this check's
     compiling part) only in a process of its own, before any kernel module is imported; the canonical form
     (`TTGIR`) needs neither."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    import sass_report
-
-    return sass_report
+    return load_script("sass_report")
 
 # (rule, gate, norm, activation dtype): one variant per drawn choice, Kimi-Linear's first
 VARIANTS = [("delta", "gate_in", "sqrt_div", "bf16"), ("delta", "kda", "rsqrt", "fp32"),
@@ -164,7 +166,7 @@ def _digest(e: str) -> str:
 
 
 def _calls(K: int, rule: str, gate: str, norm: str, act: str):
-    """`{kernel: (jit fns, call)}`: the package's launches of one variant (2 requests, 4 tokens, 2 heads)."""
+    """`{kernel: (its module, call)}`: the package's launches of one variant (2 requests, 4 tokens, 2 heads)."""
     from specdec.kernels.fold import triton as tf
     from specdec.kernels.rebuild import triton as tr
     from specdec.kernels.verify import triton as tv
@@ -177,7 +179,7 @@ def _calls(K: int, rule: str, gate: str, norm: str, act: str):
     gate_in = gate == "gate_in"
     GK = 1 if gdn else K
     gdt = dt if gate_in else torch.float32
-    e = sr._empty
+    e = sr.empty
     q, k, v = (e(B, D, H, K, dtype=dt) for _ in range(3))
     g = e(B, D, H, dtype=gdt) if gdn else e(B, D, H, K, dtype=gdt)
     beta = e(B, D, H)
@@ -194,20 +196,19 @@ def _calls(K: int, rule: str, gate: str, norm: str, act: str):
     kw = dict(ring=ring, ring_start=start, norm=norm, rule=rule, **params)
     verify = tv.verify_delta_rule
     calls = {
-        "verify_chain": ([tv._verify_kernel], lambda: verify(q, k, v, g, beta, state, idx, **kw)),
-        "verify_tree": ([tv._verify_kernel], lambda: verify(q, k, v, g, beta, state, idx, parent=parent,
-                                                            tree_stack=stack, **kw)),
-        "verify_tree_snapshot": ([tv._verify_kernel], lambda: verify(q, k, v, g, beta, state, idx, parent=parent,
-                                                                     intermediate_states=e(B, D, H, K, V), **kw)),
-        "exact_fold": ([tf._exact_fold_kernel],
+        "verify_chain": ([tv], lambda: verify(q, k, v, g, beta, state, idx, **kw)),
+        "verify_tree": ([tv], lambda: verify(q, k, v, g, beta, state, idx, parent=parent, tree_stack=stack, **kw)),
+        "verify_tree_snapshot": ([tv], lambda: verify(q, k, v, g, beta, state, idx, parent=parent,
+                                                      intermediate_states=e(B, D, H, K, V), **kw)),
+        "exact_fold": ([tf],
                        lambda: tf.exact_fold(e(Lyr, N, H, K, V), e(Lyr, N, H, L, V, dtype=dt), e(Lyr, N, H, L, K, dtype=dt),
                                              e(Lyr, N, H, L, GK, dtype=gdt), e(Lyr, N, H, L), idx, start,
                                              torch.full((B,), D), norm=norm, rule=rule, **params_all)),
     }
     if rule == "delta":  # lazy commit (and so the fast rebuild) serves the delta rule
-        calls["verify_lazy"] = ([tv._verify_kernel], lambda: verify(q, k, v, g, beta, state, idx,
-                                                                    num_pending=torch.ones(N, dtype=torch.int32), **kw))
-        calls["fast_rebuild"] = ([tr._fast_rebuild_kernel],
+        calls["verify_lazy"] = ([tv], lambda: verify(q, k, v, g, beta, state, idx,
+                                                     num_pending=torch.ones(N, dtype=torch.int32), **kw))
+        calls["fast_rebuild"] = ([tr],
                                  lambda: tr.fast_rebuild(state, idx, ring[0], ring[1], ring[2], start,
                                                          torch.full((B,), D), **params))
     return calls

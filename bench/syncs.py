@@ -37,9 +37,14 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import specdec
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
+try:
+    from common import PROMPTS, ROOT, load_prompts, resolve_drafter, resolve_model_dir  # noqa: E402
+finally:
+    sys.path.pop(0)
 
-ROOT = Path(__file__).resolve().parents[1]
+import specdec  # noqa: E402
+
 PKG_DIR = Path(specdec.__file__).resolve().parent
 PKG_DIRS = tuple(str(p) for p in {PKG_DIR, *(ROOT / d for d in ("specdec", "kernels", "replayssm", "draft",
                                                                   "verify"))})
@@ -401,9 +406,6 @@ def measure(engine, prompts, max_new_tokens: int, *, kernels: str = "gpu") -> di
 
 
 def main(argv=None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from accept_rate import load_prompts, resolve_drafter, resolve_model_dir  # noqa: E402
-
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="embedded")
     p.add_argument("--drafters", default="ngram,mtp")
@@ -427,8 +429,7 @@ def main(argv=None) -> int:
     model_dir = resolve_model_dir(a.model)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    texts = [r["prompt"] for r in load_prompts(str(ROOT / "bench" / "data" / "prompts.jsonl"), ["code", "prose"],
-                                               None)]
+    texts = [r["prompt"] for r in load_prompts(PROMPTS, ["code", "prose"], None)]
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     rows = []
     print(f"# bench/syncs.py: {a.model}, {a.strategy}/{a.commit}{', static shapes' if a.static_shapes else ''}, "

@@ -52,20 +52,17 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-from accept_rate import load_prompts, machine_info, resolve_drafter, resolve_model_dir, split_list  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
+try:
+    from common import (PROMPTS, left_padded, load_prompts, machine_info, max_over_min, resolve_drafter,  # noqa: E402
+                        resolve_model_dir, split_list, sync)
+finally:
+    sys.path.pop(0)
 
-import specdec  # noqa: E402  (accept_rate makes `specdec` importable from a bare checkout)
+import specdec  # noqa: E402
 from specdec.hf_compat import transformers_generate  # noqa: E402
 
 PLAIN, HF = "plain", "hf"
-
-
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def digest(rows: list[list[int]]) -> str:
@@ -90,13 +87,8 @@ class Runner:
                  max_batch_size=None):
         self.mode, self.model, self.prompts, self.max_new = mode, model, prompts, max_new
         if mode == HF:
-            width = max(len(p) for p in prompts)
-            self.width = width
-            ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-            mask = torch.zeros(len(prompts), width, dtype=torch.long)
-            for i, p in enumerate(prompts):  # left padding: every row continues at the same position
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
+            ids, mask = left_padded(prompts, pad_token_id)
+            self.width = ids.shape[1]
             self.device = next(model.parameters()).device
             self.ids, self.mask = ids.to(self.device), mask.to(self.device)
             self.pad = pad_token_id
@@ -106,11 +98,11 @@ class Runner:
 
     def run(self) -> tuple[list[list[int]], float, float | None]:
         if self.mode == HF:
-            _sync(self.device)
+            sync(self.device)
             t = time.perf_counter()
             out = transformers_generate(self.model, self.ids, attention_mask=self.mask, max_new_tokens=self.max_new,
                                         min_new_tokens=self.max_new, pad_token_id=self.pad)
-            _sync(self.device)
+            sync(self.device)
             dt = time.perf_counter() - t
             return out[:, self.width:].tolist(), dt, None
         t = time.perf_counter()
@@ -205,7 +197,7 @@ def finish_batch(B, res: dict, outputs: dict) -> list[str]:
         r = res[mode]
         tps = r["tokens_per_s"]
         r["tokens_per_s_median"] = statistics.median(tps)
-        r["spread"] = max(tps) / min(tps)
+        r["spread"] = max_over_min(tps)
         r["output_sha256"] = digest(outputs[mode])
         r["new_tokens_per_row"] = sorted({len(o) for o in outputs[mode]})
     if PLAIN in outputs:
@@ -256,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafters", default="mtp,ngram",
                    help="comma-separated: ngram, or names of trained drafters under MODEL/drafters/")
     p.add_argument("--batch-sizes", default="1,8,32")
-    p.add_argument("--prompts", default=str(ROOT / "bench" / "data" / "prompts.jsonl"), help="JSONL prompt file")
+    p.add_argument("--prompts", default=str(PROMPTS), help="JSONL prompt file")
     p.add_argument("--kinds", default="code,prose", help="comma-separated prompt kinds, taken round-robin")
     p.add_argument("--requests", type=int, default=None,
                    help="prompts every batch size serves (default: twice the largest batch size)")

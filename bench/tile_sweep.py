@@ -15,7 +15,6 @@ bytes and copy bandwidth); the table gives ms and the share of copy bandwidth, b
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
@@ -23,16 +22,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
+try:
+    from common import load_script  # noqa: E402
+finally:
+    sys.path.pop(0)
+
 CANDIDATES = [(32, 4), (16, 2), (8, 1), (32, 2), (64, 4)]
 OPS = ["verify_replay_eager", "verify_replay_lazy", "exact_fold_n1", "exact_fold_n8", "fast_rebuild"]
-
-
-def _kernel_speed():
-    spec = importlib.util.spec_from_file_location("bench_kernel_speed", ROOT / "bench" / "kernel_speed.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def main(argv=None) -> int:
@@ -44,7 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=None, help="start no new candidate after this many seconds")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    ks = _kernel_speed()
+    ks = load_script("kernel_speed")  # its cases, byte counts, copy bandwidth and timer
     import triton
 
     from specdec.kernels.fold import triton as tf

@@ -4,21 +4,21 @@
 # output weights: `specdec.draft.registry.grown_state_dict`), so training starts from the shipped drafter's function.
 #   blocks (default): DSpark from 2 to 4 target-sized blocks (the reference recipe uses 5 for a 36-layer target);
 #           MTP from one block with a 256-wide MLP to 2 blocks of the target's MLP width (768). Not shipped: the
-#           deeper MTP is slower end to end, DSpark barely gained (bench/RESULTS.md, "The grown drafters run to a
-#           longer patience").
+#           deeper MTP is slower end to end, DSpark barely gained (bench/results/HISTORY.md, "The grown drafters run
+#           to a longer patience").
 #   wide:   MTP as one block with its MLP grown from 256 to 768 units; DSpark the same net trained at 64 blocks per
 #           128-token window instead of 16 (`anchor_density=0.5`: four times the first-slot examples a step). The
-#           shipped mtp and dspark (bench/RESULTS.md, "2026-12-02"), started from the drafters of commit b3b4bfc:
-#           `git archive b3b4bfc specdec/embedded | tar -x -C DIR` gives them in DIR/specdec/embedded.
+#           shipped mtp and dspark (bench/results/HISTORY.md, "2026-12-02"), started from the drafters of commit
+#           b3b4bfc: `git archive b3b4bfc specdec/embedded | tar -x -C DIR` gives them in DIR/specdec/embedded.
 #   long:   DSpark on longer windows, in two phases (one job): 256-token windows with a 248-key context window
 #           (`context_window`), lr 5e-4, stopped at step 1250; from those weights, 512-token windows with a 504-key
 #           window, lr 3e-4, stopped at step 815. Trained on 128-token windows, DSpark never saw a target feature
 #           past position 127 nor a context key farther back than 121, while the benchmark drafts at positions up to
-#           ~500. The shipped dspark (bench/RESULTS.md, "2026-12-02, later"), started from the dspark of commit 652ae10
-#           (`git archive 652ae10 specdec/embedded | tar -x -C DIR`); the end weights of each phase land in
-#           WORK_DIR/ds256_1250 and WORK_DIR/ds512_815 (`--stop-at`, `--last`).
+#           ~500. The shipped dspark (bench/results/HISTORY.md, "2026-12-02, later"), started from the dspark of
+#           commit 652ae10 (`git archive 652ae10 specdec/embedded | tar -x -C DIR`); the end weights of each phase
+#           land in WORK_DIR/ds256_1250 and WORK_DIR/ds512_815 (`--stop-at`, `--last`).
 #   eagle-long: EAGLE on 512-token windows (one phase, one job), lr 3e-4, stopped at step 3000: trained on 128-token
-#           windows, its own KV cache never held a position past 127. The shipped eagle (bench/RESULTS.md,
+#           windows, its own KV cache never held a position past 127. The shipped eagle (bench/results/HISTORY.md,
 #           "2026-12-02, night"), started from the eagle of commit 592b263; end weights in WORK_DIR/eagle512_3000.
 #           MTP the same way (lr 3e-4 or 1e-4) lost benchmark tau and was stopped (same section).
 # Usage: bash bench/train_drafters_grown.sh [WORK_DIR] [INIT_MODEL_DIR] [blocks|wide|long|eagle-long]
@@ -34,7 +34,7 @@ mode=${3:-blocks}
 CORPUS_ONLY=1 bash bench/train_drafters_longprompt.sh "$work"
 train() {  # kind, out dir, minutes, patience, config overrides...
     local kind=$1 out=$2 minutes=$3 patience=$4; shift 4
-    OMP_NUM_THREADS=1 python -m specdec.draft.train --target specdec/embedded --data "$work/corpus2.jsonl" \
+    OMP_NUM_THREADS=1 python -m specdec draft-train --target specdec/embedded --data "$work/corpus2.jsonl" \
         --seq-len 128 --batch-size 8 --val-every 50 --val-batches 4 --cache-batches 250 --cache "$work/cache2.pt" \
         --threads 1 --seed 0 --drafter "$kind" --init "$init/drafters/$kind" --out "$out" --steps 4000 \
         --lr 5e-4 --patience "$patience" --max-minutes "$minutes" --checkpoint "$out.ckpt" "$@" > "$out.log" 2>&1
@@ -53,7 +53,7 @@ if [ "$mode" = eagle-long ]; then
     grep -h '"stopped"' "$work"/eagle512.log
     exit 0
 fi
-# patience and time as in the runs recorded in bench/RESULTS.md
+# patience and time as in the runs recorded in bench/results/HISTORY.md
 case $mode in
     blocks) runs=("dspark dspark4 100 30 --config num_layers=4"
                   "mtp mtp2 130 20 --config num_layers=2 --config intermediate_size=768") ;;

@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import json
 import pstats
 import statistics
@@ -61,14 +62,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
 try:
-    from accept_rate import load_prompts, machine_info, resolve_model_dir  # noqa: E402
+    from common import PROMPTS, load_prompts, machine_info, resolve_model_dir, spread, sync, tree_parents  # noqa: E402
 finally:
     sys.path.pop(0)
 
-import specdec  # noqa: E402,F401  (accept_rate made `specdec` importable in a bare checkout)
 from specdec import cpu_linear  # noqa: E402
 from specdec.kernels import dispatch  # noqa: E402
 from specdec.kernels.verify import chunk as verify_chunk  # noqa: E402
@@ -109,44 +108,12 @@ def verify_impl(name: str | None):
         dispatch.OPS["verify_delta_rule"] = entry
 
 
-def tree_parents(n: int, topk: int = 8) -> list[int]:
-    """Parent list of an `n`-node EAGLE-like top-k tree: [-1, 0, 0, ...], topological (parent[i] < i)."""
-    if n < 1 or topk < 1:
-        raise ValueError(f"tree_parents: expected n >= 1 and topk >= 1, got n={n}, topk={topk}")
-    parent, prev = [-1], [0]
-    while len(parent) < n:
-        level = []
-        for j in range(topk):
-            if len(parent) >= n:
-                break
-            # depth 1: all children of the anchor; deeper: the first half of the previous depth, 2 children each
-            p = prev[0] if prev == [0] else prev[min(j // 2, len(prev) - 1)]
-            parent.append(p)
-            level.append(len(parent) - 1)
-        prev = level
-    return parent
-
-
 def kinds(chain: int, trees, topk: int) -> dict[str, list[int] | None]:
     """name -> parent list (None: chain)."""
     out: dict[str, list[int] | None] = {"step_1": None, f"chain_{chain}": None}
     for n in trees:
         out[f"tree_{n}"] = tree_parents(n, topk)
     return out
-
-
-def spread(times: list[float]) -> float:
-    """(p90 - p10) / median."""
-    if len(times) < 2:
-        return 0.0
-    q = statistics.quantiles(times, n=10, method="inclusive")
-    med = statistics.median(times)
-    return (q[-1] - q[0]) / med if med > 0 else 0.0
-
-
-def device_sync(device: torch.device):
-    """What waits for `device`'s queued work before a clock is read (nothing on a CPU)."""
-    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
 def make_inputs(runner, ids: torch.Tensor, shapes: dict) -> dict:
@@ -167,7 +134,7 @@ def measure(runner, slots: list[int], ids: torch.Tensor, shapes: dict, repeats: 
     timed forward is the last of `block` back-to-back forwards of its kind, as decoding runs them (the others warm
     the caches with the weights that kind reads: with oneDNN a verify reads the blocked copies, a 1-row step the
     originals)."""
-    sync = device_sync(runner.device)
+    wait = functools.partial(sync, runner.device)
     inputs = make_inputs(runner, ids, shapes)
     cases = cases or {None: (None, "onednn")}
     order0 = [(c, name) for c in cases for name in shapes]
@@ -180,10 +147,10 @@ def measure(runner, slots: list[int], ids: torch.Tensor, shapes: dict, repeats: 
                 for _ in range(block - 1):
                     runner.forward(slots, x, parent=p)
                     runner.abort()
-                sync()
+                wait()
                 t = time.perf_counter()
                 runner.forward(slots, x, parent=p)
-                sync()
+                wait()
                 dt = time.perf_counter() - t
             runner.abort()
             if r >= warmup:
@@ -197,7 +164,7 @@ def components(runner) -> dict[str, list]:
     # what the runner calls for each attention layer: the module, or a family's stand-in for it (Kimi's MLA in
     # latent form, `adapters.KimiLatentAttention`), whose work never passes through the module's own forward
     attn = {(type(a).forward if isinstance(a, torch.nn.Module) else type(a).__call__).__code__
-            for a in runner._attn.values()}
+            for a in runner.attention.values()}
     mlp = {type(layer.mlp).forward.__code__ for layer in layers}
     kv = type(runner.kv)
     return {
@@ -252,7 +219,7 @@ def matmul_floor(runner, slots: list[int], inputs: dict, step_1_s: float, repeat
     """The weight matmuls of each kind replayed alone (the model's `nn.Linear` layers, with backend `linear`):
     name -> {matmul_ms (median), floor (ratio), calls}. `inputs` as `make_inputs` gives them; `step_1_s` the
     median 1-token forward of the same run."""
-    sync = device_sync(runner.device)
+    wait = functools.partial(sync, runner.device)
     calls = {name: linear_calls(runner, slots, *xp) for name, xp in inputs.items()}
     gen = torch.Generator(device=runner.device).manual_seed(0)
     args = {name: [(m, torch.randn(shape, generator=gen, device=runner.device, dtype=dt)) for m, shape, dt in cs]
@@ -262,11 +229,11 @@ def matmul_floor(runner, slots: list[int], inputs: dict, step_1_s: float, repeat
     with torch.no_grad(), case(None, linear):
         for r in range(warmup + repeats):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                sync()
+                wait()
                 t = time.perf_counter()
                 for m, x in args[name]:
                     m(x)
-                sync()
+                wait()
                 if r >= warmup:
                     times[name].append(time.perf_counter() - t)
     mm = {n: statistics.median(v) for n, v in times.items()}
@@ -306,7 +273,7 @@ def depth(parent: list[int] | None, T: int) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="embedded", help="save_pretrained directory (model + tokenizer) or 'embedded'")
-    p.add_argument("--prompts", default=str(ROOT / "bench" / "data" / "prompts.jsonl"), help="JSONL prompt file")
+    p.add_argument("--prompts", default=str(PROMPTS), help="JSONL prompt file")
     p.add_argument("--prompt-tokens", type=int, default=256, help="the prompt is cut to its last N tokens")
     p.add_argument("--chain", type=int, default=8, help="chain verify tokens (anchor + drafts)")
     p.add_argument("--trees", default=",".join(map(str, TREE_SIZES)), help="tree node counts, comma-separated")

@@ -1,6 +1,6 @@
 """A self-distilled training corpus: the target's own continuations of prompts drawn from the training text.
 
-    python -m specdec.draft.data --target DIR --text FILE --out CORPUS.jsonl \\
+    python -m specdec draft-data --target DIR --text FILE --out CORPUS.jsonl \\
         [--num-prompts 2000 --prompt-len 32 --new-tokens 224 --temperatures 0,0.8 --batch-size 16 --seed 0]
 
 Prompt i is `prompt_len` tokens of the text at a seeded random offset; it is continued for `new_tokens`
@@ -12,9 +12,9 @@ top-1 agrees with the next text token only about half the time). Each line of th
 (same seed: the same prompts), so an interrupted run resumes.
 
 `write_corpus` takes the generating engine from its caller (anything with `specdec.wrap(...)`'s batched
-`generate`); the command line (`specdec.cli.draft_data`) builds it with speculative decoding, which is lossless,
-so the corpus is the target's own greedy / sampled text. `corpus_tokens` reads a corpus back as one token stream
-for `python -m specdec.draft.train --data CORPUS.jsonl`.
+`generate`); the command line (`python -m specdec draft-data`, in `specdec.cli.draft_data`) builds it with
+speculative decoding, which is lossless, so the corpus is the target's own greedy / sampled text.
+`corpus_tokens` reads a corpus back as one token stream for `python -m specdec draft-train --data CORPUS.jsonl`.
 """
 
 from __future__ import annotations
@@ -130,8 +130,3 @@ def corpus_tokens(path: str) -> torch.Tensor:
     recs.sort(key=lambda r: r[0])
     return torch.tensor([t for _, seq in recs for t in seq], dtype=torch.long)
 
-
-if __name__ == "__main__":  # the command line lives outside draft/, which does not import the engine
-    from specdec.cli.draft_data import main
-
-    raise SystemExit(main())

@@ -26,7 +26,7 @@ and hard-hit confidence target (`Config`). Reference followed: DeepSpec
 `deepspec/modeling/dspark/{loss.py, markov_head.py, common.py, qwen3/modeling.py}` and
 `config/dspark/dspark_qwen3_8b.py`.
 
-Use: `specdec.wrap(model, drafter=DIR)` (trained with `python -m specdec.draft.train --drafter dspark`) or
+Use: `specdec.wrap(model, drafter=DIR)` (trained with `python -m specdec draft-train --drafter dspark`) or
 `drafter="dspark", untrained=True` (an untrained net sized for the target); options `confidence_threshold` (default
 0: never truncate; chains only) and the draft shape `topk` / `num_nodes`: topk 1 drafts the block as one chain;
 above 1 (on targets that verify trees) EAGLE-2's dynamic tree over the block's slots, each node's children scored by

@@ -20,7 +20,7 @@ def no_weights_message(kind: str) -> str:
     return (f"drafter: {kind!r} names a drafter kind but gives it no weights, and an untrained {kind} head drafts "
             f"tokens the target rejects (tau about 1: slower than plain decoding). Weights come from a trained drafter "
             f"directory (drafter='path/to/dir', e.g. the embedded model's specdec/embedded/drafters/{kind}; "
-            f"python -m specdec.draft.train writes one), drafter='native' (the MTP layers of the target's own "
+            f"python -m specdec draft-train writes one), drafter='native' (the MTP layers of the target's own "
             f"checkpoint), or for eagle an EAGLE-3 checkpoint (drafter='eagle', draft_model=DIR). untrained=True "
             f"builds the untrained head anyway (training, benchmarks of its cost).")
 

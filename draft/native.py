@@ -35,9 +35,9 @@ state, the anchor) sits at p = committed tokens - 1 and gives draft 1. Draft ste
 `out` and draft k-1 at position p + k - 1; those K/V are dropped when the block is done, so nothing of a
 round survives it. Every step runs the first MTP layer (the published checkpoints ship one).
 
-Shipping a fine-tune: `write_mtp(net, DIR)` (command line: `python -m specdec.draft.native --target DIR --drafter
-TRAINED [--out NEW]`) writes the net's weights back into a checkpoint under the same names, so the checkpoint's own
-`drafter="native"` is the fine-tuned one.
+Shipping a fine-tune: `write_mtp(net, DIR)` (command line: `python -m specdec native-export --target DIR
+--drafter TRAINED [--out NEW]`) writes the net's weights back into a checkpoint under the same names, so the
+checkpoint's own `drafter="native"` is the fine-tuned one.
 
 Training (the distillation loop of `draft/train.py`, kind `native`): `Net.loss` distils the target over a window: every
 pair `(hidden[t], tokens[t+1])` predicts the target's distribution `logits[t+1]`, and `train_depth - 1` further
@@ -545,47 +545,6 @@ def _keys(file: str) -> list[str]:
         return list(f.keys())
 
 
-def main(argv=None) -> int:
-    """`python -m specdec.draft.native --target DIR --drafter TRAINED [--out NEW]`: write a fine-tuned native
-    drafter (from `python -m specdec.draft.train --drafter native`) into a checkpoint's MTP tensors (a copy at
-    `--out`, or the target itself)."""
-    import argparse
-    import shutil
-
-    from transformers import AutoModelForCausalLM
-
-    from . import native  # this module by its package name (run as `-m`, it is `__main__` here)
-    from .registry import load_drafter
-    p = argparse.ArgumentParser(prog="python -m specdec.draft.native", description=main.__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="checkpoint directory whose MTP tensors are replaced")
-    p.add_argument("--drafter", required=True, help="a trained native drafter directory")
-    p.add_argument("--out", default=None, help="write a copy of --target here instead of replacing in place")
-    args = p.parse_args(argv)
-    try:
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
-    except (OSError, ValueError) as e:
-        p.error(f"argument --target: cannot load {args.target!r} ({e})")
-    try:
-        net = load_drafter(args.drafter, target)
-    except ValueError as e:
-        p.error(f"argument --drafter: {e}")
-    if not isinstance(net, native.Net):
-        p.error(f"argument --drafter: {args.drafter!r} holds a {net.config.kind} drafter, not native")
-    dest = args.target
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        for name in os.listdir(args.target):
-            if os.path.isfile(os.path.join(args.target, name)):
-                shutil.copy2(os.path.join(args.target, name), os.path.join(args.out, name))
-        dest = args.out
-    try:
-        files = native.write_mtp(net, target, dest)
-    except ValueError as e:
-        p.error(str(e))
-    print(json.dumps({"written": files}))
-    return 0
-
-
 def build(target, *, native_path: str | os.PathLike | None = None) -> Net:
     """The native net of `target` (its checkpoint's MTP layers)."""
     config = Config.for_target(target, native_path=os.fspath(native_path) if native_path else None)
@@ -596,7 +555,3 @@ def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, **kwargs)
     if kwargs:
         raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the native drafter (expected native_path)")
     return NativeDrafter(net, gamma=gamma, max_batch_size=max_batch_size)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

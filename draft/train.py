@@ -1,10 +1,10 @@
 """Distil a drafter from a target's own outputs on a text corpus.
 
-    python -m specdec.draft.train --target DIR --drafter {mtp,eagle,dspark} --data FILE --out DIR \\
+    python -m specdec draft-train --target DIR --drafter {mtp,eagle,dspark,native} --data FILE --out DIR \\
         [--steps 300 --lr 1e-3 --seq-len 128 --batch-size 8 --val-every 50 --val-batches 2 --seed 0 --init DIR
          --checkpoint FILE --max-minutes M --patience K --threads 1]
 
-`--data` is a text file, or a self-distilled corpus written by `python -m specdec.draft.data` (`.jsonl`).
+`--data` is a text file, or a self-distilled corpus written by `python -m specdec draft-data` (`.jsonl`).
 `--init DIR` continues from a trained drafter of the same kind (a fresh warmup + cosine schedule).
 Every `--val-every` steps the per-position teacher-forced greedy acceptance on the held-out windows is printed
 (`per_position[i]`: draft i equals the target's argmax given drafts < i did) with its `tau` =
@@ -14,8 +14,8 @@ same arguments continues from it); `--max-minutes` and `--patience` (validations
 
 Target features and next-token distributions come from specdec's own runner over the target (so this
 works on CPU for the hybrid families); `train` takes the runner factory from its caller, and the command line
-is `specdec.cli.draft_train`. Saved as `config.json` + `model.safetensors`, loadable with
-`specdec.wrap(model, drafter=DIR)`.
+(`python -m specdec draft-train`) is `specdec.cli.draft_train`. Saved as `config.json` + `model.safetensors`,
+loadable with `specdec.wrap(model, drafter=DIR)`.
 """
 
 from __future__ import annotations
@@ -215,8 +215,3 @@ def train(target, ids: torch.Tensor, kind: str, *, runner_factory: Callable, ste
     net.eval()
     return net, history
 
-
-if __name__ == "__main__":  # the command line lives outside draft/, which does not import the runner
-    from specdec.cli.draft_train import main
-
-    raise SystemExit(main())

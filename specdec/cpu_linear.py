@@ -3,7 +3,7 @@
 A verify forward multiplies every weight by T rows (8 for a gamma-7 chain, up to ~50 for a tree), and on a CPU
 those matmuls are compute-bound: they are most of what a verify costs over a 1-token step (`bench/verify_cost.py`
 measures it as the "matmul floor"). torch's fp32 `F.linear` goes to MKL's sgemm, which on some x86 CPUs runs a
-generic code path (on the AMD Zen 5 of `bench/RESULTS.md` it does, AVX-512 unused), while oneDNN, also inside
+generic code path (on the AMD Zen 5 of `bench/results/HISTORY.md` it does, AVX-512 unused), while oneDNN, also inside
 torch, runs the CPU's widest vectors. Measured there on the embedded model (`bench/verify_cost.py`, one run): a
 49-node tree verify forward 20.3 -> 15.1 ms, an 8-token chain 9.5 -> 8.8 ms, a 1-token step unchanged; at one or two
 rows MKL is as fast or faster (oneDNN has more fixed cost per call), so a call goes to oneDNN only from `MIN_ROWS`

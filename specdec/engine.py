@@ -133,8 +133,8 @@ class SpecConfig:
     the largest key <= B (with static shapes: of the batch bucket), `num_draft_tokens` below the smallest key.
     Where a verify is compute-bound (a CPU, or a GPU at a large batch) each verified token costs time, and the
     drafts deep in a chain are the least likely accepted, so larger batches verify fewer of them: vLLM's
-    `speculative_disable_by_batch_size`, by degrees. E.g. `{8: 3}` (bench/RESULTS.md has the CPU sweep). A tree
-    drafter keeps its node budget; the schedule bounds its depth.
+    `speculative_disable_by_batch_size`, by degrees. E.g. `{8: 3}` (the CPU sweep: bench/results/HISTORY.md,
+    "Draft-length schedule"). A tree drafter keeps its node budget; the schedule bounds its depth.
     cpu_linear: the matmul backend of the `nn.Linear` layers of an fp32 model on CPU and of its drafter, which a
     verify feeds many rows at once. "onednn": `specdec.cpu_linear.install` turns them into `OneDNNLinear` (calls
     of >= 2 rows inside `generate` run oneDNN, on some x86 CPUs about twice MKL's sgemm at tree sizes; 1-row

@@ -309,6 +309,13 @@ class HybridRunner:
         plan.add("KV cache", kv_specs(cfg.num_slots, max_length, layers, self.dtype), deferred=True)
         return plan
 
+    @property
+    def attention(self) -> dict[int, object]:
+        """Layer index -> what the runner calls for that layer's attention: its module, or the family's stand-in
+        for it (Kimi's MLA in latent form, `adapters.KimiLatentAttention`), whose work never passes through the
+        module's own forward. Hybrid layers' shared attention blocks are not listed."""
+        return dict(self._attn)
+
     # ---- requests ----------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:

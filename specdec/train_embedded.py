@@ -1,13 +1,13 @@
 """Train the embedded default model: a small Kimi-Linear (KDA + MLA, 3:1) on the CPython standard library.
 
-    python -m specdec.train_embedded --out specdec/embedded --minutes 45
-    python -m specdec.train_embedded --family qwen3_5 --tokenizer specdec/embedded --out DIR --minutes 30 \\
+    python -m specdec train-embedded --out specdec/embedded --minutes 45
+    python -m specdec train-embedded --family qwen3_5 --tokenizer specdec/embedded --out DIR --minutes 30 \\
         --checkpoint DIR.ckpt --prompts ""
 
 `--family qwen3_5` trains a small Qwen3.5 text model (Gated DeltaNet + gated full attention, 3:1) with the same loop
 and data, and saves it with one freshly initialized MTP layer under the published checkpoints' names (`mtp.fc`,
 `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, `mtp.layers.0.*`, `mtp.norm`: what `drafter="native"`
-reads; fine-tune it with `python -m specdec.draft.train --drafter native`). `--tokenizer DIR` reuses that
+reads; fine-tune it with `python -m specdec draft-train --drafter native`). `--tokenizer DIR` reuses that
 directory's tokenizer (the embedded model's) instead of training one. `--checkpoint FILE` keeps a resumable
 training state there at every validation (a rerun with the same arguments continues from it).
 
@@ -20,13 +20,11 @@ Runs on CPU with transformers' own layers, the chunked delta rule swapped for `k
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
 import os
 import random
-import sys
 import sysconfig
 import time
 
@@ -153,50 +151,44 @@ def make_prompts(held: dict[str, str], tok, n_code: int = 30, n_prose: int = 10,
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specdec.train_embedded", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "embedded"))
-    p.add_argument("--prompts", default="bench/data/prompts.jsonl")
-    p.add_argument("--minutes", type=float, default=45.0, help="training time budget")
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--val-every", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--family", choices=FAMILIES, default="kimi_linear", help="the model to train (see above)")
-    p.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="use this directory's tokenizer (default: train one)")
-    p.add_argument("--checkpoint", default=None, metavar="FILE", help="resumable training state (resumed if present)")
-    p.add_argument("--dump-corpus", metavar="FILE", default=None,
-                   help="write the training text (the drafters' distillation data) to FILE and exit")
-    p.add_argument("--corpus-mb", type=float, default=2.0, help="with --dump-corpus: megabytes of text to write")
-    args = p.parse_args(argv)
-    if args.dump_corpus:
-        train_docs, _ = corpus()
-        text, budget = [], int(args.corpus_mb * 2 ** 20)
-        for name in sorted(train_docs, key=lambda n: hashlib.sha1(n.encode()).hexdigest()):  # a mixed sample
-            text.append(train_docs[name])
-            budget -= len(train_docs[name])
-            if budget <= 0:
-                break
-        with open(args.dump_corpus, "w", encoding="utf-8") as f:
-            f.write("\n\n".join(text))
-        return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def dump_corpus(path: str, megabytes: float = 2.0) -> None:
+    """Write about `megabytes` of the training text (the drafters' distillation data) to `path`."""
+    train_docs, _ = corpus()
+    text, budget = [], int(megabytes * 2 ** 20)
+    for name in sorted(train_docs, key=lambda n: hashlib.sha1(n.encode()).hexdigest()):  # a mixed sample
+        text.append(train_docs[name])
+        budget -= len(train_docs[name])
+        if budget <= 0:
+            break
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n\n".join(text))
+
+
+def train(*, out: str | None = None, prompts: str = "bench/data/prompts.jsonl", minutes: float = 45.0,
+          vocab_size: int = 4096, seq_len: int = 256, batch_size: int = 16, lr: float = 2e-3, val_every: int = 100,
+          seed: int = 0, threads: int | None = None, family: str = "kimi_linear", tokenizer: str | None = None,
+          checkpoint: str | None = None) -> dict:
+    """Train a `family` model for `minutes` and save it (with its tokenizer and `training.json`) to `out` (default:
+    the package's `embedded/`); the held-out benchmark prompts go to `prompts` ("" for none). `tokenizer`: a
+    directory whose tokenizer is reused; `checkpoint`: a resumable training state, resumed if present. Returns the
+    summary it prints last."""
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+    if out is None:
+        out = os.path.join(os.path.dirname(__file__), "embedded")
+    if threads:
+        torch.set_num_threads(threads)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specdec.draft.registry import load_plain
     from specdec.hf_compat import torch_fallbacks
 
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     t0 = time.time()
     train_docs, held_docs = corpus()
-    tok = AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer else \
-        train_tokenizer(list(train_docs.values()), args.vocab_size)
+    tok = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else \
+        train_tokenizer(list(train_docs.values()), vocab_size)
     eos = tok.convert_tokens_to_ids(EOS)
 
     def stream(docs):
@@ -208,21 +200,21 @@ def main(argv=None) -> int:
     train_ids, val_ids = stream(train_docs), stream(held_docs)
     print(json.dumps({"train_docs": len(train_docs), "held_docs": len(held_docs), "train_tokens": train_ids.numel(),
                       "val_tokens": val_ids.numel(), "prep_s": round(time.time() - t0, 1)}), flush=True)
-    model = AutoModelForCausalLM.from_config(model_config(len(tok), eos, tok.convert_tokens_to_ids(PAD), args.family))
+    model = AutoModelForCausalLM.from_config(model_config(len(tok), eos, tok.convert_tokens_to_ids(PAD), family))
     model.config._experts_implementation = "eager"
     n_params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    gen = torch.Generator().manual_seed(args.seed)
-    S, B = args.seq_len, args.batch_size
-    budget = args.minutes * 60
-    val_gen = torch.Generator().manual_seed(args.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    S, B = seq_len, batch_size
+    budget = minutes * 60
+    val_gen = torch.Generator().manual_seed(seed + 1)
     val_batches = [torch.stack([val_ids[s:s + S + 1] for s in torch.randint(0, val_ids.numel() - S - 1, (B,),
                                                                               generator=val_gen).tolist()])
                    for _ in range(4)]
 
     def loss_of(batch):
-        out = model(input_ids=batch[:, :-1])
-        return torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        logits = model(input_ids=batch[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
 
     def validate():
         model.eval()
@@ -233,24 +225,24 @@ def main(argv=None) -> int:
 
     log = []
     step, t_train = 0, time.time()
-    if args.checkpoint and os.path.exists(args.checkpoint):
-        state = load_plain(args.checkpoint, what="--checkpoint")
+    if checkpoint and os.path.exists(checkpoint):
+        state = load_plain(checkpoint, what="--checkpoint")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         gen.set_state(state["gen"])
         torch.set_rng_state(state["rng"])
         step, log = state["step"], state["log"]
         t_train -= state["elapsed"]  # the schedule continues where it stopped
-        print(json.dumps({"resumed": args.checkpoint, "step": step, "s": round(state["elapsed"])}), flush=True)
+        print(json.dumps({"resumed": checkpoint, "step": step, "s": round(state["elapsed"])}), flush=True)
 
     def save_state():
-        if args.checkpoint:
+        if checkpoint:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
                         "rng": torch.get_rng_state(), "step": step, "log": log, "elapsed": time.time() - t_train},
-                       args.checkpoint + ".tmp")
-            os.replace(args.checkpoint + ".tmp", args.checkpoint)  # never a torn checkpoint
+                       checkpoint + ".tmp")
+            os.replace(checkpoint + ".tmp", checkpoint)  # never a torn checkpoint
 
-    with torch_fallbacks(args.family, chunked=True, chunk_size=CHUNK[args.family]):
+    with torch_fallbacks(family, chunked=True, chunk_size=CHUNK[family]):
         model.train()
         while True:
             elapsed = time.time() - t_train
@@ -258,9 +250,9 @@ def main(argv=None) -> int:
                 break
             # warmup by steps, cosine decay by elapsed time: the schedule ends with the budget at any speed
             frac = min(elapsed / budget, 1.0)
-            lr = args.lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            step_lr = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
             for gp in opt.param_groups:
-                gp["lr"] = lr
+                gp["lr"] = step_lr
             starts = torch.randint(0, train_ids.numel() - S - 1, (B,), generator=gen).tolist()
             batch = torch.stack([train_ids[s:s + S + 1] for s in starts])
             loss = loss_of(batch)
@@ -269,8 +261,9 @@ def main(argv=None) -> int:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             step += 1
-            entry = {"step": step, "loss": round(loss.item(), 4), "lr": round(lr, 6), "s": round(time.time() - t_train)}
-            if step % args.val_every == 0:
+            entry = {"step": step, "loss": round(loss.item(), 4), "lr": round(step_lr, 6),
+                     "s": round(time.time() - t_train)}
+            if step % val_every == 0:
                 entry["val_loss"] = round(validate(), 4)
             if step % 10 == 0 or "val_loss" in entry:
                 print(json.dumps(entry), flush=True)
@@ -278,27 +271,23 @@ def main(argv=None) -> int:
             if "val_loss" in entry:
                 save_state()
         final_val = validate()
-    summary = {"family": args.family, "params": n_params, "steps": step, "tokens_seen": step * B * S,
+    summary = {"family": family, "params": n_params, "steps": step, "tokens_seen": step * B * S,
                "train_seconds": round(time.time() - t_train),
                "final_train_loss": sum(e["loss"] for e in log[-20:]) / max(1, len(log[-20:])),
                "final_val_loss": round(final_val, 4), "seq_len": S, "batch_size": B, "vocab_size": len(tok)}
     print(json.dumps(summary), flush=True)
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     model.config._experts_implementation = None
-    model.to(torch.bfloat16).save_pretrained(args.out)
-    if args.family == "qwen3_5":  # the MTP layer the published Qwen3.5 checkpoints ship, freshly initialized
-        add_tensors(args.out, fresh_mtp_tensors(model.config, args.seed), torch.bfloat16)
-    tok.save_pretrained(args.out)
-    with open(os.path.join(args.out, "training.json"), "w") as f:
+    model.to(torch.bfloat16).save_pretrained(out)
+    if family == "qwen3_5":  # the MTP layer the published Qwen3.5 checkpoints ship, freshly initialized
+        add_tensors(out, fresh_mtp_tensors(model.config, seed), torch.bfloat16)
+    tok.save_pretrained(out)
+    with open(os.path.join(out, "training.json"), "w") as f:
         json.dump({"summary": summary, "log": [e for e in log if e["step"] % 10 == 0 or "val_loss" in e]}, f)
-    prompts = make_prompts(held_docs, tok)
-    if args.prompts:
-        os.makedirs(os.path.dirname(args.prompts) or ".", exist_ok=True)
-        with open(args.prompts, "w") as f:
-            for rec in prompts:
+    if prompts:
+        os.makedirs(os.path.dirname(prompts) or ".", exist_ok=True)
+        with open(prompts, "w") as f:
+            for rec in make_prompts(held_docs, tok):
                 f.write(json.dumps(rec) + "\n")
-    return 0
+    return summary
 
-
-if __name__ == "__main__":
-    sys.exit(main())

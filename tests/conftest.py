@@ -21,6 +21,17 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Tiny models gain nothing from intra-op threads, and OpenMP barriers stall badly on a busy machine.
 torch.set_num_threads(1)
 
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test, whatever an earlier test left set; restored after it. Modules of tiny-model
+    round checks take it for every test: `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # the values triton itself reads as true
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes", "y")
 # Where a Triton kernel can run: the interpreter takes CPU tensors, compiled kernels take CUDA tensors; None on a
@@ -37,6 +48,16 @@ def triton_device() -> str:
     return TRITON_DEVICE
 
 
+@pytest.fixture(scope="module")
+def target(request):
+    """The tiny float64 model (seed 0) of the test module's `FAMILY`, one per module: the target its generation tests
+    wrap and compare with `tiny_models.greedy_reference` (tests never modify it). A module with another target
+    defines its own `target` fixture."""
+    from tiny_models import tiny_model  # here, not at the top: kernel-only test runs need no transformers
+
+    return tiny_model(request.module.FAMILY, seed=0)
+
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
@@ -46,10 +67,10 @@ def embedded():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(BENCH))
-    from accept_rate import load_prompts, resolve_model_dir
+    from common import PROMPTS, load_prompts, resolve_model_dir
 
     model_dir = resolve_model_dir("embedded")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    texts = [r["prompt"] for r in load_prompts(str(BENCH / "data" / "prompts.jsonl"), ["code", "prose"], None)]
+    texts = [r["prompt"] for r in load_prompts(PROMPTS, ["code", "prose"], None)]
     return model, model_dir, [tok(t)["input_ids"][:32] for t in texts]

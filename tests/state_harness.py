@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
+from assertions import assert_close, max_rel_err
 
 from specdec.kernels import kda_gate, recurrent_delta_rule, short_conv
 from specdec.replayssm import StateConfig, make_strategy
-from specdec.testing import assert_close, max_rel_err
 
 STRATEGIES = {"snapshot": ("snapshot", "eager"), "replay-eager": ("replay", "eager"), "replay-lazy": ("replay", "lazy")}
 
@@ -19,7 +19,7 @@ def rel_tol(dtype: torch.dtype) -> float:
 def check_verify_value(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, msg: str) -> None:
     """Verify outputs and the snapshot scheme's states (node states of the verify): off the GPU the verify is the
     chunk form, the recurrence in another op order, so fp64 1e-12 relative and fp32 the fp32 tolerance of
-    `specdec.testing` (docs/EXACTNESS.md), not the 2 eps of the exact fold."""
+    `assertions` (docs/EXACTNESS.md), not the 2 eps of the exact fold."""
     if dtype == torch.float64:
         err = max_rel_err(got, want)
         assert err <= 1e-12, f"{msg}: rel err {err:.3e}"
@@ -33,15 +33,6 @@ def first_record(strat, slot: int = 1) -> tuple[int, int]:
     if strat.rings.layout == "lazy":
         return slot, int(strat.rings.start[slot] + strat.rings.pending[slot]) % strat.cfg.ring_len
     return 0, 0
-
-
-def root_path(parent: list[int], node: int) -> list[int]:
-    """Node indices from the root down to `node`."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parent[node]
-    return path[::-1]
 
 
 class Harness:
@@ -115,6 +106,20 @@ class Harness:
         if corrupt is not None:
             corrupt(st)
         return ys, os
+
+    def commit(self, name: str, paths: dict[int, list[int]], B: int, tree: bool, width: int | None = None) -> None:
+        """Commit the open round of strategy `name`: row b keeps `paths[b]` (a tree: node indices from the root, sent
+        as a -1 padded `[B, width]` matrix, width by default the longest path; a chain: its first len(paths[b])
+        tokens); a row without a path keeps nothing."""
+        st = self.strats[name]
+        if tree:
+            width = max((len(p) for p in paths.values()), default=1) if width is None else width
+            path = torch.full((B, width), -1, dtype=torch.long)
+            for b, p in paths.items():
+                path[b, :len(p)] = torch.tensor(p)
+            st.commit(path=path)
+        else:
+            st.commit(torch.tensor([len(paths[b]) if b in paths else 0 for b in range(B)]))
 
     def oracle(self, slot: int, b: int, inp: dict, path: list[int], *, advance: bool):
         """Plain decode of the tokens `path` of row b from the oracle state of `slot`.

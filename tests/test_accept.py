@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import assert_close, chi2_critical, chi2_gof
 from hypothesis import given
 from hypothesis import strategies as st
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import specdec.verify.accept as accept_mod
-from specdec.testing import assert_close, chi2_critical, chi2_gof
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import max_rel_err, tree_node_sequences
 from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
 
 from specdec.runner import HybridRunner
-from specdec.testing import max_rel_err, tree_node_sequences
 
 TOL = 1e-10
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import float64_everywhere, greedy_reference, tiny_model, torch_fallbacks
+from assertions import max_rel_err, tree_node_sequences
+from tiny_models import (float64_everywhere, generate_f64, greedy_reference, noisy_copy, remove_module, tiny_model,
+                         torch_fallbacks)
 
 import specdec
 from specdec.runner import HybridRunner, make_runner
-from specdec.testing import max_rel_err, tree_node_sequences
 
 TOL = 1e-10
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
@@ -28,6 +29,8 @@ MODEL_TYPES = {"qwen3_5_moe": "qwen3_5_moe_text", "olmo_hybrid": "olmo_hybrid", 
 GAMMA, N = 5, 14
 PROMPTS = {"rep4": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "rep3": [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12, 13, 11]}
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 _MODELS: dict = {}
 
 
@@ -37,27 +40,11 @@ def _model(family: str, seed: int = 1):
     return _MODELS[family, seed]
 
 
-def _noisy_copy(family: str, scale: float = 1e-3):
-    """The generation target's weights plus `scale * randn`: mostly the same argmax, not always (partial
-    acceptance)."""
+def _noisy_draft(family: str):
+    """The generation target plus noise (`tiny_models.noisy_copy`): partial acceptance."""
     if (family, "noisy") not in _MODELS:
-        target = _model(family, seed=0)
-        draft = tiny_model(family, seed=7)
-        draft.load_state_dict(target.state_dict())
-        gen = torch.Generator().manual_seed(7)
-        with torch.no_grad():
-            for p in draft.parameters():
-                p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-        _MODELS[family, "noisy"] = draft
+        _MODELS[family, "noisy"] = noisy_copy(_model(family, seed=0), seed=7)
     return _MODELS[family, "noisy"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _reference(model, ids: torch.Tensor) -> torch.Tensor:
@@ -142,12 +129,11 @@ def test_greedy_identity(family, drafter, strategy, commit):
         engine = specdec.wrap(target, drafter="ngram", **kw)
         names = ["rep4", "rep3"]  # one batch, prompts of different lengths
     else:
-        engine = specdec.wrap(target, drafter="model", draft_model=_noisy_copy(family), **kw)
+        engine = specdec.wrap(target, drafter="model", draft_model=_noisy_draft(family), **kw)
         names = ["rep4"]
     assert type(engine.runner).__name__ == "HybridRunner"
     refs = [greedy_reference(target, PROMPTS[n], N) for n in names]
-    with torch_fallbacks(), float64_everywhere():
-        out = engine.generate([torch.tensor(PROMPTS[n]) for n in names], max_new_tokens=N, eos_token_id=None)
+    out = generate_f64(engine, [PROMPTS[n] for n in names], max_new_tokens=N)
     for b, ref in enumerate(refs):
         assert out.sequences[b, :len(ref)].tolist() == ref, f"row {b} differs from transformers' greedy generate"
     stats = out.stats
@@ -167,12 +153,8 @@ def test_greedy_identity(family, drafter, strategy, commit):
     ("qwen3_5_moe", (), "linear_attn"),
 ])
 def test_missing_module_names_family_layer_and_module(family, path, name):
-    model = tiny_model(family, seed=3)
     layer_idx = 3 if name == "post_feedforward_layernorm" else 0  # the full-attention layer / a linear one
-    owner = model.model.layers[layer_idx]
-    for attr in path:
-        owner = getattr(owner, attr)
-    delattr(owner, name)
+    model = remove_module(tiny_model(family, seed=3), layer_idx, path, name)
     with pytest.raises(ValueError, match=rf"{MODEL_TYPES[family]} layer {layer_idx} .*'{name}'"):
         HybridRunner(model, max_batch_size=1, max_length=16)
 

@@ -1,5 +1,6 @@
-"""`bench/ab.py`: the JSON paths it collects, and a run against a revision in which each side imports its own
-package (the old side from the worktree, never the working tree)."""
+"""`bench/ab.py`: the JSON paths it collects, a run against a revision in which each side imports its own
+package (the old side from the worktree, never the working tree), and its `--kernels` case (bench/kernel_speed.py's
+torch references, per op)."""
 
 import json
 import os
@@ -30,8 +31,29 @@ def test_flatten_and_pick():
     assert ab.pick(flat, ["*"]) == {"n": 7.0}
 
 
-@pytest.mark.skipif(subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode,
-                    reason="needs the git checkout the script makes its worktree from")
+def test_kernel_references_are_the_reference_rows_by_op():
+    ab = load_bench("ab")
+    doc = {"results": [{"op": "exact_fold_n1", "impl": "reference", "ms": 2.0},
+                       {"op": "exact_fold_n1", "impl": "triton", "ms": 0.5},
+                       {"op": "masked_scatter", "impl": "reference", "ms": 0.25}]}
+    assert ab.kernel_references(doc) == {"exact_fold_n1": 2.0, "masked_scatter": 0.25}
+
+
+def test_bad_arguments_give_one_error():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for args, said in ((["--kernels", "--metric", "x"], "not with --kernels"), ([], "at least one"),
+                       (["--metric", "x"], "a bench script"), (["--metric", "x", "--rounds", "0", "y.py"], "--rounds")):
+        done = subprocess.run([sys.executable, str(SCRIPT), "--old", "HEAD", *args], capture_output=True, text=True,
+                              env=env, timeout=120)
+        assert done.returncode == 2 and said in done.stderr, (args, done.stderr[-500:])
+
+
+needs_git = pytest.mark.skipif(
+    subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode,
+    reason="needs the git checkout the script makes its worktree from")
+
+
+@needs_git
 def test_each_side_imports_its_own_tree(tmp_path):
     """A probe script reports where `specdec`'s kernels came from: the new side from this checkout, the old side
     from the worktree of HEAD, never from here."""
@@ -60,3 +82,22 @@ def test_each_side_imports_its_own_tree(tmp_path):
                           "--", probe.name, "1"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert bad.returncode != 0 and "matched nothing" in bad.stderr
     assert worktrees() == before  # the old revision's worktree is removed afterwards
+
+
+@needs_git
+def test_kernels_case_compares_the_references_per_op(tmp_path):
+    """`--kernels`: kernel_speed.py's references on the CPU, its arguments after `--`; one row per op."""
+    out = tmp_path / "ab.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(SCRIPT), "--old", "HEAD", "--rounds", "1", "--kernels", "--json",
+                           str(out), "--", "--ops", "short_conv_verify,masked_scatter", "--reps", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["kernels"] and res["script"] == "kernel_speed.py"
+    assert res["args"][:2] == ["--device", "cpu"] and res["args"][-2:] == ["--reps", "1"]
+    rows = {r["name"]: r for r in res["rows"]}
+    assert set(rows) == {"short_conv_verify", "masked_scatter"}
+    assert all(r["old_median"] > 0 and r["new_median"] > 0 and len(r["old"]) == len(r["new"]) == 1
+               for r in rows.values())
+    assert "masked_scatter" in done.stdout and "spread" in done.stdout

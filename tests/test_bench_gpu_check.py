@@ -15,7 +15,7 @@ def _xml(tmp_path, cases):
 
 
 def test_fold_bitwise_needs_every_family(tmp_path):
-    fams = gc._fold_families()
+    fams = gc.fold_families()
     assert set(fams) >= {"kda", "gdn", "mamba2"}
     ids = [f"test_fold_equals_single_steps[triton-{f}]" for f in fams]
     counts, fold = gc.read_report(_xml(tmp_path, [(i, "passed") for i in ids] + [("test_other", "failed")]))

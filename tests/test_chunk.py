@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import assert_close, max_rel_err
 from hypothesis import example, given
 from hypothesis import strategies as st
 from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
@@ -12,7 +13,6 @@ from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallback
 from specdec.kernels.chunk import chunk_delta_rule
 from specdec.kernels.recurrent import recurrent_delta_rule
 from specdec.hf_compat import CHUNK_FNS
-from specdec.testing import assert_close, max_rel_err
 
 F32, F64 = torch.float32, torch.float64
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import assert_close, root_path
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -21,18 +22,9 @@ from specdec.kernels.rebuild.naive import fast_rebuild
 from specdec.kernels.recurrent import recurrent_delta_rule
 from specdec.kernels.verify.chunk import verify_delta_rule as chunk_verify
 from specdec.kernels.verify.naive import verify_delta_rule as naive_verify
-from specdec.testing import assert_close
 
 F32, F64 = torch.float32, torch.float64
 RECORDS = ("d", "k", "g", "rawv", "rawk", "beta")
-
-
-def root_path(parent: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parent[node]
-    return path[::-1]
 
 
 @st.composite

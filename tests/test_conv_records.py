@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import assert_close, root_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,17 +18,8 @@ from specdec.kernels.common import conv_step
 from specdec.kernels.recurrent import short_conv
 from specdec.kernels.scatter.naive import commit_conv_windows, rebuild_windows
 from specdec.kernels.verify.naive import short_conv_verify
-from specdec.testing import assert_close
 
 NAN = float("nan")
-
-
-def root_path(parent: list[int], node: int) -> list[int]:
-    path = []
-    while node >= 0:
-        path.insert(0, node)
-        node = parent[node]
-    return path
 
 
 @st.composite

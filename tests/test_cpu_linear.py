@@ -8,12 +8,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from assertions import assert_close
 from torch import nn
 
 import specdec
 from specdec import cpu_linear
 from specdec.draft import NoDraft
-from specdec.testing import assert_close
 
 from tiny_models import tiny_model, torch_fallbacks
 

@@ -1,16 +1,15 @@
-"""The self-distilled corpus (`python -m specdec.draft.data`): the target's own continuations of prompts.
+"""The self-distilled corpus (`python -m specdec draft-data`): the target's own continuations of prompts.
 
 1. Greedy records equal transformers' own greedy `generate` of the same prompts (float64 tiny target), and
    sampled records are seeded draws of the requested length.
 2. Resume: a rerun appends only the prompts not yet written; a torn last line is dropped first.
-3. The command line writes a corpus that `python -m specdec.draft.train --data CORPUS.jsonl` trains on.
+3. The command line writes a corpus that `python -m specdec draft-train --data CORPUS.jsonl` trains on.
 """
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 from tiny_models import float64_everywhere, greedy_reference, save_tiny, tiny_model, torch_fallbacks
 
@@ -69,27 +68,25 @@ def test_rerun_resumes(tmp_path):
 
 
 def test_command_line_and_training_on_the_corpus(tmp_path, capsys):
-    from specdec.cli.draft_data import main as data_main
-    from specdec.cli.draft_train import main as train_main
+    from specdec.cli import main
     save_tiny(tmp_path / "target", "kimi_linear")
     text = tmp_path / "text.txt"
     text.write_text("def f(x):\n    return x + 1\n" * 40)
     out = tmp_path / "corpus.jsonl"
     threads = torch.get_num_threads()
     try:
-        args = ["--target", str(tmp_path / "target"), "--text", str(text), "--out", str(out), "--num-prompts", "4",
+        args = ["draft-data", "--target", str(tmp_path / "target"), "--text", str(text), "--out", str(out), "--num-prompts", "4",
                 "--prompt-len", "8", "--new-tokens", "24", "--batch-size", "2"]
-        assert data_main(args) == 0
+        assert main(args) == 0
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["records"] == 4
         # resumes: 2 more, by plain decoding this time (the same continuations: greedy records are the target's own)
-        assert data_main(args[:-4] + ["--num-prompts", "6", "--batch-size", "2", "--drafter", "none"]) == 0
+        assert main(args[:-4] + ["--num-prompts", "6", "--batch-size", "2", "--drafter", "none"]) == 0
         summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert summary["written"] == 2 and summary["records"] == 6
-        rc = train_main(["--target", str(tmp_path / "target"), "--data", str(out), "--drafter", "dspark",
-                         "--out", str(tmp_path / "d"), "--steps", "2", "--seq-len", "16", "--batch-size", "2"])
+        rc = main(["draft-train", "--target", str(tmp_path / "target"), "--data", str(out), "--drafter", "dspark",
+                   "--out", str(tmp_path / "d"), "--steps", "2", "--seq-len", "16", "--batch-size", "2"])
         assert rc == 0 and (tmp_path / "d" / "model.safetensors").exists()
-        with pytest.raises(SystemExit):
-            data_main(args[:-2] + ["--temperatures", "warm"])
+        assert main(args[:-2] + ["--temperatures", "warm"]) == 2
     finally:
         torch.set_num_threads(threads)
     assert "--temperatures" in capsys.readouterr().err

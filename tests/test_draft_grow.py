@@ -1,4 +1,4 @@
-"""Growing a trained drafter (`grown_state_dict`, `python -m specdec.draft.train --init DIR --config
+"""Growing a trained drafter (`grown_state_dict`, `python -m specdec draft-train --init DIR --config
 num_layers=N`): the grown net starts as the function of the smaller one.
 
 Independent reference: the smaller net's own loss and validation figures on the same float64 target batch (the

@@ -2,11 +2,11 @@
 of a head, `(x[i], x[i + D/2])`, times `exp(1j * position * theta ** (-2i / D))`."""
 
 import torch
+from assertions import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.draft.layers import rotary
-from specdec.testing import assert_close
 
 
 def complex_rotation(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

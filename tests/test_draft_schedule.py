@@ -11,13 +11,13 @@ shrinks 3 -> 2 -> 1):
 from __future__ import annotations
 
 import pytest
-import torch
-from tiny_models import float64_everywhere, tiny_model, torch_fallbacks
+from tiny_models import assert_greedy, generate_f64
 
 import specdec
 from specdec.draft.ngram import NgramDrafter
 from specdec.engine import SpecConfig
 
+FAMILY = "qwen3_5"  # conftest's `target`
 GAMMA = 4
 SCHEDULE = {2: 2, 3: 1}
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12, 13, 11], [3, 41, 17, 88, 9]]
@@ -36,17 +36,6 @@ class _Recording(NgramDrafter):
         return super().propose(rows, contexts, gamma, **kw)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model("qwen3_5", seed=0)
-
-
-def _reference(model, prompt):
-    with torch_fallbacks(), float64_everywhere():
-        return model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW,
-                              eos_token_id=None)[0].tolist()
-
-
 @pytest.mark.parametrize("static", [False, True])
 def test_rounds_follow_the_schedule(target, static):
     drafter = _Recording()
@@ -55,11 +44,8 @@ def test_rounds_follow_the_schedule(target, static):
     widths = []
     inner = engine._verify_step
     engine._verify_step = lambda step, *a, **k: (widths.append(tuple(step["ids"].shape)), inner(step, *a, **k))[1]
-    with torch_fallbacks(), float64_everywhere():
-        out = engine.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=None)
-    for b, p in enumerate(PROMPTS):
-        ref = _reference(target, p)
-        assert out.sequences[b, :len(ref)].tolist() == ref, f"row {b} differs from transformers' greedy generate"
+    out = generate_f64(engine, PROMPTS, max_new_tokens=NEW)
+    assert_greedy(out, target, PROMPTS, NEW)
     sizes = [rows for rows, _ in drafter.calls]
     assert sizes[0] == 3 and 1 in sizes, f"the batch did not shrink: {sizes}"
     # the schedule, written out: 3 rows (bucket 4) -> 1 draft, 2 rows -> 2, 1 row -> gamma
@@ -80,11 +66,8 @@ def test_tree_depth_follows_the_schedule(target):
     propose = engine.drafter.propose
     engine.drafter.propose = lambda rows, ctx, gamma, **k: (depths.append((len(rows), gamma)),
                                                             propose(rows, ctx, gamma, **k))[1]
-    with torch_fallbacks(), float64_everywhere():
-        out = engine.generate(PROMPTS, max_new_tokens=NEW, eos_token_id=None)
-    for b, p in enumerate(PROMPTS):
-        ref = _reference(target, p)
-        assert out.sequences[b, :len(ref)].tolist() == ref
+    out = generate_f64(engine, PROMPTS, max_new_tokens=NEW)
+    assert_greedy(out, target, PROMPTS, NEW)
     assert depths[0] == (3, 1) and all(g == 1 for n, g in depths if n == 3)
 
 

@@ -16,12 +16,12 @@ import random
 
 import pytest
 import torch
-from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_model, torch_fallbacks
+from assertions import chi2_critical, chi2_gof, count_samples
+from tiny_models import assert_greedy, exact_joint, generate_f64, tiny_model
 
 import specdec
 from specdec.draft import tree as tree_mod
 from specdec.draft.tree import DynamicTree, log_scores
-from specdec.testing import chi2_critical, chi2_gof
 from specdec.verify import SamplingParams
 
 
@@ -123,8 +123,7 @@ def _mtp_trees(engine, prompts):
         return block
     net.draft_tree = record
     try:
-        with torch_fallbacks(), float64_everywhere():
-            engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=6, eos_token_id=None)
+        generate_f64(engine, prompts, max_new_tokens=6)
     finally:
         del net.draft_tree
     return seen
@@ -235,11 +234,8 @@ def test_greedy_identity(kind, shape):
     engine = specdec.wrap(target, drafter=kind, untrained=True, num_draft_tokens=4, max_batch_size=2, **opts)
     assert engine.drafter.tree == (shape == "tree")
     prompts = [PROMPT, PROMPT[:7]]
-    with torch_fallbacks(), float64_everywhere():
-        out = engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=12, eos_token_id=None)
-    for b, p in enumerate(prompts):
-        ref = greedy_reference(target, p, 12)
-        assert out.sequences[b, :len(ref)].tolist() == ref, f"{kind} {shape}: row {b}"
+    out = generate_f64(engine, prompts, max_new_tokens=12)
+    assert_greedy(out, target, prompts, 12, f"{kind} {shape}: ")
     assert out.stats.proposed > 0
 
 
@@ -258,16 +254,9 @@ def test_tree_sampling_follows_target(kind):
     assert engine.drafter.tree
     params = dict(temperature=0.7)
     joint = exact_joint(target, SAMPLE_PROMPT, SamplingParams(do_sample=True, **params), NEW)
-    counts = torch.zeros(V ** NEW, dtype=torch.long)
-    place = V ** torch.arange(NEW - 1, -1, -1)
-    accepted = 0
-    for call in range(20):
-        out = engine.generate(torch.tensor(SAMPLE_PROMPT).expand(BATCH, -1), max_new_tokens=NEW, do_sample=True,
-                              seed=call, eos_token_id=None, **params)
-        counts += torch.bincount((out.sequences[:, len(SAMPLE_PROMPT):] * place).sum(1), minlength=V ** NEW)
-        accepted += out.stats.accepted
-        assert out.stats.drafter_failures == 0
-    assert accepted > 0
+    counts, totals = count_samples(engine, 20 * BATCH, 0, prompt=SAMPLE_PROMPT, vocab=V, new=NEW, batch=BATCH,
+                                   **params)
+    assert totals["accepted"] > 0 and totals["drafter_failures"] == 0
     stat, df = chi2_gof(counts, joint.flatten())
     assert stat < chi2_critical(df), f"{kind} tree: chi2 {stat:.1f} >= critical {chi2_critical(df):.1f} (df {df})"
 

@@ -22,13 +22,13 @@ import os
 
 import pytest
 import torch
-from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_model, torch_fallbacks
+from assertions import chi2_critical, chi2_gof, count_samples
+from tiny_models import exact_joint, float64_everywhere, generate_f64, greedy_reference, tiny_model, torch_fallbacks
 
 import specdec
 from specdec.draft import dspark
 from specdec.draft.registry import build_drafter_net, load_drafter, save_drafter
 from specdec.cli.draft_train import train
-from specdec.testing import chi2_critical, chi2_gof
 from specdec.verify import SamplingParams
 
 FAMILIES = ("kimi_linear", "qwen3_next")
@@ -90,11 +90,6 @@ def _engine(setup, family, which, **kw):
                         max_batch_size=2, **kw)
 
 
-def _generate(engine, prompts, **kw):
-    with torch_fallbacks(), float64_everywhere():
-        return engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=N, eos_token_id=None, **kw)
-
-
 def _record_num_drafts(engine) -> list[int]:
     seen, propose = [], engine.drafter.propose
 
@@ -127,7 +122,7 @@ def test_greedy_identity(setup, family, strategy, commit, which, shape):
     engine = _engine(setup, family, which, strategy=strategy, commit=commit, topk=1 if shape == "chain" else 2)
     assert type(engine.drafter).__name__ == "DSparkDrafter" and engine.drafter.tree == (shape == "tree")
     num = _record_num_drafts(engine)
-    out = _generate(engine, PROMPTS)
+    out = generate_f64(engine, PROMPTS, max_new_tokens=N)
     _assert_identity(setup, family, out, engine)
     stats = out.stats
     full = GAMMA if shape == "chain" else engine.drafter.num_nodes  # a tree of depth GAMMA fills its budget
@@ -153,11 +148,11 @@ def test_greedy_identity_confidence_truncation(setup, family, strategy, commit):
             cum.append(conf.cumprod(-1)[:, 1])
         return block
     probe.drafter.propose = recording
-    _generate(probe, PROMPTS)
+    generate_f64(probe, PROMPTS, max_new_tokens=N)
     threshold = float(torch.cat(cum).median())
     engine = _engine(setup, family, "trained", strategy=strategy, commit=commit, confidence_threshold=threshold)
     num = _record_num_drafts(engine)
-    out = _generate(engine, PROMPTS)
+    out = generate_f64(engine, PROMPTS, max_new_tokens=N)
     _assert_identity(setup, family, out, engine)
     assert len(set(num)) > 1 and max(num) < GAMMA, (threshold, num)
     assert out.stats.proposed == sum(num)
@@ -195,18 +190,7 @@ def _small_engine(target):
 
 
 def _sample_counts(engine, n: int, seed: int):
-    counts = torch.zeros(V ** NEW, dtype=torch.long)
-    place = V ** torch.arange(NEW - 1, -1, -1)
-    totals = dict(proposed=0, accepted=0, drafter_failures=0)
-    prompts = torch.tensor(SAMPLE_PROMPT).expand(BATCH, -1)
-    for call in range(n // BATCH):
-        out = engine.generate(prompts, max_new_tokens=NEW, do_sample=True, seed=seed + call, eos_token_id=None,
-                              **SAMPLING)
-        new = out.sequences[:, len(SAMPLE_PROMPT):]
-        counts += torch.bincount((new * place).sum(1), minlength=V ** NEW)
-        for k in totals:
-            totals[k] += getattr(out.stats, k)
-    return counts, totals
+    return count_samples(engine, n, seed, prompt=SAMPLE_PROMPT, vocab=V, new=NEW, batch=BATCH, **SAMPLING)
 
 
 def test_sampled_tokens_follow_target(small):
@@ -307,7 +291,7 @@ def test_training_improves_and_round_trips(setup, family):
     assert after["l1"] < 0.5 * before["l1"] and after["hard_ce"] < 0.5 * before["hard_ce"], (before, after)
     taus = {}
     for which in ("untrained", "trained"):
-        out = _generate(_engine(setup, family, which), PROMPTS)
+        out = generate_f64(_engine(setup, family, which), PROMPTS, max_new_tokens=N)
         taus[which] = out.stats.tau
     print(f"{family}: tau untrained {taus['untrained']:.2f} trained {taus['trained']:.2f}")
     assert taus["trained"] > taus["untrained"] + 0.5, taus
@@ -587,9 +571,7 @@ def test_old_saved_drafter_loads_with_its_old_config_and_blocks():
         blocks.append((block, engine.drafter.last_confidence.clone()))
         return block
     engine.drafter.propose = recording
-    with torch_fallbacks(), float64_everywhere():
-        out = engine.generate([torch.tensor(p) for p in rec["prompts"]], max_new_tokens=rec["max_new_tokens"],
-                              eos_token_id=None)
+    out = generate_f64(engine, rec["prompts"], max_new_tokens=rec["max_new_tokens"])
     assert out.sequences.tolist() == rec["sequences"]
     assert len(blocks) == len(rec["blocks"])
     for (block, conf), old in zip(blocks, rec["blocks"]):

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specdec.testing import chi2_critical, chi2_gof
-from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_model, torch_fallbacks
+from assertions import chi2_critical, chi2_gof, count_samples, max_rel_err
+from tiny_models import (assert_greedy, exact_joint, float64_everywhere, generate_f64, greedy_reference, tiny_model,
+                         torch_fallbacks)
 
 import specdec
 import specdec.engine as engine_mod
@@ -28,7 +29,6 @@ from specdec.kernels.dispatch import uses_triton
 from specdec.draft.registry import build_drafter_net, save_drafter
 from specdec.draft.eagle import EagleDrafter, Net, make_drafter
 from specdec.runner import HybridRunner
-from specdec.testing import max_rel_err
 from specdec.verify import SamplingParams, accept_tree_sampling
 
 FAMILIES = ("kimi_linear", "qwen3_next")
@@ -117,11 +117,6 @@ def _branching(blocks) -> int:
     return n
 
 
-def _generate(engine, prompts, **kw):
-    with torch_fallbacks(), float64_everywhere():
-        return engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=N, eos_token_id=None, **kw)
-
-
 # ---- 1. greedy identity ------------------------------------------------------------------------------------
 
 
@@ -139,7 +134,7 @@ def test_greedy_identity(setup, family, trained):
             engine = specdec.wrap(target, drafter="eagle", untrained=True, **kw)
         assert isinstance(engine.drafter, EagleDrafter) and engine.drafter.max_verify_tokens(GAMMA) == 11
         rec = _Recorder(engine)
-        out = _generate(engine, PROMPTS)
+        out = generate_f64(engine, PROMPTS, max_new_tokens=N)
         for b, ref in enumerate(refs):
             assert out.sequences[b, :len(ref)].tolist() == ref, f"{family} {strategy}-{commit}: row {b} differs"
         st = out.stats
@@ -166,10 +161,8 @@ def test_default_tree_follows_the_device(setup):
     engine = specdec.wrap(target, drafter=make_drafter(net, gamma=GAMMA, max_batch_size=2), num_draft_tokens=GAMMA,
                           max_batch_size=2)
     rec = _Recorder(engine)
-    out = _generate(engine, PROMPTS)
-    for b, p in enumerate(PROMPTS):
-        ref = greedy_reference(target, p, N)
-        assert out.sequences[b, :len(ref)].tolist() == ref
+    out = generate_f64(engine, PROMPTS, max_new_tokens=N)
+    assert_greedy(out, target, PROMPTS, N)
     # depth GAMMA with top-2 children: 2 candidates at depth 1, then 4 per depth, the best 16 kept
     assert rec.blocks[0].tokens.shape == (2, min(16, 2 + 4 * (GAMMA - 1))) and _branching(rec.blocks) > 0
 
@@ -215,20 +208,10 @@ def small():
 
 
 def _sample_counts(engine, params: dict, n: int, seed: int):
-    counts = torch.zeros(V ** NEW, dtype=torch.long)
-    place = V ** torch.arange(NEW - 1, -1, -1)
-    totals = dict(proposed=0, accepted=0, rounds=0, drafter_failures=0)
     rec = _Recorder(engine)
-    prompts = torch.tensor(SPROMPT).expand(BATCH, -1)
     try:
-        for call in range(n // BATCH):
-            out = engine.generate(prompts, max_new_tokens=NEW, do_sample=True, seed=seed + call, eos_token_id=None,
-                                  **params)
-            new = out.sequences[:, len(SPROMPT):]
-            assert new.shape == (BATCH, NEW)
-            counts += torch.bincount((new * place).sum(1), minlength=V ** NEW)
-            for k in totals:
-                totals[k] += getattr(out.stats, k)
+        counts, totals = count_samples(engine, n, seed, prompt=SPROMPT, vocab=V, new=NEW, batch=BATCH,
+                                       stats=("proposed", "accepted", "rounds", "drafter_failures"), **params)
     finally:
         engine.drafter.propose, engine.drafter.observe = rec.propose, rec.observe
     totals["branching"] = _branching(rec.blocks)
@@ -301,7 +284,7 @@ def test_tree_rounds_commit_plain_decode_state(setup, strategy, commit):
                 torch.tensor([s]))[0])))
 
     _Recorder(engine, after_round)
-    out = _generate(engine, PROMPTS)
+    out = generate_f64(engine, PROMPTS, max_new_tokens=N)
     assert [out.sequences[b, :len(p) + N].tolist() for b, p in enumerate(PROMPTS)] == [greedy_reference(setup.target(family), p, N)
                                                                                       for p in PROMPTS]
     assert all(p is not None for p in paths), "every round commits a tree path"
@@ -386,7 +369,7 @@ def test_tree_steps_match_training_unroll(setup):
 
 
 def _tau(engine) -> float:
-    out = _generate(engine, PROMPTS)
+    out = generate_f64(engine, PROMPTS, max_new_tokens=N)
     return out.stats.tau
 
 

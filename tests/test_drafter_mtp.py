@@ -20,14 +20,15 @@ import os
 
 import pytest
 import torch
-from tiny_models import exact_joint, float64_everywhere, greedy_reference, tiny_config, tiny_model, torch_fallbacks
+from assertions import chi2_critical, chi2_gof, count_samples
+from tiny_models import (exact_joint, float64_everywhere, generate_f64, greedy_reference, tiny_config, tiny_model,
+                         torch_fallbacks)
 
 import specdec
 from specdec.draft import mtp
 from specdec.draft.registry import build_drafter_net, load_drafter, own_state_dict, save_drafter, target_batch
 from specdec.cli.draft_train import train
 from specdec.runner import make_runner
-from specdec.testing import chi2_critical, chi2_gof
 from specdec.verify import SamplingParams
 
 FAMILIES = ("kimi_linear", "qwen3_next")
@@ -77,11 +78,6 @@ def trained(targets, tmp_path_factory):
 @pytest.fixture(scope="module")
 def refs(targets):
     return lambda family, prompt, max_new_tokens=N: greedy_reference(targets[family], prompt, max_new_tokens)
-
-
-def generate(engine, prompts, **kw):
-    with torch_fallbacks(), float64_everywhere():
-        return engine.generate([torch.tensor(p) for p in prompts], eos_token_id=None, **kw)
 
 
 # ---- 1. inference path == training path --------------------------------------------------------------------
@@ -157,7 +153,7 @@ def test_greedy_identity(targets, trained, refs, family, strategy, commit, weigh
     engine = specdec.wrap(target, drafter=drafter, untrained=weights == "untrained", num_draft_tokens=GAMMA,
                           strategy=strategy, commit=commit, max_batch_size=2)
     assert type(engine.drafter).__name__ == "MTPDrafter"
-    out = generate(engine, PROMPTS, max_new_tokens=N)
+    out = generate_f64(engine, PROMPTS, max_new_tokens=N)
     for b, p in enumerate(PROMPTS):
         ref = refs(family, p)
         row = out.sequences[b].tolist()
@@ -179,17 +175,7 @@ BATCH = 100
 
 
 def sample_counts(engine, n: int, seed: int, **params):
-    counts = torch.zeros(SAMPLE_V ** NEW, dtype=torch.long)
-    place = SAMPLE_V ** torch.arange(NEW - 1, -1, -1)
-    totals = dict(proposed=0, accepted=0, drafter_failures=0)
-    for call in range(n // BATCH):
-        out = engine.generate(torch.tensor(SAMPLE_PROMPT).expand(BATCH, -1), max_new_tokens=NEW, do_sample=True,
-                              seed=seed + call, eos_token_id=None, **params)
-        new = out.sequences[:, len(SAMPLE_PROMPT):]
-        counts += torch.bincount((new * place).sum(1), minlength=SAMPLE_V ** NEW)
-        for k in totals:
-            totals[k] += getattr(out.stats, k)
-    return counts, totals
+    return count_samples(engine, n, seed, prompt=SAMPLE_PROMPT, vocab=SAMPLE_V, new=NEW, batch=BATCH, **params)
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +236,7 @@ def test_training_lowers_loss_and_raises_tau(targets, trained):
         torch.manual_seed(0)
         engine = specdec.wrap(target, drafter=drafter, untrained=name == "untrained", num_draft_tokens=4,
                               max_batch_size=2)
-        out = generate(engine, PROMPTS, max_new_tokens=40)
+        out = generate_f64(engine, PROMPTS, max_new_tokens=40)
         assert out.stats.drafter_failures == 0
         taus[name] = out.stats.tau
     print(f"mtp {family}: val loss {first['loss']:.4f} -> {last['loss']:.4f}, per_position "

@@ -19,11 +19,11 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import float64_everywhere, greedy_reference, tiny_model, torch_fallbacks
+from tiny_models import assert_greedy, float64_everywhere, generate_f64, tiny_model, torch_fallbacks
 
 import specdec
 
-FAMILY = "qwen3_5"
+FAMILY = "qwen3_5"  # conftest's `target`
 D, H, HKV, HD, INTER, V, DRAFT_V = 64, 4, 2, 16, 96, 96, 40
 LAYERS = [0, 1, 2]  # the target layers whose outputs are fused (eagle_aux_hidden_state_layer_ids)
 PROMPT = [3, 41, 17, 88, 9, 60, 23, 5, 40]
@@ -65,11 +65,6 @@ def write_eagle3(path, target, *, seed: int = 0, **edits):
         json.dump(config, f)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(FAMILY)
 
 
 @pytest.fixture(scope="module")
@@ -172,11 +167,8 @@ def test_greedy_identity(target, ckpt, spelling, tmp_path):
         kw = dict(drafter=write_eagle3(str(tmp_path), target))
     engine = specdec.wrap(target, num_draft_tokens=3, max_batch_size=2, topk=3, num_nodes=8, **kw)
     prompts = [PROMPT, PROMPT[2:]]
-    with torch_fallbacks(), float64_everywhere():
-        out = engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=6, eos_token_id=None)
-    for b, p in enumerate(prompts):
-        ref = greedy_reference(target, p, 6)
-        assert out.sequences[b].tolist()[:len(ref)] == ref, f"row {b} differs from transformers' greedy generate"
+    out = generate_f64(engine, prompts, max_new_tokens=6)
+    assert_greedy(out, target, prompts, 6)
     assert out.stats.drafter_failures == 0 and out.stats.proposed > 0
 
 

@@ -1,4 +1,5 @@
-"""The embedded model and its shipped drafters: greedy spec output == the model's own greedy decode."""
+"""The embedded model and its shipped drafters: greedy spec output == the model's own greedy decode; the command
+that trains it (`python -m specdec train-embedded`) at a tiny budget."""
 
 from __future__ import annotations
 
@@ -39,3 +40,29 @@ def test_greedy_equals_plain_greedy(embedded, drafter):
     for b, ref in enumerate(refs):
         assert out.sequences[b, :ref.numel()].tolist() == ref.tolist(), f"{drafter}: prompt {b} differs"
     assert out.stats.accepted > 0, f"{drafter}: the trained drafter never had a draft accepted"
+
+
+def test_train_embedded_command(tmp_path, capsys):
+    """`train-embedded` with the embedded model's tokenizer and a seconds-long budget saves a loadable model, its
+    training log, the held-out prompts and a resumable checkpoint; `--dump-corpus` writes the training text."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.cli import main
+    out, prompts, ck = tmp_path / "model", tmp_path / "prompts.jsonl", tmp_path / "state.pt"
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["train-embedded", "--tokenizer", MODEL, "--out", str(out), "--prompts", str(prompts),
+                   "--minutes", "0.01", "--seq-len", "16", "--batch-size", "2", "--val-every", "1", "--threads", "1",
+                   "--checkpoint", str(ck)])
+    finally:
+        torch.set_num_threads(threads)
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["family"] == "kimi_linear" and summary["steps"] >= 1 and summary["seq_len"] == 16
+    assert json.load(open(out / "training.json"))["summary"] == summary
+    assert AutoModelForCausalLM.from_pretrained(out).config.model_type == "kimi_linear"
+    assert torch.load(ck, weights_only=True)["step"] >= 1
+    assert all(json.loads(line)["prompt"] for line in prompts.read_text().splitlines())
+    text = tmp_path / "text.txt"
+    assert main(["train-embedded", "--dump-corpus", str(text), "--corpus-mb", "0.02"]) == 0
+    assert len(text.read_text(encoding="utf-8")) >= 0.02 * 2 ** 20

@@ -22,24 +22,19 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import float64_everywhere, greedy_reference, tiny_model, torch_fallbacks
+from tiny_models import generate_f64, greedy_reference
 
 import specdec
 import specdec.engine
 from specdec.draft import DraftBlock, Drafter, ModelDrafter, NgramDrafter
 
-FAMILY = "qwen3_5"
+FAMILY = "qwen3_5"  # conftest's `target`
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
 MODE_IDS = ["replay-eager", "replay-lazy", "snapshot"]
 GAMMA = 5
 N = 16  # reference length; calls ask for up to N new tokens (no EOS stop), so references are prefixes
 ROUNDS = 2000  # chaos rounds over all modes (per request row, as SpecStats counts them)
 MAX_BATCH = 6
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(FAMILY, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +52,6 @@ def prompts(target):
             p = [rng.randrange(3, V) for _ in range(n)]
         out.append(p)
     return {tuple(p): greedy_reference(target, p, N) for p in out}
-
-
-def _generate(engine, batch, **kw):
-    with torch_fallbacks(), float64_everywhere():
-        return engine.generate([torch.tensor(p) for p in batch], eos_token_id=None, **kw)
 
 
 def _wrap(target, mode, drafter="ngram", **kw):
@@ -299,7 +289,7 @@ def test_chaos_drafter(target, prompts, mode):
         sample = calls % 10 == 0
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            out = _generate(engine, batch, max_new_tokens=new, do_sample=sample, seed=calls)
+            out = generate_f64(engine, batch, max_new_tokens=new, do_sample=sample, seed=calls)
         assert engine.runner.num_free == free, "a slot leaked"
         msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         assert out.stats.drafter_failures == len(drafter.expected) == len(msgs), (msgs, drafter.expected)
@@ -381,7 +371,7 @@ def fresh_after(target, prompts):
         if mode not in cache:
             batch = [list(p) for p in itertools.islice(prompts, 3)]
             engine = _wrap(target, mode)
-            out = _generate(engine, batch, max_new_tokens=12)
+            out = generate_f64(engine, batch, max_new_tokens=12)
             _assert_greedy(out, batch, prompts, 12, engine.pad_token_id)
             cache[mode] = (batch, out)
         return cache[mode]
@@ -401,13 +391,13 @@ def test_fault_in_a_round_leaves_engine_usable(target, prompts, fresh_after, mod
     streamer = obj if point == "streamer" else None
     with _fault(obj, name, rng.randint(1, least), exc) as calls:
         with pytest.raises(type(exc)) as err:
-            _generate(engine, batch, max_new_tokens=12, streamer=streamer)
+            generate_f64(engine, batch, max_new_tokens=12, streamer=streamer)
     assert err.value is exc and calls[0] >= 1
     if streamer is not None:
         assert streamer.ended == 1
     _idle(engine)
     after, fresh = fresh_after(mode)
-    out = _generate(engine, after, max_new_tokens=12)
+    out = generate_f64(engine, after, max_new_tokens=12)
     assert torch.equal(out.sequences, fresh.sequences)
     assert _stats(out) == _stats(fresh)
 
@@ -425,16 +415,16 @@ def test_model_drafter_left_mid_round(target, prompts, exc):
     with _fault(draft.state, "_commit", 2, exc):
         if isinstance(exc, RuntimeError):
             with pytest.warns(RuntimeWarning, match="drafter model failed .*draft commit failed"):
-                out = _generate(engine, batch, max_new_tokens=N)
+                out = generate_f64(engine, batch, max_new_tokens=N)
             assert out.stats.drafter_failures == 1  # aborted and re-prefilled: the next rounds draft again
             _assert_greedy(out, batch, prompts, N, engine.pad_token_id)
         else:
             with pytest.raises(KeyboardInterrupt):
-                _generate(engine, batch, max_new_tokens=N)
+                generate_f64(engine, batch, max_new_tokens=N)
     assert draft.state._round is None and draft.kv.slots is None and draft.num_free == MAX_BATCH
     _idle(engine)
-    out = _generate(engine, batch, max_new_tokens=N)
-    fresh = _generate(_wrap(target, ("replay", "lazy"), **kw), batch, max_new_tokens=N)
+    out = generate_f64(engine, batch, max_new_tokens=N)
+    fresh = generate_f64(_wrap(target, ("replay", "lazy"), **kw), batch, max_new_tokens=N)
     assert torch.equal(out.sequences, fresh.sequences) and _stats(out) == _stats(fresh)
     assert out.stats.drafter_failures == 0
 
@@ -476,7 +466,7 @@ def test_nonfinite_logits(target, prompts, fresh_after, mode, sample):
     handle = target.lm_head.register_forward_hook(hook)
     try:
         with pytest.raises(FloatingPointError) as err:
-            _generate(engine, batch, max_new_tokens=12, do_sample=sample, seed=3)
+            generate_f64(engine, batch, max_new_tokens=12, do_sample=sample, seed=3)
     finally:
         handle.remove()
     msg = str(err.value)
@@ -491,11 +481,11 @@ def test_nonfinite_logits(target, prompts, fresh_after, mode, sample):
         assert torch.equal(a, b)
     _idle(engine)
     after, fresh = fresh_after(mode)
-    out = _generate(engine, after, max_new_tokens=12)
+    out = generate_f64(engine, after, max_new_tokens=12)
     assert torch.equal(out.sequences, fresh.sequences) and _stats(out) == _stats(fresh)
     if sample:  # and sampling works again too: the same draws as a fresh engine's
-        out = _generate(engine, after, max_new_tokens=12, do_sample=True, seed=5)
-        fresh = _generate(_wrap(target, mode), after, max_new_tokens=12, do_sample=True, seed=5)
+        out = generate_f64(engine, after, max_new_tokens=12, do_sample=True, seed=5)
+        fresh = generate_f64(_wrap(target, mode), after, max_new_tokens=12, do_sample=True, seed=5)
         assert torch.equal(out.sequences, fresh.sequences)
 
 
@@ -515,8 +505,8 @@ def test_nonfinite_prefill_logits(target, prompts):
     handle = target.lm_head.register_forward_hook(hook)
     try:
         with pytest.raises(FloatingPointError, match=rf"request row 1 at position {len(batch[1]) - 1} \(prefill\)"):
-            _generate(engine, batch, max_new_tokens=4)
+            generate_f64(engine, batch, max_new_tokens=4)
     finally:
         handle.remove()
     _idle(engine)
-    _assert_greedy(_generate(engine, batch, max_new_tokens=N), batch, prompts, N, engine.pad_token_id)
+    _assert_greedy(generate_f64(engine, batch, max_new_tokens=N), batch, prompts, N, engine.pad_token_id)

@@ -19,11 +19,11 @@ import os
 
 import pytest
 import torch
+from assertions import assert_close, root_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.kernels import dispatch
-from specdec.testing import assert_close
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.triton)]
@@ -65,10 +65,7 @@ def cases(draw, family: str):
     if parent is None:
         path = list(range(draw(st.integers(1, T))))
     else:  # the accepted root-to-node path of a random node
-        node, path = draw(st.integers(0, T - 1)), []
-        while node >= 0:
-            path.insert(0, node)
-            node = parent[node]
+        path = root_path(parent, draw(st.integers(0, T - 1)))
     return dict(K=K, V=V, H=H, T=T, parent=parent, pending=pending, L=L, path=path,
                 start=draw(st.integers(0, L - 1)), **FAMILIES[family],
                 norm=draw(st.sampled_from(["rsqrt", "sqrt_div"])), act=draw(st.sampled_from([F32, BF16])),

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import assert_close
 
 from specdec.kernels import dispatch, kda_gate
 from specdec.replayssm import StateConfig, make_strategy
-from specdec.testing import assert_close
 
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.triton)]
 

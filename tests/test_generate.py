@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
+from tiny_models import FAMILIES, float64_everywhere, noisy_copy, tiny_model, torch_fallbacks
 
 import specdec
 from specdec import SpecConfig
@@ -48,17 +48,6 @@ def _cases():
             yield pytest.param(family, s, c, d, id=f"{family}-{s}-{c}-{d}")
 
 
-def _noisy_copy(target, family: str, scale: float = 1e-3, seed: int = 123):
-    """The target's weights plus `scale * randn`: mostly the same argmax, not always."""
-    draft = tiny_model(family, seed=seed)
-    draft.load_state_dict(target.state_dict())
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return draft
-
-
 class _Models:
     """Module-wide cache of models and of transformers' reference outputs (built on first use)."""
 
@@ -72,7 +61,7 @@ class _Models:
 
     def noisy_draft(self, family):
         if family not in self.noisy:
-            self.noisy[family] = _noisy_copy(self.target(family), family)
+            self.noisy[family] = noisy_copy(self.target(family))
         return self.noisy[family]
 
     def ref(self, model, prompt: list[int], max_new_tokens: int = N, eos="default", hybrid: bool = True):

@@ -11,17 +11,16 @@ mixers (Mamba, Falcon-Mamba, Jamba, Zamba) only when it feeds them one token at 
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
 import torch
-from tiny_models import float64_everywhere, greedy_reference
+from assertions import max_rel_err
+from tiny_models import float64_everywhere, greedy_reference, noisy_copy
 
 import specdec
 import specdec.engine
 from specdec.runner import GenericRunner
-from specdec.testing import max_rel_err
 from specdec.verify import accept_chain_greedy
 
 V = 96
@@ -105,14 +104,9 @@ def build(family: str, seed: int = 0, **overrides):
 
 
 @functools.cache
-def noisy_copy(family: str, scale: float = 1e-3, seed: int = 123):
-    """The target plus `scale * randn` on every weight: mostly the same argmax, not always."""
-    draft = copy.deepcopy(tiny(family))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return draft
+def noisy_draft(family: str):
+    """`tiny(family)` plus noise (`tiny_models.noisy_copy`), one per family."""
+    return noisy_copy(tiny(family))
 
 
 def uncached_logits(model, seq: list[int]) -> torch.Tensor:
@@ -157,7 +151,7 @@ def test_greedy_identity(family, drafter, monkeypatch):
     # the generic runner for every family, those with a hybrid adapter too (tests/test_mamba2_adapters.py and
     # the adapter tests run those on the hybrid runner)
     monkeypatch.setattr(specdec.engine, "make_runner", GenericRunner)
-    kw = dict(draft_model=noisy_copy(family)) if drafter == "model" else {}
+    kw = dict(draft_model=noisy_draft(family)) if drafter == "model" else {}
     engine = specdec.wrap(model, drafter=drafter, num_draft_tokens=GAMMA, max_batch_size=1, **kw)
     assert type(engine.runner).__name__ == "GenericRunner"
     with float64_everywhere():

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import float64_everywhere, greedy_reference, tiny_model, torch_fallbacks
+from tiny_models import assert_greedy, float64_everywhere, generate_f64, torch_fallbacks
 
 import specdec
 
-FAMILY = "qwen3_5"  # linear-attention and full-attention layers: the KV cache grows inside `generate`
+# conftest's `target`; linear-attention and full-attention layers: the KV cache grows inside `generate`
+FAMILY = "qwen3_5"
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 12, 13, 11, 12, 13, 11]]
 N = 12
 MODES = {"replay": {}, "lazy": {"commit": "lazy"}, "snapshot": {"strategy": "snapshot"},
@@ -54,11 +55,6 @@ def inference_tensors(root, name: str = "engine") -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(FAMILY, seed=0)
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("drafter", ["ngram", "mtp", "eagle", "dspark"])
 def test_generate_in_inference_mode_leaves_normal_state(target, drafter, mode):
@@ -73,11 +69,9 @@ def test_generate_in_inference_mode_leaves_normal_state(target, drafter, mode):
         return forward(*a, **k)
 
     engine.runner.forward = spy
-    with torch_fallbacks(), float64_everywhere():
-        out = engine.generate([torch.tensor(p) for p in PROMPTS], max_new_tokens=N, eos_token_id=None)
+    out = generate_f64(engine, PROMPTS, max_new_tokens=N)
     engine.runner.forward = forward
-    for b, p in enumerate(PROMPTS):
-        assert out.sequences[b, :len(p) + N].tolist() == greedy_reference(target, p, N)
+    assert_greedy(out, target, PROMPTS, N)
     assert seen and all(seen), "the verify forwards ran outside inference mode"
     assert not torch.is_inference_mode_enabled()
     assert inference_tensors(engine) == []

@@ -26,7 +26,7 @@ from specdec.kernels.fold import triton as tf
 from specdec.kernels.verify import triton as tv
 
 H, K, V, D, B, Lyr, C, Kc = 32, 128, 128, 8, 64, 20, 32 * 384, 4
-bf, e = torch.bfloat16, sr._empty
+bf, e = torch.bfloat16, sr.empty
 q, k, v = e(B, D, H, K, dtype=bf), e(B, D, H, K, dtype=bf), e(B, D, H, V, dtype=bf)
 g, beta, state, idx = e(B, D, H, K), e(B, D, H), e(B + 1, H, K, V), torch.arange(B)
 ring = (None, None, e(B + 1, H, D, K), e(B + 1, H, D, V, dtype=bf), e(B + 1, H, D, K, dtype=bf), e(B + 1, H, D))

@@ -20,17 +20,17 @@ import functools
 
 import pytest
 import test_generic_families as generic
+from assertions import max_rel_err
 from test_adapters_more import check_rounds_match_full_forward
 import test_sampling_generate as sampling
 import torch
 import transformers
-from tiny_models import exact_joint, float64_everywhere, greedy_reference
+from tiny_models import exact_joint, float64_everywhere, greedy_reference, noisy_copy, remove_module
 
 import specdec
 from specdec.adapters import HYBRID_FAMILIES, MAMBA2_FAMILIES
 from specdec.draft.eagle import EagleDrafter
 from specdec.runner import HybridRunner, make_runner
-from specdec.testing import max_rel_err
 from specdec.verify import SamplingParams
 
 FAMILIES = ("bamba", "nemotron_h", "granitemoehybrid", "falcon_h1", "zamba2")
@@ -73,31 +73,22 @@ def tiny(family: str, seed: int = 0):
 
 
 @functools.cache
-def noisy_copy(family: str, scale: float):
-    """The target plus `scale * randn` on every weight (the draft model)."""
-    draft = copy.deepcopy(tiny(family))
-    gen = torch.Generator().manual_seed(123)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return draft
+def noisy_draft(family: str, scale: float):
+    """`tiny(family)` plus noise (`tiny_models.noisy_copy`), one per family and scale."""
+    return noisy_copy(tiny(family), scale)
+
+
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
 TOL = 1e-10
 GAMMA, N = 4, 14
 PROMPTS = {"rep4": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], "rep3": [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12, 13, 11]}
 TREE = dict(topk=3, depth=4, num_nodes=10)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_mamba2_families_are_registered():
     assert all(HYBRID_FAMILIES[f] is MAMBA2_FAMILIES[f] for f in FAMILIES)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _reference(model, ids: torch.Tensor) -> torch.Tensor:
@@ -150,7 +141,7 @@ def test_greedy_identity(family, drafter, strategy, commit):
     kw = dict(num_draft_tokens=GAMMA, strategy=strategy, commit=commit, max_batch_size=2)
     names = ["rep4", "rep3"]  # one batch, prompts of different lengths
     if drafter == "model":
-        engine = specdec.wrap(target, drafter="model", draft_model=noisy_copy(family, 3e-2), **kw)
+        engine = specdec.wrap(target, drafter="model", draft_model=noisy_draft(family, 3e-2), **kw)
         names = ["rep4"]
     elif drafter == "eagle":  # an untrained head: branching trees, verified as trees
         torch.manual_seed(11)
@@ -210,11 +201,8 @@ def test_greedy_identity_trained_kinds(family, drafter):
     ("zamba2", 1, ("mamba",), "D"),
 ])
 def test_missing_module_names_family_layer_and_module(family, layer_idx, path, name):
-    model = tiny(family, seed=3 + layer_idx)  # a model of its own: the cached models are shared
-    owner = model.model.layers[layer_idx]
-    for attr in path:
-        owner = getattr(owner, attr)
-    delattr(owner, name)
+    # a model of its own (seed 3 + layer): the cached models are shared
+    model = remove_module(tiny(family, seed=3 + layer_idx), layer_idx, path, name)
     with pytest.raises(ValueError, match=rf"{family} layer {layer_idx} .*'{name}'"):
         HybridRunner(model, max_batch_size=1, max_length=16)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import assert_close, max_rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from state_harness import Harness, first_record
@@ -20,7 +21,6 @@ from test_state_properties import run_round, slot_map
 from specdec import kernels
 from specdec.kernels.verify import naive as verify_naive
 from specdec.replayssm import StateConfig
-from specdec.testing import assert_close, max_rel_err
 
 
 def mamba2_decode(h: torch.Tensor, x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor,

@@ -6,7 +6,7 @@ verify and fold kernels; the lazy rebuild replays `(d, k, g)` records and needs 
 - Triton vs the torch reference (`rule="mamba2"`): verify chain and tree (outputs, node states, every ring record),
   lazy verify (pending records rebuilt in the kernel), the exact fold (offsets, track states); buffers are
   NaN-filled, so null, skipped and foreign slots must stay bitwise unchanged; fp32 tolerance (the fp32 rtol of
-  `specdec.testing.TOLERANCES`, as in tests/test_triton_kernels.py);
+  `assertions.TOLERANCES`, as in tests/test_triton_kernels.py);
 - (the fold of n records == n single-token verify steps, bitwise on each backend, is drawn for the Mamba2 rule
   too by tests/test_fold_exactness.py);
 - one corrupted ring record changes the folded state; the flag changes the step (mamba2 != delta);
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from state_harness import root_path
+from assertions import max_rel_err, root_path, tolerance
 from test_mamba2_state import Mamba2Harness
 from test_triton_kernels import (FOLD_SLOTS, FOLD_TOKENS, L, NULL, RING_START, check_fold, check_values,
                                  check_verify, check_verify_bf16, fold_case, gen, rand, to, verify_case)
@@ -37,7 +37,6 @@ from specdec.kernels import dispatch
 from specdec.kernels.fold.naive import exact_fold as ref_exact_fold
 from specdec.kernels.verify.naive import verify_delta_rule as ref_verify_delta_rule
 from specdec.replayssm import StateConfig
-from specdec.testing import assert_close, max_rel_err, tolerance
 
 triton = pytest.importorskip("triton")
 
@@ -214,15 +213,9 @@ def test_triton_strategies_follow_mamba2_recurrence(monkeypatch, tree, device):
             paths = {b: list(range(int(torch.randint(1, T + 1, (), generator=g_)))) for b in valid}
         before = {n: (s.pool.conv[:, untouched].cpu(), s.committed_ssm()[:, untouched].cpu())
                   for n, s in h.strats.items()}
-        for name, strat in h.strats.items():
+        for name in h.strats:
             h.verify(name, slots, inp, parent=parent)
-            if tree:
-                path = torch.full((len(slots), T), -1, dtype=torch.long)
-                for b, p in paths.items():
-                    path[b, :len(p)] = torch.tensor(p)
-                strat.commit(path=path)
-            else:
-                strat.commit(torch.tensor([len(paths[b]) if b in paths else 0 for b in range(len(slots))]))
+            h.commit(name, paths, len(slots), tree, width=T)
         for b in valid:
             h.oracle(slots[b], b, inp, paths[b], advance=True)
         for name, strat in h.strats.items():

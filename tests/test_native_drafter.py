@@ -9,7 +9,7 @@ layer after the decoder), read from the model's safetensors files.
 2. Greedy output equals transformers' own greedy `generate`.
 3. Training (`kind="native"`): the distillation loss (two chained steps) equals a float64 recomputation from the
    same reference forward, a few optimizer steps lower it, and the fine-tuned layers save and load.
-   `write_mtp` writes a fine-tune back into the checkpoint's `mtp.*` tensors.
+   `write_mtp` writes a fine-tune back into the checkpoint's `mtp.*` tensors (command line: `specdec native-export`).
 4. Errors: a checkpoint without MTP tensors names the file it searched; a model without a checkpoint path asks
    for `native_path`; a family without MTP layers is named; unknown options are named.
 5. A trained model (tests/data/qwen35_native, bench/native_finetune.sh): lossless, and its fine-tuned MTP layer
@@ -23,7 +23,8 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_models import float64_everywhere, greedy_reference, save_with_mtp, tiny_config, tiny_model, torch_fallbacks
+from tiny_models import (assert_greedy, float64_everywhere, generate_f64, save_with_mtp, tiny_config, tiny_model,
+                         torch_fallbacks)
 
 import specdec
 from specdec.draft.registry import build_drafter_net, own_state_dict, save_drafter, target_batch
@@ -180,11 +181,8 @@ def test_greedy_identity(saved, family):
     model, _ = saved[family]
     engine = specdec.wrap(model, drafter="native", num_draft_tokens=3, max_batch_size=2)
     prompts = [PROMPT, PROMPT[3:]]
-    with torch_fallbacks(), float64_everywhere():
-        out = engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=6, eos_token_id=None)
-    for b, p in enumerate(prompts):
-        ref = greedy_reference(model, p, 6)
-        assert out.sequences[b].tolist()[:len(ref)] == ref, f"row {b} differs from transformers' greedy generate"
+    out = generate_f64(engine, prompts, max_new_tokens=6)
+    assert_greedy(out, model, prompts, 6)
     assert out.stats.drafter_failures == 0 and out.stats.proposed > 0
 
 
@@ -205,10 +203,8 @@ def test_greedy_identity_with_accepted_drafts(tmp_path):
     engine = specdec.wrap(model, drafter=make_drafter(net, gamma=3, max_batch_size=2), num_draft_tokens=3,
                           max_batch_size=2)
     prompts = [[1, 3, 5, 7, 2, 4, 6], [5, 6, 7, 5, 6]]
-    with torch_fallbacks(), float64_everywhere():
-        out = engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=16, eos_token_id=None)
-    for b, p in enumerate(prompts):
-        assert out.sequences[b].tolist()[:len(p) + 16] == greedy_reference(model, p, 16)
+    out = generate_f64(engine, prompts, max_new_tokens=16)
+    assert_greedy(out, model, prompts, 16)
     print(f"native after 12 steps: {out.stats.as_dict()}")
     assert out.stats.drafter_failures == 0 and 0 < out.stats.accepted < out.stats.proposed, out.stats.as_dict()
 
@@ -283,6 +279,35 @@ def test_write_mtp_round_trip(tmp_path):
     assert all(torch.equal(again[k], v) for k, v in own_state_dict(net).items())
 
 
+def test_native_export_command(tmp_path, capsys):
+    """`specdec native-export --target DIR --drafter TRAINED --out NEW`: NEW is DIR with the trained net's weights
+    in its MTP tensors (read with float32 precision, as the command loads the target), DIR is left as it was; a
+    drafter directory that does not load is an argument error."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.cli import main
+    target, trained, copy = (str(tmp_path / d) for d in ("target", "trained", "copy"))
+    model = save_with_mtp(target, "qwen3_5")
+    before = load_file(os.path.join(target, "model.safetensors"))
+    net = build_drafter_net("native", model)
+    with torch.no_grad():
+        for p in own_state_dict(net).values():
+            p.add_(0.01)
+    save_drafter(net, trained)
+    assert main(["native-export", "--target", target, "--drafter", trained, "--out", copy]) == 0
+    assert capsys.readouterr().out.strip() == f'{{"written": ["{os.path.join(copy, "model.safetensors")}"]}}'
+    source = load_file(os.path.join(target, "model.safetensors"))
+    after = load_file(os.path.join(copy, "model.safetensors"))
+    assert all(torch.equal(source[k], v) for k, v in before.items())
+    assert all(torch.equal(after[k], v) for k, v in before.items() if not k.startswith("mtp."))
+    exported = own_state_dict(build_drafter_net("native", AutoModelForCausalLM.from_pretrained(copy,
+                                                                                               dtype=torch.float64)))
+    for k, v in own_state_dict(net).items():
+        torch.testing.assert_close(exported[k], v, rtol=1e-6, atol=1e-7)
+    assert main(["native-export", "--target", target, "--drafter", str(tmp_path / "nowhere")]) == 2
+    assert "argument --drafter" in capsys.readouterr().err
+
+
 # ---- 4. errors -----------------------------------------------------------------------------------------------
 
 
@@ -325,10 +350,8 @@ def test_shipped_qwen35_native_is_lossless_and_accepts():
     engine = specdec.wrap(model, drafter="native", num_draft_tokens=7, max_batch_size=len(prompts))
     assert type(engine.drafter).__name__ == "NativeDrafter"
     new = 32
-    with torch_fallbacks(), float64_everywhere():
-        out = engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=new, eos_token_id=None)
-    for b, p in enumerate(prompts):
-        assert out.sequences[b].tolist()[:len(p) + new] == greedy_reference(model, p, new), f"prompt {b} differs"
+    out = generate_f64(engine, prompts, max_new_tokens=new)
+    assert_greedy(out, model, prompts, new)
     stats = out.stats.as_dict()
     print(f"shipped qwen35 native: {stats}")
     assert out.stats.drafter_failures == 0

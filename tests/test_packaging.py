@@ -23,11 +23,12 @@ def test_every_package_folder_is_listed():
     assert not any(p.split(".")[0] in ("draft", "verify", "kernels") for p in listed)  # one namespace
 
 
-def test_draft_does_not_import_the_runner():
-    """draft/ gets the runner through a factory from its caller (the engine, the training command line)."""
+def _imports(folder: str):
+    """-> (path, line, names) per import statement of the .py files below `folder`; `from m import a` names `m`
+    and `m.a`."""
     import ast
 
-    for dp, dns, fns in os.walk(os.path.join(ROOT, "draft")):
+    for dp, dns, fns in os.walk(os.path.join(ROOT, folder)):
         dns[:] = [d for d in dns if d != "__pycache__"]
         for fn in (f for f in fns if f.endswith(".py")):
             path = os.path.join(dp, fn)
@@ -35,13 +36,28 @@ def test_draft_does_not_import_the_runner():
                 tree = ast.parse(f.read(), path)
             for node in ast.walk(tree):
                 if isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
+                    yield path, node.lineno, [a.name for a in node.names]
                 elif isinstance(node, ast.ImportFrom):
-                    names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-                else:
-                    continue
-                assert not any(n == "specdec.runner" or n.startswith("specdec.runner.") for n in names), \
-                    f"{path}:{node.lineno} imports the runner"
+                    yield path, node.lineno, [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+
+
+def test_draft_does_not_import_the_runner():
+    """draft/ gets the runner through a factory from its caller (the engine, the training command line)."""
+    for path, line, names in _imports("draft"):
+        assert not any(n == "specdec.runner" or n.startswith("specdec.runner.") for n in names), \
+            f"{path}:{line} imports the runner"
+
+
+def test_package_imports_no_test_helper():
+    """The tests' helpers (tests/*.py: assertions, tiny models, harnesses) are not installed, so no package folder
+    may import them."""
+    helpers = {f[:-3] for f in os.listdir(os.path.join(ROOT, "tests")) if f.endswith(".py")}
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        folders = set(tomllib.load(f)["tool"]["setuptools"]["package-dir"].values())
+    for folder in sorted(folders):
+        for path, line, names in _imports(folder):
+            assert not any(n.split(".")[0] in helpers or n == "specdec.testing" for n in names), \
+                f"{path}:{line} imports a test helper: {names}"
 
 
 def test_bench_scripts_shadow_no_module():

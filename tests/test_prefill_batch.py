@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import max_rel_err
 from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
 
 from specdec.kernels import short_conv
 from specdec.kernels.common import conv_step
 from specdec.runner import HybridRunner
-from specdec.testing import max_rel_err
 
 TOL = 1e-12
 LENGTHS = [1, 5, 17, 33]  # with prefill_chunk 8: 1, 1, 3 and 5 chunks; rows drop out as their prompt ends

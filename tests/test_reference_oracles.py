@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import assert_close, max_rel_err, root_path, tolerance
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +20,6 @@ from specdec.kernels.rebuild import fast_rebuild
 from specdec.kernels.recurrent import recurrent_delta_rule, short_conv
 from specdec.kernels.scatter import masked_scatter
 from specdec.kernels.verify import short_conv_verify, verify_delta_rule
-from specdec.testing import assert_close, max_rel_err, tolerance
 
 F32, F64 = torch.float32, torch.float64
 
@@ -63,14 +63,6 @@ def _near_exact(actual: torch.Tensor, expected: torch.Tensor, msg: str, ulps: in
     scale = expected.abs().max().clamp_min(1.0)
     err = (actual - expected).abs().max()
     assert err <= ulps * eps * scale, f"{msg}: max abs diff {err.item():.3e} > {ulps} eps * {scale.item():.3e}"
-
-
-def _root_path(parent: list[int], i: int) -> list[int]:
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parent[i]
-    return path[::-1]
 
 
 def _random_parents(gen, T: int) -> list[int]:
@@ -342,7 +334,7 @@ def test_exact_fold_vs_recurrent(B, H, K, V, Lyr, L, gdn, dtype, use_offsets, in
         if use_offsets:  # a root path of a random tree of T nodes written at offsets 0..T-1
             T = data.draw(st.integers(1, n_max))
             parent = _random_parents(gen, T)
-            paths.append(_root_path(parent, data.draw(st.integers(0, T - 1))) if data.draw(st.integers(0, 5))
+            paths.append(root_path(parent, data.draw(st.integers(0, T - 1))) if data.draw(st.integers(0, 5))
                          else [])
         else:
             paths.append(list(range(data.draw(st.integers(0, n_max)))))
@@ -466,7 +458,7 @@ def _check_verify(q, k, v, g, beta, ssm, slots, parents, *, null_slot, L, ring_s
         par = list(range(-1, T - 1)) if parents is None else parents[b]
         kn_all = l2norm(k[b].to(F64), norm=norm)  # [T, H, K] fp64 oracle normalization
         for i in range(T):
-            path = _root_path(par, i)
+            path = root_path(par, i)
             gp = g[b, path][None]
             o_ref, S_ref = recurrent_delta_rule(q[b, path][None], k[b, path][None], v[b, path][None], gp,
                                                 beta[b, path][None], initial_state=ssm_before[s][None], norm=norm)
@@ -571,7 +563,7 @@ def test_short_conv_verify_vs_short_conv_along_root_paths(B, T, C, Kc, tree, bia
             continue
         par = list(range(-1, T - 1)) if parents is None else parents[b]
         for i in range(T):
-            path = _root_path(par, i)
+            path = root_path(par, i)
             y_ref, w_ref = short_conv(x[b, path][None], w, bb, conv_state=before[s][None])
             # Same op order on other batch shapes: vectorized vs scalar-tail silu may differ in the last bit.
             _near_exact(y[b, i], y_ref[0, -1], f"row {b} node {i} y")

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import chi2_critical, chi2_gof, count_samples
 from tiny_models import exact_joint, tiny_model
 
 import specdec
 import specdec.engine as engine_mod
-from specdec.testing import chi2_critical, chi2_gof
 from specdec.verify import SamplingParams, accept_chain_sampling
 
 FAMILY = "qwen3_5"
@@ -87,19 +87,8 @@ def engines(target, draft):
 
 def sample_counts(engine, params: dict, n: int, seed: int) -> tuple[torch.Tensor, dict]:
     """Counts `[V ** NEW]` of the first NEW tokens over `n` sampled continuations, and summed draft stats."""
-    counts = torch.zeros(V ** NEW, dtype=torch.long)
-    place = V ** torch.arange(NEW - 1, -1, -1)
-    totals = dict(proposed=0, accepted=0, rounds=0, drafter_failures=0)
-    prompts = torch.tensor(PROMPT).expand(BATCH, -1)
-    for call in range(n // BATCH):
-        out = engine.generate(prompts, max_new_tokens=NEW, do_sample=True, seed=seed + call, eos_token_id=None,
-                              **params)
-        new = out.sequences[:, len(PROMPT):]
-        assert new.shape == (BATCH, NEW) and bool(((new >= 0) & (new < V)).all())
-        counts += torch.bincount((new * place).sum(1), minlength=V ** NEW)
-        for k in totals:
-            totals[k] += getattr(out.stats, k)
-    return counts, totals
+    return count_samples(engine, n, seed, prompt=PROMPT, vocab=V, new=NEW, batch=BATCH,
+                         stats=("proposed", "accepted", "rounds", "drafter_failures"), **params)
 
 
 def gof(counts: torch.Tensor, joint: torch.Tensor) -> tuple[float, int, float]:

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 import torch
+from assertions import assert_close, max_rel_err, root_path
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from state_harness import Harness, check_verify_value, first_record, rel_tol, root_path
+from state_harness import Harness, check_verify_value, first_record, rel_tol
 
 from specdec.kernels.common import tree_stack_slots
 from specdec.replayssm import StateConfig
-from specdec.testing import assert_close, max_rel_err
 
 
 def random_tree(draw, T: int) -> list[int]:
@@ -36,15 +36,8 @@ def run_round(h: Harness, draw, slots: list[int], *, tree: bool, check_outputs: 
     before = {n: (s.pool.conv.clone(), s.committed_ssm().clone()) for n, s in h.strats.items()}
 
     outs = {n: h.verify(n, slots, inp, parent=parent, corrupt=corrupt) for n in h.strats}
-    for name, strat in h.strats.items():
-        if tree:
-            M = max(len(p) for p in paths.values()) if paths else 1
-            path = torch.full((B, M), -1, dtype=torch.long)
-            for b, p in paths.items():
-                path[b, :len(p)] = torch.tensor(p)
-            strat.commit(path=path)
-        else:
-            strat.commit(torch.tensor([len(paths[b]) if b in paths else 0 for b in range(B)]))
+    for name in h.strats:
+        h.commit(name, paths, B, tree)
 
     if check_outputs:
         for b in valid:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from state_harness import Harness, root_path
+from assertions import max_rel_err, root_path
+from state_harness import Harness
 
 from specdec.kernels import dispatch
 from specdec.replayssm import StateConfig
-from specdec.testing import max_rel_err
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.triton
@@ -45,15 +45,9 @@ def test_triton_strategies_agree(monkeypatch, tree, gate_in_kernel, triton_devic
             paths = {b: list(range(int(torch.randint(1, T + 1, (), generator=gen)))) for b in valid}
         before = {n: (s.pool.conv[:, untouched].cpu(), s.committed_ssm()[:, untouched].cpu())
                   for n, s in h.strats.items()}
-        for name, st in h.strats.items():
+        for name in h.strats:
             h.verify(name, slots, inp, parent=parent)
-            if tree:
-                path = torch.full((B, T), -1, dtype=torch.long)
-                for b, p in paths.items():
-                    path[b, :len(p)] = torch.tensor(p)
-                st.commit(path=path)
-            else:
-                st.commit(torch.tensor([len(paths[b]) if b in paths else 0 for b in range(B)]))
+            h.commit(name, paths, B, tree, width=T)
         for b in valid:
             h.oracle(slots[b], b, inp, paths[b], advance=True)
         snap = h.strats["snapshot"]

@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from tiny_models import float64_everywhere, tiny_model, torch_fallbacks
+from tiny_models import assert_greedy, generate_f64, greedy_reference, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 import specdec
@@ -36,17 +36,6 @@ TREE = dict(topk=2, depth=3, num_nodes=6)
 @pytest.fixture(scope="module")
 def targets():
     return {f: tiny_model(f, seed=0) for f in ("qwen3_5", "kimi_linear")}
-
-
-def _reference(model, prompt: list[int]) -> list[int]:
-    with torch_fallbacks(), float64_everywhere():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, eos_token_id=None)
-    return out[0].tolist()
-
-
-def _generate(engine, prompts):
-    with torch_fallbacks(), float64_everywhere():
-        return engine.generate(prompts, max_new_tokens=NEW, eos_token_id=None)
 
 
 def _signature(args, kwargs) -> tuple:
@@ -137,10 +126,8 @@ def test_static_greedy_identity(targets, family, drafter, mode):
         engine = specdec.wrap(target, drafter="model", draft_model=target, **kw)
     else:
         engine = _wrap(target, drafter, **kw)
-    out = _generate(engine, PROMPTS)
-    for b, p in enumerate(PROMPTS):
-        ref = _reference(target, p)
-        assert out.sequences[b, :len(ref)].tolist() == ref, f"row {b} differs from transformers' greedy generate"
+    out = generate_f64(engine, PROMPTS, max_new_tokens=NEW)
+    assert_greedy(out, target, PROMPTS, NEW)
     assert engine.runner.num_free == 4
 
 
@@ -161,14 +148,14 @@ def test_plain_decoding_static(targets, drafter):
         return inner(step, *a, **k)
 
     plain._verify_step = verify
-    out = _generate(plain, PROMPTS)
-    spec = _generate(specdec.wrap(target, drafter="ngram", **kw), PROMPTS)
+    out = generate_f64(plain, PROMPTS, max_new_tokens=NEW)
+    spec = generate_f64(specdec.wrap(target, drafter="ngram", **kw), PROMPTS, max_new_tokens=NEW)
     assert {T for _, T in shapes} == {1} and {Bk for Bk, _ in shapes} <= {1, 2, 4}
     assert out.stats.proposed == 0 and out.stats.tau == 1.0
     assert plain.graph_counts == {"captured": 0, "eager": 0, "warm": 0}  # no cuda_graph here
     assert spec.stats.accepted > 0
     for b, p in enumerate(PROMPTS):
-        ref = _reference(target, p)
+        ref = greedy_reference(target, p, NEW)
         assert out.sequences[b, :len(ref)].tolist() == ref, f"row {b}: plain decoding differs from transformers"
         assert spec.sequences[b, :len(ref)].tolist() == ref, f"row {b}: ngram differs from transformers"
     with pytest.raises(ValueError, match="max_ngram: not an option of drafter=None"):
@@ -194,7 +181,7 @@ def test_shapes_stable_within_a_bucket(targets, family, drafter, monkeypatch):
         engine = _wrap(target, drafter, num_draft_tokens=GAMMA, max_batch_size=4, max_length=64,
                        static_shapes=static)
         rec = _record(engine, monkeypatch)
-        _generate(engine, prompts)
+        generate_f64(engine, prompts, max_new_tokens=NEW)
         return rec
 
     steps = ("_draft_step", "_verify_step", "_commit_step") if static_draft else ("_verify_step", "_commit_step")
@@ -256,7 +243,7 @@ def test_static_draft_step_drafts_what_propose_drafts(targets, drafter):
             return block
 
         setattr(d, name, recording)
-        out = _generate(engine, PROMPTS)
+        out = generate_f64(engine, PROMPTS, max_new_tokens=NEW)
         assert out.stats.drafter_failures == 0
         if static:
             assert len(changed) >= 3 and all(not c for c in changed), changed
@@ -286,11 +273,9 @@ def test_failing_draft_step_costs_only_its_drafts(targets):
 
     engine.drafter.draft_step = flaky
     with pytest.warns(RuntimeWarning, match="drafter mtp failed .RuntimeError: boom.; plain decode"):
-        out = _generate(engine, PROMPTS)
+        out = generate_f64(engine, PROMPTS, max_new_tokens=NEW)
     assert out.stats.drafter_failures == 1 and len(calls) > 2
-    for b, p in enumerate(PROMPTS):
-        ref = _reference(target, p)
-        assert out.sequences[b, :len(ref)].tolist() == ref
+    assert_greedy(out, target, PROMPTS, NEW)
 
 
 def test_buckets():
@@ -329,10 +314,8 @@ def test_sdpa_attention(targets, family):
     sdpa = tiny_model(family, seed=0)
     sdpa.config._attn_implementation = "sdpa"
     engine = specdec.wrap(sdpa, drafter="eagle", untrained=True, num_draft_tokens=GAMMA, max_batch_size=3, **TREE)
-    out = _generate(engine, PROMPTS)
-    for b, p in enumerate(PROMPTS):
-        ref = _reference(targets[family], p)
-        assert out.sequences[b, :len(ref)].tolist() == ref
+    out = generate_f64(engine, PROMPTS, max_new_tokens=NEW)
+    assert_greedy(out, targets[family], PROMPTS, NEW)
 
 
 def _host_state(obj, depth: int = 0):

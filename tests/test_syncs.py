@@ -18,7 +18,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
 syncs = pytest.importorskip("syncs")  # bench/syncs.py
-from accept_rate import resolve_drafter  # noqa: E402
+from common import resolve_drafter  # noqa: E402
 
 import specdec  # noqa: E402
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from assertions import assert_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import test_triton_kernels as ttk
@@ -22,7 +23,6 @@ from test_triton_kernels import NULL, SLOTS, check_values, nan, to, verify_case
 from specdec.kernels.common import tree_schedule, tree_stack_slots
 from specdec.kernels.verify import triton as tverify
 from specdec.kernels.verify.naive import verify_delta_rule as ref_verify_delta_rule
-from specdec.testing import assert_close
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from assertions import assert_close, max_rel_err
 
 from specdec.kernels import dispatch
 from specdec.kernels.fold.naive import exact_fold as ref_exact_fold
@@ -28,7 +29,6 @@ from specdec.kernels.recurrent import recurrent_delta_rule
 from specdec.kernels.scatter.naive import masked_scatter as ref_masked_scatter
 from specdec.kernels.verify.naive import short_conv_verify as ref_short_conv_verify
 from specdec.kernels.verify.naive import verify_delta_rule as ref_verify_delta_rule
-from specdec.testing import assert_close, max_rel_err
 
 triton = pytest.importorskip("triton")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import weakref
 
@@ -75,6 +76,27 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float64
     if family == "bailing_hybrid" and dtype == torch.float64:
         model.double()  # its conv weight stays fp32 (`_keep_in_fp32_modules_strict`): transformers' conv then fails
     return model.eval()
+
+
+def noisy_copy(target, scale: float = 1e-3, seed: int = 123):
+    """A copy of `target` plus `scale * randn` (a generator seeded `seed`) on every weight: a draft model that mostly
+    agrees with the target's argmax, not always (partial acceptance)."""
+    draft = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return draft
+
+
+def remove_module(model, layer_idx: int, path: tuple[str, ...], name: str):
+    """`model` with the submodule `name` of decoder layer `layer_idx` (reached through the attributes `path`) deleted:
+    a model that lacks what its adapter expects."""
+    owner = model.model.layers[layer_idx]
+    for attr in path:
+        owner = getattr(owner, attr)
+    delattr(owner, name)
+    return model
 
 
 class _Float64Mode(torch.overrides.TorchFunctionMode):
@@ -151,6 +173,21 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int) -> list[int]
                                  eos_token_id=None)
         cache[key] = out[0].tolist()
     return list(cache[key])
+
+
+def assert_greedy(out, target, prompts, max_new_tokens: int, msg: str = "") -> None:
+    """Every row of `out` (an engine's `generate` of `prompts`, no EOS stop) starts with `greedy_reference` of its
+    prompt: the greedy-identity check."""
+    for b, p in enumerate(prompts):
+        ref = greedy_reference(target, p, max_new_tokens)
+        assert out.sequences[b, :len(ref)].tolist() == ref, f"{msg}row {b} differs from transformers' greedy generate"
+
+
+def generate_f64(engine, prompts, **kw):
+    """`engine.generate` of `prompts` (lists of token ids) with no EOS stop, in float64 throughout with transformers'
+    pure-torch layers: the engine side of a comparison with `greedy_reference`."""
+    with torch_fallbacks(), float64_everywhere():
+        return engine.generate([torch.tensor(p) for p in prompts], eos_token_id=None, **kw)
 
 
 def save_tiny(path, family: str, *, seed: int = 0):

@@ -1,9 +1,10 @@
 """Command line: `python -m specdec <command> ...` (also installed as `specdec`).
 
-Each command is one module here (`memory`, `generate`, `demo`) whose `add_parser(subparsers)` is listed in
-`COMMANDS`; it builds the command's parser and sets `func` (called with the parsed args and that parser, returns
-the exit status). Heavy imports (torch, transformers) happen inside `func`, so `--help` stays fast.
-Argument errors go through `parser.error`: one error line on stderr, exit status 2.
+Each command is one module here whose `add_parser(subparsers)` is listed in `COMMANDS`; it builds the command's
+parser and sets `func` (called with the parsed args and that parser, returns the exit status). Heavy imports
+(torch, transformers) happen inside `func`, so `--help` stays fast. Argument errors go through `parser.error`: one
+error line on stderr, exit status 2. Library modules (draft/, train_embedded) hold the work and never import this
+package.
 """
 
 from __future__ import annotations
@@ -12,9 +13,23 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from . import demo, generate, memory
+from . import demo, draft_data, draft_train, generate, memory, native_export, train_embedded
 
-COMMANDS: list[Callable] = [memory.add_parser, generate.add_parser, demo.add_parser]
+# the order `specdec --help` lists them in: use, inspect, then the training pipeline in the order it runs
+COMMANDS: list[Callable] = [demo.add_parser, generate.add_parser, memory.add_parser, train_embedded.add_parser,
+                            draft_data.add_parser, draft_train.add_parser, native_export.add_parser]
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Sizes the help column with the commands' own indent (Python 3.11 measures them one level up), so each
+    command's name and one-line help share a line."""
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        if action.help is not argparse.SUPPRESS and hasattr(action, "_get_subactions"):
+            width = max((len(self._format_action_invocation(a)) for a in action._get_subactions()), default=0)
+            self._action_max_length = max(self._action_max_length,
+                                          width + self._current_indent + self._indent_increment)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -25,11 +40,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="specdec", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="specdec", description=__doc__.splitlines()[0],
+                     epilog="`specdec COMMAND --help` shows a command's options.", formatter_class=_Formatter)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add_parser in COMMANDS:
         add_parser(subparsers)
-    parser.set_defaults(command_names=sorted(subparsers.choices))
     return parser
 
 
@@ -37,13 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        if args.command is None:
-            parser.error("a command is required: " + ", ".join(args.command_names))
+        if args.command is None:  # no command: the list of commands, as `--help` prints it
+            parser.print_help()
+            return 0
         return int(args.func(args, args.parser) or 0)
     except SystemExit as exc:  # argparse errors and --help: return the status instead of exiting
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
         print(exc.code, file=sys.stderr)
         return 1
-
-

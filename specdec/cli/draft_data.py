@@ -1,4 +1,4 @@
-"""`python -m specdec.draft.data`: write a self-distilled corpus (see `specdec.draft.data`).
+"""`specdec draft-data`: write a self-distilled corpus (see `specdec.draft.data`).
 
 draft/ does not import the engine; this module builds it (`specdec.wrap`, speculative and lossless) and passes
 it to `specdec.draft.data.write_corpus`.
@@ -10,31 +10,14 @@ import argparse
 import json
 import time
 
-import torch
-
-from specdec.draft import data as _data
-from specdec.draft.base import NoDraft
-
 from .draft_train import load_target
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specdec.draft.data", description=_data.__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
-    p.add_argument("--text", required=True, help="the training text the prompts are drawn from (a text file)")
-    p.add_argument("--out", required=True, help="corpus file (JSON lines; appended to, done prompts skipped)")
-    p.add_argument("--num-prompts", type=int, default=2000)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=224)
-    p.add_argument("--temperatures", default="0,0.8", help="comma-separated; prompt i uses entry i mod count")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--drafter", default="ngram",
-                   help="the drafter that speeds generation up (any wrap drafter), or 'none': plain decoding, the "
-                        "faster choice at large batches on a CPU, where a verify is compute-bound")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    args = p.parse_args(argv)
+def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    import torch
+
+    from specdec.draft import data as _data
+    from specdec.draft.base import NoDraft
     try:
         temps = tuple(float(t) for t in args.temperatures.split(","))
     except ValueError:
@@ -60,3 +43,25 @@ def main(argv=None) -> int:
     print(json.dumps({"out": args.out, "written": n, "records": len(_data.done_ids(args.out)),
                       "seconds": round(time.time() - t0, 1)}))
     return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "draft-data", help="write a self-distilled corpus for draft-train",
+        description="A self-distilled training corpus: the target's own continuations of prompts drawn from the "
+                    "training text, written as JSON lines (a rerun appends the prompts not yet written).")
+    p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
+    p.add_argument("--text", required=True, help="the training text the prompts are drawn from (a text file)")
+    p.add_argument("--out", required=True, help="corpus file (JSON lines; appended to, done prompts skipped)")
+    p.add_argument("--num-prompts", type=int, default=2000)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=224)
+    p.add_argument("--temperatures", default="0,0.8", help="comma-separated; prompt i uses entry i mod count")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--drafter", default="ngram",
+                   help="the drafter that speeds generation up (any wrap drafter), or 'none': plain decoding, the "
+                        "faster choice at large batches on a CPU, where a verify is compute-bound")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.set_defaults(func=run, parser=p)

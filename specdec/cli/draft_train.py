@@ -1,4 +1,4 @@
-"""`python -m specdec.draft.train`: distil a drafter from a target (see `specdec.draft.train`).
+"""`specdec draft-train`: distil a drafter from a target (see `specdec.draft.train`).
 
 The training loop lives in draft/, which does not import the runner; this module passes it specdec's own
 `make_runner`, for the command line and for callers that train in-process (`train`).
@@ -10,14 +10,14 @@ import argparse
 import json
 import time
 
-import torch
-
-from specdec.draft import train as _train
-from specdec.draft.registry import KINDS
+# `specdec.draft.registry.KINDS` (importing it loads torch, which `specdec --help` does without);
+# tests/test_cli.py checks that the two agree
+DRAFTER_KINDS = ("dspark", "eagle", "mtp", "native")
 
 
 def train(target, ids, kind: str, **options):
     """`specdec.draft.train.train` (same arguments: `ids [N]` token stream) over specdec's own runner."""
+    from specdec.draft import train as _train
     from specdec.runner import make_runner
     return _train.train(target, ids, kind, runner_factory=make_runner, **options)
 
@@ -42,6 +42,7 @@ def _reconfigured(net, target, overrides: dict, p):
 def load_target(parser: argparse.ArgumentParser, args: argparse.Namespace):
     """`--threads`, then the tokenizer and model of `--target` in `--dtype` -> (tokenizer, model); an unloadable
     directory is a usage error naming `--target`."""
+    import torch
     if args.threads:
         torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -52,38 +53,8 @@ def load_target(parser: argparse.ArgumentParser, args: argparse.Namespace):
         parser.error(f"argument --target: cannot load {args.target!r} ({e})")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specdec.draft.train", description=_train.__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
-    p.add_argument("--drafter", required=True, choices=sorted(KINDS))
-    p.add_argument("--data", required=True, help="a text file, or a corpus from python -m specdec.draft.data (.jsonl)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--val-every", type=int, default=50)
-    p.add_argument("--val-batches", type=int, default=2, help="held-out batches of --batch-size windows")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    p.add_argument("--init", default=None, metavar="DIR", help="continue from this trained drafter (same kind)")
-    p.add_argument("--checkpoint", default=None, metavar="FILE", help="resumable training state (resumed if present)")
-    p.add_argument("--max-minutes", type=float, default=None, help="stop after this much training time")
-    p.add_argument("--patience", type=int, default=None, help="stop after this many validations without a better tau")
-    p.add_argument("--stop-at", type=int, default=None, metavar="N",
-                   help="stop after step N, the learning-rate schedule still spanning --steps (resumable)")
-    p.add_argument("--last", default=None, metavar="DIR",
-                   help="also save the weights at the end of the run here (--out keeps the best validation's)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--cache-batches", type=int, default=0,
-                   help="train on this many target batches computed once (0: a new target forward each step)")
-    p.add_argument("--cache", default=None, metavar="FILE", help="with --cache-batches: where they are kept")
-    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                   help="a drafter config field (JSON value), e.g. ttt_steps=6; with --init, fields that keep the "
-                        "weights' shapes (training depth, loss weights) or grow them (num_layers, intermediate_size: "
-                        "new blocks and MLP units start with zero output weights, so training starts from the "
-                        "--init drafter's function)")
-    args = p.parse_args(argv)
+def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    import torch
     tok, target = load_target(p, args)
     from specdec.draft.registry import load_drafter, save_drafter
     from specdec.draft.data import corpus_tokens
@@ -138,3 +109,40 @@ def main(argv=None) -> int:
                       "best_step": best["step"], "val_loss_best": best["loss"], "tau_best": best["tau"],
                       "per_position_best": best["per_position"]}))
     return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "draft-train", help="distil an eagle, mtp, dspark or native drafter",
+        description="Distil a drafter from a target's own outputs on a text corpus; --out keeps the checkpoint with "
+                    "the best validation tau.")
+    p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
+    p.add_argument("--drafter", required=True, choices=DRAFTER_KINDS)
+    p.add_argument("--data", required=True, help="a text file, or a corpus from specdec draft-data (.jsonl)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--val-every", type=int, default=50)
+    p.add_argument("--val-batches", type=int, default=2, help="held-out batches of --batch-size windows")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--init", default=None, metavar="DIR", help="continue from this trained drafter (same kind)")
+    p.add_argument("--checkpoint", default=None, metavar="FILE", help="resumable training state (resumed if present)")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop after this much training time")
+    p.add_argument("--patience", type=int, default=None, help="stop after this many validations without a better tau")
+    p.add_argument("--stop-at", type=int, default=None, metavar="N",
+                   help="stop after step N, the learning-rate schedule still spanning --steps (resumable)")
+    p.add_argument("--last", default=None, metavar="DIR",
+                   help="also save the weights at the end of the run here (--out keeps the best validation's)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--cache-batches", type=int, default=0,
+                   help="train on this many target batches computed once (0: a new target forward each step)")
+    p.add_argument("--cache", default=None, metavar="FILE", help="with --cache-batches: where they are kept")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="a drafter config field (JSON value), e.g. ttt_steps=6; with --init, fields that keep the "
+                        "weights' shapes (training depth, loss weights) or grow them (num_layers, intermediate_size: "
+                        "new blocks and MLP units start with zero output weights, so training starts from the "
+                        "--init drafter's function)")
+    p.set_defaults(func=run, parser=p)

@@ -142,7 +142,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--drafter", default=None, metavar="{ngram,model,native,DIR}",
                    help="ngram: prompt lookup (default); model: a draft model (--draft-model); native: the MTP "
                         "layers of the model's own checkpoint; DIR: a trained drafter (eagle, mtp or dspark, as "
-                        "python -m specdec.draft.train saves it) or an EAGLE-3 checkpoint (SpecForge / SGLang)")
+                        "python -m specdec draft-train saves it) or an EAGLE-3 checkpoint (SpecForge / SGLang)")
     p.add_argument("--draft-model", metavar="DIR", default=None,
                    help="save_pretrained directory of the draft model (same vocabulary); implies --drafter model")
     p.add_argument("--num-draft-tokens", type=int, default=7, help="draft tokens per round (gamma)")

@@ -1,4 +1,5 @@
-"""One comparison helper with a dtype tolerance table, shared by tests and benches."""
+"""The tests' comparisons: one `assert_close` with a dtype tolerance table, a relative error, the sample counts and
+chi-square goodness-of-fit of the sampling tests, and the tree walks the tree checks build their expectations on."""
 
 from __future__ import annotations
 
@@ -55,14 +56,36 @@ def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def tree_node_sequences(prefix: torch.Tensor, tokens: torch.Tensor, parent: list[int]) -> list[torch.Tensor]:
     """Per tree node, the token sequence it stands for: `prefix [P]` then the tokens on its root path.
     `tokens [T]`, `parent[i] < i` (-1 = root)."""
-    seqs = []
-    for node in range(len(parent)):
-        path, x = [], node
-        while x >= 0:
-            path.append(x)
-            x = parent[x]
-        seqs.append(torch.cat([prefix, tokens[path[::-1]]]))
-    return seqs
+    return [torch.cat([prefix, tokens[root_path(parent, node)]]) for node in range(len(parent))]
+
+
+def root_path(parent: list[int], node: int) -> list[int]:
+    """Node indices from the root down to `node` (`parent[i] < i`, -1 = root)."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parent[node]
+    return path[::-1]
+
+
+def count_samples(engine, n: int, seed: int, *, prompt: list[int], vocab: int, new: int, batch: int,
+                  stats=("proposed", "accepted", "drafter_failures"), **params) -> tuple[torch.Tensor, dict]:
+    """Counts `[vocab ** new]` of the first `new` tokens of `n` sampled continuations of `prompt` (`n // batch` calls
+    of `batch` copies, seeds `seed`, `seed + 1`, ...; `params` go to `generate`), and the draft stats `stats`
+    summed: the sampled side of `chi2_gof` against the target's exact joint."""
+    counts = torch.zeros(vocab ** new, dtype=torch.long)
+    place = vocab ** torch.arange(new - 1, -1, -1)
+    totals = dict.fromkeys(stats, 0)
+    prompts = torch.tensor(prompt).expand(batch, -1)
+    for call in range(n // batch):
+        out = engine.generate(prompts, max_new_tokens=new, do_sample=True, seed=seed + call, eos_token_id=None,
+                              **params)
+        tokens = out.sequences[:, len(prompt):]
+        assert tokens.shape == (batch, new) and bool(((tokens >= 0) & (tokens < vocab)).all())
+        counts += torch.bincount((tokens * place).sum(1), minlength=vocab ** new)
+        for k in totals:
+            totals[k] += getattr(out.stats, k)
+    return counts, totals
 
 
 def chi2_critical(df: int, alpha: float = 1e-3) -> float:
