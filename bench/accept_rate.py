@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
@@ -58,8 +57,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
 try:
-    from common import (PROMPTS, load_prompts, machine_info, parse_drafter, resolve_drafter,  # noqa: E402
-                        resolve_model_dir, split_list)
+    from common import (PROMPTS, input_args, load_prompts, machine_info, parse_drafter,  # noqa: E402
+                        resolve_drafter, split_list)
 finally:
     sys.path.pop(0)
 
@@ -398,12 +397,7 @@ def main(argv=None) -> int:
         if importlib.util.find_spec("matplotlib") is None:
             parser.error("--plot needs matplotlib, which is not installed: pip install 'specdec[bench]' "
                          "(or pip install matplotlib), or leave out --plot")
-    try:
-        model_dir = resolve_model_dir(a.model)
-    except FileNotFoundError as e:
-        parser.error(f"--model: {e}")
-    if not os.path.isfile(a.prompts):
-        parser.error(f"--prompts: no such file: {a.prompts}")
+    model_dir = input_args(parser, a.model, a.prompts)
     dtype = getattr(torch, a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
 
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU

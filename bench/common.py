@@ -49,6 +49,18 @@ def resolve_model_dir(model: str) -> Path:
     return path
 
 
+def input_args(parser, model: str, prompts: str | None = None) -> Path:
+    """`resolve_model_dir(model)` for a script's `--model`, and a check that its `--prompts` file (when given)
+    exists: a `parser.error` naming the argument otherwise."""
+    try:
+        model_dir = resolve_model_dir(model)
+    except FileNotFoundError as e:
+        parser.error(f"--model: {e}")
+    if prompts is not None and not os.path.isfile(prompts):
+        parser.error(f"--prompts: no such file: {prompts}")
+    return model_dir
+
+
 def resolve_drafter(model_dir: Path, name: str) -> tuple[str | None, str | None]:
     """-> (the `drafter=` argument for `specdec.wrap`, None) or (None, why it is skipped)."""
     if name in ("ngram", "native"):  # built in: prompt lookup; the checkpoint's own MTP layers

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -54,8 +53,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
 try:
-    from common import (PROMPTS, left_padded, load_prompts, machine_info, max_over_min, resolve_drafter,  # noqa: E402
-                        resolve_model_dir, split_list, sync)
+    from common import (PROMPTS, input_args, left_padded, load_prompts, machine_info, max_over_min,  # noqa: E402
+                        resolve_drafter, split_list, sync)
 finally:
     sys.path.pop(0)
 
@@ -298,12 +297,7 @@ def main(argv=None) -> int:
                       ("--repeats", a.repeats), ("--threads", a.threads)):
         if val < 1:
             parser.error(f"{flag}: expected >= 1, got {val}")
-    try:
-        model_dir = resolve_model_dir(a.model)
-    except FileNotFoundError as e:
-        parser.error(f"--model: {e}")
-    if not os.path.isfile(a.prompts):
-        parser.error(f"--prompts: no such file: {a.prompts}")
+    model_dir = input_args(parser, a.model, a.prompts)
     if a.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     torch.set_num_threads(a.threads)

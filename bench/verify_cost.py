@@ -64,7 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
 try:
-    from common import PROMPTS, load_prompts, machine_info, resolve_model_dir, spread, sync, tree_parents  # noqa: E402
+    from common import PROMPTS, input_args, load_prompts, machine_info, spread, sync, tree_parents  # noqa: E402
 finally:
     sys.path.pop(0)
 
@@ -336,10 +336,7 @@ def main(argv=None) -> int:
             parser.error(f"--cpu-linear: {e}")
     if not linears:
         parser.error("--cpu-linear: no backend named")
-    try:
-        model_dir = resolve_model_dir(a.model)
-    except FileNotFoundError as e:
-        parser.error(f"--model: {e}")
+    model_dir = input_args(parser, a.model)
     torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
     from transformers import AutoModelForCausalLM, AutoTokenizer

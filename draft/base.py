@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,6 +39,93 @@ class DraftBlock:
         packed = torch.tensor([list(d) + [0] * (G - len(d)) + [len(d)] for d in drafts], dtype=torch.long,
                               device=device).view(len(drafts), G + 1)
         return cls(packed[:, :G], packed[:, G])
+
+
+def check_block(block: DraftBlock, B: int, gamma: int, *, device, vocab: tuple[int, int], tree_budget: int | None,
+                target: str) -> DraftBlock:
+    """Validate a drafter's block completely; -> the block to verify (a chain cut to `gamma` drafts).
+
+    Shapes, dtypes and devices are checked from metadata; the values (ids in [0, vocab), num_drafts in
+    [0, G], tree parents topological, probs finite, >= 0, summing to 1 and > 0 at the draft) with tensor
+    ops whose results are read back once, as one combined flag. Raises ValueError naming what is wrong.
+
+    The target's side: `device` its tensors live on; `vocab` (ids it can read: embedding rows, scores it returns:
+    the logits' last dim); `tree_budget` its verify window (`num_verify_tokens`, anchor included) when it verifies
+    trees, None when it verifies chains only; `target` its runner's name (for the error messages)."""
+    dev = device
+    if not isinstance(block, DraftBlock):
+        raise ValueError(f"drafter returned {type(block).__name__}, expected a DraftBlock")
+    tokens, num, probs, parent = block.tokens, block.num_drafts, block.probs, block.parent
+
+    def tensor(name, t, dtype, shape):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+        if dtype is not None and t.dtype != dtype:
+            raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+        if dtype is None and not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating dtype, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
+        if t.device != dev:
+            raise ValueError(f"{name}: expected a tensor on {dev}, got {t.device}")
+
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+        got = list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens: expected a tensor [B, G] = [{B}, G], got {got}")
+    G = tokens.shape[1]
+    tensor("tokens", tokens, torch.long, (B, G))
+    tensor("num_drafts", num, torch.long, (B,))
+    id_vocab, V = vocab
+    if parent is not None:
+        if tree_budget is None:
+            raise ValueError(f"parent: a tree block needs a hybrid target; {target} verifies chains only")
+        if 1 + G > tree_budget:
+            raise ValueError(f"tokens: a tree of {G} drafts exceeds the node budget ({tree_budget - 1} drafts)")
+        if isinstance(parent, torch.Tensor) and parent.dim() == 1:
+            tensor("parent", parent, torch.long, (1 + G,))
+            parent = parent.expand(B, 1 + G)
+        tensor("parent", parent, torch.long, (B, 1 + G))
+    if probs is not None:
+        tensor("probs", probs, None, (B, G, V))
+    # values: one flag per check, read back together
+    ar = torch.arange(G, device=dev)
+    checks = [("tokens: ids outside [0, vocab)", ((tokens < 0) | (tokens >= id_vocab)).any()),
+              ("num_drafts: outside [0, G]", ((num < 0) | (num > G)).any())]
+    if parent is None:
+        live = ar[None] < num[:, None]  # [B, G]
+    else:
+        node = torch.arange(1 + G, device=dev)
+        checks += [("parent: root (node 0) is not -1", (parent[:, 0] != -1).any()),
+                   ("parent: not topological (expected -1 <= parent[i] < i)",
+                    ((parent < -1) | (parent >= node)).any())]
+        live = parent[:, 1:] >= 0
+    if probs is not None:
+        acc = torch.float64 if probs.dtype == torch.float64 else torch.float32
+        tol = max(1e-3, 4 * torch.finfo(probs.dtype).eps)
+        lv = live[..., None]
+        at = probs.gather(-1, tokens.clamp(0, V - 1)[..., None])[..., 0]
+        checks += [("probs: not finite", (lv & ~torch.isfinite(probs)).any()),
+                   ("probs: negative", (lv & (probs < 0)).any()),
+                   ("probs: rows do not sum to 1", (live & ((probs.sum(-1, dtype=acc) - 1).abs() > tol)).any()),
+                   ("probs: a draft token has probability 0 under its own distribution",
+                    (live & ~(at > 0)).any())]
+    bad = torch.stack([c for _, c in checks])
+    if bool(bad.any()):  # the one host read of a good block
+        failed = [name for (name, _), b in zip(checks, bad.tolist()) if b]
+        raise ValueError("malformed draft block: " + "; ".join(failed) + _block_detail(block, id_vocab, G))
+    if parent is not None or G <= gamma:
+        return block if parent is None or parent is block.parent else replace(block, parent=parent)
+    return replace(block, tokens=tokens[:, :gamma], num_drafts=num.clamp(max=gamma),
+                   probs=None if probs is None else probs[:, :gamma])
+
+
+def _block_detail(block: DraftBlock, vocab: int, G: int) -> str:
+    t = block.tokens
+    detail = f" (vocab {vocab}, G {G}; token ids {int(t.min()) if t.numel() else '-'}.." \
+             f"{int(t.max()) if t.numel() else '-'}, num_drafts {block.num_drafts.tolist()}"
+    if block.parent is not None:
+        detail += f", parent {block.parent.tolist()}"
+    return detail + ")"
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from specdec.kernels.common import outside_inference
 
 from .base import BufferSpec, DraftBlock, Drafter, grown_kv_specs, observed_counts, padded
-from .layers import Block, RMSNorm, target_logits
+from .layers import Block, RMSNorm, pick_draft, target_logits
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores, tree_options
 
@@ -597,7 +597,6 @@ class DSparkDrafter(Drafter):
     def _draft(self, rows_t, lens, anchors, gamma, span, sampling, generator) -> DraftBlock:
         """The block after `anchors [B]` of rows `rows_t [B]` whose contexts hold `lens [B]` positions, reading the
         first `span` (>= every length) positions of the cache."""
-        from specdec.verify import probs_from_logits
         net = self.net
         B, dev = rows_t.shape[0], anchors.device
         G = max(gamma, net.config.block_size)
@@ -619,12 +618,9 @@ class DSparkDrafter(Drafter):
         for i in range(gamma):
             prevs.append(prev)
             logits = base[:, i] + net.markov(prev)
+            prev, q = pick_draft(logits, sampling, generator)
             if sample:
-                q = probs_from_logits(logits, sampling)
-                prev = torch.multinomial(q.to(torch.float64), 1, generator=generator).squeeze(1)
                 probs.append(q)
-            else:
-                prev = logits.argmax(-1)
             toks.append(prev)
         conf = net.confidence_prob(h, torch.stack(prevs, 1))  # [B, gamma]
         self.last_confidence = conf

@@ -29,6 +29,16 @@ def target_logits(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return head(x)
 
 
+def pick_draft(logits: torch.Tensor, sampling=None, generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row of `logits [..., V]`: drawn from `q = probs_from_logits(logits, sampling)` when
+    sampling (-> (tokens `[...]`, q `[..., V]`)), else the argmax (-> (tokens `[...]`, None))."""
+    if sampling is None or not sampling.do_sample:
+        return logits.argmax(-1), None
+    from specdec.verify import probs_from_logits
+    q = probs_from_logits(logits, sampling)
+    return torch.multinomial(q.to(torch.float64), 1, generator=generator)[..., 0], q
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from .base import BufferSpec, DraftBlock, Drafter
+from .layers import pick_draft
 
 
 class ModelDrafter(Drafter):
@@ -60,11 +61,8 @@ class ModelDrafter(Drafter):
             self.runner.release(slots)
 
     def _next(self, logits: torch.Tensor, sampling, generator):
-        from specdec.verify import probs_from_logits
-        if sampling is None or not sampling.do_sample:
-            return int(logits.argmax()), None
-        q = probs_from_logits(logits, sampling)
-        return int(torch.multinomial(q.to(torch.float64), 1, generator=generator)), q
+        tok, q = pick_draft(logits, sampling, generator)
+        return int(tok), q
 
     @torch.no_grad()
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:

@@ -37,7 +37,7 @@ from specdec.adapters import latent_attention
 from specdec.kernels.common import outside_inference
 
 from .base import DraftBlock, Drafter
-from .layers import MLP, RMSNorm, SharesTarget, soft_ce, target_logits
+from .layers import MLP, RMSNorm, SharesTarget, pick_draft, soft_ce, target_logits
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores, tree_options
 
@@ -306,19 +306,15 @@ class Net(SharesTarget):
               generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`gamma` chained drafts after `anchors [B]` from `h [B, d]` -> (tokens `[B, gamma]`, probs
         `[B, gamma, V]` when sampling, else None: greedy argmax)."""
-        from specdec.verify import probs_from_logits
         sample = sampling is not None and sampling.do_sample
         tok, h = anchors[:, None], h[:, None]
         toks, qs = [], []
         for _ in range(gamma):
             logits, h = self.step(tok, h, ctx)
             logits = logits[:, 0]
+            nxt, q = pick_draft(logits, sampling, generator)
             if sample:
-                q = probs_from_logits(logits, sampling)
-                nxt = torch.multinomial(q.to(torch.float64), 1, generator=generator)[:, 0]
                 qs.append(q)
-            else:
-                nxt = logits.argmax(-1)
             toks.append(nxt)
             tok = nxt[:, None]
         return torch.stack(toks, 1), (torch.stack(qs, 1) if sample else None)

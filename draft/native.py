@@ -58,7 +58,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .base import BufferSpec, DraftBlock, Drafter
-from .layers import SharesTarget, soft_ce, target_logits
+from .layers import SharesTarget, pick_draft, soft_ce, target_logits
 from .registry import DraftConfig, check_target
 
 QWEN = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
@@ -454,7 +454,6 @@ class NativeDrafter(Drafter):
 
     @torch.no_grad()
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        from specdec.verify import probs_from_logits
         dev = self.net.fc.weight.device
         gamma = min(int(gamma), self.gamma)
         if not rows or gamma < 1:
@@ -473,12 +472,9 @@ class NativeDrafter(Drafter):
                                    torch.ones(len(rows), dtype=torch.long, device=dev), host_counts=[1] * len(rows))
                     steps += 1
                     logits, h = lg[:, 0], out[:, 0]
+                nxt, q = pick_draft(logits, sampling, generator)
                 if sample:
-                    q = probs_from_logits(logits, sampling)
-                    nxt = torch.multinomial(q.to(torch.float64), 1, generator=generator)[:, 0]
                     qs.append(q)
-                else:
-                    nxt = logits.argmax(-1)
                 toks.append(nxt)
         finally:
             self.kv.abort()

@@ -17,7 +17,7 @@ def wrap(model, config=None, **options):
 
 def __getattr__(name):
     if name == "SpecConfig":  # imported on use: importing specdec stays free of torch work
-        from .engine import SpecConfig
+        from .config import SpecConfig
         return SpecConfig
     raise AttributeError(f"module 'specdec' has no attribute {name!r}")
 

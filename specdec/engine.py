@@ -5,13 +5,13 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-import difflib
 import numbers
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
-from specdec.draft import Drafter, DraftBlock, NoDraft, TargetView, make_drafter
+from specdec.draft import Drafter, DraftBlock, TargetView, make_drafter
+from specdec.draft.base import check_block
 from specdec.kernels.common import outside_inference
 from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
                             accept_tree_sampling, probs_from_logits, sample_token)
@@ -19,66 +19,10 @@ from specdec.verify.accept import is_int_tensor
 
 from . import cpu_linear, memory
 from .adapters import HYBRID_FAMILIES
+from .config import SpecConfig
 from .graphs import RoundGraphs
 from .runner import HybridRunner, index_tensor, make_runner, path_and_count
-
-STRATEGIES = ("replay", "snapshot")
-COMMITS = ("eager", "lazy")
-
-
-@dataclass
-class SpecStats:
-    """Counters of one `generate` call. `tau`: tokens committed per verify forward (bonus included);
-    `alpha`: accepted / proposed drafts; `per_position[i]`: acceptance at draft position i (a tree's depth i + 1)
-    given that drafts < i were accepted and a draft stood at position i. `timings` (seconds): prefill, draft,
-    verify (with accept and commit; with static shapes it also holds the drafting of a drafter that drafts inside
-    the device step), total."""
-
-    rounds: int = 0  # verify forwards, counted per request
-    steps: int = 0  # verify forwards of the batch: a round of B rows counts once (rounds / steps: rows per round)
-    tokens: int = 0  # tokens committed by verify forwards (accepted drafts + bonus)
-    proposed: int = 0
-    accepted: int = 0
-    drafter_failures: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-    timings: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
-                                                               "total": 0.0})
-
-    @property
-    def tau(self) -> float:
-        return self.tokens / self.rounds if self.rounds else 0.0
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def per_position(self) -> list[float]:
-        return [a / r if r else 0.0 for a, r in zip(self.accepted_at, self.reached)]
-
-    def record(self, num_drafts: list[int], num_accepted: list[int], num_reached: list[int]) -> None:
-        """One round: drafts proposed, accepted and positions reached per row (host lists). Position i was
-        reached when drafts < i were all accepted and a draft stood at position i after them (a chain's next
-        draft, a child of the last accepted tree node), so every listed position was reached at least once."""
-        self.steps += 1
-        for g, n, m in zip(num_drafts, num_accepted, num_reached):
-            self.rounds += 1
-            self.tokens += n + 1
-            self.proposed += g
-            self.accepted += n
-            while len(self.reached) < m:
-                self.reached.append(0)
-                self.accepted_at.append(0)
-            for i in range(m):
-                self.reached[i] += 1
-                self.accepted_at[i] += int(i < n)
-
-    def as_dict(self) -> dict:
-        return dict(rounds=self.rounds, steps=self.steps, tokens=self.tokens, tau=self.tau, alpha=self.alpha,
-                    proposed=self.proposed, accepted=self.accepted, per_position=self.per_position,
-                    drafter_failures=self.drafter_failures,
-                    timings=dict(self.timings))
+from .stats import SpecStats
 
 
 class Contexts(list):
@@ -112,106 +56,6 @@ class Observed(list):
 class GenerateOutput:
     sequences: torch.Tensor  # [B, longest prompt + new], right-padded with the pad id
     stats: SpecStats
-
-
-@dataclass
-class SpecConfig:
-    """Options of the engine (drafter options are separate: `wrap(model, config, **drafter_options)`).
-
-    drafter: "ngram", "model" (with `draft_model`), "native", a trained drafter directory, or a `Drafter` (a kind
-    alone, "mtp", "eagle" or "dspark", needs the drafter option `untrained=True`: see `make_drafter`); None (or
-    "none", or a `NoDraft`): plain decoding, one token per forward through the same runner (every round verifies
-    the anchor alone, `[Bk, 1]` with static shapes; num_draft_tokens and draft_tokens_by_batch are not used).
-    num_draft_tokens: gamma, drafts per round. strategy: "replay" or "snapshot".
-    commit: "eager" or "lazy". max_batch_size: requests at once. max_length: prompt + new tokens per request.
-    static_shapes: every round has the same shapes for a batch bucket (the batch padded with null-slot rows to
-    1, 2, 4, ..., max_batch_size; drafts padded to gamma; the KV cache read as a static view with a mask).
-    cuda_graph: capture each bucket's verify + accept (with the drafting of a drafter that has a static draft
-    step: eagle, mtp, dspark) and its commit as CUDA graphs and replay them (implies static_shapes; needs a
-    hybrid target on CUDA and eager commit).
-    draft_tokens_by_batch: a draft-length schedule `{batch size: drafts}`: a round of B rows drafts the value of
-    the largest key <= B (with static shapes: of the batch bucket), `num_draft_tokens` below the smallest key.
-    Where a verify is compute-bound (a CPU, or a GPU at a large batch) each verified token costs time, and the
-    drafts deep in a chain are the least likely accepted, so larger batches verify fewer of them: vLLM's
-    `speculative_disable_by_batch_size`, by degrees. E.g. `{8: 3}` (the CPU sweep: bench/results/HISTORY.md,
-    "Draft-length schedule"). A tree drafter keeps its node budget; the schedule bounds its depth.
-    cpu_linear: the matmul backend of the `nn.Linear` layers of an fp32 model on CPU and of its drafter, which a
-    verify feeds many rows at once. "onednn": `specdec.cpu_linear.install` turns them into `OneDNNLinear` (calls
-    of >= 2 rows inside `generate` run oneDNN, on some x86 CPUs about twice MKL's sgemm at tree sizes; 1-row
-    calls, calls outside `generate` and the weights are unchanged; a second, blocked copy of each weight is kept
-    and checked against the weight in every `generate`). "aten": left as they are. "auto" (default): "onednn"
-    for an fp32 model on CPU when torch has oneDNN, else "aten". The model's layers change class in place (plain
-    decoding through it runs the same layers); `specdec.cpu_linear.uninstall(model)` undoes it.
-    """
-
-    drafter: object = "ngram"
-    num_draft_tokens: int = 7
-    strategy: str = "replay"
-    commit: str = "eager"
-    draft_model: object = None
-    max_batch_size: int = 8
-    max_length: int | None = None
-    static_shapes: bool = False
-    cuda_graph: bool = False
-    draft_tokens_by_batch: dict | None = None
-    cpu_linear: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"strategy: expected one of {STRATEGIES}, got {self.strategy!r}")
-        if self.commit not in COMMITS:
-            raise ValueError(f"commit: expected one of {COMMITS}, got {self.commit!r}")
-        cpu_linear.check_mode(self.cpu_linear)
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens: expected an int >= 1, got {self.num_draft_tokens!r} (plain decoding: "
-                             f"drafter=None)")
-        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size: expected an int >= 1, got {self.max_batch_size!r}")
-        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
-            raise ValueError(f"max_length: expected an int >= 2 or None, got {self.max_length!r}")
-        sched = self.draft_tokens_by_batch
-        if sched is not None:
-            ok = isinstance(sched, dict) and all(
-                isinstance(k, int) and not isinstance(k, bool) and k >= 1 and isinstance(v, int)
-                and not isinstance(v, bool) and 1 <= v <= self.num_draft_tokens for k, v in sched.items())
-            if not ok:
-                raise ValueError(f"draft_tokens_by_batch: expected a dict {{batch size >= 1: drafts in [1, "
-                                 f"num_draft_tokens = {self.num_draft_tokens}]}}, got {sched!r}")
-            self.draft_tokens_by_batch = dict(sorted(sched.items()))
-        if self.cuda_graph:
-            if self.commit != "eager":
-                raise ValueError("cuda_graph: needs commit='eager' (lazy commit decides on the host when to fold)")
-            self.static_shapes = True
-
-    @property
-    def plain(self) -> bool:
-        """No drafter: plain decoding (`drafter` None, "none" or a `NoDraft`)."""
-        d = self.drafter
-        return d is None or isinstance(d, NoDraft) or (isinstance(d, str) and d == "none")
-
-    def gamma_for(self, batch: int) -> int:
-        """Drafts per round for a round of `batch` rows (see `draft_tokens_by_batch`); 0 for plain decoding."""
-        if self.plain:
-            return 0
-        gamma = self.num_draft_tokens
-        for k, v in (self.draft_tokens_by_batch or {}).items():
-            if batch >= k:
-                gamma = v
-        return gamma
-
-    @classmethod
-    def split(cls, options: dict) -> tuple["SpecConfig", dict]:
-        """`wrap`'s keyword options -> (engine config, drafter options). A name close to an engine option is
-        taken for a typo of it, not passed on to the drafter."""
-        names = [f.name for f in fields(cls)]
-        engine = {k: v for k, v in options.items() if k in names}
-        rest = {k: v for k, v in options.items() if k not in names}
-        for k in rest:
-            close = difflib.get_close_matches(k, names, n=1, cutoff=0.8)
-            if close:
-                raise ValueError(f"{k}: not an engine option (did you mean {close[0]!r}?); engine options: "
-                                 f"{', '.join(names)}")
-        return cls(**engine), rest
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -719,7 +563,10 @@ class SpecEngine:
         B = len(active)
         try:
             block = self.drafter.propose(active, contexts, gamma, sampling=sampling, generator=gen)
-            return self._check_block(block, B, gamma)
+            runner = self.runner
+            return check_block(block, B, gamma, device=runner.device, vocab=self._vocab,
+                               tree_budget=runner.num_verify_tokens if isinstance(runner, HybridRunner) else None,
+                               target=type(runner).__name__)
         except Exception as e:
             what = f"{type(e).__name__}: {e}"
             try:  # drop whatever the drafter left half-done, so its next round starts from committed state
@@ -745,89 +592,6 @@ class SpecEngine:
         head = self.model.get_output_embeddings()
         logits_v = getattr(head, "out_features", None) or self.runner.vocab_size
         return min(getattr(emb, "num_embeddings", None) or logits_v, logits_v), logits_v
-
-    def _check_block(self, block: DraftBlock, B: int, gamma: int) -> DraftBlock:
-        """Validate a drafter's block completely; -> the block to verify (a chain cut to `gamma` drafts).
-
-        Shapes, dtypes and devices are checked from metadata; the values (ids in [0, vocab), num_drafts in
-        [0, G], tree parents topological, probs finite, >= 0, summing to 1 and > 0 at the draft) with tensor
-        ops whose results are read back once, as one combined flag. Raises ValueError naming what is wrong."""
-        dev = self.runner.device
-        if not isinstance(block, DraftBlock):
-            raise ValueError(f"drafter returned {type(block).__name__}, expected a DraftBlock")
-        tokens, num, probs, parent = block.tokens, block.num_drafts, block.probs, block.parent
-
-        def tensor(name, t, dtype, shape):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
-            if dtype is not None and t.dtype != dtype:
-                raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-            if dtype is None and not t.is_floating_point():
-                raise ValueError(f"{name}: expected a floating dtype, got {t.dtype}")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name}: expected shape {list(shape)}, got {list(t.shape)}")
-            if t.device != dev:
-                raise ValueError(f"{name}: expected a tensor on {dev}, got {t.device}")
-
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
-            got = list(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            raise ValueError(f"tokens: expected a tensor [B, G] = [{B}, G], got {got}")
-        G = tokens.shape[1]
-        tensor("tokens", tokens, torch.long, (B, G))
-        tensor("num_drafts", num, torch.long, (B,))
-        id_vocab, V = self._vocab
-        if parent is not None:
-            if not isinstance(self.runner, HybridRunner):
-                raise ValueError(f"parent: a tree block needs a hybrid target; {type(self.runner).__name__} "
-                                 f"verifies chains only")
-            budget = self.runner.num_verify_tokens
-            if 1 + G > budget:
-                raise ValueError(f"tokens: a tree of {G} drafts exceeds the node budget ({budget - 1} drafts)")
-            if isinstance(parent, torch.Tensor) and parent.dim() == 1:
-                tensor("parent", parent, torch.long, (1 + G,))
-                parent = parent.expand(B, 1 + G)
-            tensor("parent", parent, torch.long, (B, 1 + G))
-        if probs is not None:
-            tensor("probs", probs, None, (B, G, V))
-        # values: one flag per check, read back together
-        ar = torch.arange(G, device=dev)
-        checks = [("tokens: ids outside [0, vocab)", ((tokens < 0) | (tokens >= id_vocab)).any()),
-                  ("num_drafts: outside [0, G]", ((num < 0) | (num > G)).any())]
-        if parent is None:
-            live = ar[None] < num[:, None]  # [B, G]
-        else:
-            node = torch.arange(1 + G, device=dev)
-            checks += [("parent: root (node 0) is not -1", (parent[:, 0] != -1).any()),
-                       ("parent: not topological (expected -1 <= parent[i] < i)",
-                        ((parent < -1) | (parent >= node)).any())]
-            live = parent[:, 1:] >= 0
-        if probs is not None:
-            acc = torch.float64 if probs.dtype == torch.float64 else torch.float32
-            tol = max(1e-3, 4 * torch.finfo(probs.dtype).eps)
-            lv = live[..., None]
-            at = probs.gather(-1, tokens.clamp(0, V - 1)[..., None])[..., 0]
-            checks += [("probs: not finite", (lv & ~torch.isfinite(probs)).any()),
-                       ("probs: negative", (lv & (probs < 0)).any()),
-                       ("probs: rows do not sum to 1", (live & ((probs.sum(-1, dtype=acc) - 1).abs() > tol)).any()),
-                       ("probs: a draft token has probability 0 under its own distribution",
-                        (live & ~(at > 0)).any())]
-        bad = torch.stack([c for _, c in checks])
-        if bool(bad.any()):  # the one host read of a good block
-            failed = [name for (name, _), b in zip(checks, bad.tolist()) if b]
-            raise ValueError("malformed draft block: " + "; ".join(failed) + self._block_detail(block, id_vocab, G))
-        if parent is not None or G <= gamma:
-            return block if parent is None or parent is block.parent else replace(block, parent=parent)
-        return replace(block, tokens=tokens[:, :gamma], num_drafts=num.clamp(max=gamma),
-                       probs=None if probs is None else probs[:, :gamma])
-
-    @staticmethod
-    def _block_detail(block: DraftBlock, vocab: int, G: int) -> str:
-        t = block.tokens
-        detail = f" (vocab {vocab}, G {G}; token ids {int(t.min()) if t.numel() else '-'}.." \
-                 f"{int(t.max()) if t.numel() else '-'}, num_drafts {block.num_drafts.tolist()}"
-        if block.parent is not None:
-            detail += f", parent {block.parent.tolist()}"
-        return detail + ")"
 
     def _nonfinite(self, logits: torch.Tensor, row: int, position: int, where: str = "prefill") -> FloatingPointError:
         kinds = [k for k, m in (("nan", logits.isnan()), ("inf", logits.isinf())) if bool(m.any())]

@@ -2,12 +2,11 @@
 
 `HybridRunner` runs a known hybrid family with the model's own modules and weights: linear-attention
 mixers through the state strategies of `specdec.replayssm`, attention through `KVCache`.
-`GenericRunner` drives any causal LM's own forward with a cloned cache (slower, still lossless).
+`GenericRunner` (`specdec.generic`) drives any causal LM's own forward with a cloned cache (slower, still lossless).
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from specdec.kernels.common import outside_inference
 from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
 from .kv_cache import KVCache, kv_specs
 from .memory import MemoryPlan
+from .prefill import _Chunk, _PrefillOps
 
 
 @dataclass
@@ -53,57 +53,6 @@ def path_and_count(num_accepted, path, B: int, T: int, device) -> tuple[torch.Te
     return path, (path >= 0).sum(1)
 
 
-@dataclass
-class _Chunk:
-    """One prefill chunk over a right-padded batch `[B, T]`: row b holds `n[b]` (1..T) real tokens first."""
-    n: torch.Tensor  # [B] long: real tokens per row
-    counts: list[int]  # the same on the host
-    padded: bool  # some row has fewer than T real tokens
-    last_logits: bool  # logits only at each row's last real token: `[B, 1, vocab]`
-    valid: torch.Tensor | None = None  # [B, T] bool (padded chunks only)
-    flat: torch.Tensor | None = None  # [sum n] long: the real tokens' indices in the flattened `[B * T]`
-    cu_seqlens: torch.Tensor | None = None  # [B + 1] long, cumulated n (fla varlen), on the device
-    cu_seqlens_cpu: torch.Tensor | None = None  # the same on the host
-
-    @classmethod
-    def make(cls, n: list[int], T: int, device, last_logits: bool = False) -> "_Chunk":
-        n_t = torch.tensor(n, dtype=torch.long, device=device)
-        if all(m == T for m in n):
-            return cls(n_t, list(n), False, last_logits)
-        cu = torch.tensor([0] + n, dtype=torch.long).cumsum(0)
-        flat = torch.cat([torch.arange(m) + b * T for b, m in enumerate(n)])
-        valid = torch.arange(T, device=device)[None] < n_t[:, None]
-        return cls(n_t, list(n), True, last_logits, valid, flat.to(device), cu.to(device), cu)
-
-
-class _PrefillOps:
-    """Prefill from the slots' state, written straight back (prefill has nothing to roll back). Over a
-    right-padded chunk each row's state ends at its last real token: the conv window is gathered there and
-    the delta rule leaves the state unchanged at padded positions."""
-
-    def __init__(self, runner: "HybridRunner", li: int, slots: torch.Tensor, chunk: _Chunk | None = None):
-        self.r, self.li, self.slots, self.chunk = runner, li, slots, chunk
-
-    def conv(self, x, weight, bias, activation):
-        pool = self.r.state.pool
-        state = pool.conv[self.li, self.slots]
-        y, win = kernels.short_conv(x, weight, bias, conv_state=state, activation=activation)
-        if self.chunk is not None and self.chunk.padded:  # window at row b's end: columns n_b .. n_b+Kc-2
-            full = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, Kc-1+T]
-            idx = self.chunk.n[:, None] + torch.arange(state.shape[-1], device=x.device)
-            win = full.gather(2, idx[:, None, :].expand(-1, full.shape[1], -1))
-        pool.conv[self.li, self.slots] = win.to(pool.conv.dtype)
-        return y
-
-    def mix(self, q, k, v, g, beta):
-        pool, cfg = self.r.state.pool, self.r.state.cfg
-        if cfg.gate_in_kernel:  # g is the gate's input: the verify kernels compute the gate, prefill does it here
-            g = kernels.kda_gate(g, **self.r.state.gate(self.li))
-        o, S = prefill_delta_rule(q, k, v, g, beta, pool.ssm[self.li, self.slots], cfg, chunk=self.chunk)
-        pool.ssm[self.li, self.slots] = S.to(pool.ssm.dtype)
-        return o
-
-
 class _VerifyOps:
     def __init__(self, runner: "HybridRunner", li: int):
         self.r, self.li = runner, li
@@ -113,47 +62,6 @@ class _VerifyOps:
 
     def mix(self, q, k, v, g, beta):
         return self.r.state.mix(self.li, q, k, v, g, beta)
-
-
-def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig, *, chunk: _Chunk | None = None):
-    """Prefill of one chunk: fla's chunk kernels on CUDA, `kernels.chunk_delta_rule` elsewhere (the same
-    recurrence in chunked form). q, k `[B, T, H, K]` raw; -> (o `[B, T, H, V]`, S `[B, H, K, V]`).
-
-    A padded `chunk` (row b real at its first `n[b]` positions) runs on CUDA as fla varlen (`cu_seqlens`, the
-    real tokens packed, no padding); elsewhere the padded positions get q = k = v = g = beta = 0, the values
-    `chunk_delta_rule` pads its own chunks with, so the state passes them unchanged (no decay, no update) and
-    each row's S is its state after its last real token. o is 0 at padded positions. The mamba2 rule has no fla
-    kernel here: it takes the chunked reference on every device."""
-    padded = chunk is not None and chunk.padded
-    if q.is_cuda and cfg.rule == "delta":
-        try:
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-            from fla.ops.kda import chunk_kda
-        except ImportError:
-            pass
-        else:
-            fn = chunk_kda if cfg.gate == "kda" else chunk_gated_delta_rule
-            if not padded:
-                o, S = fn(q, k, v, g.float(), beta, scale=cfg.scale, initial_state=state.float(),
-                          output_final_state=True, use_qk_l2norm_in_kernel=True)
-                return o, S
-            B, T = q.shape[:2]
-
-            def pack(x):  # [B, T, ...] -> [1, sum n, ...]
-                return x.flatten(0, 1).index_select(0, chunk.flat)[None]
-
-            o, S = fn(pack(q), pack(k), pack(v), pack(g.float()), pack(beta), scale=cfg.scale,
-                      initial_state=state.float(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-                      cu_seqlens=chunk.cu_seqlens, cu_seqlens_cpu=chunk.cu_seqlens_cpu)
-            out = o.new_zeros(B * T, *o.shape[2:]).index_copy_(0, chunk.flat, o[0])
-            return out.view(B, T, *o.shape[2:]), S
-    if padded:
-        def real(x):  # 0 at padded positions
-            return torch.where(chunk.valid.view(*chunk.valid.shape, *[1] * (x.dim() - 2)), x, x.new_zeros(()))
-
-        q, k, v, g, beta = real(q), real(k), real(v), real(g), real(beta)
-    return kernels.chunk_delta_rule(q, k, v, g, beta, initial_state=state, scale=cfg.scale, eps=cfg.norm_eps,
-                                    norm=cfg.norm, rule=cfg.rule)
 
 
 @dataclass(frozen=True)
@@ -501,121 +409,9 @@ class HybridRunner:
         return RunnerOutput(logits, hidden, captured)
 
 
-# transformers' Mamba-1 mixers start the selective scan from a zero state whenever more than one token comes in,
-# cached state or not: the generic runner feeds these models one token at a time after the prompt
-ONE_TOKEN_CONTINUATION = {"mamba", "falcon_mamba", "jamba", "zamba"}
-
-
-class GenericRunner:
-    """Any causal LM: its own forward and cache. A round runs on a deep copy of the request's cache; commit
-    adopts the copy when everything was accepted, else re-runs the accepted tokens on the original."""
-
-    def __init__(self, model, *, max_batch_size: int = 8, max_length: int = 4096, **_):
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.max_length = max_length
-        self.vocab_size = model.config.get_text_config().vocab_size
-        self.hidden_size = model.config.get_text_config().hidden_size
-        self.max_batch_size = max_batch_size
-        self._free = list(range(max_batch_size))
-        self._cache: dict[int, object] = {}
-        self._len: dict[int, int] = {}
-        self._round = None
-        # transformers renamed `past_key_values` to `cache` (the old name is deprecated from 5.x on)
-        params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._position_args = [a for a in ("position_ids", "cache_position") if a in params]
-        self._one_token = model.config.get_text_config().model_type in ONE_TOKEN_CONTINUATION
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"slot pool exhausted: requested {n} slot(s), {len(self._free)} of "
-                               f"{self.max_batch_size} free")
-        slots = [self._free.pop(0) for _ in range(n)]
-        for s in slots:
-            self._cache[s], self._len[s] = None, 0
-        return slots
-
-    def release(self, slots: list[int]) -> None:
-        for s in slots:
-            self._cache.pop(s, None)
-            self._free.append(s)
-
-    def length(self, slot: int) -> int:
-        return self._len[slot]
-
-    def _positions(self, start: int, n: int) -> dict:
-        """`position_ids` / `cache_position` (those the forward takes) of tokens `start .. start + n - 1`: some
-        models (Bamba) otherwise count positions from 0 in every call, whatever the cache holds."""
-        pos = torch.arange(start, start + n, device=self.device)
-        return {a: pos[None] if a == "position_ids" else pos for a in self._position_args}
-
-    def _run(self, slot: int, ids: torch.Tensor, cache):
-        """`ids [T]` right after the slot's committed tokens, on `cache` (None: a fresh one);
-        -> (logits `[1, T, V]`, cache, hidden states per layer `[1, T, hidden]`)."""
-        from transformers import DynamicCache
-        cache = cache if cache is not None else DynamicCache(config=self.model.config)
-        start = self._len[slot]
-        parts = ids.split(1) if start and self._one_token else [ids]
-        outs = []
-        for part in parts:
-            out = self.model(input_ids=part[None], **{self._cache_arg: cache}, **self._positions(start, len(part)),
-                             use_cache=True, output_hidden_states=True)
-            new = getattr(out, "cache", None)
-            new = getattr(out, "past_key_values", None) if new is None else new
-            cache, start = (new if new is not None else cache), start + len(part)
-            outs.append(out)
-        return (torch.cat([o.logits for o in outs], 1), cache,
-                tuple(torch.cat(h, 1) for h in zip(*(o.hidden_states for o in outs))))
-
-    @torch.no_grad()
-    def prefill(self, slot: int, ids: torch.Tensor, *, capture=()) -> RunnerOutput:
-        logits, cache, hs = self._run(slot, ids, self._cache[slot])
-        self._cache[slot], self._len[slot] = cache, self._len[slot] + ids.shape[0]
-        return RunnerOutput(logits, hs[-1], {i: hs[i + 1] for i in capture})
-
-    @torch.no_grad()
-    def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=(), slots_t=None) -> RunnerOutput:
-        if parent is not None:
-            raise ValueError("parent: tree verify needs a hybrid adapter; the generic path verifies chains")
-        logits, hidden, caps, clones = [], [], {i: [] for i in capture}, []
-        for b, s in enumerate(slots):
-            if self._len[s] + ids.shape[1] > self.max_length:
-                raise ValueError(f"max_length: {self._len[s] + ids.shape[1]} tokens exceed {self.max_length}")
-            lg, cache, hs = self._run(s, ids[b], copy.deepcopy(self._cache[s]))
-            logits.append(lg[0])
-            hidden.append(hs[-1][0])
-            for i in capture:
-                caps[i].append(hs[i + 1][0])
-            clones.append(cache)
-        self._round = (list(slots), ids, clones)
-        return RunnerOutput(torch.stack(logits), torch.stack(hidden), {i: torch.stack(v) for i, v in caps.items()})
-
-    @torch.no_grad()
-    def commit(self, num_accepted=None, *, path=None, host_counts: list[int] | None = None) -> None:
-        slots, ids, clones = self._round
-        _, n = path_and_count(num_accepted, path, len(slots), ids.shape[1], self.device)
-        if bool(((n < 1) | (n > ids.shape[1])).any()):
-            raise ValueError(f"num_accepted: expected 1..{ids.shape[1]} per request, got {n.tolist()}")
-        for b, s in enumerate(slots):
-            m = int(n[b])
-            if m == ids.shape[1]:
-                self._cache[s] = clones[b]
-            else:  # snapshot was the original cache: re-run the accepted tokens on it
-                _, self._cache[s], _ = self._run(s, ids[b, :m], self._cache[s])
-            self._len[s] += m
-        self._round = None
-
-    def abort(self) -> None:
-        self._round = None
-
-
 def make_runner(model, **kw):
     """A hybrid adapter for known families, the generic path for any other causal LM."""
     if model.config.model_type in HYBRID_FAMILIES:
         return HybridRunner(model, **kw)
+    from .generic import GenericRunner  # here: generic.py imports this module's RunnerOutput
     return GenericRunner(model, **kw)

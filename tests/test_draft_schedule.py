@@ -15,7 +15,7 @@ from tiny_models import assert_greedy, generate_f64
 
 import specdec
 from specdec.draft.ngram import NgramDrafter
-from specdec.engine import SpecConfig
+from specdec.config import SpecConfig
 
 FAMILY = "qwen3_5"  # conftest's `target`
 GAMMA = 4

@@ -20,7 +20,7 @@ from tiny_models import float64_everywhere, greedy_reference, noisy_copy
 
 import specdec
 import specdec.engine
-from specdec.runner import GenericRunner
+from specdec.generic import GenericRunner
 from specdec.verify import accept_chain_greedy
 
 V = 96

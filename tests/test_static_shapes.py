@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 import specdec
 from specdec.draft.factory import TRAINED_KINDS
-from specdec.engine import SpecConfig, _buckets
+from specdec.config import SpecConfig
+from specdec.engine import _buckets
 from specdec.kernels import dispatch
 
 GAMMA = 4

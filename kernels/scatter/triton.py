@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..triton_utils import cast_to
+from .naive import check_scatter_args
 
 
 @triton.jit
@@ -74,13 +75,7 @@ def masked_scatter(src: torch.Tensor, dst: torch.Tensor, dst_indices: torch.Tens
     Trailing (per-state) dims must be dense in both tensors (any layer / slot / step strides are fine);
     otherwise the data goes through contiguous copies.
     """
-    B = dst_indices.shape[0]
-    if src.dim() != dst.dim() + 1 or src.shape[0] != dst.shape[0] or src.shape[3:] != dst.shape[2:] \
-            or src.shape[1] < B:
-        raise ValueError(f"src: expected [{dst.shape[0]}, >={B}, T, {', '.join(map(str, dst.shape[2:]))}], "
-                         f"got {list(src.shape)}")
-    if step.shape != (B,):
-        raise ValueError(f"step: expected shape [{B}], got {list(step.shape)}")
+    B = check_scatter_args(src, dst, dst_indices, step)
     Lyr = dst.shape[0]
     E = math.prod(dst.shape[2:])
     if B == 0 or Lyr == 0 or E == 0:

@@ -88,6 +88,26 @@ def _conv_rows(parent: torch.Tensor, R: int, T: int, Kc: int) -> torch.Tensor:
     return idx.reshape(-1)
 
 
+def check_conv_verify_args(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                           conv_state_indices: torch.Tensor, window_states: torch.Tensor | None,
+                           conv_inputs: torch.Tensor | None, activation: str | None) -> tuple[int, int, int, int]:
+    """The argument checks `short_conv_verify` (naive and Triton) shares -> (B, T, C, Kc)."""
+    B, T, C = x.shape
+    Kc = weight.shape[-1]
+    check_shape("weight", weight, (C, Kc))
+    check_shape("conv_state", conv_state, (None, C, Kc - 1))
+    check_shape("conv_state_indices", conv_state_indices, (B,))
+    if window_states is not None and (window_states.dim() != 4 or window_states.shape[0] < B
+                                      or window_states.shape[1] < T or window_states.shape[2:] != (C, Kc - 1)):
+        raise ValueError(f"window_states: expected [>={B}, >={T}, {C}, {Kc - 1}], got {list(window_states.shape)}")
+    if conv_inputs is not None and (conv_inputs.dim() != 3 or conv_inputs.shape[0] < B
+                                    or conv_inputs.shape[1] < T or conv_inputs.shape[2] != C):
+        raise ValueError(f"conv_inputs: expected [>={B}, >={T}, {C}], got {list(conv_inputs.shape)}")
+    if activation not in ("silu", None):
+        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
+    return B, T, C, Kc
+
+
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                       conv_state_indices: torch.Tensor, *, parent: torch.Tensor | None = None,
                       window_states: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
@@ -107,19 +127,8 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     Returns:
         y `[B, T, C]` in x.dtype.
     """
-    B, T, C = x.shape
-    Kc = weight.shape[-1]
-    check_shape("weight", weight, (C, Kc))
-    check_shape("conv_state", conv_state, (None, C, Kc - 1))
-    check_shape("conv_state_indices", conv_state_indices, (B,))
-    if window_states is not None and (window_states.dim() != 4 or window_states.shape[0] < B
-                                      or window_states.shape[1] < T or window_states.shape[2:] != (C, Kc - 1)):
-        raise ValueError(f"window_states: expected [>={B}, >={T}, {C}, {Kc - 1}], got {list(window_states.shape)}")
-    if conv_inputs is not None and (conv_inputs.dim() != 3 or conv_inputs.shape[0] < B
-                                    or conv_inputs.shape[1] < T or conv_inputs.shape[2] != C):
-        raise ValueError(f"conv_inputs: expected [>={B}, >={T}, {C}], got {list(conv_inputs.shape)}")
-    if activation not in ("silu", None):
-        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
+    B, T, C, Kc = check_conv_verify_args(x, weight, conv_state, conv_state_indices, window_states, conv_inputs,
+                                         activation)
     if T == 0:  # nothing to run (as the Triton kernel: an empty output)
         return x.new_zeros(B, 0, C)
     chain = parent is None

@@ -28,7 +28,7 @@ import triton.language as tl
 from ..common import (check_delta_inputs, check_gate_params, check_rule, check_shape, check_verify_buffers,
                       tree_stack_slots)
 from ..common import tree_schedule as _schedule
-from .naive import check_ring_args, is_topological
+from .naive import check_conv_verify_args, check_ring_args, is_topological
 from ..rebuild.triton import rebuild_tile
 from ..triton_utils import (cast_to, check_float, delta_step, gate_params, load_gate, num_warps_for, prepare_k,
                            prepare_q, readout, state_blocks)
@@ -143,19 +143,8 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       activation: str | None = "silu", null_slot: int = -1, validate: bool = True) -> torch.Tensor:
     """Short conv over the verify tokens of each request, from its slot's window (see `naive`)."""
     check_float("short_conv_verify", x, weight, bias, conv_state, window_states, conv_inputs)
-    B, T, C = x.shape
-    Kc = weight.shape[-1]
-    check_shape("weight", weight, (C, Kc))
-    check_shape("conv_state", conv_state, (None, C, Kc - 1))
-    check_shape("conv_state_indices", conv_state_indices, (B,))
-    if window_states is not None and (window_states.dim() != 4 or window_states.shape[0] < B
-                                      or window_states.shape[1] < T or window_states.shape[2:] != (C, Kc - 1)):
-        raise ValueError(f"window_states: expected [>={B}, >={T}, {C}, {Kc - 1}], got {list(window_states.shape)}")
-    if conv_inputs is not None and (conv_inputs.dim() != 3 or conv_inputs.shape[0] < B
-                                    or conv_inputs.shape[1] < T or conv_inputs.shape[2] != C):
-        raise ValueError(f"conv_inputs: expected [>={B}, >={T}, {C}], got {list(conv_inputs.shape)}")
-    if activation not in ("silu", None):
-        raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
+    B, T, C, Kc = check_conv_verify_args(x, weight, conv_state, conv_state_indices, window_states, conv_inputs,
+                                         activation)
     if bias is not None:
         check_shape("bias", bias, (C,))
         bias = bias.contiguous()

@@ -1,0 +1,113 @@
+"""`SpecConfig`: the engine's options (`specdec.wrap(model, config, **drafter_options)`) and their checks."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields
+
+from specdec.draft import NoDraft
+
+from . import cpu_linear
+
+STRATEGIES = ("replay", "snapshot")
+COMMITS = ("eager", "lazy")
+
+
+@dataclass
+class SpecConfig:
+    """Options of the engine (drafter options are separate: `wrap(model, config, **drafter_options)`).
+
+    drafter: "ngram", "model" (with `draft_model`), "native", a trained drafter directory, or a `Drafter` (a kind
+    alone, "mtp", "eagle" or "dspark", needs the drafter option `untrained=True`: see `make_drafter`); None (or
+    "none", or a `NoDraft`): plain decoding, one token per forward through the same runner (every round verifies
+    the anchor alone, `[Bk, 1]` with static shapes; num_draft_tokens and draft_tokens_by_batch are not used).
+    num_draft_tokens: gamma, drafts per round. strategy: "replay" or "snapshot".
+    commit: "eager" or "lazy". max_batch_size: requests at once. max_length: prompt + new tokens per request.
+    static_shapes: every round has the same shapes for a batch bucket (the batch padded with null-slot rows to
+    1, 2, 4, ..., max_batch_size; drafts padded to gamma; the KV cache read as a static view with a mask).
+    cuda_graph: capture each bucket's verify + accept (with the drafting of a drafter that has a static draft
+    step: eagle, mtp, dspark) and its commit as CUDA graphs and replay them (implies static_shapes; needs a
+    hybrid target on CUDA and eager commit).
+    draft_tokens_by_batch: a draft-length schedule `{batch size: drafts}`: a round of B rows drafts the value of
+    the largest key <= B (with static shapes: of the batch bucket), `num_draft_tokens` below the smallest key.
+    Where a verify is compute-bound (a CPU, or a GPU at a large batch) each verified token costs time, and the
+    drafts deep in a chain are the least likely accepted, so larger batches verify fewer of them: vLLM's
+    `speculative_disable_by_batch_size`, by degrees. E.g. `{8: 3}` (the CPU sweep: bench/results/HISTORY.md,
+    "Draft-length schedule"). A tree drafter keeps its node budget; the schedule bounds its depth.
+    cpu_linear: the matmul backend of the `nn.Linear` layers of an fp32 model on CPU and of its drafter, which a
+    verify feeds many rows at once. "onednn": `specdec.cpu_linear.install` turns them into `OneDNNLinear` (calls
+    of >= 2 rows inside `generate` run oneDNN, on some x86 CPUs about twice MKL's sgemm at tree sizes; 1-row
+    calls, calls outside `generate` and the weights are unchanged; a second, blocked copy of each weight is kept
+    and checked against the weight in every `generate`). "aten": left as they are. "auto" (default): "onednn"
+    for an fp32 model on CPU when torch has oneDNN, else "aten". The model's layers change class in place (plain
+    decoding through it runs the same layers); `specdec.cpu_linear.uninstall(model)` undoes it.
+    """
+
+    drafter: object = "ngram"
+    num_draft_tokens: int = 7
+    strategy: str = "replay"
+    commit: str = "eager"
+    draft_model: object = None
+    max_batch_size: int = 8
+    max_length: int | None = None
+    static_shapes: bool = False
+    cuda_graph: bool = False
+    draft_tokens_by_batch: dict | None = None
+    cpu_linear: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy: expected one of {STRATEGIES}, got {self.strategy!r}")
+        if self.commit not in COMMITS:
+            raise ValueError(f"commit: expected one of {COMMITS}, got {self.commit!r}")
+        cpu_linear.check_mode(self.cpu_linear)
+        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens: expected an int >= 1, got {self.num_draft_tokens!r} (plain decoding: "
+                             f"drafter=None)")
+        if not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size: expected an int >= 1, got {self.max_batch_size!r}")
+        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
+            raise ValueError(f"max_length: expected an int >= 2 or None, got {self.max_length!r}")
+        sched = self.draft_tokens_by_batch
+        if sched is not None:
+            ok = isinstance(sched, dict) and all(
+                isinstance(k, int) and not isinstance(k, bool) and k >= 1 and isinstance(v, int)
+                and not isinstance(v, bool) and 1 <= v <= self.num_draft_tokens for k, v in sched.items())
+            if not ok:
+                raise ValueError(f"draft_tokens_by_batch: expected a dict {{batch size >= 1: drafts in [1, "
+                                 f"num_draft_tokens = {self.num_draft_tokens}]}}, got {sched!r}")
+            self.draft_tokens_by_batch = dict(sorted(sched.items()))
+        if self.cuda_graph:
+            if self.commit != "eager":
+                raise ValueError("cuda_graph: needs commit='eager' (lazy commit decides on the host when to fold)")
+            self.static_shapes = True
+
+    @property
+    def plain(self) -> bool:
+        """No drafter: plain decoding (`drafter` None, "none" or a `NoDraft`)."""
+        d = self.drafter
+        return d is None or isinstance(d, NoDraft) or (isinstance(d, str) and d == "none")
+
+    def gamma_for(self, batch: int) -> int:
+        """Drafts per round for a round of `batch` rows (see `draft_tokens_by_batch`); 0 for plain decoding."""
+        if self.plain:
+            return 0
+        gamma = self.num_draft_tokens
+        for k, v in (self.draft_tokens_by_batch or {}).items():
+            if batch >= k:
+                gamma = v
+        return gamma
+
+    @classmethod
+    def split(cls, options: dict) -> tuple["SpecConfig", dict]:
+        """`wrap`'s keyword options -> (engine config, drafter options). A name close to an engine option is
+        taken for a typo of it, not passed on to the drafter."""
+        names = [f.name for f in fields(cls)]
+        engine = {k: v for k, v in options.items() if k in names}
+        rest = {k: v for k, v in options.items() if k not in names}
+        for k in rest:
+            close = difflib.get_close_matches(k, names, n=1, cutoff=0.8)
+            if close:
+                raise ValueError(f"{k}: not an engine option (did you mean {close[0]!r}?); engine options: "
+                                 f"{', '.join(names)}")
+        return cls(**engine), rest

@@ -1,0 +1,124 @@
+"""`GenericRunner`: the target runner of any causal LM outside `adapters.HYBRID_FAMILIES` (`make_runner`'s
+fallback). It drives the model's own forward with a cloned cache: slower than `HybridRunner`, still lossless."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+
+from .runner import RunnerOutput, path_and_count
+
+
+# transformers' Mamba-1 mixers start the selective scan from a zero state whenever more than one token comes in,
+# cached state or not: the generic runner feeds these models one token at a time after the prompt
+ONE_TOKEN_CONTINUATION = {"mamba", "falcon_mamba", "jamba", "zamba"}
+
+
+class GenericRunner:
+    """Any causal LM: its own forward and cache. A round runs on a deep copy of the request's cache; commit
+    adopts the copy when everything was accepted, else re-runs the accepted tokens on the original."""
+
+    def __init__(self, model, *, max_batch_size: int = 8, max_length: int = 4096, **_):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.max_length = max_length
+        self.vocab_size = model.config.get_text_config().vocab_size
+        self.hidden_size = model.config.get_text_config().hidden_size
+        self.max_batch_size = max_batch_size
+        self._free = list(range(max_batch_size))
+        self._cache: dict[int, object] = {}
+        self._len: dict[int, int] = {}
+        self._round = None
+        # transformers renamed `past_key_values` to `cache` (the old name is deprecated from 5.x on)
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._position_args = [a for a in ("position_ids", "cache_position") if a in params]
+        self._one_token = model.config.get_text_config().model_type in ONE_TOKEN_CONTINUATION
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"slot pool exhausted: requested {n} slot(s), {len(self._free)} of "
+                               f"{self.max_batch_size} free")
+        slots = [self._free.pop(0) for _ in range(n)]
+        for s in slots:
+            self._cache[s], self._len[s] = None, 0
+        return slots
+
+    def release(self, slots: list[int]) -> None:
+        for s in slots:
+            self._cache.pop(s, None)
+            self._free.append(s)
+
+    def length(self, slot: int) -> int:
+        return self._len[slot]
+
+    def _positions(self, start: int, n: int) -> dict:
+        """`position_ids` / `cache_position` (those the forward takes) of tokens `start .. start + n - 1`: some
+        models (Bamba) otherwise count positions from 0 in every call, whatever the cache holds."""
+        pos = torch.arange(start, start + n, device=self.device)
+        return {a: pos[None] if a == "position_ids" else pos for a in self._position_args}
+
+    def _run(self, slot: int, ids: torch.Tensor, cache):
+        """`ids [T]` right after the slot's committed tokens, on `cache` (None: a fresh one);
+        -> (logits `[1, T, V]`, cache, hidden states per layer `[1, T, hidden]`)."""
+        from transformers import DynamicCache
+        cache = cache if cache is not None else DynamicCache(config=self.model.config)
+        start = self._len[slot]
+        parts = ids.split(1) if start and self._one_token else [ids]
+        outs = []
+        for part in parts:
+            out = self.model(input_ids=part[None], **{self._cache_arg: cache}, **self._positions(start, len(part)),
+                             use_cache=True, output_hidden_states=True)
+            new = getattr(out, "cache", None)
+            new = getattr(out, "past_key_values", None) if new is None else new
+            cache, start = (new if new is not None else cache), start + len(part)
+            outs.append(out)
+        return (torch.cat([o.logits for o in outs], 1), cache,
+                tuple(torch.cat(h, 1) for h in zip(*(o.hidden_states for o in outs))))
+
+    @torch.no_grad()
+    def prefill(self, slot: int, ids: torch.Tensor, *, capture=()) -> RunnerOutput:
+        logits, cache, hs = self._run(slot, ids, self._cache[slot])
+        self._cache[slot], self._len[slot] = cache, self._len[slot] + ids.shape[0]
+        return RunnerOutput(logits, hs[-1], {i: hs[i + 1] for i in capture})
+
+    @torch.no_grad()
+    def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=(), slots_t=None) -> RunnerOutput:
+        if parent is not None:
+            raise ValueError("parent: tree verify needs a hybrid adapter; the generic path verifies chains")
+        logits, hidden, caps, clones = [], [], {i: [] for i in capture}, []
+        for b, s in enumerate(slots):
+            if self._len[s] + ids.shape[1] > self.max_length:
+                raise ValueError(f"max_length: {self._len[s] + ids.shape[1]} tokens exceed {self.max_length}")
+            lg, cache, hs = self._run(s, ids[b], copy.deepcopy(self._cache[s]))
+            logits.append(lg[0])
+            hidden.append(hs[-1][0])
+            for i in capture:
+                caps[i].append(hs[i + 1][0])
+            clones.append(cache)
+        self._round = (list(slots), ids, clones)
+        return RunnerOutput(torch.stack(logits), torch.stack(hidden), {i: torch.stack(v) for i, v in caps.items()})
+
+    @torch.no_grad()
+    def commit(self, num_accepted=None, *, path=None, host_counts: list[int] | None = None) -> None:
+        slots, ids, clones = self._round
+        _, n = path_and_count(num_accepted, path, len(slots), ids.shape[1], self.device)
+        if bool(((n < 1) | (n > ids.shape[1])).any()):
+            raise ValueError(f"num_accepted: expected 1..{ids.shape[1]} per request, got {n.tolist()}")
+        for b, s in enumerate(slots):
+            m = int(n[b])
+            if m == ids.shape[1]:
+                self._cache[s] = clones[b]
+            else:  # snapshot was the original cache: re-run the accepted tokens on it
+                _, self._cache[s], _ = self._run(s, ids[b, :m], self._cache[s])
+            self._len[s] += m
+        self._round = None
+
+    def abort(self) -> None:
+        self._round = None
