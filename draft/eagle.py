@@ -217,9 +217,9 @@ class _Row:
 
 # The default tree, by the device the drafter runs on. On a GPU a verify of 49 tokens costs about what one token
 # does (weights are read once), so the tree is EAGLE-2's size (its reference runs 60-token trees of top-10
-# children). On a CPU every node is target compute (bench/verify_cost.py: 49 nodes 2.55x a 1-token step, 13 nodes
-# 1.69x), and a narrow tree wins: on the embedded model (bench/results/HISTORY.md, "EAGLE's default tree, by device") 16
-# nodes of top-2 children ran 1.50-1.59x plain decoding at tau 4.86, 48 nodes of top-8 1.26-1.31x at tau 5.25.
+# children). On a CPU every node is target compute (bench/verify_cost.py), and a narrow tree wins on the embedded
+# model: 16 nodes of top-2 children ran faster than 48 of top-8 despite a lower tau (bench/results/HISTORY.md,
+# "EAGLE's default tree, by device").
 DEFAULT_TREE = {"cuda": dict(topk=8, num_nodes=48), "cpu": dict(topk=2, num_nodes=16)}
 
 

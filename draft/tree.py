@@ -22,8 +22,8 @@ from .base import DraftBlock
 
 # The heads that draft one chain in their references (mtp: vLLM, and SGLang's NEXTN with `--speculative-eagle-topk
 # 1`; dspark: DeepSpec's block) draft that chain unless `topk` > 1 asks for a tree. On the embedded model on a CPU a
-# tree of 16 nodes of top-2 raised tau (mtp 3.37 -> 4.00, dspark 3.36 -> 3.96) but not the speed (1.54x against the
-# chains' 1.61x / 1.59x, bench/results/HISTORY.md, "The heads draft trees"): every node is target compute there.
+# tree of 16 nodes of top-2 raised tau but not the speed, since every node is target compute there
+# (bench/results/HISTORY.md, "The heads draft trees").
 HEAD_TREE_NODES = 16  # a tree's default node budget (EAGLE's CPU tree)
 
 

@@ -4,10 +4,9 @@ A verify forward multiplies every weight by T rows (8 for a gamma-7 chain, up to
 those matmuls are compute-bound: they are most of what a verify costs over a 1-token step (`bench/verify_cost.py`
 measures it as the "matmul floor"). torch's fp32 `F.linear` goes to MKL's sgemm, which on some x86 CPUs runs a
 generic code path (on the AMD Zen 5 of `bench/results/HISTORY.md` it does, AVX-512 unused), while oneDNN, also inside
-torch, runs the CPU's widest vectors. Measured there on the embedded model (`bench/verify_cost.py`, one run): a
-49-node tree verify forward 20.3 -> 15.1 ms, an 8-token chain 9.5 -> 8.8 ms, a 1-token step unchanged; at one or two
-rows MKL is as fast or faster (oneDNN has more fixed cost per call), so a call goes to oneDNN only from `MIN_ROWS`
-rows and `MIN_MACS` multiply-adds.
+torch, runs the CPU's widest vectors: tree and chain verify forwards run faster, a 1-token step does not
+(`bench/verify_cost.py`; figures in bench/RESULTS.md). At one or two rows MKL is as fast or faster (oneDNN has more
+fixed cost per call), so a call goes to oneDNN only from `MIN_ROWS` rows and `MIN_MACS` multiply-adds.
 
 `install(model)` turns every plain `nn.Linear` of `model` (type exactly `nn.Linear`) into `OneDNNLinear`, a
 subclass whose forward dispatches by shape; weights, parameters, `state_dict` and `isinstance(m, nn.Linear)` are
@@ -17,7 +16,7 @@ what it did before it was wrapped. The oneDNN copy of a weight (its blocked layo
 weight) is made at the first call that uses it and remade when the weight changes: another tensor or storage,
 an in-place update its version counter records, and a write the counter does not record (through `.data`, a
 fused optimizer's step), found at the copy's first use in each `engaged()` block by the weight's rows summed bit
-for bit (`_row_sums`: ~8 ms for the embedded model's weights, under 1% of a `generate`). So a model updated
+for bit (`_row_sums`: a small part of a `generate`, bench/results/HISTORY.md). So a model updated
 between two `generate` calls, however it was updated, is verified with its new weights. Calls that need
 autograd, non-fp32 tensors, tensors off the CPU and weights made under `torch.inference_mode` (no version
 counter) take `F.linear` unchanged.
