@@ -52,15 +52,15 @@ class RoundGraphs:
         return tuple(step["ids"].shape), step["parent"] is not None
 
     def verify(self, step: dict, sampling) -> dict:
-        """The device step of this round (see `SpecEngine._device_step`: the draft step of a drafter that has a
-        static one, then verify + accept), replayed where captured."""
+        """The device step of this round (see `specdec.round.RoundStep.device_step`: the draft step of a drafter
+        that has a static one, then verify + accept), replayed where captured."""
         eng, key = self.engine, self._key(step)
         entry = self.entries.get(key)
         self._current = None
         if entry is None or entry == "eager":
             if entry is None:
                 self.entries[key] = "warm"
-            return eng._device_step(step, sampling, None)
+            return eng.round_step.device_step(step, sampling, None)
         if entry == "warm":
             return self._capture(key, step, sampling)
         eng.runner.kv.check_room(step["host_slots"], step["ids"].shape[1])
@@ -79,13 +79,13 @@ class RoundGraphs:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                out = eng._device_step(inputs, sampling, None, catch=False)
+                out = eng.round_step.device_step(inputs, sampling, None, catch=False)
         except Exception as e:  # e.g. a layer of the model that reads values back: this bucket stays eager
             eng.runner.abort()
             self.entries[key] = "eager"
             warnings.warn(f"cuda_graph: capturing the verify step of shape {key[0]} failed ({type(e).__name__}: {e}); "
                           f"those rounds run eagerly", RuntimeWarning, stacklevel=4)
-            return eng._device_step(step, sampling, None)
+            return eng.round_step.device_step(step, sampling, None)
         graph.replay()
         entry = self.entries[key] = _Captured(inputs, graph, out)
         self._current = entry
@@ -95,7 +95,7 @@ class RoundGraphs:
         """The commit step of this round, after its readback; captured right after its verify step."""
         eng, entry = self.engine, self._current
         if entry is None:
-            eng._commit_step(step, res, host_slots, n_h)
+            eng.round_step.commit_step(step, res, host_slots, n_h)
             return
         if entry.commit is not None:
             entry.commit.replay()
@@ -105,7 +105,7 @@ class RoundGraphs:
         graph = torch.cuda.CUDAGraph()
         try:  # runs the commit's host bookkeeping once, for this round; the replay below does the device work
             with torch.cuda.graph(graph, pool=self.pool):
-                eng._commit_step(entry.inputs, entry.out, host_slots, n_h)
+                eng.round_step.commit_step(entry.inputs, entry.out, host_slots, n_h)
         except Exception as e:
             raise RuntimeError(f"cuda_graph: capturing the commit step failed ({type(e).__name__}: {e}); "
                                f"wrap the model with cuda_graph=False") from e

@@ -1,9 +1,9 @@
 """Every static step of a round can be captured by a CUDA graph: no host read and no host data inside it.
 
 With `cuda_graph=True` (specdec/graphs.py) the engine captures each batch bucket's device step, the drafter's
-`draft_step` (eagle, mtp, dspark) with verify + accept (`SpecEngine._device_step`), and its commit
-(`_commit_step`). A capture refuses a read back to the host (`.item()`, `nonzero`, a boolean mask, ...) and a copy
-of pageable host memory to the device ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless
+`draft_step` (eagle, mtp, dspark) with verify + accept (`RoundStep.device_step`), and its commit
+(`RoundStep.commit_step`). A capture refuses a read back to the host (`.item()`, `nonzero`, a boolean mask, ...)
+and a copy of pageable host memory to the device ("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless
 the CPU tensor is pinned"); a failed capture leaves that bucket eager for good. On a CPU neither shows, so
 bench/syncs.py's `CaptureCheck` follows host data from where it is made and names the source line of each
 violation. Kernel ops run as on a GPU (`gpu_view`: the Triton wrappers' host side, then the torch reference
@@ -68,14 +68,14 @@ def test_static_steps_are_capture_safe(embedded, draft, requests):
     # a bucket's first round runs eagerly, its second is captured, later ones replay the capture: two rounds
     engine._done = lambda toks, max_new, eos: rounds["_commit_step"] >= ROUNDS or done(toks, max_new, eos)
     for step in STEPS:
-        inner = getattr(engine, step)
+        inner = getattr(engine.round_step, step[1:])
 
         def checked(*a, _inner=inner, _step=step, **k):
             check.phase = _step[1:]
             rounds[_step] += 1
             with check.checking():
                 return _inner(*a, **k)
-        setattr(engine, step, checked)
+        setattr(engine.round_step, step[1:], checked)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a drafter failing inside its step would warn
         with syncs.gpu_view(check):

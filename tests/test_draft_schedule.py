@@ -42,8 +42,8 @@ def test_rounds_follow_the_schedule(target, static):
     engine = specdec.wrap(target, drafter=drafter, num_draft_tokens=GAMMA, max_batch_size=4, max_length=64,
                           static_shapes=static, draft_tokens_by_batch=SCHEDULE)
     widths = []
-    inner = engine._verify_step
-    engine._verify_step = lambda step, *a, **k: (widths.append(tuple(step["ids"].shape)), inner(step, *a, **k))[1]
+    inner = engine.round_step.verify_step
+    engine.round_step.verify_step = lambda step, *a, **k: (widths.append(tuple(step["ids"].shape)), inner(step, *a, **k))[1]
     out = generate_f64(engine, PROMPTS, max_new_tokens=NEW)
     assert_greedy(out, target, PROMPTS, NEW)
     sizes = [rows for rows, _ in drafter.calls]

@@ -23,7 +23,7 @@ from tiny_models import (assert_greedy, exact_joint, float64_everywhere, generat
                          torch_fallbacks)
 
 import specdec
-import specdec.engine as engine_mod
+import specdec.round as round_mod
 from specdec.kernels.common import tree_stack_slots
 from specdec.kernels.dispatch import uses_triton
 from specdec.draft.registry import build_drafter_net, save_drafter
@@ -246,7 +246,7 @@ def test_wrong_tree_rule_is_detected(small, monkeypatch):
     target, engine = small
     setting = dict(temperature=1.0)
     joint = exact_joint(target, SPROMPT, SamplingParams(do_sample=True, **setting), NEW)
-    monkeypatch.setattr(engine_mod, "accept_tree_sampling", _bonus_from_p)
+    monkeypatch.setattr(round_mod, "accept_tree_sampling", _bonus_from_p)
     counts, _ = _sample_counts(engine, setting, NSAMP, seed=100)
     stat, df = chi2_gof(counts, joint)
     crit = chi2_critical(df)

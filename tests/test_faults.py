@@ -25,7 +25,7 @@ import torch
 from tiny_models import generate_f64, greedy_reference
 
 import specdec
-import specdec.engine
+import specdec.round
 from specdec.draft import DraftBlock, Drafter, ModelDrafter, NgramDrafter
 
 FAMILY = "qwen3_5"  # conftest's `target`
@@ -351,7 +351,7 @@ def _fault_site(engine, target, point, rng, B):
     if point == "layer":  # any decoder layer, linear or attention: raise inside the forward, mid-round
         return target.model.layers[rng.randrange(len(target.model.layers))].mlp, "forward", B + 2
     if point == "accept":
-        return specdec.engine, "accept_chain_greedy", 2
+        return specdec.round, "accept_chain_greedy", 2
     if point == "state_commit":
         return engine.runner.state, "_commit", 2  # the runner commits through the unchecked entry
     if point == "kv_commit":  # after the state strategy committed: a half-committed round

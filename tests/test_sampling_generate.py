@@ -20,7 +20,7 @@ from assertions import chi2_critical, chi2_gof, count_samples
 from tiny_models import exact_joint, tiny_model
 
 import specdec
-import specdec.engine as engine_mod
+import specdec.round as round_mod
 from specdec.verify import SamplingParams, accept_chain_sampling
 
 FAMILY = "qwen3_5"
@@ -176,7 +176,7 @@ def bonus_without_residual(draft_tokens, draft_probs, target_probs, *, generator
 def test_wrong_acceptance_is_detected(engines, target, monkeypatch, drafter, wrong, n):
     params = SETTINGS["temperature=1"]
     joint = exact_joint(target, PROMPT, SamplingParams(do_sample=True, **params), NEW)
-    monkeypatch.setattr(engine_mod, "accept_chain_sampling", wrong)
+    monkeypatch.setattr(round_mod, "accept_chain_sampling", wrong)
     counts, _ = sample_counts(engines[drafter], params, n, seed=7000)
     stat, df, crit = gof(counts, joint)
     print(f"{drafter} {wrong.__name__}: chi2 {stat:.1f} df {df} critical {crit:.1f}")

@@ -75,7 +75,7 @@ def _record(engine, monkeypatch) -> dict[str, list]:
     monkeypatch.setattr(dispatch, "pick", lambda name, *t: current[-1].kernel(name, pick(name, *t)) if current
                         else pick(name, *t))
     for name in ("_draft_step", "_verify_step", "_commit_step"):
-        inner = getattr(engine, name)
+        inner = getattr(engine.round_step, name[1:])
 
         def wrapped(step, *a, _inner=inner, _name=name, **k):
             with _Shapes() as mode:
@@ -87,7 +87,7 @@ def _record(engine, monkeypatch) -> dict[str, list]:
             rec[_name].append((step["ids"].shape[0], mode.ops))
             return out
 
-        setattr(engine, name, wrapped)
+        setattr(engine.round_step, name[1:], wrapped)
     return rec
 
 
@@ -142,13 +142,13 @@ def test_plain_decoding_static(targets, drafter):
     plain = specdec.wrap(target, drafter=drafter, **kw)
     assert plain.config.plain and plain.config.gamma_for(4) == 0
     shapes = []
-    inner = plain._verify_step
+    inner = plain.round_step.verify_step
 
     def verify(step, *a, **k):
         shapes.append(tuple(step["ids"].shape))
         return inner(step, *a, **k)
 
-    plain._verify_step = verify
+    plain.round_step.verify_step = verify
     out = generate_f64(plain, PROMPTS, max_new_tokens=NEW)
     spec = generate_f64(specdec.wrap(target, drafter="ngram", **kw), PROMPTS, max_new_tokens=NEW)
     assert {T for _, T in shapes} == {1} and {Bk for Bk, _ in shapes} <= {1, 2, 4}
