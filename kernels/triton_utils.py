@@ -54,11 +54,6 @@ def cast_to(x, ptr):
     return y
 
 
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
 @triton.constexpr_function
 def _bits(n, *tail):
     """`[n, *tail]` with n split into its bits: `[2, 2, ..., 2, *tail]`."""

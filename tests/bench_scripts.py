@@ -1,14 +1,9 @@
-"""Import a script of `bench/` as a module (the scripts are not a package)."""
+"""Import a script of `bench/` as a module (the scripts are not a package): bench/common.py's loader."""
 
-import importlib.util
+import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
-
-
-def load_bench(name: str):
-    """`bench/<name>.py` as a fresh module named `bench_<name>`."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+from common import load_script as load_bench  # noqa: E402,F401

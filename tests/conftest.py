@@ -43,7 +43,7 @@ TRITON_DEVICE = "cpu" if INTERPRET else ("cuda" if torch.cuda.is_available() els
 def triton_device() -> str:
     """The device every test that runs a Triton kernel builds its tensors (inputs, state pools) on: "cuda" with a GPU
     and the interpreter off, "cpu" under TRITON_INTERPRET=1. Session-scoped, so hypothesis tests may take it."""
-    if TRITON_DEVICE is None:
+    if TRITON_DEVICE is None:  # guards a missing GPU: only TRITON_INTERPRET=0 exported on a machine without one
         pytest.skip("Triton kernels need TRITON_INTERPRET=1 (CPU) or a CUDA device")
     return TRITON_DEVICE
 
