@@ -116,6 +116,15 @@ class Net(nn.Module):
         """Target features `[..., len(feature_layers) * d]` (concatenated in layer order) -> `[..., d]`."""
         return self.fuse(features)
 
+    @property
+    def feature_width(self) -> int:
+        """Width F of the concatenated target features `fused` takes."""
+        return self.fuse.in_features
+
+    def attentions(self) -> list[nn.Module]:
+        """Each layer's attention (`num_heads` or `num_kv` K/V heads, `head_dim`): what the drafter's cache holds."""
+        return [b.attn for b in self.layers]
+
     def inputs(self, tokens: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         """Layer input from the next tokens `[B, T]` and a fused target feature or own hidden `[B, T, d]`."""
         return self.fc(torch.cat([self.emb_norm(self.embed(tokens)), self.feat_norm(feat)], -1))
@@ -289,11 +298,9 @@ class EagleDrafter(Drafter):
                      static: bool) -> dict[str, BufferSpec]:
         """Each layer's K/V over the target's window (see `grown_kv_specs`) and the queue of a verify window's
         features `[max_batch_size, T (twice that without static shapes), F]` with each row's root feature."""
-        attns = [getattr(b, "attn", None) or b.self_attn for b in self.net.layers]  # ours, or an EAGLE-3 checkpoint's
-        specs = grown_kv_specs("eagle", attns, self.max_batch_size,
+        specs = grown_kv_specs("eagle", self.net.attentions(), self.max_batch_size,
                                max_length + num_verify_tokens, self.dtype, static=static)
-        fuse = getattr(self.net, "fuse", None) or self.net.fc  # the target features' width: [3 d] -> [d]
-        width, queue = fuse.in_features, num_verify_tokens * (1 if static else 2)
+        width, queue = self.net.feature_width, num_verify_tokens * (1 if static else 2)
         for name, shape in (("eagle.pend_f", (self.max_batch_size, queue, width)),
                             ("eagle.root_f", (self.max_batch_size, width))):
             specs[name] = BufferSpec(name, shape, self.dtype)

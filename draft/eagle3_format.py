@@ -136,6 +136,13 @@ class Net(eagle.Net):
         """Target features `[..., 3 * d_target]` -> `[..., d]` (`fc`)."""
         return self.fc(features)
 
+    @property
+    def feature_width(self) -> int:
+        return self.fc.in_features
+
+    def attentions(self) -> list[nn.Module]:
+        return [b.self_attn for b in self.layers]
+
     def inputs(self, tokens: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:
         """`concat(emb(tokens), feat)` `[B, T, 2d]`: the layer normalizes each half itself (and keeps `feat` as
         its residual)."""
