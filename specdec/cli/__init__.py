@@ -1,23 +1,22 @@
 """Command line: `python -m specdec <command> ...` (also installed as `specdec`).
 
-Each command is one module here whose `add_parser(subparsers)` is listed in `COMMANDS`; it builds the command's
-parser and sets `func` (called with the parsed args and that parser, returns the exit status). Heavy imports
-(torch, transformers) happen inside `func`, so `--help` stays fast. Argument errors go through `parser.error`: one
-error line on stderr, exit status 2. Library modules (draft/, train_embedded) hold the work and never import this
-package.
+Each command is one module here, listed in `COMMANDS`: its `NAME`, one-line `HELP` and `DESCRIPTION`,
+`add_arguments(parser)` for its options, and `run(args, parser)`, which does the work and returns the exit status.
+Heavy imports (torch, transformers) happen inside `run`, so `--help` stays fast. Argument errors go through
+`parser.error`: one error line on stderr, exit status 2. Library modules (draft/, train_embedded) hold the work
+and never import this package.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from types import ModuleType
 
 from . import demo, draft_data, draft_train, generate, memory, native_export, train_embedded
 
 # the order `specdec --help` lists them in: use, inspect, then the training pipeline in the order it runs
-COMMANDS: list[Callable] = [demo.add_parser, generate.add_parser, memory.add_parser, train_embedded.add_parser,
-                            draft_data.add_parser, draft_train.add_parser, native_export.add_parser]
+COMMANDS: list[ModuleType] = [demo, generate, memory, train_embedded, draft_data, draft_train, native_export]
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -43,8 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specdec", description=__doc__.splitlines()[0],
                      epilog="`specdec COMMAND --help` shows a command's options.", formatter_class=_Formatter)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add_parser in COMMANDS:
-        add_parser(subparsers)
+    for command in COMMANDS:
+        p = subparsers.add_parser(command.NAME, help=command.HELP, description=command.DESCRIPTION)
+        command.add_arguments(p)
+        p.set_defaults(func=command.run, parser=p)
     return parser
 
 

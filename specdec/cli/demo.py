@@ -11,6 +11,18 @@ from specdec.timing import NOISY, SMALL_MODEL
 
 from .generate import argument_message, load_model
 
+NAME = "demo"
+HELP = "speculative vs plain decode on the embedded model"
+DESCRIPTION = ("Greedy generation with a drafter on the embedded model (or --model DIR): the first prompt's "
+               "text is streamed as tokens are committed; then, on each held-out code prompt shipped with the "
+               "package, the drafter, plain decode (specdec without drafts) and transformers' own generate "
+               "run interleaved, --repeats times after a warmup of each path, and the other shipped drafters "
+               "once per prompt. Prints the torch thread count, tau, alpha, per-position "
+               "acceptance, tokens/s and speedup (each prompt's median over its repeats, pooled over prompts, "
+               f"as bench/accept_rate.py does; a range instead when repeats differ by more than {NOISY:.0%}), "
+               "a table of the drafters side by side, and whether the output equals transformers' greedy output "
+               "token for token (exit status 1 if not).")
+
 DEMO_KINDS = ("dspark", "eagle", "mtp")  # trained drafters, best first: what `--drafter auto` picks
 COMPARE_KINDS = ("ngram", "mtp", "eagle", "dspark")  # the side-by-side table, in this order
 PROMPTS_NAME = "prompts.jsonl"  # the held-out benchmark prompts (a copy of bench/data/prompts.jsonl), package data
@@ -311,18 +323,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "demo", help="speculative vs plain decode on the embedded model",
-        description="Greedy generation with a drafter on the embedded model (or --model DIR): the first prompt's "
-                    "text is streamed as tokens are committed; then, on each held-out code prompt shipped with the "
-                    "package, the drafter, plain decode (specdec without drafts) and transformers' own generate "
-                    "run interleaved, --repeats times after a warmup of each path, and the other shipped drafters "
-                    "once per prompt. Prints the torch thread count, tau, alpha, per-position "
-                    "acceptance, tokens/s and speedup (each prompt's median over its repeats, pooled over prompts, "
-                    f"as bench/accept_rate.py does; a range instead when repeats differ by more than {NOISY:.0%}), "
-                    "a table of the drafters side by side, and whether the output equals transformers' greedy output "
-                    "token for token (exit status 1 if not).")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", default=None,
                    help="save_pretrained directory: model and tokenizer (default: the embedded model); its trained "
                         "drafters are DIR/drafters/{dspark,eagle,mtp}/")
@@ -347,4 +348,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-compare", action="store_true", help="time the chosen drafter only (no side-by-side table)")
     p.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, acceptance and speeds")
-    p.set_defaults(func=run, parser=p)

@@ -12,6 +12,11 @@ import time
 
 from .draft_train import load_target
 
+NAME = "draft-data"
+HELP = "write a self-distilled corpus for draft-train"
+DESCRIPTION = ("A self-distilled training corpus: the target's own continuations of prompts drawn from the "
+               "training text, written as JSON lines (a rerun appends the prompts not yet written).")
+
 
 def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     import torch
@@ -45,11 +50,7 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     return 0
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "draft-data", help="write a self-distilled corpus for draft-train",
-        description="A self-distilled training corpus: the target's own continuations of prompts drawn from the "
-                    "training text, written as JSON lines (a rerun appends the prompts not yet written).")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
     p.add_argument("--text", required=True, help="the training text the prompts are drawn from (a text file)")
     p.add_argument("--out", required=True, help="corpus file (JSON lines; appended to, done prompts skipped)")
@@ -64,4 +65,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    p.set_defaults(func=run, parser=p)

@@ -10,6 +10,11 @@ import argparse
 import json
 import time
 
+NAME = "draft-train"
+HELP = "distil an eagle, mtp, dspark or native drafter"
+DESCRIPTION = ("Distil a drafter from a target's own outputs on a text corpus; --out keeps the checkpoint with "
+               "the best validation tau.")
+
 # `specdec.draft.registry.KINDS` (importing it loads torch, which `specdec --help` does without);
 # tests/test_cli.py checks that the two agree
 DRAFTER_KINDS = ("dspark", "eagle", "mtp", "native")
@@ -111,11 +116,7 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     return 0
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "draft-train", help="distil an eagle, mtp, dspark or native drafter",
-        description="Distil a drafter from a target's own outputs on a text corpus; --out keeps the checkpoint with "
-                    "the best validation tau.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="target model directory (save_pretrained, with tokenizer)")
     p.add_argument("--drafter", required=True, choices=DRAFTER_KINDS)
     p.add_argument("--data", required=True, help="a text file, or a corpus from specdec draft-data (.jsonl)")
@@ -145,4 +146,3 @@ def add_parser(subparsers) -> None:
                         "weights' shapes (training depth, loss weights) or grow them (num_layers, intermediate_size: "
                         "new blocks and MLP units start with zero output weights, so training starts from the "
                         "--init drafter's function)")
-    p.set_defaults(func=run, parser=p)

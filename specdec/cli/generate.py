@@ -6,6 +6,12 @@ import argparse
 import json
 import os
 
+NAME = "generate"
+HELP = "generate from a local model with speculative decoding"
+DESCRIPTION = ("Load a local save_pretrained directory (model and tokenizer), generate with specdec.wrap and "
+               "stream the text as tokens are committed, then print tau, alpha, per-position acceptance, "
+               "rounds and tokens/s. Greedy output equals the model's own greedy decode.")
+
 
 DRAFTERS = ("ngram", "model", "native")
 
@@ -131,12 +137,7 @@ def argument_message(message: str) -> str:
     return f"argument {_ENGINE_ARGS[name]}: {rest}" if sep and name in _ENGINE_ARGS else message
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "generate", help="generate from a local model with speculative decoding",
-        description="Load a local save_pretrained directory (model and tokenizer), generate with specdec.wrap and "
-                    "stream the text as tokens are committed, then print tau, alpha, per-position acceptance, "
-                    "rounds and tokens/s. Greedy output equals the model's own greedy decode.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="save_pretrained directory: model and tokenizer")
     p.add_argument("--prompt", required=True, help="prompt text")
     p.add_argument("--drafter", default=None, metavar="{ngram,model,native,DIR}",
@@ -162,4 +163,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object {text, tokens, stats} (generated text and token ids only)")
-    p.set_defaults(func=run, parser=p)

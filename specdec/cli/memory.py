@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
+NAME = "memory"
+HELP = "print the memory plan of the state buffers"
+DESCRIPTION = ("Shape, dtype and size (GiB) of every state buffer, in the style of SGLang's allocation "
+               "log, and the full-snapshot scheme vs ReplaySSM for the same settings (chain and trees).")
+
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specdec.replayssm.config import StateConfig, check_ring_len, next_pow2, resolve_dtype
@@ -64,12 +69,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "memory", help="print the memory plan of the state buffers",
-        description="Shape, dtype and size (GiB) of every state buffer, in the style of SGLang's allocation "
-                    "log, and the full-snapshot scheme vs ReplaySSM for the same settings (chain and trees).")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, required=True, help="linear-attention layers")
     p.add_argument("--slots", type=int, required=True, help="pool slots, including the null slot")
     p.add_argument("--heads", type=int, required=True, help="linear-attention heads (all ranks)")
@@ -97,4 +97,3 @@ def add_parser(subparsers) -> None:
                         "per-slot rings, conv window snapshots)")
     p.add_argument("--json", action="store_true", help="print byte counts as JSON (spec_bytes: both schemes, "
                                                        "chain and trees of 8, 16, 64 nodes)")
-    p.set_defaults(func=run, parser=p)

@@ -8,6 +8,12 @@ import json
 import os
 import shutil
 
+NAME = "native-export"
+HELP = "write a native drafter into a checkpoint's MTP tensors"
+DESCRIPTION = ("Write a native drafter fine-tuned with `python -m specdec draft-train --drafter native` into a "
+               "checkpoint's MTP tensors (a copy at --out, or the target itself), under the checkpoint's own "
+               "names: its `drafter=\"native\"` is then the fine-tuned one.")
+
 
 def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     import torch
@@ -40,13 +46,7 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     return 0
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "native-export", help="write a native drafter into a checkpoint's MTP tensors",
-        description="Write a native drafter fine-tuned with `python -m specdec draft-train --drafter native` into a "
-                    "checkpoint's MTP tensors (a copy at --out, or the target itself), under the checkpoint's own "
-                    "names: its `drafter=\"native\"` is then the fine-tuned one.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="checkpoint directory whose MTP tensors are replaced")
     p.add_argument("--drafter", required=True, help="a trained native drafter directory")
     p.add_argument("--out", default=None, help="write a copy of --target here instead of replacing in place")
-    p.set_defaults(func=run, parser=p)

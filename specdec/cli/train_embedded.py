@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import argparse
 
+NAME = "train-embedded"
+HELP = "train the embedded default model on the Python stdlib"
+DESCRIPTION = ("Train the embedded default model: a small Kimi-Linear (KDA + MLA, 3:1) on the CPython standard "
+               "library; --family qwen3_5 trains a small Qwen3.5 with one fresh MTP layer (drafter='native').")
+
 # `specdec.train_embedded.FAMILIES` (importing it loads torch, which `specdec --help` does without);
 # tests/test_cli.py checks that the two agree
 FAMILIES = ("kimi_linear", "qwen3_5")
@@ -23,11 +28,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "train-embedded", help="train the embedded default model on the Python stdlib",
-        description="Train the embedded default model: a small Kimi-Linear (KDA + MLA, 3:1) on the CPython standard "
-                    "library; --family qwen3_5 trains a small Qwen3.5 with one fresh MTP layer (drafter='native').")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
                    help="where the model is saved (default: the package's embedded/)")
     p.add_argument("--prompts", default="bench/data/prompts.jsonl",
@@ -47,4 +48,3 @@ def add_parser(subparsers) -> None:
     p.add_argument("--dump-corpus", metavar="FILE", default=None,
                    help="write the training text (the drafters' distillation data) to FILE and exit")
     p.add_argument("--corpus-mb", type=float, default=2.0, help="with --dump-corpus: megabytes of text to write")
-    p.set_defaults(func=run, parser=p)
