@@ -24,7 +24,26 @@ class MixerOps(Protocol):
             beta: torch.Tensor) -> torch.Tensor: ...
 
 
-class KimiDeltaMixer:
+class _Mixer:
+    """Where a family's mixer sits and what sizes its state, as data: `layer_attr`, the decoder layer's attribute
+    holding the mixer module (`module`); `dim_attrs`, the module's attributes giving the heads, key dim and value dim
+    (`dims`; conv width and kernel are `conv_dim` / `conv_kernel_size` in every family)."""
+
+    layer_attr: str
+    dim_attrs: tuple[str, str, str]
+
+    @classmethod
+    def module(cls, layer):
+        return getattr(layer, cls.layer_attr)
+
+    @classmethod
+    def dims(cls, mod) -> dict:
+        heads, head_k_dim, head_v_dim = (getattr(mod, name) for name in cls.dim_attrs)
+        return dict(num_heads=heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim, conv_dim=mod.conv_dim,
+                    conv_kernel=mod.conv_kernel_size)
+
+
+class KimiDeltaMixer(_Mixer):
     """`KimiLinearDeltaAttention`: KDA (per-channel decay), l2norm as x / sqrt(|x|^2 + eps). The forget gate
     `-exp(A_log) softplus(f_b_proj(f_a_proj(x)) + dt_bias)` is computed by the kernels from its input
     (`gate_in_kernel`), so the rings keep f in the model's dtype, not an fp32 log-decay."""
@@ -33,15 +52,7 @@ class KimiDeltaMixer:
     gate_in_kernel = True
     requires = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
                 "o_proj")
-
-    @staticmethod
-    def module(layer):
-        return layer.self_attn
-
-    @staticmethod
-    def dims(mod) -> dict:
-        return dict(num_heads=mod.num_heads, head_k_dim=mod.head_dim, head_v_dim=mod.head_dim,
-                    conv_dim=mod.conv_dim, conv_kernel=mod.conv_kernel_size)
+    layer_attr, dim_attrs = "self_attn", ("num_heads", "head_dim", "head_dim")
 
     @classmethod
     def run(cls, mod, x: torch.Tensor, ops: MixerOps) -> torch.Tensor:
@@ -88,21 +99,13 @@ class BailingDeltaMixer(KimiDeltaMixer):
         return mod.g_proj(x).view(*x.shape[:2], -1, mod.head_dim)
 
 
-class GatedDeltaMixer:
+class GatedDeltaMixer(_Mixer):
     """Gated DeltaNet of Qwen3-Next (`in_proj_qkvz` / `in_proj_ba`) and Qwen3.5 (`in_proj_qkv`, `_z`, `_b`,
     `_a`): scalar decay per head, grouped value heads (q, k shared by `num_v_heads // num_k_heads`)."""
 
     gate, norm = "gdn", "rsqrt"
     requires = ("conv1d", "A_log", "dt_bias", "norm", "out_proj")
-
-    @staticmethod
-    def module(layer):
-        return layer.linear_attn
-
-    @staticmethod
-    def dims(mod) -> dict:
-        return dict(num_heads=mod.num_v_heads, head_k_dim=mod.head_k_dim, head_v_dim=mod.head_v_dim,
-                    conv_dim=mod.conv_dim, conv_kernel=mod.conv_kernel_size)
+    layer_attr, dim_attrs = "linear_attn", ("num_v_heads", "head_k_dim", "head_v_dim")
 
     @staticmethod
     def conv_qkv(mod, mixed: torch.Tensor, ops: MixerOps):
@@ -157,7 +160,7 @@ class OlmoGatedDeltaMixer(GatedDeltaMixer):
         return mod.o_proj(o.reshape(B, T, -1))
 
 
-class Mamba2Mixer:
+class Mamba2Mixer(_Mixer):
     """transformers' Mamba2 mixer of Bamba (`BambaMixer`, at `layer.mamba`), GraniteMoeHybrid
     (`GraniteMoeHybridMambaLayer`, the same module) and Zamba2 (`Zamba2MambaMixer`: its gated norm gates before
     the grouped norm, its `time_step_limit` floors dt at `time_step_min`): `in_proj` split into gate / xBC / dt,
@@ -168,15 +171,7 @@ class Mamba2Mixer:
 
     gate, norm, rule = "gdn", "rsqrt", "mamba2"
     requires = ("in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "time_step_limit")
-
-    @staticmethod
-    def module(layer):
-        return layer.mamba
-
-    @staticmethod
-    def dims(mod) -> dict:
-        return dict(num_heads=mod.num_heads, head_k_dim=mod.ssm_state_size, head_v_dim=mod.head_dim,
-                    conv_dim=mod.conv_dim, conv_kernel=mod.conv_kernel_size)
+    layer_attr, dim_attrs = "mamba", ("num_heads", "ssm_state_size", "head_dim")  # a Mamba2 head: K = N, V = P
 
     @staticmethod
     def project(mod, x: torch.Tensor) -> torch.Tensor:
@@ -211,9 +206,7 @@ class Mamba2Mixer:
 class NemotronHMamba2Mixer(Mamba2Mixer):
     """`NemotronHMamba2Mixer`: the same Mamba2 mixer, held as a Nemotron-H block's `mixer`."""
 
-    @staticmethod
-    def module(layer):
-        return layer.mixer
+    layer_attr = "mixer"
 
 
 class FalconH1Mamba2Mixer(Mamba2Mixer):
