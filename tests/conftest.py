@@ -58,6 +58,19 @@ def target(request):
     return tiny_model(request.module.FAMILY, seed=0)
 
 
+@pytest.fixture(scope="module")
+def saved_tiny(request, tmp_path_factory):
+    """A tiny float32 model of the test module's `FAMILY` (weights seeded with its `SEED`) and its tokenizer, saved
+    with `save_pretrained` once per module, for the commands run on it as a user would (`tiny_models.save_tiny`)
+    -> (directory, model, tokenizer)."""
+    from tiny_models import save_tiny
+
+    family = request.module.FAMILY
+    path = tmp_path_factory.mktemp(f"tiny_{family}")
+    model, tokenizer = save_tiny(path, family, seed=request.module.SEED)
+    return path, model, tokenizer
+
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 

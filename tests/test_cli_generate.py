@@ -1,32 +1,27 @@
 """`python -m specdec generate`: a tiny saved model and tokenizer, run in a subprocess as a user would.
 
 The oracle is independent of specdec: transformers' own greedy `generate`, in-process, on its pure-torch
-linear-attention path. The subprocess gets no such help (and no TRITON_INTERPRET): on CPU, transformers would
-send its linear-attention layers to fla's Triton kernels, which specdec must never call, prefill included.
+linear-attention path. The subprocess gets no such help (and no TRITON_INTERPRET, `cli_harness.run_specdec`).
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tiny_models import save_tiny, torch_fallbacks
+from cli_harness import ROOT, assert_argument_error, bad_arguments, run_specdec
+from tiny_models import torch_fallbacks
 
-ROOT = Path(__file__).resolve().parents[1]
+FAMILY = "qwen3_5"  # the saved model (conftest's `saved_tiny`)
+SEED = 0  # model weights; a greedy near-tie between the two sides would be fixed here, not by a looser check
 PROMPT = "def foo("
 NEW = 12
-SEED = 0  # model weights; a greedy near-tie between the two sides would be fixed here, not by a looser check
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(saved_tiny):
     """-> (directory, tokenizer, prompt ids, the oracle's new token ids)."""
-    path = tmp_path_factory.mktemp("tiny_qwen3_5")
-    model, tokenizer = save_tiny(path, "qwen3_5", seed=SEED)
+    path, model, tokenizer = saved_tiny
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (model.config.pad_token_id, model.config.eos_token_id)
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch_fallbacks(), torch.no_grad():
@@ -37,9 +32,7 @@ def saved(tmp_path_factory):
 
 
 def run_cli(*args, timeout=180):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-m", "specdec", "generate", *map(str, args)], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=timeout)
+    return run_specdec("generate", *args, timeout=timeout)
 
 
 def test_json_equals_transformers_greedy(saved):
@@ -106,10 +99,5 @@ def test_stream_prints_text_and_stats(saved):
     (["--model", "{model}", "--prompt", ""], "--prompt"),
 ])
 def test_bad_arguments_exit_2(saved, tmp_path, args, flag):
-    (tmp_path / "empty").mkdir()
-    names = {"model": saved[0], "missing": tmp_path / "missing", "empty": tmp_path / "empty"}
-    proc = run_cli(*[a.format(**names) for a in args], timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stdout == ""
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("specdec generate: error: ") and flag in lines[0], proc.stderr
+    proc = run_cli(*bad_arguments(args, saved[0], tmp_path), timeout=120)
+    assert_argument_error(proc, "generate", flag)

@@ -5,7 +5,6 @@ compares it with that oracle computed here, in-process, independently of the com
 """
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,27 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import save_tiny, torch_fallbacks
+from cli_harness import ROOT, assert_argument_error, bad_arguments, run_specdec
+from tiny_models import torch_fallbacks
 
-ROOT = Path(__file__).resolve().parents[1]
+FAMILY = "kimi_linear"  # the saved model (conftest's `saved_tiny`: directory, model, tokenizer)
+SEED = 0  # model weights; a greedy near-tie between the two sides would be fixed here, not by a looser check
 PROMPT = "def wrap(text, width=70):\n    lines = []\n    for line in text.splitlines():\n"
 NEW = 16
-SEED = 0  # model weights; a greedy near-tie between the two sides would be fixed here, not by a looser check
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """-> (directory, the model, the tokenizer)."""
-    path = tmp_path_factory.mktemp("tiny_kimi")
-    model, tokenizer = save_tiny(path, "kimi_linear", seed=SEED)
-    return path, model, tokenizer
 
 
 def run_demo(*args, timeout=120, cwd=ROOT):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, "-m", "specdec", "demo", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, env=env, timeout=timeout)
+    return run_specdec("demo", *args, timeout=timeout, cwd=cwd, env={"OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture
@@ -48,8 +37,8 @@ def prompts_file(tmp_path):
     return path
 
 
-def test_json_is_lossless_and_has_the_numbers(saved):
-    path, model, tokenizer = saved
+def test_json_is_lossless_and_has_the_numbers(saved_tiny):
+    path, model, tokenizer = saved_tiny
     proc = run_demo("--model", path, "--drafter", "ngram", "--prompt", PROMPT, "--max-new-tokens", NEW, "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)  # one JSON object, nothing else on stdout (no streamed text)
@@ -77,10 +66,10 @@ def test_json_is_lossless_and_has_the_numbers(saved):
     assert list(out["drafters"]) == ["ngram"]  # no trained drafters shipped with this model
 
 
-def test_auto_picks_the_shipped_drafter_and_streams(saved, tmp_path, prompts_file):
+def test_auto_picks_the_shipped_drafter_and_streams(saved_tiny, tmp_path, prompts_file):
     from specdec.draft.registry import build_drafter_net, save_drafter
 
-    path, model, _ = saved
+    path, model, _ = saved_tiny
     shipped = tmp_path / "model"
     shutil.copytree(path, shipped)
     torch.manual_seed(0)
@@ -102,8 +91,8 @@ def test_auto_picks_the_shipped_drafter_and_streams(saved, tmp_path, prompts_fil
     assert all(ln.split()[6] == "yes" for ln in table), table  # each lossless vs plain decode
 
 
-def test_prompt_id(saved, prompts_file):
-    path, _, tokenizer = saved
+def test_prompt_id(saved_tiny, prompts_file):
+    path, _, tokenizer = saved_tiny
     proc = run_demo("--model", path, "--drafter", "ngram", "--prompt-id", "prose-0", "--max-new-tokens", 4,
                     "--no-stream", "--json", "--prompts", prompts_file)
     assert proc.returncode == 0, proc.stderr
@@ -127,14 +116,9 @@ def test_prompt_id(saved, prompts_file):
     (["--model", "{model}", "--num-prompts", "0"], "--num-prompts"),
     (["--model", "{model}", "--prompts", "{missing}"], "--prompts"),
 ])
-def test_bad_arguments_exit_2(saved, tmp_path, args, flag):
-    (tmp_path / "empty").mkdir()
-    names = {"model": saved[0], "missing": tmp_path / "missing", "empty": tmp_path / "empty"}
-    proc = run_demo(*[a.format(**names) for a in args], timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stdout == ""
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("specdec demo: error: ") and flag in lines[0], proc.stderr
+def test_bad_arguments_exit_2(saved_tiny, tmp_path, args, flag):
+    proc = run_demo(*bad_arguments(args, saved_tiny[0], tmp_path), timeout=60)
+    assert_argument_error(proc, "demo", flag)
 
 
 
