@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from assertions import assert_close, max_rel_err
+from assertions import assert_close, max_rel_err, root_path
 
 from specdec.kernels import kda_gate, recurrent_delta_rule, short_conv
 from specdec.replayssm import StateConfig, make_strategy
@@ -25,6 +25,15 @@ def check_verify_value(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype
         assert err <= 1e-12, f"{msg}: rel err {err:.3e}"
     else:
         assert_close(got, want, dtype=dtype, msg=msg)
+
+
+def random_paths(valid: list[int], T: int, gen: torch.Generator, parent: list[int] | None = None
+                 ) -> dict[int, list[int]]:
+    """What each row b in `valid` keeps of a round of `T` tokens, drawn from `gen`: a chain its first 1..T tokens,
+    a tree (`parent`) the root path of one of its T nodes."""
+    if parent is not None:
+        return {b: root_path(parent, int(torch.randint(0, T, (), generator=gen))) for b in valid}
+    return {b: list(range(int(torch.randint(1, T + 1, (), generator=gen)))) for b in valid}
 
 
 def first_record(strat, slot: int = 1) -> tuple[int, int]:
@@ -120,6 +129,20 @@ class Harness:
             st.commit(path=path)
         else:
             st.commit(torch.tensor([len(paths[b]) if b in paths else 0 for b in range(B)]))
+
+    def round(self, slots: list[int], inp: dict, paths: dict[int, list[int]], parent=None,
+              width: int | None = None) -> None:
+        """One round in every strategy, verify of `inp` on `slots` then commit of `paths` (a tree with `parent`),
+        and the oracle's plain decode of each row's path (its state moves on)."""
+        for name in self.strats:
+            self.verify(name, slots, inp, parent=parent)
+            self.commit(name, paths, len(slots), parent is not None, width=width)
+        for b, path in paths.items():
+            self.oracle(slots[b], b, inp, path, advance=True)
+
+    def states(self, slots: list[int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each strategy's committed (conv, ssm) of `slots`, on CPU."""
+        return {n: (st.pool.conv[:, slots].cpu(), st.committed_ssm()[:, slots].cpu()) for n, st in self.strats.items()}
 
     def oracle(self, slot: int, b: int, inp: dict, path: list[int], *, advance: bool):
         """Plain decode of the tokens `path` of row b from the oracle state of `slot`.

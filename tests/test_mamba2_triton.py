@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from assertions import max_rel_err, root_path, tolerance
+from assertions import max_rel_err, tolerance
+from state_harness import random_paths
 from test_mamba2_state import Mamba2Harness
 from test_triton_kernels import (FOLD_SLOTS, FOLD_TOKENS, L, NULL, RING_START, check_fold, check_values,
                                  check_verify, check_verify_bf16, fold_case, gen, rand, to, verify_case)
@@ -207,17 +208,9 @@ def test_triton_strategies_follow_mamba2_recurrence(monkeypatch, tree, device):
     parent = [-1, 0, 0, 2] if tree else None
     for _ in range(2):
         inp = h.inputs(len(slots), T)
-        if tree:
-            paths = {b: root_path(parent, int(torch.randint(0, T, (), generator=g_))) for b in valid}
-        else:
-            paths = {b: list(range(int(torch.randint(1, T + 1, (), generator=g_)))) for b in valid}
-        before = {n: (s.pool.conv[:, untouched].cpu(), s.committed_ssm()[:, untouched].cpu())
-                  for n, s in h.strats.items()}
-        for name in h.strats:
-            h.verify(name, slots, inp, parent=parent)
-            h.commit(name, paths, len(slots), tree, width=T)
-        for b in valid:
-            h.oracle(slots[b], b, inp, paths[b], advance=True)
+        paths = random_paths(valid, T, g_, parent)
+        before = h.states(untouched)
+        h.round(slots, inp, paths, parent, width=T)
         for name, strat in h.strats.items():
             ssm, conv = strat.committed_ssm().cpu(), strat.pool.conv.cpu()  # the float64 oracle is on CPU
             for b in valid:

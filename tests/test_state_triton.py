@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from assertions import max_rel_err, root_path
-from state_harness import Harness
+from assertions import max_rel_err
+from state_harness import Harness, random_paths
 
 from specdec.kernels import dispatch
 from specdec.replayssm import StateConfig
@@ -39,17 +39,9 @@ def test_triton_strategies_agree(monkeypatch, tree, gate_in_kernel, triton_devic
         B, T = len(slots), 4
         inp = h.inputs(B, T)
         parent = [-1, 0, 0, 2] if tree else None
-        if tree:
-            paths = {b: root_path(parent, int(torch.randint(0, T, (), generator=gen))) for b in valid}
-        else:
-            paths = {b: list(range(int(torch.randint(1, T + 1, (), generator=gen)))) for b in valid}
-        before = {n: (s.pool.conv[:, untouched].cpu(), s.committed_ssm()[:, untouched].cpu())
-                  for n, s in h.strats.items()}
-        for name in h.strats:
-            h.verify(name, slots, inp, parent=parent)
-            h.commit(name, paths, B, tree, width=T)
-        for b in valid:
-            h.oracle(slots[b], b, inp, paths[b], advance=True)
+        paths = random_paths(valid, T, gen, parent)
+        before = h.states(untouched)
+        h.round(slots, inp, paths, parent, width=T)
         snap = h.strats["snapshot"]
         for name, st in h.strats.items():
             ssm, conv = st.committed_ssm().cpu(), st.pool.conv.cpu()  # the oracle is on CPU
