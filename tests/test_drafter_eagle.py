@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 import torch
 from assertions import chi2_critical, chi2_gof, count_samples, max_rel_err
-from tiny_models import (assert_greedy, exact_joint, float64_everywhere, generate_f64, greedy_reference, tiny_model,
-                         torch_fallbacks)
+from tiny_models import (Memo, assert_greedy, exact_joint, float64_everywhere, generate_f64, greedy_reference,
+                         tiny_model, torch_fallbacks)
 
 import specdec
 import specdec.round as round_mod
@@ -45,34 +45,29 @@ def _train_ids(vocab: int, n: int = 3000, seed: int = 0) -> torch.Tensor:
 
 
 class _Setup:
-    """Module-wide targets and untrained / trained nets (saved to disk)."""
+    """Module-wide targets and untrained / trained nets (saved to disk), each built on first use."""
 
     def __init__(self, tmp):
         self.tmp = tmp
-        self.targets, self.untrained, self.trained, self.dirs, self.hist = {}, {}, {}, {}, {}
+        self.trained, self.hist = {}, {}
+        self.target = Memo(lambda family: tiny_model(family, seed=0))
+        self.untrained_net = Memo(self._untrained_net)
+        self.trained_dir = Memo(self._trained_dir)
 
-    def target(self, family):
-        if family not in self.targets:
-            self.targets[family] = tiny_model(family, seed=0)
-        return self.targets[family]
+    def _untrained_net(self, family):
+        torch.manual_seed(11)
+        return build_drafter_net("eagle", self.target(family))
 
-    def untrained_net(self, family):
-        if family not in self.untrained:
-            torch.manual_seed(11)
-            self.untrained[family] = build_drafter_net("eagle", self.target(family))
-        return self.untrained[family]
-
-    def trained_dir(self, family):
-        if family not in self.dirs:
-            from specdec.cli.draft_train import train
-            target = self.target(family)
-            torch.manual_seed(11)
-            start = build_drafter_net("eagle", target)
-            net, hist = train(target, _train_ids(target.config.vocab_size), "eagle", net=start, **TRAIN)
-            out = self.tmp / f"eagle-{family}"
-            save_drafter(net, str(out))
-            self.trained[family], self.hist[family], self.dirs[family] = net, hist, out
-        return self.dirs[family]
+    def _trained_dir(self, family):
+        from specdec.cli.draft_train import train
+        target = self.target(family)
+        torch.manual_seed(11)
+        start = build_drafter_net("eagle", target)
+        net, hist = train(target, _train_ids(target.config.vocab_size), "eagle", net=start, **TRAIN)
+        out = self.tmp / f"eagle-{family}"
+        save_drafter(net, str(out))
+        self.trained[family], self.hist[family] = net, hist
+        return out
 
 
 @pytest.fixture(scope="module")

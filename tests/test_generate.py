@@ -16,7 +16,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from tiny_models import FAMILIES, float64_everywhere, noisy_copy, tiny_model, torch_fallbacks
+from tiny_models import FAMILIES, Memo, float64_everywhere, noisy_copy, tiny_model, torch_fallbacks
 
 import specdec
 from specdec import SpecConfig
@@ -52,17 +52,9 @@ class _Models:
     """Module-wide cache of models and of transformers' reference outputs (built on first use)."""
 
     def __init__(self):
-        self.targets, self.noisy, self.refs = {}, {}, {}
-
-    def target(self, family):
-        if family not in self.targets:
-            self.targets[family] = tiny_model(family, seed=0)
-        return self.targets[family]
-
-    def noisy_draft(self, family):
-        if family not in self.noisy:
-            self.noisy[family] = noisy_copy(self.target(family))
-        return self.noisy[family]
+        self.target = Memo(lambda family: tiny_model(family, seed=0))
+        self.noisy_draft = Memo(lambda family: noisy_copy(self.target(family)))
+        self.refs = {}
 
     def ref(self, model, prompt: list[int], max_new_tokens: int = N, eos="default", hybrid: bool = True):
         """transformers' greedy generate on `prompt` alone -> list of token ids (prompt included)."""

@@ -78,6 +78,21 @@ def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float64
     return model.eval()
 
 
+class Memo(dict):
+    """`memo(key)`: `build(key)`, built on the first call and kept (a test module's models and nets, each made once,
+    in the order the tests first ask for them)."""
+
+    def __init__(self, build):
+        super().__init__()
+        self.build = build
+
+    def __missing__(self, key):
+        self[key] = value = self.build(key)
+        return value
+
+    __call__ = dict.__getitem__
+
+
 def noisy_copy(target, scale: float = 1e-3, seed: int = 123):
     """A copy of `target` plus `scale * randn` (a generator seeded `seed`) on every weight: a draft model that mostly
     agrees with the target's argmax, not always (partial acceptance)."""
