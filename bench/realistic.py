@@ -159,7 +159,7 @@ def tree_options(drafter) -> dict:
 def implied_options(name: str, device: str) -> dict:
     """The tree a plain key `name` of an accept_rate JSON measured on `device` stands for (the defaults there)."""
     if name == "eagle":
-        from specdec.draft.eagle import DEFAULT_TREE
+        from specdec.draft.eagle_drafter import DEFAULT_TREE
         return dict(DEFAULT_TREE["cpu" if device == "cpu" else "cuda"])
     return {}  # mtp, dspark: a chain unless topk says otherwise; ngram: a chain
 

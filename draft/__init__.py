@@ -1,6 +1,7 @@
 """Drafters: ngram (prompt lookup), model (a small causal LM), `NoDraft` (none: plain decoding), and the trained
-kinds `mtp`, `eagle`, `dspark` (`specdec.draft.mtp` / `.eagle` / `.dspark`, built or loaded through
-`specdec.draft.registry`); `make_drafter` builds the one an engine asks for."""
+kinds `mtp`, `eagle`, `dspark`, `native` (their nets and training in `specdec.draft.mtp` / `.eagle` / `.dspark` /
+`.native`, built or loaded through `specdec.draft.registry`; their drafters, on `head.HeadDrafter`, in
+`specdec.draft.mtp_drafter` etc.); `make_drafter` builds the one an engine asks for."""
 
 from .base import DraftBlock, Drafter, NoDraft, TargetView
 from .factory import make_drafter

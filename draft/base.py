@@ -1,5 +1,6 @@
 """Drafter interface: propose a block of draft tokens per request, keep own caches in step with the target's
-committed tokens (`observe`)."""
+committed tokens (`observe`); what a drafter sees of the target (`TargetView`), and the one place in draft/ that
+reads the target's internals (its attention layers, its cache type)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn as nn
 
+from specdec.adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
+from specdec.adapters import latent_attention  # noqa: F401  (for mtp: MLA queries over the target's latents)
+from specdec.kv_cache import KVCache, kv_specs
 from specdec.replayssm.plan import BufferSpec
 
 
@@ -144,6 +149,50 @@ class TargetView:
     max_length: int
     slots: Callable[[list[int]], list[int]]
     index: Callable[[list[int]], torch.Tensor]
+
+    def new_kv_cache(self, num_slots: int, max_length: int, *, device) -> KVCache:
+        """A KV cache of the kind the hybrid runner keeps (`specdec.kv_cache.KVCache`: a row per slot, rollback by
+        length), for a drafter's own attention layers; `kv_cache_specs` are its buffers."""
+        return KVCache(num_slots, max_length, device=device)
+
+
+# ---- the target's internals ------------------------------------------------------------------------------
+# The one place in draft/ that reads the target's adapters (`specdec.adapters`) and its cache type
+# (`specdec.kv_cache`): the heads find the target's attention layers here, and a bound drafter reaches the rest of
+# the target through its `TargetView`.
+@dataclass(frozen=True)
+class TargetAttention:
+    """A target full-attention layer as a head reads it: the module, the norm in front of it, and the layer's
+    scale of the normed input (Falcon-H1's `attention_in_multiplier`; None: 1)."""
+
+    attn: nn.Module
+    norm: nn.Module
+    in_scale: float | None = None
+
+
+def attention_layers(model) -> dict[int, TargetAttention]:
+    """Every decoder layer of `model` whose own attention caches keys/values (not a shared block, Zamba2's), by
+    the family's adapter layout (`specdec.adapters.HYBRID_FAMILIES`)."""
+    spec = HYBRID_FAMILIES.get(model.config.model_type)
+    types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    out = {}
+    for i, t in enumerate(types[:model.config.get_text_config().num_hidden_layers]):
+        kind = layer_kind(t)
+        layout = None if spec is None or kind not in ("attention", "hybrid") else spec.layout(kind)
+        if layout is None or layout.shared is not None:
+            continue
+        layer = model.model.layers[i]
+        scale = None if layout.attn_in_scale is None else float(attr_path(layer, layout.attn_in_scale))
+        out[i] = TargetAttention(attr_path(layer, layout.attn), attr_path(layer, layout.pre_mixer), scale)
+    return out
+
+
+def kv_cache_specs(name: str, num_slots: int, max_length: int, attn: nn.Module,
+                   dtype: torch.dtype) -> dict[str, BufferSpec]:
+    """The buffers of `TargetView.new_kv_cache(num_slots, max_length)` holding the one attention layer `attn`
+    (module of the target's kind) in `dtype`, named `name.*` (the engine's memory plan, made before binding)."""
+    return {f"{name}.{key}": spec for key, spec in kv_specs(num_slots, max_length, {0: kv_dims(attn)},
+                                                            dtype).items()}
 
 
 def grown_kv_specs(name: str, attns, rows: int, window: int, dtype: torch.dtype, *,

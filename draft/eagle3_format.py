@@ -1,4 +1,5 @@
-"""EAGLE-3 drafters published in the SpecForge / SGLang format, loaded as our eagle drafter (`draft/eagle.py`).
+"""EAGLE-3 drafters published in the SpecForge / SGLang format, loaded as our eagle drafter (`draft/eagle.py`'s
+`Net`, run by `draft/eagle_drafter.py`).
 
     specdec.wrap(model, drafter="eagle", draft_model=DIR)   # or drafter=DIR
 
@@ -41,7 +42,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from . import eagle
+from . import eagle, eagle_drafter
 from .layers import attend
 from .native import checkpoint_files
 
@@ -255,6 +256,7 @@ def _target_ids(state: dict, draft_vocab: int, vocab: int, where: str) -> torch.
     return ids
 
 
-def make_drafter(path, target, *, gamma: int = 7, max_batch_size: int = 8, **options) -> eagle.EagleDrafter:
+def make_drafter(path, target, *, gamma: int = 7, max_batch_size: int = 8,
+                 **options) -> eagle_drafter.EagleDrafter:
     """Our eagle drafter (tree options `topk`, `depth`, `num_nodes`) on the EAGLE-3 checkpoint in `path`."""
-    return eagle.make_drafter(load(path, target), gamma=gamma, max_batch_size=max_batch_size, **options)
+    return eagle_drafter.make_drafter(load(path, target), gamma=gamma, max_batch_size=max_batch_size, **options)

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 
 from .base import Drafter, NoDraft
-from .registry import KINDS, build_drafter_net, kind_module, load_drafter
+from .registry import KINDS, build_drafter_net, drafter_module, load_drafter
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 
@@ -47,7 +47,7 @@ def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_
                              f"{list(TRAINED_KINDS)}, no draft_model), not for drafter={drafter!r}"
                              + (" with a draft_model" if draft_model is not None else ""))
         net = build_drafter_net(drafter, target_model)
-        return kind_module(drafter).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size, **drafter_kwargs)
+        return drafter_module(drafter).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size, **drafter_kwargs)
     if isinstance(drafter, Drafter):
         return drafter
     if drafter is None or (isinstance(drafter, str) and drafter == "none"):  # plain decoding
@@ -67,9 +67,9 @@ def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_
         return ModelDrafter(draft_model, runner_factory=runner_factory, max_batch_size=max_batch_size,
                             max_length=max_length, gamma=gamma, **drafter_kwargs)
     if drafter == "native":  # the checkpoint's own MTP layers
-        from . import native
+        from . import native, native_drafter
         net = native.build(target_model, native_path=drafter_kwargs.pop("native_path", None))
-        return native.make_drafter(net, gamma=gamma, max_batch_size=max_batch_size, **drafter_kwargs)
+        return native_drafter.make_drafter(net, gamma=gamma, max_batch_size=max_batch_size, **drafter_kwargs)
     if drafter == "eagle" and draft_model is not None:  # a published EAGLE-3 checkpoint (SpecForge / SGLang)
         from . import eagle3_format
         return eagle3_format.make_drafter(draft_model, target_model, gamma=gamma, max_batch_size=max_batch_size,
@@ -83,7 +83,7 @@ def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_
         raise ValueError(no_weights_message(drafter))
     if isinstance(drafter, (str, os.PathLike)) and os.path.isdir(drafter):
         net = load_drafter(os.fspath(drafter), target_model)
-        return kind_module(net.config.kind).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size,
-                                                         **drafter_kwargs)
+        return drafter_module(net.config.kind).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size,
+                                                            **drafter_kwargs)
     raise ValueError(f"drafter: expected None (plain decoding), 'ngram', 'model', 'native', one of {sorted(KINDS)}, "
                      f"a trained drafter directory or a Drafter instance, got {drafter!r}")

@@ -39,6 +39,35 @@ def pick_draft(logits: torch.Tensor, sampling=None, generator=None) -> tuple[tor
     return torch.multinomial(q.to(torch.float64), 1, generator=generator)[..., 0], q
 
 
+class DraftChain:
+    """A chain's drafts picked one at a time with `pick_draft` (argmax, or drawn when sampling), and the
+    distributions they were drawn from when sampling: `pick(logits [B, V]) -> tokens [B]` per draft, then
+    `result() -> (tokens [B, G], probs [B, G, V] or None)`."""
+
+    def __init__(self, sampling=None, generator=None):
+        self.sampling, self.generator = sampling, generator
+        self.sample = sampling is not None and sampling.do_sample
+        self.tokens: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        tok, q = pick_draft(logits, self.sampling, self.generator)
+        if self.sample:
+            self.probs.append(q)
+        self.tokens.append(tok)
+        return tok
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return torch.stack(self.tokens, 1), (torch.stack(self.probs, 1) if self.sample else None)
+
+
+def additive_mask(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool visibility `[..., T, S]` -> additive mask `[B, 1, T, S]` (0 where visible, the dtype's minimum
+    elsewhere)."""
+    mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
+    return mask if mask.dim() == 4 else mask[:, None]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()

@@ -22,6 +22,8 @@ and the target attention layer's keys/values over positions <= t (recomputed wit
 modules from the captured input of that layer, causal), predict the target's distribution `logits[t+1]`;
 then `Config.train_depth - 1` further chained steps with teacher-forced tokens and the drafter's own h (by
 default as many steps as it drafts, gamma 7, step k weighted 0.8**k).
+
+The drafter that runs a net in an engine: `draft/mtp_drafter.py`.
 """
 
 from __future__ import annotations
@@ -33,14 +35,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specdec.adapters import latent_attention
-from specdec.kernels.common import outside_inference
-
-from .base import DraftBlock, Drafter
-from .layers import MLP, RMSNorm, SharesTarget, pick_draft, soft_ce, target_logits
+from .base import DraftBlock, TargetAttention, attention_layers, latent_attention
+from .layers import MLP, DraftChain, RMSNorm, SharesTarget, additive_mask, soft_ce, target_logits
 from .registry import DraftConfig
-from .tree import DynamicTree, log_scores, tree_options
-
+from .tree import DynamicTree, log_scores
 
 
 @dataclass
@@ -69,41 +67,13 @@ def _qk_dim(attn) -> int:
     return attn.qk_head_dim if hasattr(attn, "kv_b_proj") else attn.head_dim
 
 
-@dataclass(frozen=True)
-class TargetAttention:
-    """A target full-attention layer as the head reads it: the module, the norm in front of it, and the layer's
-    scale of the normed input (Falcon-H1's `attention_in_multiplier`; None: 1)."""
-
-    attn: nn.Module
-    norm: nn.Module
-    in_scale: float | None = None
-
-
-def _attention_layers(target) -> dict[int, TargetAttention]:
-    """Every decoder layer whose own attention caches keys/values (not a shared block, Zamba2's), by the family's
-    adapter layout (`specdec.adapters.HYBRID_FAMILIES`)."""
-    from specdec.adapters import HYBRID_FAMILIES, attr_path, layer_kind
-    spec = HYBRID_FAMILIES.get(target.config.model_type)
-    types = getattr(target.config.get_text_config(), "layer_types", None) or []
-    out = {}
-    for i, t in enumerate(types[:target.config.get_text_config().num_hidden_layers]):
-        kind = layer_kind(t)
-        layout = None if spec is None or kind not in ("attention", "hybrid") else spec.layout(kind)
-        if layout is None or layout.shared is not None:
-            continue
-        layer = target.model.layers[i]
-        scale = None if layout.attn_in_scale is None else float(attr_path(layer, layout.attn_in_scale))
-        out[i] = TargetAttention(attr_path(layer, layout.attn), attr_path(layer, layout.pre_mixer), scale)
-    return out
-
-
 def target_attention(target, layer: int) -> TargetAttention:
-    return _attention_layers(target)[layer]
+    return attention_layers(target)[layer]
 
 
 def resolve_attn_layer(target, layer: int) -> int:
     """Index of a full-attention layer of `target` (`-1`: the last one); ValueError naming the drafter."""
-    full = sorted(_attention_layers(target))
+    full = sorted(attention_layers(target))
     family = target.config.model_type
     if not full:
         raise ValueError(f"drafter: mtp reads the KV cache of one of a hybrid target's own full-attention layers; "
@@ -241,17 +211,17 @@ class Net(SharesTarget):
         one head per query head, or an MLA target's latents as they are; `visible [B or 1, T, S]` bool; rotary of
         the query `positions [B, T]`."""
         dt = self.dtype
-        mask = torch.zeros(visible.shape, dtype=dt, device=visible.device).masked_fill(~visible, torch.finfo(dt).min)
+        mask = additive_mask(visible, dt)  # [B or 1, 1, T, S]
         if self.mla:
             kv_b = self.target_attn.kv_b_proj.weight.detach()
-            return KVContext(None, None, mask[:, None], None, latent=(a.to(dt), b.to(dt), kv_b.to(dt)))
+            return KVContext(None, None, mask, None, latent=(a.to(dt), b.to(dt), kv_b.to(dt)))
         rep = self.config.num_heads // a.shape[1]
         if rep > 1:
             a, b = a.repeat_interleave(rep, dim=1), b.repeat_interleave(rep, dim=1)
         rope = None
         if self.target_rotary is not None:
             rope = tuple(x.to(dt) for x in self.target_rotary(like, positions))
-        return KVContext(a.to(dt), b.to(dt), mask[:, None], rope)
+        return KVContext(a.to(dt), b.to(dt), mask, rope)
 
     @torch.no_grad()
     def context_from_cache(self, kv, slots_t: torch.Tensor, span: int) -> KVContext:
@@ -306,18 +276,12 @@ class Net(SharesTarget):
               generator=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`gamma` chained drafts after `anchors [B]` from `h [B, d]` -> (tokens `[B, gamma]`, probs
         `[B, gamma, V]` when sampling, else None: greedy argmax)."""
-        sample = sampling is not None and sampling.do_sample
         tok, h = anchors[:, None], h[:, None]
-        toks, qs = [], []
+        chain = DraftChain(sampling, generator)
         for _ in range(gamma):
             logits, h = self.step(tok, h, ctx)
-            logits = logits[:, 0]
-            nxt, q = pick_draft(logits, sampling, generator)
-            if sample:
-                qs.append(q)
-            toks.append(nxt)
-            tok = nxt[:, None]
-        return torch.stack(toks, 1), (torch.stack(qs, 1) if sample else None)
+            tok = chain.pick(logits[:, 0])[:, None]
+        return chain.result()
 
     @torch.no_grad()
     def draft_tree(self, anchors: torch.Tensor, h: torch.Tensor, ctx: KVContext, depth: int, *, topk: int,
@@ -389,109 +353,3 @@ class Net(SharesTarget):
             per_position.append(float((hit & reached).sum()) / max(int(reached.sum()), 1))
             reached = reached & hit
         return {"loss": total / weight, "per_position": per_position}
-
-
-# ---- drafter -----------------------------------------------------------------------------------------
-class MTPDrafter(Drafter):
-    """Drafts with a `Net` from the target's committed KV cache and the final hidden state of each request's
-    last committed token (kept from `observe` in a `[max_batch_size, d]` buffer, one row per request row).
-    Holds no cache of its own, so there is nothing to roll back. A chain of `gamma` drafts (`topk` 1), or
-    EAGLE-2's dynamic tree of depth `gamma` with `topk` children per expanded node and `num_nodes` drafts (on
-    targets that verify trees; a chain elsewhere). Its drafting is device work over buffers of fixed shape
-    (`draft_step`), so with static shapes the engine runs it inside the round's device step (and a CUDA graph
-    captures it with the verify)."""
-
-    name = "mtp"
-    static_draft = True
-
-    def __init__(self, net: Net, *, gamma: int = 7, topk: int | None = None, num_nodes: int | None = None,
-                 max_batch_size: int = 8):
-        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
-            raise ValueError(f"num_draft_tokens: expected an int >= 1, got {gamma!r}")
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-            raise ValueError(f"max_batch_size: expected an int >= 1, got {max_batch_size!r}")
-        topk, num_nodes = tree_options(gamma, topk, num_nodes)
-        self.net, self.gamma, self.topk, self.num_nodes = net.eval(), gamma, topk, num_nodes
-        self.max_batch_size = max_batch_size
-        self.tree = topk > 1
-        self.h: torch.Tensor | None = None  # [max_batch_size, d]: each row's last committed hidden state
-        self.ready: set[int] = set()  # rows whose h is set
-
-    def bind(self, target) -> None:
-        if target.kv is None:
-            raise ValueError(f"drafter: mtp reads the target's KV cache, which {type(target.model).__name__} does "
-                             f"not expose on its own-forward path (targets of the hybrid runner only)")
-        super().bind(target)
-        self.tree = self.topk > 1 and target.supports_tree
-
-    def max_verify_tokens(self, gamma: int) -> int:
-        return (self.num_nodes if self.tree else gamma) + 1
-
-    def begin(self, rows, prompts):
-        for r in rows:
-            if not 0 <= r < self.max_batch_size:
-                raise ValueError(f"rows: row {r} outside max_batch_size {self.max_batch_size}")
-            self.ready.discard(r)
-
-    def observe(self, rows, tokens, hidden, features):
-        have = [(r, hs[-1]) for r, hs in zip(rows, hidden) if hs.shape[0]]
-        if not have:
-            return
-        last = torch.stack([x for _, x in have])  # [n, d]: one copy for every row
-        if self.h is None:
-            with outside_inference():
-                self.h = last.new_zeros(self.max_batch_size, last.shape[-1])
-        at = [r for r, _ in have]
-        self.h[self.target.index(at)] = last
-        self.ready.update(at)
-
-    def release(self, rows):
-        self.ready.difference_update(rows)
-
-    def _check_rows(self, rows) -> None:
-        missing = [r for r in rows if r not in self.ready]
-        if missing:
-            raise RuntimeError(f"mtp: no committed hidden state observed for rows {missing}")
-
-    @torch.no_grad()
-    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        device = contexts[0].device if contexts else "cpu"
-        if not rows or min(gamma, self.gamma) < 1:
-            return DraftBlock.empty(len(rows), device)
-        self._check_rows(rows)
-        kv = self.target.kv
-        slots = self.target.slots(rows)
-        span = kv.max_length if kv.static else max(kv.bound[s] for s in slots)  # a host bound, masked per row
-        anchors = torch.stack([c[-1] for c in contexts]).to(device)
-        return self._draft(self.target.index(rows), self.target.index(slots), anchors, gamma, span, sampling,
-                           generator)
-
-    @torch.no_grad()
-    def draft_step(self, rows, rows_t, slots_t, anchors, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        """`propose` as device work of fixed shapes: request rows `rows_t [Bk]` (padding rows repeat a real row;
-        the engine drops their drafts), their target slots `slots_t [Bk]`, anchors `[Bk]`; the key span is the
-        cache's `max_length`. `rows` (the real rows, on the host) are checked here, before any device work."""
-        self._check_rows(rows)
-        return self._draft(rows_t, slots_t, anchors, gamma, self.target.kv.max_length, sampling, generator)
-
-    def _draft(self, rows_t, slots_t, anchors, gamma, span, sampling, generator) -> DraftBlock:
-        gamma = min(gamma, self.gamma)
-        ctx = self.net.context_from_cache(self.target.kv, slots_t, span)
-        h = self.h[rows_t]
-        B = rows_t.shape[0]
-        if self.tree:
-            return self.net.draft_tree(anchors, h, ctx, gamma, topk=self.topk, num_nodes=self.num_nodes,
-                                       sampling=sampling)
-        tokens, probs = self.net.draft(anchors, h, ctx, gamma, sampling=sampling, generator=generator)
-        return DraftBlock(tokens, torch.full((B,), gamma, dtype=torch.long, device=anchors.device), probs)
-
-
-def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
-                 num_nodes: int | None = None, **kwargs) -> MTPDrafter:
-    """`specdec.wrap(model, drafter=DIR, topk=..., num_nodes=...)`: `topk` 1 drafts a chain of gamma
-    tokens; above 1, EAGLE-2's dynamic tree of depth gamma, `topk` children per expanded node, `num_nodes` drafts
-    (the verify window is num_nodes + 1; default 16). Unset, topk is 1: the chain vLLM and SGLang draft.
-    `max_batch_size`: request rows at once (the hidden-state buffer's rows)."""
-    if kwargs:
-        raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the mtp drafter (expected topk, num_nodes)")
-    return MTPDrafter(net, gamma=gamma, topk=topk, num_nodes=num_nodes, max_batch_size=max_batch_size)

@@ -28,21 +28,13 @@ MLA layer with MoE, `final_layernorm`; layers `num_hidden_layers ..`, `num_nextn
 `python/sglang/srt/models/qwen3_next_mtp.py`, and transformers' `modeling_bailing_hybrid.py`
 (`num_mtp_layers` = `num_nextn_predict_layers`, stored after the decoder and skipped on load).
 
-Positions and cache (as vLLM's MTP proposer runs these models). The pair `(h_t, x_{t+1})` sits at position t.
-Committed pairs (a target hidden state and the token after it, the anchor included) keep their K/V in the
-drafter's own `KVCache` (per request row, rollback by length); the anchor's pair (the last committed hidden
-state, the anchor) sits at p = committed tokens - 1 and gives draft 1. Draft step k >= 2 feeds step k-1's
-`out` and draft k-1 at position p + k - 1; those K/V are dropped when the block is done, so nothing of a
-round survives it. Every step runs the first MTP layer (the published checkpoints ship one).
-
-Shipping a fine-tune: `write_mtp(net, DIR)` (command line: `python -m specdec native-export --target DIR
---drafter TRAINED [--out NEW]`) writes the net's weights back into a checkpoint under the same names, so the
-checkpoint's own `drafter="native"` is the fine-tuned one.
-
 Training (the distillation loop of `draft/train.py`, kind `native`): `Net.loss` distils the target over a window: every
 pair `(hidden[t], tokens[t+1])` predicts the target's distribution `logits[t+1]`, and `train_depth - 1` further
 chained steps (teacher-forced tokens, the drafter's own `out`, the masks of drafting) follow; this fine-tunes
 the checkpoint's layers in place.
+
+The drafter that runs a net in an engine (its positions and cache): `draft/native_drafter.py`; writing a fine-tune
+back into the checkpoint: `draft/native_export.py`.
 """
 
 from __future__ import annotations
@@ -57,9 +49,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .base import BufferSpec, DraftBlock, Drafter
-from .layers import SharesTarget, pick_draft, soft_ce, target_logits
-from .registry import DraftConfig, check_target
+from .layers import SharesTarget, soft_ce, target_logits
+from .registry import DraftConfig
 
 QWEN = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 FAMILIES = QWEN + ("bailing_hybrid",)
@@ -192,7 +183,7 @@ def decoder_layer(target, tensors: dict[str, torch.Tensor], *, where: str) -> nn
     return carrier.model.layers[0].to(w.device)
 
 
-def _base(target):
+def decoder_stack(target):
     """The decoder stack holding `embed_tokens`, `rotary_emb` and `norm` (a VL model's `language_model`)."""
     base = target.model
     return getattr(base, "language_model", base)
@@ -208,7 +199,7 @@ class Net(SharesTarget):
             if getattr(config, name) < 1:
                 raise ValueError(f"drafter: native {name} must be >= 1, got {getattr(config, name)}")
         self.config = config
-        base = _base(target)
+        base = decoder_stack(target)
         d = target.config.get_text_config().hidden_size
         eps = target.config.get_text_config().rms_norm_eps
         norm_cls = type(base.norm)  # the family's RMSNorm (Qwen: zero-centred weight)
@@ -351,203 +342,7 @@ class _StepKeys:
         return 0
 
 
-# ---- drafter -----------------------------------------------------------------------------------------
-class NativeDrafter(Drafter):
-    """Chain drafts from a `Net` with its own KV cache over committed pairs (see the module docstring)."""
-
-    name = "native"
-
-    def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8):
-        for arg, val in (("num_draft_tokens", gamma), ("max_batch_size", max_batch_size)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{arg}: expected an int >= 1, got {val!r}")
-        if not isinstance(net, Net):
-            raise ValueError(f"drafter: expected a native Net, got {type(net).__name__}")
-        self.net, self.gamma, self.max_batch_size = net.eval(), gamma, max_batch_size
-        self.kv = None
-        self.length: dict[int, int] = {}  # committed pairs in the cache, per row
-        self.pending: dict[int, list[torch.Tensor]] = {}  # target hidden states `[n, d]` not yet run
-
-    def bind(self, target) -> None:
-        from specdec.kv_cache import KVCache  # the runner's rollback cache, used here for the drafter's own K/V
-        model = target.model
-        check_target(self.net.config, model)
-        if self.net.target_embed is not _base(model).embed_tokens:
-            raise ValueError("drafter: this native net was read for another target model")
-        super().bind(target)
-        self.kv = KVCache(self.max_batch_size, self._room(target.max_length, target.gamma),
-                          device=self.net.fc.weight.device)
-
-    def _room(self, max_length: int, gamma: int) -> int:
-        """Cache positions per row beside a target of `max_length` tokens drafting `gamma` per round."""
-        return max_length + 2 * max(self.gamma, gamma) + 2
-
-    def memory_specs(self, *, max_length: int, num_verify_tokens: int, gamma: int,
-                     static: bool) -> dict[str, BufferSpec]:
-        """The KV cache of its one decoder layer (`specdec.kv_cache.KVCache`, a row per request row)."""
-        from specdec.adapters import kv_dims
-        from specdec.kv_cache import kv_specs
-        return {f"native.{name}": spec for name, spec in kv_specs(
-            self.max_batch_size, self._room(max_length, gamma), {0: kv_dims(self.net.layer)},
-            self.net.fc.weight.dtype).items()}
-
-    def begin(self, rows, prompts) -> None:
-        for r in rows:
-            if not 0 <= r < self.max_batch_size:
-                raise ValueError(f"rows: row {r} outside max_batch_size {self.max_batch_size}")
-            self.kv.reset(r)
-            self.length[r], self.pending[r] = 0, []
-
-    def release(self, rows) -> None:
-        for r in rows:
-            self.length.pop(r, None)
-            self.pending.pop(r, None)
-            if self.kv is not None:
-                self.kv.reset(r)
-
-    def abort(self, rows) -> None:
-        if self.kv is not None:
-            self.kv.abort()
-
-    def observe(self, rows, tokens, hidden, features) -> None:
-        for r, hs in zip(rows, hidden):
-            if hs.shape[0]:
-                self.pending.setdefault(r, []).append(hs.detach())
-
-    def _catch_up(self, rows, contexts, rows_t) -> torch.Tensor:
-        """Run the queued committed pairs of every row (the anchor's pair last) into the cache.
-        -> (logits `[B, V]`, out `[B, d]`) of each row's anchor pair."""
-        net, kv = self.net, self.kv
-        hs, toks, counts = [], [], []
-        for r, ctx in zip(rows, contexts):
-            queued = self.pending.get(r)
-            if not queued:
-                raise RuntimeError(f"native: no target hidden states observed for row {r}")
-            h = torch.cat(queued) if len(queued) > 1 else queued[0]
-            tk = ctx[self.length[r] + 1:]
-            if tk.shape[0] != h.shape[0]:
-                raise RuntimeError(f"native: row {r} is out of step ({self.length[r]} cached + {h.shape[0]} queued "
-                                   f"pairs for a context of {ctx.shape[0]} tokens)")
-            hs.append(h)
-            toks.append(tk)
-            counts.append(h.shape[0])
-        B, M = len(rows), max(counts)
-        dev = rows_t.device
-        hpad = hs[0].new_zeros(B, M, hs[0].shape[-1])
-        tpad = torch.zeros(B, M, dtype=torch.long, device=dev)
-        for b in range(B):
-            hpad[b, :counts[b]] = hs[b]
-            tpad[b, :counts[b]] = toks[b].to(dev)
-        kv.begin(rows_t, M, host_slots=rows)  # a chain: pair i sees the committed pairs and pairs <= i
-        try:
-            logits, out = net.step(tpad, hpad, kv.positions(), kv.attention_mask(net.dtype), cache=kv)
-        except BaseException:
-            kv.abort()
-            raise
-        n = torch.tensor(counts, dtype=torch.long, device=dev)
-        kv.commit(torch.arange(M, device=dev).expand(B, M), n, host_counts=counts)  # padding stays past the length
-        for r, c in zip(rows, counts):
-            self.length[r] += c
-            self.pending[r] = []
-        last = torch.arange(B, device=dev), n - 1
-        return logits[last], out[last]
-
-    @torch.no_grad()
-    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        dev = self.net.fc.weight.device
-        gamma = min(int(gamma), self.gamma)
-        if not rows or gamma < 1:
-            return DraftBlock.empty(len(rows), dev)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-        logits, h = self._catch_up(rows, contexts, rows_t)
-        sample = sampling is not None and sampling.do_sample
-        toks, qs, steps = [], [], 0
-        try:
-            for k in range(gamma):
-                if k:  # the draft pair (previous out, previous draft) at the next position; dropped below
-                    self.kv.begin(rows_t, 1, host_slots=rows)
-                    lg, out = self.net.step(toks[-1][:, None], h[:, None], self.kv.positions(),
-                                            self.kv.attention_mask(self.net.dtype), cache=self.kv)
-                    self.kv.commit(torch.zeros(len(rows), 1, dtype=torch.long, device=dev),
-                                   torch.ones(len(rows), dtype=torch.long, device=dev), host_counts=[1] * len(rows))
-                    steps += 1
-                    logits, h = lg[:, 0], out[:, 0]
-                nxt, q = pick_draft(logits, sampling, generator)
-                if sample:
-                    qs.append(q)
-                toks.append(nxt)
-        finally:
-            self.kv.abort()
-            if steps:  # forget the draft pairs: the cache holds committed pairs only
-                self.kv.lengths[rows_t] -= steps
-                self.kv.advance_bound(rows, [-steps] * len(rows))
-        return DraftBlock(torch.stack(toks, 1), torch.full((len(rows),), gamma, dtype=torch.long, device=dev),
-                          torch.stack(qs, 1) if sample else None)
-
-
-# ---- writing a fine-tune back ---------------------------------------------------------------------------
-def checkpoint_tensors(net: Net, target) -> dict[str, torch.Tensor]:
-    """The net's own weights under the checkpoint's names (the inverse of `split_mtp_tensors`), checked by reading
-    the layer back through `decoder_layer` (a layer whose stored form differs from its modules', such as fused
-    experts, is refused)."""
-    prefix = mtp_prefix(target)
-    names = LING_HEAD if target.config.model_type == "bailing_hybrid" else QWEN_HEAD
-    ours = {v: k for k, v in names.items()}
-    layer_prefix = "" if target.config.model_type == "bailing_hybrid" else "layers.0."
-    layer = {k: v.detach().cpu() for k, v in net.layer.state_dict().items()}
-    back = decoder_layer(target, layer, where="the fine-tuned net").state_dict()
-    if back.keys() != layer.keys() or any(not torch.equal(back[k].cpu(), v.to(back[k].dtype))
-                                          for k, v in layer.items()):
-        raise ValueError("write_mtp: this MTP layer's stored form differs from its modules (fused experts?); "
-                         "only layers whose tensors round-trip can be written back")
-    out = {prefix + ours[n]: p.detach().cpu() for n, p in net.named_parameters() if n in ours}
-    out.update({prefix + layer_prefix + k: v for k, v in layer.items()})
-    return out
-
-
-def write_mtp(net: Net, target, path: str) -> list[str]:
-    """Replace the MTP tensors in the checkpoint directory `path` (the file(s) holding them, in their stored dtype)
-    with `net`'s weights. -> the files written."""
-    from safetensors.torch import load_file, save_file
-    files = checkpoint_files(path)
-    new = checkpoint_tensors(net, target)
-    prefix = mtp_prefix(target)
-    holding = [f for f in files if any(k.startswith(prefix) for k in _keys(f))]
-    if not holding:
-        raise ValueError(f"write_mtp: no MTP tensors ('{prefix}*') in {', '.join(files)} to replace")
-    written = []
-    for f in holding:
-        state = load_file(f)
-        stored = {k: v for k, v in state.items() if k.startswith(prefix)}
-        missing = sorted(set(stored) - set(new))
-        if missing:
-            raise ValueError(f"write_mtp: {f} holds MTP tensors the net has none for: {missing[:4]}")
-        for k, v in stored.items():
-            if v.shape != new[k].shape:
-                raise ValueError(f"write_mtp: {k} is {list(v.shape)} in {f}, {list(new[k].shape)} in the net")
-            state[k] = new[k].to(v.dtype).contiguous()
-        save_file(state, f + ".tmp", metadata={"format": "pt"})
-        os.replace(f + ".tmp", f)
-        written.append(f)
-    stored = set().union(*(set(k for k in _keys(f) if k.startswith(prefix)) for f in holding))
-    if stored != set(new):
-        raise ValueError(f"write_mtp: the net has tensors the checkpoint does not: {sorted(set(new) - stored)[:4]}")
-    return written
-
-
-def _keys(file: str) -> list[str]:
-    from safetensors import safe_open
-    with safe_open(file, "pt") as f:
-        return list(f.keys())
-
-
 def build(target, *, native_path: str | os.PathLike | None = None) -> Net:
     """The native net of `target` (its checkpoint's MTP layers)."""
     config = Config.for_target(target, native_path=os.fspath(native_path) if native_path else None)
     return Net.from_target(target, config)
-
-
-def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, **kwargs) -> NativeDrafter:
-    if kwargs:
-        raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the native drafter (expected native_path)")
-    return NativeDrafter(net, gamma=gamma, max_batch_size=max_batch_size)

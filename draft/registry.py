@@ -1,10 +1,11 @@
 """The trained drafter kinds: their registry, configs, save / load, and the target batches they learn from.
 
-A trained drafter kind lives in one module (`draft/mtp.py`, `draft/eagle.py`, `draft/dspark.py`) that
-exposes `Config` (a flat dataclass subclassing `DraftConfig`), `Net` (an `nn.Module` with
-`from_target(target, config)`, `loss(batch)`, `evaluate(batch)` over a `TargetBatch`) and
-`make_drafter(net, *, gamma, max_batch_size, **options)`. Nets share the target's embedding and lm_head by
-reference; only their own weights are saved. Their building blocks are in `draft/layers.py`.
+A trained drafter kind is two modules. Its training side (`draft/mtp.py`, `draft/eagle.py`, `draft/dspark.py`,
+`draft/native.py`: `kind_module`) exposes `Config` (a flat dataclass subclassing `DraftConfig`) and `Net` (an
+`nn.Module` with `from_target(target, config)`, `loss(batch)`, `evaluate(batch)` over a `TargetBatch`); its drafter
+(`draft/<kind>_drafter.py`: `drafter_module`) exposes `make_drafter(net, *, gamma, max_batch_size, **options)`,
+the `Drafter` an engine runs. Nets share the target's embedding and lm_head by reference; only their own weights are
+saved. Their building blocks are in `draft/layers.py`.
 """
 
 from __future__ import annotations
@@ -48,9 +49,15 @@ class DraftConfig:
 
 
 def kind_module(kind: str):
+    """The training side of `kind`: its `Config` and `Net`."""
     if kind not in KINDS:
         raise ValueError(f"drafter: unknown kind {kind!r}; expected one of {sorted(KINDS)}")
     return importlib.import_module(KINDS[kind])
+
+
+def drafter_module(kind: str):
+    """The drafter of `kind`: its `make_drafter(net, ...)`."""
+    return importlib.import_module(kind_module(kind).__name__ + "_drafter")
 
 
 def check_target(cfg: DraftConfig, target, *, where: str = "drafter") -> None:

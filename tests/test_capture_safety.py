@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 syncs = pytest.importorskip("syncs")  # bench/syncs.py
 
 import specdec  # noqa: E402
-from specdec.draft.eagle import DEFAULT_TREE  # noqa: E402
+from specdec.draft.eagle_drafter import DEFAULT_TREE  # noqa: E402
 from specdec.kernels.common import per_tensor  # noqa: E402
 
 BIG_TREE = dict(topk=8, num_nodes=48)  # eagle's GPU default, for the heads too

@@ -27,7 +27,8 @@ import specdec.round as round_mod
 from specdec.kernels.common import tree_stack_slots
 from specdec.kernels.dispatch import uses_triton
 from specdec.draft.registry import build_drafter_net, save_drafter
-from specdec.draft.eagle import EagleDrafter, Net, make_drafter
+from specdec.draft.eagle import Net
+from specdec.draft.eagle_drafter import EagleDrafter, make_drafter
 from specdec.runner import HybridRunner
 from specdec.verify import SamplingParams, accept_tree_sampling
 
@@ -144,7 +145,7 @@ def test_greedy_identity(setup, family, trained):
 def test_default_tree_follows_the_device(setup):
     """Unset tree options take the device's default tree: a narrow one on a CPU, EAGLE-2's size on a GPU; the
     default tree's rounds stay exact (transformers' greedy generate) and verify that many nodes."""
-    from specdec.draft.eagle import DEFAULT_TREE, default_tree
+    from specdec.draft.eagle_drafter import DEFAULT_TREE, default_tree
     assert default_tree(torch.device("cpu")) == DEFAULT_TREE["cpu"] == dict(topk=2, num_nodes=16)
     assert default_tree(torch.device("cuda", 0)) == DEFAULT_TREE["cuda"] == dict(topk=8, num_nodes=48)
     net = setup.untrained_net("kimi_linear")

@@ -25,7 +25,7 @@ from tiny_models import (exact_joint, float64_everywhere, generate_f64, greedy_r
                          torch_fallbacks)
 
 import specdec
-from specdec.draft import mtp
+from specdec.draft import mtp_drafter as mtp
 from specdec.draft.registry import build_drafter_net, load_drafter, own_state_dict, save_drafter, target_batch
 from specdec.cli.draft_train import train
 from specdec.runner import make_runner

@@ -29,7 +29,7 @@ from tiny_models import exact_joint, float64_everywhere, greedy_reference, noisy
 
 import specdec
 from specdec.adapters import HYBRID_FAMILIES, MAMBA2_FAMILIES
-from specdec.draft.eagle import EagleDrafter
+from specdec.draft.eagle_drafter import EagleDrafter
 from specdec.runner import HybridRunner, make_runner
 from specdec.verify import SamplingParams
 

@@ -189,7 +189,7 @@ def test_greedy_identity(saved, family):
 def test_greedy_identity_with_accepted_drafts(tmp_path):
     """After a short fine-tune on the target's own samples (vocabulary 8) drafts are accepted, rows accept
     different numbers of them, and the drafter's cache catches up by different counts per row."""
-    from specdec.draft.native import make_drafter
+    from specdec.draft.native_drafter import make_drafter
     from specdec.draft.train import train
     model = save_with_mtp(str(tmp_path), "qwen3_next", vocab_size=8)
     with torch.no_grad():
@@ -262,7 +262,7 @@ def test_training_loss_matches_recomputation_and_decreases(saved, tmp_path):
 def test_write_mtp_round_trip(tmp_path):
     """`write_mtp` puts a (changed) net's weights back under the checkpoint's names: the checkpoint's own native
     net then equals it; the other tensors are untouched."""
-    from specdec.draft.native import write_mtp
+    from specdec.draft.native_export import write_mtp
     model = save_with_mtp(str(tmp_path), "qwen3_5")
     file = os.path.join(str(tmp_path), "model.safetensors")
     before = load_file(file)

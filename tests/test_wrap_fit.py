@@ -169,7 +169,7 @@ def test_plan_equals_allocation(kimi, family, strategy, commit):
 
 def test_drafter_caches_bound_what_they_allocate():
     """The planned drafter caches (eagle, dspark: K/V per layer) hold at least what a generate allocates."""
-    from specdec.draft import dspark, eagle
+    from specdec.draft import dspark_drafter as dspark, eagle_drafter as eagle
     target = tiny_model("qwen3_next", dtype=torch.float32, num_layers=2)
     for kind, make, caches in (("eagle", eagle.make_drafter, lambda d: [t for kv in d.cache for t in kv]),
                                ("dspark", dspark.make_drafter, lambda d: [*d.k, *d.v])):

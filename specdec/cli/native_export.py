@@ -1,5 +1,5 @@
 """`python -m specdec native-export`: write a fine-tuned native drafter back into a checkpoint's MTP tensors
-(`specdec.draft.native.write_mtp`), so the checkpoint's own `drafter="native"` is the fine-tuned one."""
+(`specdec.draft.native_export.write_mtp`), so the checkpoint's own `drafter="native"` is the fine-tuned one."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specdec.draft import native
+    from specdec.draft.native import Net
+    from specdec.draft.native_export import write_mtp
     from specdec.draft.registry import load_drafter
     try:
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         net = load_drafter(args.drafter, target)
     except ValueError as e:
         p.error(f"argument --drafter: {e}")
-    if not isinstance(net, native.Net):
+    if not isinstance(net, Net):
         p.error(f"argument --drafter: {args.drafter!r} holds a {net.config.kind} drafter, not native")
     dest = args.target
     if args.out:
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                 shutil.copy2(os.path.join(args.target, name), os.path.join(args.out, name))
         dest = args.out
     try:
-        files = native.write_mtp(net, target, dest)
+        files = write_mtp(net, target, dest)
     except ValueError as e:
         p.error(str(e))
     print(json.dumps({"written": files}))

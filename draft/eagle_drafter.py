@@ -1,0 +1,363 @@
+"""The eagle drafter at run time: a trained `eagle.Net` (its config, net and training: `draft/eagle.py`; a published
+EAGLE-3 checkpoint: `draft/eagle3_format.py`) drafting a dynamic tree verified as a tree.
+
+Cache. Only committed positions (pairs of a target feature and the token after it) are ever kept in the
+drafter's KV cache. After a prefill `observe` runs the prompt's pairs, all rows in one forward; after a round
+it queues the pairs whose next token is now committed (the previous root pair, then the accepted ones) on
+the device, and keeps each row's last committed feature (`root_f`) and cached length (`len_t`) there too.
+A draft runs each row's queue and its root pair (that feature and the anchor) in one forward: the queue's
+K/V join the cache, the root's stays in the round's scratch. Then the tree: its nodes live in that scratch
+and see the committed cache plus their own ancestors (ancestor mask), at positions `root + depth`; nothing
+of a round's tree survives it, so rollback is free.
+
+Tree: EAGLE-2's dynamic tree (`tree.DynamicTree`): at every depth the `topk` best candidates of the newest
+depth are expanded into their `topk` most likely children; the best `num_nodes` by cumulative draft
+log-probability are kept, in topological order. The drafts are deterministic functions of the committed
+history, so the block carries `probs=None` (one-hot q): recursive rejection over distinct siblings with
+one-hot q is exactly sampling from the target, so this is lossless for sampling as well as greedy.
+
+Static shapes (the CUDA-graph path): the cache is sized once for the target's `max_length` and the queue for one
+verify window, and `draft_step` drafts over all of both; `propose` over the rows' longest cache and queue
+(host bounds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.kernels.common import outside_inference
+
+from .base import BufferSpec, DraftBlock, grown_kv_specs, observed_counts, padded
+from .eagle import Net
+from .head import HeadDrafter, check_positive
+from .layers import additive_mask
+from .registry import check_target
+from .tree import DynamicTree, log_scores
+
+
+class _Row:
+    __slots__ = ("length", "pending", "rooted")
+
+    def __init__(self):
+        # the host's copies of `len_t` and `pend_n` (committed pairs in the cache, queued for the next draft):
+        # host bounds of the dynamic path, not kept with static shapes
+        self.length = 0
+        self.pending = 0
+        self.rooted = False  # the row's last committed feature is in `root_f`
+
+
+# The default tree, by the device the drafter runs on. On a GPU a verify of 49 tokens costs about what one token
+# does (weights are read once), so the tree is EAGLE-2's size (its reference runs 60-token trees of top-10
+# children). On a CPU every node is target compute (bench/verify_cost.py), and a narrow tree wins on the embedded
+# model: 16 nodes of top-2 children ran faster than 48 of top-8 despite a lower tau (bench/results/HISTORY.md,
+# "EAGLE's default tree, by device").
+DEFAULT_TREE = {"cuda": dict(topk=8, num_nodes=48), "cpu": dict(topk=2, num_nodes=16)}
+
+
+def default_tree(device: torch.device) -> dict:
+    """`{"topk", "num_nodes"}` of the default tree on `device` (a CPU's, or the accelerators' one)."""
+    return DEFAULT_TREE["cpu" if torch.device(device).type == "cpu" else "cuda"]
+
+
+class EagleDrafter(HeadDrafter):
+    """Dynamic-tree drafts from an EAGLE-3 `Net`; see the module docstring. `propose` and `draft_step` (the
+    engine's CUDA-graph path) draft the same way (`_draft`), over a span of the cache that is the rows' longest
+    committed length or, with static shapes, the whole cache; what either writes to the cache is committed pairs
+    only (the tree's K/V stay in the round's scratch)."""
+
+    name = "eagle"
+    static_draft = True
+
+    def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
+                 depth: int | None = None, num_nodes: int | None = None):
+        tree = default_tree(next(net.parameters()).device) if isinstance(net, Net) else DEFAULT_TREE["cuda"]
+        check_positive("gamma", gamma)
+        check_positive("max_batch_size", max_batch_size)
+        depth = gamma if depth is None else depth
+        check_positive("depth", depth)
+        self._tree_options(depth, topk, num_nodes, default_topk=tree["topk"], default_nodes=tree["num_nodes"])
+        if not isinstance(net, Net):
+            raise ValueError(f"drafter: expected an eagle Net, got {type(net).__name__}")
+        self.net = net.eval()
+        self.depth = depth
+        self.max_batch_size = max_batch_size
+        self.feature_layers = tuple(net.config.feature_layers)
+        p = next(net.layers.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cfg = net.config
+        empty = dict(size=(max_batch_size, cfg.num_heads, 0, cfg.head_dim), dtype=self.dtype, device=self.device)
+        self.cache = [(torch.zeros(**empty), torch.zeros(**empty)) for _ in net.layers]  # per layer K, V
+        self.rows: dict[int, _Row] = {}
+        self.root_f: torch.Tensor | None = None  # [max_batch_size, F] each row's last feature
+        self.len_t: torch.Tensor | None = None  # [max_batch_size] committed pairs in the cache
+        # each row's queue of committed pairs not yet run: features [max_batch_size, Q, F], tokens, count
+        self.pend_f: torch.Tensor | None = None
+        self.pend_t: torch.Tensor | None = None
+        self.pend_n: torch.Tensor | None = None
+
+    def bind(self, target) -> None:
+        super().bind(target)
+        model = target.model
+        check_target(self.net.config, model)
+        L = model.config.get_text_config().num_hidden_layers
+        bad = [i for i in self.feature_layers if not 0 <= i < L]
+        if bad:
+            raise ValueError(f"drafter: feature_layers {bad} do not exist in a target with {L} layers")
+        if self.net.target_embed is not model.get_input_embeddings() and not torch.equal(
+                self.net.target_embed.weight, model.get_input_embeddings().weight):
+            raise ValueError("drafter: this eagle net shares the embedding of another target model")
+
+    def asks_tree(self) -> bool:
+        """Always: topk 1 is a tree of one child per node (on the generic runner, which verifies chains only, the
+        single most likely path)."""
+        return True
+
+    def max_verify_tokens(self, gamma: int) -> int:
+        return self.num_nodes + 1  # its node budget, bound or not
+
+    def memory_specs(self, *, max_length: int, num_verify_tokens: int, gamma: int,
+                     static: bool) -> dict[str, BufferSpec]:
+        """Each layer's K/V over the target's window (see `grown_kv_specs`) and the queue of a verify window's
+        features `[max_batch_size, T (twice that without static shapes), F]` with each row's root feature."""
+        specs = grown_kv_specs("eagle", self.net.attentions(), self.max_batch_size,
+                               max_length + num_verify_tokens, self.dtype, static=static)
+        width, queue = self.net.feature_width, num_verify_tokens * (1 if static else 2)
+        for name, shape in (("eagle.pend_f", (self.max_batch_size, queue, width)),
+                            ("eagle.root_f", (self.max_batch_size, width))):
+            specs[name] = BufferSpec(name, shape, self.dtype)
+        return specs
+
+    # ---- request lifecycle ---------------------------------------------------------------------------
+    def begin(self, rows, prompts) -> None:
+        self._check_begin(rows)
+        for r in rows:
+            self.rows[r] = _Row()
+
+    def release(self, rows) -> None:
+        for r in rows:
+            self.rows.pop(r, None)
+
+    @torch.no_grad()
+    def observe(self, rows, tokens, hidden, features) -> None:
+        """The pairs of every row whose next token is now committed. After a prefill (tokens = the prompt) the
+        pairs (f_i, x_i+1) of all but the last position run at once, all rows in one forward. After a round
+        (tokens = the anchor and the accepted drafts) the previous root pair (its feature `root_f`, its token the
+        anchor) and the accepted ones are queued on the device (`pend_f`, `pend_t`, `pend_n`): the next draft
+        runs them with the new root pair in one forward. The last feature becomes the row's root."""
+        dev = self.device
+        counts = [int(t.shape[0]) for t in tokens]
+        if min(counts, default=0) < 1:
+            raise ValueError("eagle: observe needs at least one new position per row")
+        fresh = [not self.rows.setdefault(r, _Row()).rooted for r in rows]
+        if any(fresh) and not all(fresh):
+            raise ValueError("eagle: observe of new and running requests together")
+        feat = torch.cat([padded(features[layer]) for layer in self.feature_layers], -1).to(self.dtype)  # [B, M, F]
+        tok = padded(tokens).to(dev)  # [B, M]
+        B, M = tok.shape
+        if self.root_f is None:
+            with outside_inference():
+                self.root_f = feat.new_zeros(self.max_batch_size, feat.shape[-1])
+                self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
+                self.pend_n = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
+        rows_t = self._index(rows, self.device)
+        n = observed_counts(tokens, dev)
+        i = torch.arange(M, device=dev)
+        static = self._static_shapes()
+        if fresh[0]:  # pairs (f_i, x_i+1), i < n - 1, causal among themselves, from position 0
+            # static shapes: room for the target's whole window and one verify window's queue, allocated here,
+            # outside any CUDA graph (a draft reads all of both); else as needed
+            self._reserve(self.target.max_length + self.target.num_verify_tokens if static else M - 1)
+            if static:
+                self._reserve_pending(self.target.num_verify_tokens, feat.shape[-1])
+            if M > 1:
+                pos = i[None, :-1].expand(B, M - 1)
+                ok = i[None, :-1, None] >= i[None, None, :-1]  # [1, M - 1, M - 1]
+                _, kvs, _ = self._forward(rows_t, tok[:, 1:], feat[:, :-1], pos, ok.expand(B, -1, -1), 0)
+                self._write(rows_t, pos, kvs)
+            self.len_t[rows_t] = n - 1
+            self.pend_n.index_fill_(0, rows_t, 0)  # (by value, as in `_draft`)
+            for r, c in zip(rows, counts):
+                self.rows[r].length, self.rows[r].pending = c - 1, 0
+        else:  # queue the previous root (f, anchor), then (f_i, x_i+1) of the accepted drafts
+            if not static:  # (static: every round drafts each row, emptying its queue, before it is observed)
+                held = [self.rows[r].pending for r in rows]
+                self._reserve_pending(max(held) + M, feat.shape[-1])  # rows are written at all M padded places
+            at = (rows_t[:, None], self.pend_n[rows_t][:, None] + i)  # [B, M]: past each row's queue
+            self.pend_f[at] = torch.cat([self.root_f[rows_t][:, None], feat[:, :-1]], 1)
+            self.pend_t[at] = tok
+            self.pend_n[rows_t] += n
+            if not static:
+                for r, c in zip(rows, counts):
+                    self.rows[r].pending += c
+        self.root_f[rows_t] = feat[torch.arange(B, device=dev), n - 1]
+        for r in rows:
+            self.rows[r].rooted = True
+
+    def _reserve(self, need: int) -> None:
+        """Cache room for `need` positions per row."""
+        cap = self.cache[0][0].shape[2]
+        if need <= cap:
+            return
+        new = max(need, 2 * cap, 64)
+        grown = []
+        for k, v in self.cache:
+            with outside_inference():
+                k2 = k.new_zeros(k.shape[0], k.shape[1], new, k.shape[3])
+                v2 = v.new_zeros(v.shape[0], v.shape[1], new, v.shape[3])
+            k2[:, :, :cap], v2[:, :, :cap] = k, v
+            grown.append((k2, v2))
+        self.cache = grown
+
+    def _reserve_pending(self, need: int, width: int) -> None:
+        """Queue room for `need` pairs per row: the target's verify window (what one round commits) at first,
+        so the width, and with it the draft's shapes, stays fixed while every round is drafted."""
+        cap = 0 if self.pend_f is None else self.pend_f.shape[1]
+        if need <= cap:
+            return
+        target = getattr(self, "target", None)
+        new = max(need, 2 * cap, target.num_verify_tokens if target is not None else 8)
+        with outside_inference():
+            f = self.root_f.new_zeros(self.max_batch_size, new, width)
+            t = torch.zeros(self.max_batch_size, new, dtype=torch.long, device=self.device)
+        if cap:
+            f[:, :cap], t[:, :cap] = self.pend_f, self.pend_t
+        self.pend_f, self.pend_t = f, t
+
+    # ---- drafting ------------------------------------------------------------------------------------
+    def _forward(self, rows_t, tok, feat, positions, ok, span: int):
+        """The net over pairs `(feat [B, M, F], tok [B, M])` at `positions [B, M]` of rows `rows_t [B]`, with the
+        first `span` cached positions of each row then the M pairs as keys, visible as `ok [B, M, span + M]`
+        says. -> (hidden `[B, M, d]`, the pairs' K/V per layer `[B, H, M, D]`, the cached K/V read per layer
+        `[B, H, span, D]`)."""
+        net = self.net
+        past = [(k[rows_t, :, :span], v[rows_t, :, :span]) for k, v in self.cache]
+        h, kvs = net.run(net.inputs(tok, net.fused(feat)), positions, additive_mask(ok, self.dtype),
+                         [[c] for c in past])
+        return h, kvs, past
+
+    def _write(self, rows_t, positions, kvs) -> None:
+        """K/V per layer `[B, H, M, D]` into the cache at `positions [B, M]` of rows `rows_t`, one indexed copy
+        per layer."""
+        at = (rows_t[:, None], slice(None), positions)
+        for (ck, cv), (k, v) in zip(self.cache, kvs):
+            ck[at] = k.transpose(1, 2)
+            cv[at] = v.transpose(1, 2)
+
+    @torch.no_grad()
+    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        if not rows:
+            return DraftBlock.empty(0, self.device)
+        self._check_rows(rows)
+        rows = list(rows)
+        anchors = torch.stack([c[-1] for c in contexts]).to(self.device)
+        if self._static_shapes():
+            return self._draft(None, self._index(rows, self.device), anchors, gamma, self.cache[0][0].shape[2],
+                               self.pend_f.shape[1], sampling)
+        # host bounds: the longest cache and queue among the rows
+        span, queued = (max(x) for x in zip(*((self.rows[r].length, self.rows[r].pending) for r in rows)))
+        return self._draft(rows, self._index(rows, self.device), anchors, gamma, span, queued, sampling)
+
+    @torch.no_grad()
+    def draft_step(self, rows, rows_t, slots_t, anchors, gamma, *, sampling=None, generator=None) -> DraftBlock:
+        """`propose` as device work of fixed shapes (see `Drafter.draft_step`): the whole cache and queue."""
+        self._check_rows(rows)
+        return self._draft(None, rows_t, anchors, gamma, self.cache[0][0].shape[2], self.pend_f.shape[1], sampling)
+
+    def _check_rows(self, rows) -> None:
+        for r in rows:
+            st = self.rows.get(r)
+            if st is None or not st.rooted:
+                raise RuntimeError(f"eagle: no target features observed for row {r}")
+        if self.pend_f is None:  # (dynamic shapes) every row observed only its prompt: an empty queue
+            self._reserve_pending(1, self.root_f.shape[-1])
+
+    def _draft(self, rows, rows_t, anchors, gamma, span: int, queued: int, sampling) -> DraftBlock:
+        """One forward over each row's queued pairs (the first `queued` of the queue, >= every row's count) and
+        its root pair (`root_f`, anchor `[B]`), over the first `span` cached positions (>= every row's length);
+        the queued pairs' K/V join the cache (committed pairs: kept whatever the round does), the root's stays
+        in the round's scratch; then the tree. `rows` (host) are the rows whose host counts it keeps in step;
+        None with static shapes, where a CUDA graph replays this without its Python: only device work then,
+        on buffers sized beforehand (`observe`), and the host counts are not kept."""
+        dev = self.device
+        B, Q = rows_t.shape[0], queued
+        lens, qn = self.len_t[rows_t], self.pend_n[rows_t]
+        tok = torch.cat([self.pend_t[rows_t, :Q], anchors[:, None]], 1)  # [B, Q + 1]
+        feat = torch.cat([self.pend_f[rows_t, :Q], self.root_f[rows_t][:, None]], 1)
+        i = torch.arange(Q + 1, device=dev)
+        positions = lens[:, None] + torch.where(i < Q, i, qn[:, None])  # the root right after the queue
+        cached = torch.arange(span, device=dev)[None, None] < lens[:, None, None]  # [B, 1, span]
+        # a queued pair sees the queue up to itself; the root sees the row's queue and itself
+        block = torch.where(i[:, None] < Q, i[None, :] <= i[:, None], (i[None, :] < qn[:, None, None]) | (i == Q))
+        ok = torch.cat([cached.expand(B, Q + 1, span), block.expand(B, Q + 1, Q + 1)], 2)
+        if rows is not None:
+            self._reserve(max(self.rows[r].length for r in rows) + Q)  # the queue lands at all Q places per row
+        h, kvs, past = self._forward(rows_t, tok, feat, positions, ok, span)
+        self._write(rows_t, positions[:, :Q], [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
+        self.len_t[rows_t] = lens + qn
+        # by value: a Python scalar assigned through a tensor index is a host tensor copied to the device, which a
+        # CUDA-graph capture refuses
+        self.pend_n.index_fill_(0, rows_t, 0)
+        for r in rows or ():
+            st = self.rows[r]
+            st.length, st.pending = st.length + st.pending, 0
+        seen = torch.cat([cached[:, 0], i[None, :Q] < qn[:, None]], 1)  # [B, span + Q]
+        # the cache read and the queue as one key segment per layer: one copy per round, not two products per depth
+        committed = [(torch.cat([ck, k[:, :, :Q]], 2), torch.cat([cv, v[:, :, :Q]], 2))
+                     for (ck, cv), (k, v) in zip(past, kvs)]
+        root_h = h[:, Q]
+        return self._tree(root_h, self.net.lm_logits(root_h), committed, seen, lens + qn,
+                          [(k[:, :, Q:], v[:, :, Q:]) for k, v in kvs], gamma, sampling)
+
+    def _tree(self, root_h, root_logits, committed, seen, root_pos, root_kv, gamma, sampling) -> DraftBlock:
+        """EAGLE-2's tree from the root step (`root_h [B, d]`, `root_logits [B, V]`) over the committed K/V, per
+        layer `(k, v) [B, H, S, D]` of which row b sees the keys `seen [B, S]` marks, and the root's K/V `root_kv`
+        per layer `[B, H, 1, D]` (at `root_pos [B]`), seen by every node."""
+        net, dev = self.net, self.device
+        B = root_h.shape[0]
+        S0 = seen.shape[1]
+        depth = max(1, min(self.depth, int(gamma)))
+        tree = DynamicTree(log_scores(root_logits, sampling), self.topk if self.tree else 1)
+        w = tree.k  # nodes expanded per depth: the newest depth always holds at least k candidates
+        exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
+        # [B, E, E]: row i marks the expanded ancestors of expanded node i, filled depth by depth
+        exp_anc = torch.zeros(B, (depth - 1) * w, (depth - 1) * w, dtype=torch.bool, device=dev)
+        ids = torch.arange((depth - 1) * w, device=dev)
+        own = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)  # each node sees itself
+        # [B, w, depth - 1]: the nodes of depth d sit at root + d
+        positions = (root_pos[:, None, None] + torch.arange(1, depth, device=dev)).expand(B, w, -1)
+        # per layer the nodes attend to two K/V segments (`layers.attend`): the committed one, never copied per
+        # depth, and the round's scratch (the root's K/V, then every expanded node's), grown by depth
+        scratch = list(root_kv)
+        ok_fixed = torch.cat([seen, seen.new_ones(B, 1)], 1)[:, None].expand(B, w, S0 + 1)  # committed keys, the root
+        for d in range(1, depth):
+            sel, src, tok = tree.frontier()
+            n_exp = exp_h.shape[1]
+            par_h = DynamicTree.parent_states(src, root_h[:, None], exp_h)
+            # ancestors among expanded nodes: the parent's ancestors and the parent itself (past depth 1 every
+            # frontier node's parent is an expanded node, src >= 0; at depth 1 there are none)
+            if n_exp:
+                at = src[..., None]
+                anc = exp_anc[:, :, :n_exp].gather(1, at.expand(B, w, n_exp)) | (at == ids[:n_exp])
+                exp_anc[:, n_exp:n_exp + w, :n_exp] = anc
+            else:
+                anc = exp_anc[:, :w, :0]
+            ok = torch.cat([ok_fixed, anc, own], 2)
+            h, kvs = net.run(net.inputs(tok, par_h), positions[..., d - 1], additive_mask(ok, self.dtype),
+                             [[c, s_] for c, s_ in zip(committed, scratch)])
+            scratch = [(torch.cat([sk, k_], 2), torch.cat([sv, v_], 2)) for (sk, sv), (k_, v_) in zip(scratch, kvs)]
+            exp_h = torch.cat([exp_h, h], 1)
+            tree.grow(sel, log_scores(net.lm_logits(h), sampling))  # [B, w, V]
+        return tree.block(self.num_nodes, tree=self.tree)
+
+
+def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
+                 depth: int | None = None, num_nodes: int | None = None, **kwargs) -> EagleDrafter:
+    """`specdec.wrap(model, drafter=DIR, topk=..., depth=gamma, num_nodes=...)`: `topk` children per
+    expanded node and nodes expanded per depth, `depth` tree depth (capped by the round's gamma), `num_nodes`
+    drafts kept after reranking (the verify window is num_nodes + 1). Unset, `topk` and `num_nodes` (at least
+    `depth`) are the device's default tree (`DEFAULT_TREE`: 8 and 48 on a GPU, 2 and 16 on a CPU)."""
+    if kwargs:
+        raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the eagle drafter "
+                         "(expected topk, depth, num_nodes)")
+    return EagleDrafter(net, gamma=gamma, max_batch_size=max_batch_size, topk=topk, depth=depth,
+                        num_nodes=num_nodes)
