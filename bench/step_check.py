@@ -190,7 +190,7 @@ def _calls(K: int, rule: str, gate: str, norm: str, act: str):
             e(N, H, L, K, dtype=dt), e(N, H, L))
     start = torch.zeros(N, dtype=torch.long)
     parent = torch.tensor([[-1, 0, 1, 0]] * B)  # a fork: node 3 reloads the root's state
-    from specdec.kernels.common import tree_stack_slots
+    from specdec.kernels.tree import tree_stack_slots
 
     stack = e(B, tree_stack_slots(D), H, K, V)
     kw = dict(ring=ring, ring_start=start, norm=norm, rule=rule, **params)

@@ -198,7 +198,8 @@ def gpu_view(counter: Counter):
         def pick(name, *tensors):
             ref, tri = dispatch.reference_impl(name), dispatch.triton_impl(name)
 
-            takes = inspect.signature(ref).parameters
+            # the op's signature: the per-token reference's (the chunk form takes the same options as **options)
+            takes = inspect.signature(dispatch.MAMBA2_REFS.get(name, ref)).parameters
 
             def op(*args, **kwargs):
                 tri(*args, **kwargs)

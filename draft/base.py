@@ -14,6 +14,7 @@ import torch.nn as nn
 from specdec.adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
 from specdec.adapters import latent_attention  # noqa: F401  (for mtp: MLA queries over the target's latents)
 from specdec.kv_cache import KVCache, kv_specs
+from specdec.kernels.tree import topology_errors
 from specdec.replayssm.plan import BufferSpec
 
 
@@ -99,10 +100,8 @@ def check_block(block: DraftBlock, B: int, gamma: int, *, device, vocab: tuple[i
     if parent is None:
         live = ar[None] < num[:, None]  # [B, G]
     else:
-        node = torch.arange(1 + G, device=dev)
-        checks += [("parent: root (node 0) is not -1", (parent[:, 0] != -1).any()),
-                   ("parent: not topological (expected -1 <= parent[i] < i)",
-                    ((parent < -1) | (parent >= node)).any())]
+        checks += [("parent: not topological (expected -1 <= parent[i] < i; the root, node 0, -1)",
+                    topology_errors(parent).any())]
         live = parent[:, 1:] >= 0
     if probs is not None:
         acc = torch.float64 if probs.dtype == torch.float64 else torch.float32

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.common import outside_inference
+from specdec.tensors import outside_inference
 
 from .base import BufferSpec, DraftBlock, grown_kv_specs, observed_counts, padded
 from .eagle import Net

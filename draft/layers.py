@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.common import per_tensor
+from specdec.tensors import per_tensor
 
 if TYPE_CHECKING:
     from .registry import DraftConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.common import outside_inference
+from specdec.tensors import outside_inference
 
 from .base import DraftBlock
 from .head import HeadDrafter, check_positive

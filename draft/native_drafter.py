@@ -108,7 +108,7 @@ class NativeDrafter(HeadDrafter):
             kv.abort()
             raise
         n = torch.tensor(counts, dtype=torch.long, device=dev)
-        kv.commit(torch.arange(M, device=dev).expand(B, M), n, host_counts=counts)  # padding stays past the length
+        kv.advance(n, host_counts=counts)  # padding stays past the length
         for r, c in zip(rows, counts):
             self.length[r] += c
             self.pending[r] = []
@@ -130,8 +130,7 @@ class NativeDrafter(HeadDrafter):
                     self.kv.begin(rows_t, 1, host_slots=rows)
                     lg, out = self.net.step(tok[:, None], h[:, None], self.kv.positions(),
                                             self.kv.attention_mask(self.net.dtype), cache=self.kv)
-                    self.kv.commit(torch.zeros(len(rows), 1, dtype=torch.long, device=dev),
-                                   torch.ones(len(rows), dtype=torch.long, device=dev), host_counts=[1] * len(rows))
+                    self.kv.advance(torch.ones(len(rows), dtype=torch.long, device=dev), host_counts=[1] * len(rows))
                     steps += 1
                     logits, h = lg[:, 0], out[:, 0]
                 tok = chain.pick(logits)

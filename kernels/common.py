@@ -8,15 +8,9 @@ is bit for bit the state of n decode steps (docs/EXACTNESS.md).
 from __future__ import annotations
 
 import functools
-import weakref
+import inspect
 
 import torch
-
-
-def outside_inference():
-    """Context: tensors made inside it are normal tensors even under `generate`'s inference mode. For what outlives
-    a call (state kept across calls, written again outside it; caches; the caller's output)."""
-    return torch.inference_mode(False)
 
 
 def math_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -176,101 +170,6 @@ def valid_slots(indices: torch.Tensor, null_slot: int) -> torch.Tensor:
     return (indices >= 0) & (indices != null_slot)
 
 
-def per_tensor(fn):
-    """Remember `fn(t, *args)` (args: hashable) for the last CPU tensor `t` and args it was called with, while `t`
-    is that same object, unchanged: a normal tensor by its version counter, which every in-place write bumps; an
-    inference tensor (`generate` runs under inference mode) has none, so its values are compared with a copy kept
-    beside the result (one comparison of a few hundred integers in place of the ops it saves). A forward passes one
-    `parent` to every layer's conv, verify and attention: the checks and the mask derived from it then run once per
-    forward, not per layer. Results are shared: callers do not write them. CUDA tensors are not remembered (a graph
-    capture must see every op)."""
-    # one tuple, swapped whole: (weakref to t, t's version or (inference tensor) a copy of t, args, result)
-    last: list = [None]
-
-    def same(entry, t: torch.Tensor) -> bool:
-        if entry[0]() is not t:  # another object: recomputed, so every round (a new tree) runs the same ops
-            return False
-        return torch.equal(entry[1], t) if t.is_inference() else entry[1] == t._version
-
-    @functools.wraps(fn)
-    def remembered(t: torch.Tensor, *args):
-        if t.device.type != "cpu":
-            return fn(t, *args)
-        entry = last[0]  # read once: another thread may swap in its own entry meanwhile
-        if entry is not None and entry[2] == args and same(entry, t):
-            return entry[3]
-        out = fn(t, *args)
-        last[0] = (weakref.ref(t), t.clone() if t.is_inference() else t._version, args, out)
-        return out
-
-    return remembered
-
-
-@per_tensor
-def ancestor_mask(parent: torch.Tensor) -> torch.Tensor:
-    """Tree parents `[B, T]` (topological, -1 = a root) -> `[B, T, T]` bool: node t sees node u iff u is t or
-    an ancestor of t. Pointer jumping: each boolean matrix product doubles the hops covered, so
-    ceil(log2 T) products instead of a walk over the nodes."""
-    B, T = parent.shape
-    eye = torch.eye(T, dtype=torch.bool, device=parent.device).expand(B, T, T)
-    one_hop = torch.zeros(B, T, T + 1, dtype=torch.bool, device=parent.device)
-    one_hop.scatter_(2, parent.long().where(parent >= 0, T)[..., None], True)  # -1 -> a dropped column T
-    reach = (eye | one_hop[..., :T]).to(torch.float32)
-    for _ in range(max(T - 1, 1).bit_length()):
-        reach = (reach @ reach).clamp_(max=1.0)
-    return reach > 0
-
-
-def tree_stack_slots(num_nodes: int) -> int:
-    """States a tree verify keeps at once under `tree_schedule`, for any tree of `num_nodes` nodes (at least 1).
-
-    A node's state is kept only while a later child still needs it, and children go smaller subtree first, so a
-    state kept under s others sits in a subtree at least twice as large as the one under it at each level: a
-    kept node (two children or more, 3 nodes) at stack depth s needs `2^(s+2) - 1` nodes. Hence
-    `floor(log2(T + 1)) - 1` slots: 5 for 64 nodes, 2 for 8.
-    """
-    return max((num_nodes + 1).bit_length() - 2, 1)
-
-
-def tree_schedule(parent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The order a tree verify walks the nodes in, and where it keeps and reloads states (no host reads).
-
-    Depth first, children smaller subtree first: a node's state stays in registers for its first child, is
-    kept in a stack slot only when it has a second child, and the last (largest) child reloads it last, so the
-    stack never holds more than `tree_stack_slots(T)` states.
-
-    Args:
-        parent: `[B, T]` topological parents (-1: a root, restarted from the checkpoint).
-    Returns:
-        `(order, load, store)`, each `[B, T]` int32 indexed by step: `order[b, i]` the node of step i;
-        `load[b, i]`: -2 go on from the state in registers (the parent was step i-1), -1 restart from the
-        checkpoint (a root), s >= 0 reload stack slot s; `store[b, i]`: the slot the step's state goes to, or -1.
-    """
-    B, T = parent.shape
-    dev = parent.device
-    p = parent.long()
-    anc = ancestor_mask(parent).to(torch.float32)  # [B, node, ancestor-or-self]
-    size = anc.sum(1)  # [B, T]: nodes in each node's subtree
-    idx = torch.arange(T, device=dev)
-    # before[b, i, j]: sibling j is walked before i (smaller subtree first, ties by index)
-    smaller = (size[:, None, :] < size[:, :, None]) | ((size[:, None, :] == size[:, :, None]) & (idx < idx[:, None]))
-    before = (p[:, :, None] == p[:, None, :]) & smaller
-    offset = 1 + (before.to(torch.float32) * size[:, None, :]).sum(2)  # position after the parent's
-    pre = ((anc @ offset[..., None])[..., 0] - 1).long()  # [B, T]: each node's step (float sums of ints: exact)
-    last = ~before.any(1)  # no sibling walked after it
-    # a node's ancestors whose states are kept while its subtree runs: one per non-last child on its path
-    kept_above = (anc @ ((~last) & (p >= 0)).to(torch.float32)[..., None])[..., 0].long()
-    children = torch.zeros(B, T + 1, dtype=torch.long, device=dev).scatter_add_(
-        1, p.where(p >= 0, T), torch.ones_like(p))[:, :T]
-    store = kept_above.where(children >= 2, -1)
-    pre_parent = pre.gather(1, p.clamp(min=0))
-    slot_parent = kept_above.gather(1, p.clamp(min=0))
-    load = torch.where(p < 0, -1, torch.where(pre_parent == pre - 1, -2, slot_parent))
-    load = load.where(pre > 0, -2)  # step 0 starts from the checkpoint already
-    order = torch.empty_like(p).scatter_(1, pre, idx.expand(B, T))  # the node of each step
-    return order.to(torch.int32), load.gather(1, order).to(torch.int32), store.gather(1, order).to(torch.int32)
-
-
 def conv_step(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the causal depthwise short conv.
@@ -291,3 +190,19 @@ def conv_step(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
     elif activation is not None:
         raise ValueError(f"activation: expected 'silu' or None, got {activation!r}")
     return y, full[..., 1:]
+
+
+@functools.lru_cache(maxsize=None)
+def _keyword_defaults(spec) -> dict:
+    return {n: p.default for n, p in inspect.signature(spec).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def keyword_options(spec, options: dict) -> dict:
+    """`options` over the keyword-only defaults of `spec`, the op's reference function, which holds the op's one
+    signature and docstring: for a backend that takes the same options as `**options`. An unknown name is one
+    TypeError, as a call of `spec` would raise."""
+    known = _keyword_defaults(spec)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"{spec.__name__}() got unexpected keyword arguments {unknown}")
+    return {**known, **options}

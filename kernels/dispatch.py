@@ -100,7 +100,8 @@ def _dispatched(name: str):
         kwargs.pop("rule", None)  # the delta rule is every kernel's default
         return pick(name, *args, *kwargs.values())(*args, **kwargs)
 
-    op.__doc__ = (ref.__doc__ or "") + "\n    Dispatched: Triton on CUDA tensors (see specdec.kernels.dispatch).\n"
+    doc = MAMBA2_REFS.get(name, ref).__doc__ or ""  # the per-token reference's: the chunk form refers to it
+    op.__doc__ = doc + "\n    Dispatched: Triton on CUDA tensors (see specdec.kernels.dispatch).\n"
     return op
 
 

@@ -42,6 +42,17 @@ def num_warps_for(block_elems: int) -> int:
 
 
 @triton.jit
+def state_tile(K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The K x BV state tile of this program (V block `program_id(2)`): `(offs_k, offs_v, mask_k, mask_v,
+    mask_kv)`."""
+    offs_k = tl.arange(0, BK)
+    offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    return offs_k, offs_v, mask_k, mask_v, mask_k[:, None] & mask_v[None, :]
+
+
+@triton.jit
 def cast_to(x, ptr):
     """`x` in the element type of `ptr`, rounded to nearest even (emulated in the interpreter, whose own
     fp32 -> bf16 cast truncates)."""

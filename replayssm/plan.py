@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kernels.common import tree_stack_slots
+from specdec.kernels.tree import tree_stack_slots
 from .config import StateConfig, next_pow2
 
 GIB = 2 ** 30
@@ -111,7 +111,7 @@ def buffer_specs(cfg: StateConfig, *, layout: str = "eager") -> dict[str, Buffer
         **{name: rings[name] for name in ring_names(layout)},
         "snapshot_intermediate_ssm": ((n, rows, d, h, k, v), ssm),
         # tree verify with ReplaySSM: the parent states a later child reloads, of ONE layer, reused layer after
-        # layer (never committed): log2 of the node count (kernels/common.py `tree_stack_slots`)
+        # layer (never committed): log2 of the node count (kernels/tree.py `tree_stack_slots`)
         "tree_state_stack": ((rows, tree_stack_slots(d), h, k, v), torch.promote_types(ssm, torch.float32)),
         # the reference backend's one-token rounds (a plain decode step): the state and conv window after the
         # token, which commit copies in place of folding its record (allocated by the first such round)

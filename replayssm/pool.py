@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.common import outside_inference
+from specdec.tensors import outside_inference
 
 from .config import StateConfig
 from .plan import BufferSpec, pool_specs

@@ -2,11 +2,11 @@
 
 A speculative round on the linear layers:
 
-    strategy.begin(slots, num_tokens=D)            # or parent=[T] / [B, T] for a tree
+    strategy.begin(slots, num_tokens=D)            # or parent=[T] / [B, T] (or a VerifyTree) for a tree
     for layer in range(num_layers):
         y = strategy.conv(layer, x, weight, bias)  # short conv; conv windows (snapshot) or inputs (replay) kept
         o = strategy.mix(layer, q, k, v, g, beta)  # delta rule from the checkpoint
-    strategy.commit(num_accepted)                  # or path=[B, M] accepted node indices
+    strategy.commit(num_accepted)                  # or path=[B, M] accepted node indices, or an Acceptance
 
 Nothing persistent changes before `commit`; `abort` drops an open round, leaving every slot as it was.
 """
@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import kernels
-from specdec.kernels.common import tree_schedule, valid_slots
+from specdec.kernels.common import valid_slots
 from specdec.kernels.scatter.naive import rebuild_windows
+from specdec.kernels.tree import VerifyTree
+from specdec.verify.record import Acceptance
 
 from .config import StateConfig
 from .plan import buffer_specs
@@ -32,8 +34,7 @@ from .ring import RingBuffers
 class Round:
     slots: torch.Tensor  # [B] slot per request row
     num_tokens: int  # T
-    parent: torch.Tensor | None  # [B, T] tree parents; None = chain
-    schedule: tuple | None = None  # the Triton tree kernel's walk (kernels.common.tree_schedule), once per round
+    tree: VerifyTree | None  # [B, T] tree parents; None = chain
     copy_commit: bool = False  # ReplaySSM: a one-token round that keeps its state and commits it by copy
     conv_done: set[int] = field(default_factory=set)
     mix_done: set[int] = field(default_factory=set)
@@ -92,31 +93,23 @@ class StateStrategy(ABC):
         B, D = slots.shape[0], self.cfg.num_verify_tokens
         if not 1 <= B <= self.cfg.max_running + 1:
             raise ValueError(f"slots: expected 1..{self.cfg.max_running + 1} requests, got {B}")
-        if parent is not None:
-            parent = torch.as_tensor(parent, dtype=torch.long, device=self.device)
-            if parent.dim() == 1:
-                parent = parent.expand(B, -1)
-            if parent.dim() != 2 or parent.shape[0] != B:
-                raise ValueError(f"parent: expected [T] or [{B}, T], got {list(parent.shape)}")
-            T = parent.shape[1]
+        tree = None if parent is None else VerifyTree.check(parent, B, device=self.device)
+        if tree is not None:
+            T = tree.T
             if num_tokens is not None and num_tokens != T:
                 raise ValueError(f"num_tokens: {num_tokens} != {T} tree nodes in parent")
-            idx = torch.arange(T, device=self.device)
-            if bool(((parent < -1) | (parent >= idx)).any()):
-                raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
         else:
             T = D if num_tokens is None else int(num_tokens)
         if not 1 <= T <= D:
             raise ValueError(f"num_tokens: expected 1 <= T <= D={D}, got {T}")
-        self._begin(slots, T, parent)
+        self._begin(slots, T, tree)
 
-    def _begin(self, slots: torch.Tensor, num_tokens: int, parent: torch.Tensor | None) -> None:
-        """`begin` without the checks, for callers that validated once at their own boundary (the runner):
-        `slots [B]` long on the device, `parent [B, T]` long or None. Reads nothing back to the host."""
+    def _begin(self, slots: torch.Tensor, num_tokens: int, tree: VerifyTree | None) -> None:
+        """`begin` without the checks, for callers that checked at their own boundary (the runner): `slots [B]`
+        long on the device, the round's tree or None. Reads nothing back to the host."""
         if self._round is not None:
             raise RuntimeError("begin: a round is open; call commit() or abort() first")
-        self._round = Round(slots=slots, num_tokens=num_tokens,
-                            parent=parent.contiguous() if parent is not None else None)
+        self._round = Round(slots=slots, num_tokens=num_tokens, tree=tree)
 
     def abort(self) -> None:
         """Drop the open round; persistent state is untouched."""
@@ -140,9 +133,9 @@ class StateStrategy(ABC):
         r = self._open(layer, x, (cfg.conv_dim,), "x")
         if tuple(weight.shape) != (cfg.conv_dim, cfg.conv_kernel):
             raise ValueError(f"weight: expected shape {[cfg.conv_dim, cfg.conv_kernel]}, got {list(weight.shape)}")
-        # `parent` was checked once, by `begin` or the runner's boundary: the kernels do not read it back again
-        y = kernels.short_conv_verify(x, weight, bias, self.pool.conv[layer], r.slots, parent=r.parent,
-                                      validate=False, activation=activation, null_slot=self.pool.null_slot,
+        # the round's tree was checked once, by `begin` or the runner's caller: the kernels take it as it is
+        y = kernels.short_conv_verify(x, weight, bias, self.pool.conv[layer], r.slots, parent=r.tree,
+                                      activation=activation, null_slot=self.pool.null_slot,
                                       **self._conv_out(layer))
         r.conv_done.add(layer)
         return y
@@ -166,25 +159,28 @@ class StateStrategy(ABC):
         return o
 
     def commit(self, num_accepted=None, *, path=None) -> None:
-        """Keep the accepted tokens of each request: `num_accepted [B]` (chain, 1..T; ignored on skipped
-        rows) or `path [B, M]` (accepted node indices root to leaf, -1 padded). Closes the round."""
+        """Keep the accepted tokens of each request: an `Acceptance` (its `path` and `num_kept`, as the accept
+        rules return it), `num_accepted [B]` (chain: tokens kept, 1..T; ignored on skipped rows) or `path [B, M]`
+        (accepted node indices root to leaf, -1 padded). Checked against the round; closes it."""
         r = self._round
         if r is None:
             raise RuntimeError("commit: no open round")
         missing = sorted(set(range(self.cfg.num_layers)) - (r.conv_done & r.mix_done))
         if missing:
             raise RuntimeError(f"commit: layers {missing} were not verified (conv and mix) in this round")
-        path, n = self._accepted(r, num_accepted, path)
-        self._commit(path, n)
+        if isinstance(num_accepted, Acceptance):
+            num_accepted, path = None, num_accepted.path.masked_fill(
+                torch.arange(num_accepted.path.shape[1], device=self.device) >= num_accepted.num_kept[:, None], -1)
+        self._commit(Acceptance.kept(*self._accepted(r, num_accepted, path)))
 
-    def _commit(self, path: torch.Tensor, n: torch.Tensor) -> None:
-        """`commit` without the checks: `path [B, M]` accepted node indices (root first; entries past n
-        ignored), `n [B]` tokens kept per row. Rows whose slot is -1 or the null slot keep nothing. Device
-        ops only: nothing is read back to the host."""
+    def _commit(self, acc: Acceptance) -> None:
+        """`commit` without the checks: `acc.path [B, M]` accepted node indices (root first; entries past
+        `acc.num_kept` ignored), `acc.num_kept [B]` tokens kept per row. Rows whose slot is -1 or the null slot
+        keep nothing. Device ops only: nothing is read back to the host."""
         r = self._round
         valid = valid_slots(r.slots, self.pool.null_slot)
-        n = torch.where(valid, n, 0)
-        path = path.clamp(min=0)
+        n = torch.where(valid, acc.num_kept, 0)
+        path = acc.path.clamp(min=0)
         before = self.committed_len(r.slots)
         self._commit_state(r, path, n, before)
         self._round = None
@@ -196,7 +192,7 @@ class StateStrategy(ABC):
         if (num_accepted is None) == (path is None):
             raise ValueError("commit: pass exactly one of num_accepted (chain) or path (tree)")
         if num_accepted is not None:
-            if r.parent is not None:
+            if r.tree is not None:
                 raise ValueError("num_accepted: this round is a tree; pass path=[B, M] node indices")
             n = torch.as_tensor(num_accepted, dtype=torch.long, device=self.device)
             if n.shape != (B,):
@@ -209,10 +205,9 @@ class StateStrategy(ABC):
         path = torch.as_tensor(path, dtype=torch.long, device=self.device)
         if path.dim() != 2 or path.shape[0] != B or not 1 <= path.shape[1] <= T:
             raise ValueError(f"path: expected [{B}, M] with 1 <= M <= {T}, got {list(path.shape)}")
-        parent = r.parent if r.parent is not None else torch.arange(-1, T - 1, device=self.device).expand(B, T)
+        parent = r.tree.parent if r.tree is not None else torch.arange(-1, T - 1, device=self.device).expand(B, T)
         live = path >= 0
         n = live.sum(1)
-        M = path.shape[1]
         # a root-to-leaf path: live entries first, each in range and the child of the one before it
         prefix = live.long().cumprod(1).sum(1) == n
         idx = path.clamp(0, T - 1)
@@ -286,15 +281,6 @@ class StateStrategy(ABC):
         self.flush(slots)
         self.pool.free(list(slots))
 
-    def _tree_walk(self, r: Round, q: torch.Tensor) -> dict:
-        """`tree_schedule=` for the Triton tree kernel (`kernels.common.tree_schedule`), computed once per round
-        for every layer; nothing for a chain or the torch reference."""
-        if r.parent is None or not kernels.dispatch.uses_triton(q, self.pool.ssm):
-            return {}
-        if r.schedule is None:
-            r.schedule = tree_schedule(r.parent)
-        return {"tree_schedule": r.schedule}
-
     def _kw(self, layer: int) -> dict:
         c = self.cfg
         return dict(scale=c.scale, eps=c.norm_eps, norm=c.norm, null_slot=self.pool.null_slot, rule=c.rule,
@@ -330,10 +316,8 @@ class SnapshotStrategy(StateStrategy):
         return dict(window_states=self.conv_windows[layer])
 
     def _verify(self, layer, r, q, k, v, g, beta):
-        return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
-                                         validate=False, intermediate_states=self.states[layer],
-                                         **self._tree_walk(r, q),
-                                         **self._kw(layer))
+        return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.tree,
+                                         intermediate_states=self.states[layer], **self._kw(layer))
 
     def _commit_state(self, r, path, n, before):
         self._scatter_commit(r, path, n, before, self.states, self.conv_windows)
@@ -378,8 +362,8 @@ class ReplayStrategy(StateStrategy):
         """Whether a round of `num_tokens` commits by copy: one token, eager commit, the reference backend."""
         return num_tokens == 1 and self.commit_mode == "eager" and not kernels.dispatch.uses_triton(self.pool.ssm)
 
-    def _begin(self, slots, num_tokens, parent):
-        super()._begin(slots, num_tokens, parent)
+    def _begin(self, slots, num_tokens, tree):
+        super()._begin(slots, num_tokens, tree)
         self._round.copy_commit = self._one_token(num_tokens)  # decided once, read by every layer and commit
 
     def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,10 +386,10 @@ class ReplayStrategy(StateStrategy):
         if r.copy_commit:  # the state after the token, kept for commit; no records
             kw = dict(intermediate_states=self._step_buffers()[0][layer])
         else:
-            kw = self._tree_walk(r, q)
+            kw = {}
             # the Triton tree kernel reloads parent states from a stack; the CPU's chunk form needs none (commit
             # folds the records)
-            if kw:
+            if r.tree is not None and kernels.dispatch.uses_triton(q, self.pool.ssm):
                 if self.tree_stack is None:  # allocated once, overwritten layer after layer
                     self.tree_stack = allocate(buffer_specs(self.cfg)["tree_state_stack"], self.device)
                 kw["tree_stack"] = self.tree_stack
@@ -414,8 +398,8 @@ class ReplayStrategy(StateStrategy):
             else:
                 kw.update(ring_indices=self._rows(r))
             kw["ring"] = self.rings.layer(layer)
-        return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.parent,
-                                         validate=False, **kw, **self._kw(layer))
+        return kernels.verify_delta_rule(q, k, v, g, beta, self.pool.ssm[layer], r.slots, parent=r.tree,
+                                         **kw, **self._kw(layer))
 
     def _fold(self, ssm: torch.Tensor, slots: torch.Tensor, num: torch.Tensor, offsets=None, *,
               track: bool = True, **kw) -> None:
@@ -441,7 +425,7 @@ class ReplayStrategy(StateStrategy):
             self._fold(self.pool.ssm, r.slots, n, path, ring_indices=self._rows(r), **conv)
             self._add_len(r, n)
             return
-        if r.parent is not None:  # a tree's accepted path moves to consecutive ring positions
+        if r.tree is not None:  # a tree's accepted path moves to consecutive ring positions
             self.rings.compact(torch.where(n > 0, slots, self.pool.null_slot), path, n)
         self.rings.pending.index_add_(0, slots, n)
         # fold now where the ring would overflow next round or a track boundary was crossed

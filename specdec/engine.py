@@ -2,26 +2,23 @@
 
 from __future__ import annotations
 
-import functools
 import time
 import warnings
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from specdec.draft import Drafter, DraftBlock, TargetView, make_drafter
+from specdec.draft import DraftBlock
 from specdec.draft.base import check_block
-from specdec.kernels.common import outside_inference
+from specdec.tensors import outside_inference
 from specdec.verify import SamplingParams, sample_token
 from specdec.verify.accept import is_int_tensor
 
-from . import cpu_linear, memory
-from .adapters import HYBRID_FAMILIES
+from . import cpu_linear
+from .build import EngineParts
 from .config import SpecConfig
-from .graphs import RoundGraphs
-from .round import RoundStep
-from .runner import HybridRunner, index_tensor, make_runner
+from .runner import HybridRunner, index_tensor
 from .stats import SpecStats
 
 
@@ -58,15 +55,6 @@ class GenerateOutput:
     stats: SpecStats
 
 
-def _buckets(max_batch: int) -> list[int]:
-    """Batch buckets 1, 2, 4, ... and max_batch itself."""
-    out, b = [], 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
-    return out + [max_batch]
-
-
 class _Lanes:
     """The requests in flight of one `generate` call, one per lane (a lane is a drafter row, < max_batch_size):
     target slot (None: free) and the request's host lists (`hist`, `out`) per lane; device token buffer
@@ -84,133 +72,9 @@ class _Lanes:
         return [l for l, s in enumerate(self.slot) if s is not None]
 
 
-class SpecEngine:
-    """Lossless speculative decoding for one target model; see `specdec.wrap`."""
-
-    def __init__(self, model, config: SpecConfig | None = None, **options):
-        if config is not None and not isinstance(config, SpecConfig):
-            raise ValueError(f"config: expected a SpecConfig or None, got {type(config).__name__}")
-        if config is None:
-            config, drafter_options = SpecConfig.split(options)
-        else:
-            clash = sorted(set(options) & {f.name for f in fields(SpecConfig)})
-            if clash:
-                raise ValueError(f"{clash[0]}: given both in config and as a keyword")
-            drafter_options = options
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
-            raise ValueError(f"model: expected a transformers causal LM (a torch.nn.Module with a config, e.g. from "
-                             f"AutoModelForCausalLM.from_pretrained), got {type(model).__name__}")
-        self.config = cfg = config
-        self.model = model
-        self.gamma = cfg.num_draft_tokens
-        self.max_length = int(cfg.max_length or min(getattr(model.config, "max_position_embeddings", 4096) or 4096,
-                                                    4096))
-        self._check_model(model, cfg)
-        self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options)
-        verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
-        self.memory_plan: memory.MemoryPlan | None = None  # the buffers by part (None: a runner with no plan)
-        # the hybrid runner calls `_check_memory` with its plan before it allocates its pool, rings and KV cache
-        self.runner = make_runner(model, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
-                                  max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
-                                  static=cfg.static_shapes,
-                                  check_memory=lambda plan: self._check_memory(plan, verify_tokens))
-        if cfg.static_shapes and not isinstance(self.runner, HybridRunner):
-            raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
-                             f"forward, whose cache grows every round")
-        cpu_linear.apply(cfg.cpu_linear, model, *self.drafter.modules())  # after every check: changes the model
-        self.buckets = _buckets(cfg.max_batch_size)
-        self._row_index: dict[tuple[int, ...], torch.Tensor] = {}
-        # the round's device step (inputs, draft step, verify + accept, commit), called by `_round` and the graphs
-        self.round_step = RoundStep(self.runner, self.drafter, cfg, self.buckets, self._index)
-        self._graphs = RoundGraphs(self) if cfg.cuda_graph else None
-        self.slots: list = []  # target slot of each lane (a drafter row) of the running generate call
-        runner = self.runner
-        self.target = TargetView(model=model, kv=getattr(runner, "kv", None),
-                                 supports_tree=isinstance(runner, HybridRunner),
-                                 num_verify_tokens=getattr(runner, "num_verify_tokens", self.gamma + 1),
-                                 gamma=self.gamma, max_length=self.max_length,
-                                 slots=lambda rows: [self.slots[r] for r in rows],
-                                 index=lambda values: index_tensor(self._draft_index, values, runner.device))
-        self._draft_index: dict[tuple[int, ...], torch.Tensor] = {}
-        self.drafter.bind(self.target)
-        gen = getattr(model, "generation_config", None)
-        self.eos_token_id = getattr(gen, "eos_token_id", None)
-        pad = getattr(gen, "pad_token_id", None)
-        if pad is None:
-            pad = getattr(model.config, "pad_token_id", None)
-        if pad is None:
-            eos = self.eos_token_id
-            pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
-        self.pad_token_id = int(pad)
-
-    @property
-    def graph_counts(self) -> dict[str, int]:
-        """With `cuda_graph`, the step shapes captured as CUDA graphs, those that fell back to eager rounds and those
-        not captured yet (`RoundGraphs.counts`); all 0 without."""
-        if self._graphs is None:
-            return {"captured": 0, "eager": 0, "warm": 0}
-        return self._graphs.counts()
-
-    @staticmethod
-    def _check_model(model, cfg: SpecConfig) -> None:
-        """What the hybrid runner cannot honour, refused before anything is built."""
-        hybrid = model.config.model_type in HYBRID_FAMILIES
-        impl = getattr(model.config, "_attn_implementation", None) or "eager"
-        if hybrid and impl not in ("eager", "sdpa"):
-            raise ValueError(f"model: attn_implementation {impl!r} is not supported by the hybrid runner, which "
-                             f"passes tree and padding masks as a dense additive mask; load the model with "
-                             f"attn_implementation='sdpa' or 'eager'")
-        if cfg.cuda_graph:
-            device = next(model.parameters()).device
-            if device.type != "cuda" or not torch.cuda.is_available():
-                raise ValueError(f"cuda_graph: CUDA graphs need the model on a CUDA device, got {device}")
-            if not hybrid:
-                raise ValueError(f"cuda_graph: needs a hybrid target; {type(model).__name__} runs through its own "
-                                 f"forward")
-
-    def _make_drafter(self, drafter, draft_model, max_batch_size, kwargs) -> Drafter:
-        # a draft model's runner is checked on its own, before it allocates (the target's plan needs the drafter's
-        # verify window, so it comes after)
-        factory = functools.partial(make_runner, check_memory=lambda plan: memory.check_fits(
-            plan, self._memory_options(), what="the draft model"))
-        return make_drafter(drafter, self.model, gamma=self.gamma, max_batch_size=max_batch_size,
-                            max_length=self.max_length, draft_model=draft_model, runner_factory=factory, **kwargs)
-
-    def _memory_options(self) -> dict:
-        return {"max_batch_size": self.config.max_batch_size, "max_length": self.max_length}
-
-    def _check_memory(self, plan: memory.MemoryPlan, verify_tokens: int) -> None:
-        """The target runner's plan with the drafter's caches (kept as `memory_plan`) against the free memory
-        (`memory.check_fits`)."""
-        self.memory_plan = plan.copy().add("drafter caches", self.drafter.memory_specs(
-            max_length=self.max_length, num_verify_tokens=verify_tokens, gamma=self.gamma,
-            static=self.config.static_shapes), deferred=True)
-        memory.check_fits(self.memory_plan, self._memory_options())
-
-    # ---- generate ----------------------------------------------------------------------------------
-    def _prompts(self, input_ids) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """The caller's prompts, checked: `[P]` tensors on the target's device, and the same as host lists."""
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() == 1:
-                input_ids = input_ids[None]
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids: expected [B, P] or a list of 1-D sequences, got {list(input_ids.shape)}")
-            prompts = list(input_ids)
-        else:
-            prompts = [torch.as_tensor(p) for p in input_ids]
-        if not prompts:
-            raise ValueError("input_ids: no prompts")
-        emb = self.model.get_input_embeddings()
-        vocab = getattr(emb, "num_embeddings", None) or self.runner.vocab_size
-        for i, p in enumerate(prompts):
-            if p.dim() != 1 or p.numel() == 0:
-                raise ValueError(f"input_ids: prompt {i} is empty or not 1-D (shape {list(p.shape)})")
-            if not is_int_tensor(p):  # a cast would truncate silently
-                raise ValueError(f"input_ids: prompt {i}: expected integer token ids, got {p.dtype}")
-            if bool(((p < 0) | (p >= vocab)).any()):  # else the embedding fails after slots are taken
-                raise ValueError(f"input_ids: prompt {i} has token ids outside [0, {vocab}): "
-                                 f"min {int(p.min())}, max {int(p.max())}")
-        return [p.to(self.runner.device, torch.long) for p in prompts], [p.tolist() for p in prompts]
+class SpecEngine(EngineParts):
+    """Lossless speculative decoding for one target model (see `specdec.wrap`): the request loop of `generate`.
+    What an engine is built from (checks, drafter, target runner, memory plan, round step) is `EngineParts`."""
 
     @torch.inference_mode()
     @cpu_linear.engaged()
@@ -386,48 +250,37 @@ class SpecEngine:
         graphed = self.config.cuda_graph and not sampling.do_sample
         res = (self._graphs.verify(step, sampling) if graphed
                else self.round_step.device_step(step, sampling, gen, stats))
-        n, path, new = res["n"][:B], res["path"][:B], res["new"][:B]
-        back = torch.cat([n[:, None], res["finite"][:B, None].long(), res["num_drafts"][:B, None],
-                          self._reached(res, n, path)[:, None], new, path], 1).tolist()
-        if not all(r[1] for r in back):
-            raise self._nonfinite_round(res["logits"][:B], active, contexts, block.parent)
-        n_h = [r[0] for r in back]
-        (self._graphs.commit if graphed else self.round_step.commit_step)(step, res, host_slots, n_h)
+        host = res.read(B)
+        if not all(host.finite):
+            raise self._nonfinite_round(res.logits[:B], active, contexts, res.parent)
+        (self._graphs.commit if graphed else self.round_step.commit_step)(res, host)
         stats.timings["verify"] += time.perf_counter() - t
-        stats.record([r[2] for r in back], n_h, [r[3] for r in back])
+        stats.record(host.num_drafts, host.num_accepted, host.reached)
         # the device copies follow without a host round trip: token buffer, lengths, anchors
+        acc = res.acceptance
+        n, path, new = acc.num_accepted[:B], acc.path[:B], acc.tokens[:B]
         j = torch.arange(new.shape[1], device=new.device)
-        pos = (lens[idx][:, None] + j[None]).clamp(max=tok.shape[1] - 1)
+        base = lens[idx]
+        pos = (base[:, None] + j[None]).clamp(max=tok.shape[1] - 1)
         keep = j[None] <= n[:, None]
         tok[idx[:, None], pos] = torch.where(keep, new, tok[idx[:, None], pos])
-        kept = n + 1  # tokens each row keeps (anchor included): the lengths' step and `observe`'s counts
+        kept = acc.num_kept[:B]  # tokens each row keeps (anchor included): the lengths' step and `observe`'s counts
         lens[idx] += kept
-        anchors[idx] = res["bonus"][:B]
-        ids, capture = res["ids"][:B], tuple(self.drafter.feature_layers)
+        anchors[idx] = acc.bonus[:B]
+        ids, capture = res.ids[:B], tuple(self.drafter.feature_layers)
         at = path.clamp(min=0)
         kept_ids = ids.gather(1, at)
-        hidden = res["hidden"][:B]
+        hidden = res.hidden[:B]
         kept_h = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
-        kept_f = {l: res["captured"][l][:B].gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
+        kept_f = {l: res.captured[l][:B].gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
                   for l in capture}
-        sizes = [m + 1 for m in n_h]
+        sizes = [m + 1 for m in host.num_accepted]
         self.drafter.observe(active, Observed.rows_of(kept_ids, sizes, kept), Observed.rows_of(kept_h, sizes, kept),
                              {l: Observed.rows_of(f, sizes, kept) for l, f in kept_f.items()})
         for i, b in enumerate(active):
-            toks = back[i][4:4 + n_h[i] + 1]
             before = len(out_tokens[b])
-            self._emit(out_tokens[b], toks, max_new, eos_set, streamer)
+            self._emit(out_tokens[b], host.tokens[i], max_new, eos_set, streamer)
             hist[b].extend(out_tokens[b][before:])
-
-    @staticmethod
-    def _reached(res: dict, n: torch.Tensor, path: torch.Tensor) -> torch.Tensor:
-        """Draft positions each row's acceptance reached `[B]`: its accepted drafts, plus one when the last
-        accepted node has a child (a chain: drafts left; a tree: a node whose parent it is) that was rejected."""
-        B = n.shape[0]
-        if res["parent"] is None:
-            return n + (n < res["num_drafts"][:B]).long()
-        last = path.gather(1, n[:, None])  # [B, 1] node index of the last accepted node
-        return n + (res["parent"][:B] == last).any(1).long()
 
     # ---- failures ----------------------------------------------------------------------------------
     def _propose(self, active, contexts, gamma, sampling, gen, stats) -> DraftBlock:
@@ -458,14 +311,6 @@ class SpecEngine:
         finally:
             self.drafter.abort(rows)
 
-    @property
-    def _vocab(self) -> tuple[int, int]:
-        """(ids the target can read: embedding rows, scores it returns: the logits' last dim)."""
-        emb = self.model.get_input_embeddings()
-        head = self.model.get_output_embeddings()
-        logits_v = getattr(head, "out_features", None) or self.runner.vocab_size
-        return min(getattr(emb, "num_embeddings", None) or logits_v, logits_v), logits_v
-
     def _nonfinite(self, logits: torch.Tensor, row: int, position: int, where: str = "prefill") -> FloatingPointError:
         kinds = [k for k, m in (("nan", logits.isnan()), ("inf", logits.isinf())) if bool(m.any())]
         return FloatingPointError(
@@ -478,7 +323,7 @@ class SpecEngine:
         i, t = (int(x) for x in (~torch.isfinite(logits)).any(-1).nonzero()[0])
         depth = t
         if parent is not None:
-            par = parent.expand(len(active), -1)
+            par = parent[:len(active)]
             depth, j = 0, t
             while j > 0 and int(par[i, j]) >= 0:
                 depth, j = depth + 1, int(par[i, j])

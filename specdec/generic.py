@@ -8,7 +8,7 @@ import inspect
 
 import torch
 
-from .runner import RunnerOutput, path_and_count
+from .runner import RunnerOutput
 
 
 # transformers' Mamba-1 mixers start the selective scan from a zero state whenever more than one token comes in,
@@ -106,13 +106,18 @@ class GenericRunner:
         return RunnerOutput(torch.stack(logits), torch.stack(hidden), {i: torch.stack(v) for i, v in caps.items()})
 
     @torch.no_grad()
-    def commit(self, num_accepted=None, *, path=None, host_counts: list[int] | None = None) -> None:
+    def commit(self, acc, *, host_counts: list[int] | None = None) -> None:
+        """Keep `acc.num_kept [B]` tokens of each row (an `Acceptance` of a chain, or a list of the kept counts);
+        `host_counts`: the same counts on the host."""
         slots, ids, clones = self._round
-        _, n = path_and_count(num_accepted, path, len(slots), ids.shape[1], self.device)
-        if bool(((n < 1) | (n > ids.shape[1])).any()):
-            raise ValueError(f"num_accepted: expected 1..{ids.shape[1]} per request, got {n.tolist()}")
+        if host_counts is not None:
+            n = list(host_counts)
+        else:
+            n = [int(x) for x in acc] if isinstance(acc, (list, tuple)) else acc.num_kept.tolist()
+        if any(not 1 <= m <= ids.shape[1] for m in n):
+            raise ValueError(f"acc: expected 1..{ids.shape[1]} kept tokens per request, got {n}")
         for b, s in enumerate(slots):
-            m = int(n[b])
+            m = n[b]
             if m == ids.shape[1]:
                 self._cache[s] = clones[b]
             else:  # snapshot was the original cache: re-run the accepted tokens on it

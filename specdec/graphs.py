@@ -20,14 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
-_INPUTS = ("ids", "slots", "num_drafts", "real", "parent", "rows")
+from .round import HostRound, RoundInputs, RoundResult
 
 
 @dataclass
-class _Captured:
-    inputs: dict  # the step's static input buffers (copies of the capture round's tensors)
+class Captured:
+    """A captured step shape: its own input buffers, the verify graph and its outputs (overwritten by every
+    replay), and the commit graph once captured."""
+
+    inputs: RoundInputs
     verify: "torch.cuda.CUDAGraph"
-    out: dict  # the verify step's outputs, overwritten by every replay
+    out: RoundResult
     commit: "torch.cuda.CUDAGraph | None" = None
 
 
@@ -36,46 +39,46 @@ class RoundGraphs:
 
     def __init__(self, engine):
         self.engine = engine
-        self.entries: dict[tuple, object] = {}  # key -> "warm" | "eager" | _Captured
+        self.entries: dict[tuple, object] = {}  # key -> "warm" | "eager" | Captured
         self.pool = None
-        self._current: _Captured | None = None
+        self._current: Captured | None = None
+        self._slots: list[int] = []  # the round's target slots (padding rows: the null slot)
 
     def counts(self) -> dict[str, int]:
         """Step shapes by what their rounds run: `captured` (replayed as CUDA graphs), `eager` (their capture
         failed: they run eagerly from then on) and `warm` (seen once, not captured yet)."""
-        captured = sum(isinstance(e, _Captured) for e in self.entries.values())
+        captured = sum(isinstance(e, Captured) for e in self.entries.values())
         eager = sum(e == "eager" for e in self.entries.values())
         return {"captured": captured, "eager": eager, "warm": len(self.entries) - captured - eager}
 
     @staticmethod
-    def _key(step: dict) -> tuple:
-        return tuple(step["ids"].shape), step["parent"] is not None
+    def _key(step: RoundInputs) -> tuple:
+        return tuple(step.ids.shape), step.parent is not None
 
-    def verify(self, step: dict, sampling) -> dict:
+    def verify(self, step: RoundInputs, sampling) -> RoundResult:
         """The device step of this round (see `specdec.round.RoundStep.device_step`: the draft step of a drafter
         that has a static one, then verify + accept), replayed where captured."""
         eng, key = self.engine, self._key(step)
         entry = self.entries.get(key)
-        self._current = None
+        self._current, self._slots = None, step.host_slots
         if entry is None or entry == "eager":
             if entry is None:
                 self.entries[key] = "warm"
             return eng.round_step.device_step(step, sampling, None)
         if entry == "warm":
             return self._capture(key, step, sampling)
-        eng.runner.kv.check_room(step["host_slots"], step["ids"].shape[1])
-        for name in _INPUTS:
-            if step[name] is not None:
-                entry.inputs[name].copy_(step[name])
+        eng.runner.kv.check_room(step.host_slots, step.ids.shape[1])
+        for name, buf in entry.inputs.buffers().items():
+            buf.copy_(getattr(step, name))
         entry.verify.replay()
         self._current = entry
         return entry.out
 
-    def _capture(self, key, step: dict, sampling) -> dict:
+    def _capture(self, key, step: RoundInputs, sampling) -> RoundResult:
         eng = self.engine
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        inputs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in step.items()}
+        inputs = step.copy()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
@@ -87,25 +90,26 @@ class RoundGraphs:
                           f"those rounds run eagerly", RuntimeWarning, stacklevel=4)
             return eng.round_step.device_step(step, sampling, None)
         graph.replay()
-        entry = self.entries[key] = _Captured(inputs, graph, out)
+        entry = self.entries[key] = Captured(inputs, graph, out)
         self._current = entry
         return out
 
-    def commit(self, step: dict, res: dict, host_slots: list[int], n_h: list[int]) -> None:
+    def commit(self, res: RoundResult, host: HostRound) -> None:
         """The commit step of this round, after its readback; captured right after its verify step."""
         eng, entry = self.engine, self._current
         if entry is None:
-            eng.round_step.commit_step(step, res, host_slots, n_h)
+            eng.round_step.commit_step(res, host)
             return
         if entry.commit is not None:
             entry.commit.replay()
-            rows = step["host_slots"]
-            eng.runner.kv.advance_bound(rows, [m + 1 for m in n_h] + [0] * (len(rows) - len(n_h)))
+            rows = self._slots
+            kept = [m + 1 for m in host.num_accepted]
+            eng.runner.kv.advance_bound(rows, kept + [0] * (len(rows) - len(kept)))
             return
         graph = torch.cuda.CUDAGraph()
         try:  # runs the commit's host bookkeeping once, for this round; the replay below does the device work
             with torch.cuda.graph(graph, pool=self.pool):
-                eng.round_step.commit_step(entry.inputs, entry.out, host_slots, n_h)
+                eng.round_step.commit_step(entry.out, host)
         except Exception as e:
             raise RuntimeError(f"cuda_graph: capturing the commit step failed ({type(e).__name__}: {e}); "
                                f"wrap the model with cuda_graph=False") from e

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kernels.common import ancestor_mask
+from specdec.kernels.tree import VerifyTree
 from specdec.replayssm.plan import BufferSpec
 from specdec.replayssm.pool import allocate
+from specdec.verify.record import Acceptance
 
 
 def kv_spec(layer_idx: int, index: int, num_slots: int, heads: int, max_length: int, dim: int,
@@ -46,20 +47,18 @@ class KVCache:
         self.bound = [0] * num_slots  # host upper bound of `lengths`
         self.slots: torch.Tensor | None = None
         self.host_slots: list[int] = []
-        self.parent: torch.Tensor | None = None
+        self.tree: VerifyTree | None = None
         self.num_tokens = 0
         self.span = 0  # S: keys a round's attention reads
 
     # ---- round -------------------------------------------------------------------------------------
-    def begin(self, slots: torch.Tensor, num_tokens: int, parent: torch.Tensor | None = None, *,
+    def begin(self, slots: torch.Tensor, num_tokens: int, tree: VerifyTree | None = None, *,
               host_slots: list[int] | None = None) -> None:
-        """Open a round: `slots [B]` (and the same as a host list), T tokens (a chain, or a tree with
-        `parent [B, T]`)."""
+        """Open a round: `slots [B]` (and the same as a host list), T tokens (a chain, or the round's tree)."""
         host_slots = slots.tolist() if host_slots is None else list(host_slots)
         need = self.check_room(host_slots, num_tokens)
-        self.slots, self.host_slots, self.num_tokens, self.parent = slots, host_slots, num_tokens, parent
+        self.slots, self.host_slots, self.num_tokens, self.tree = slots, host_slots, num_tokens, tree
         self.span = self.max_length if self.static else need
-        self._vis = None
 
     def check_room(self, host_slots: list[int], num_tokens: int) -> int:
         """-> the key span a round of `num_tokens` needs; ValueError when it would not fit."""
@@ -76,18 +75,16 @@ class KVCache:
     def visible(self) -> torch.Tensor:
         """`[B, T, T]` bool: round token t sees round token u (u is t or an ancestor of t)."""
         B, T = self.slots.shape[0], self.num_tokens
-        if self.parent is None:
+        if self.tree is None:
             return torch.ones(T, T, dtype=torch.bool, device=self.device).tril().expand(B, T, T)
-        if self._vis is None:
-            self._vis = ancestor_mask(self.parent)
-        return self._vis
+        return self.tree.ancestors()
 
     def depth(self) -> torch.Tensor:
         """Depth of each round token `[B, T]` (chain: t; tree: ancestors counted)."""
         B, T = self.slots.shape[0], self.num_tokens
-        if self.parent is None:
+        if self.tree is None:
             return torch.arange(T, device=self.device).expand(B, T)
-        return self.visible().sum(-1) - 1
+        return self.tree.depth()
 
     def positions(self) -> torch.Tensor:
         """Position ids `[B, T]`: committed length + depth."""
@@ -130,10 +127,12 @@ class KVCache:
         return self.span - self.num_tokens if self.slots is not None else 0
 
     # ---- commit ------------------------------------------------------------------------------------
-    def commit(self, path: torch.Tensor, n: torch.Tensor, *, host_counts: list[int] | None = None) -> None:
-        """Keep `n [B]` accepted round tokens of each row, `path [B, M]` their node indices (root first).
-        `host_counts`: the same n on the host, which keeps `bound` exact (else it grows by T)."""
-        if self.parent is not None:  # tree: move each accepted path to consecutive positions
+    def commit(self, acc: Acceptance, *, host_counts: list[int] | None = None) -> None:
+        """Keep `acc.num_kept [B]` round tokens of each row, `acc.path [B, M]` their node indices (root first).
+        `host_counts`: the same counts on the host, which keep `bound` exact (else it grows by T)."""
+        n = acc.num_kept
+        if self.tree is not None:  # tree: move each accepted path to consecutive positions
+            path = acc.path
             lens = self.lengths[self.slots]
             j = torch.arange(path.shape[1], device=self.device)
             keep = (j[None, :] < n[:, None])[..., None, None]  # [B, M, 1, 1]
@@ -144,13 +143,17 @@ class KVCache:
                 for buf in bufs:  # [N, h, max_length, d]: indexed -> [B, M, h, d]
                     new, old = buf[rows, :, src], buf[rows, :, dst]
                     buf[rows, :, dst] = torch.where(keep, new, old)
+        self.advance(n, host_counts=host_counts)
+
+    def advance(self, n: torch.Tensor, *, host_counts: list[int] | None = None) -> None:
+        """Keep the first `n [B]` round tokens of each row (a chain's, a prefill's) and close the round."""
         self.lengths[self.slots] += n
         self.advance_bound(self.host_slots, host_counts if host_counts is not None
                            else [self.num_tokens] * len(self.host_slots))
-        self.slots = self.parent = self._vis = None
+        self.abort()
 
     def abort(self) -> None:
-        self.slots = self.parent = self._vis = None
+        self.slots = self.tree = None
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0

@@ -14,8 +14,10 @@ import torch
 
 from specdec import kernels
 from specdec.replayssm import StateConfig, make_strategy
+from specdec.kernels.tree import VerifyTree
 from specdec.replayssm.plan import DEFERRED_NAMES, pool_specs, strategy_specs
-from specdec.kernels.common import outside_inference
+from specdec.verify.record import Acceptance
+from specdec.tensors import outside_inference
 
 from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
 from .kv_cache import KVCache, kv_specs
@@ -41,16 +43,6 @@ def index_tensor(cache: dict, values: list[int], device) -> torch.Tensor:
         with outside_inference():  # kept across calls
             t = cache[key] = torch.tensor(key, dtype=torch.long, device=device)
     return t
-
-
-def path_and_count(num_accepted, path, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chain `num_accepted [B]` or tree `path [B, M]` -> (path `[B, M]` -1 padded, n `[B]`)."""
-    if path is None:
-        n = torch.as_tensor(num_accepted, dtype=torch.long, device=device)
-        ar = torch.arange(T, device=device)
-        return torch.where(ar[None] < n[:, None], ar[None], -1), n
-    path = torch.as_tensor(path, dtype=torch.long, device=device)
-    return path, (path >= 0).sum(1)
 
 
 class _VerifyOps:
@@ -303,21 +295,27 @@ class HybridRunner:
     @torch.no_grad()
     def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=(),
                 slots_t: torch.Tensor | None = None) -> RunnerOutput:
-        """Verify `ids [B, T]` (chain, or tree with `parent [T] / [B, T]`) from the committed state; the
-        round stays open until `commit` / `abort`. `slots_t`: the same slots as a device tensor `[B]` (else
-        built from the list); the null slot marks a padding row."""
-        return self._forward(slots, ids, parent, False, capture, slots_t=slots_t)
+        """Verify `ids [B, T]` (a chain, or a tree: a `VerifyTree`, or `parent [T] / [B, T]`, checked here) from
+        the committed state; the round stays open until `commit` / `abort`. `slots_t`: the same slots as a device
+        tensor `[B]` (else built from the list); the null slot marks a padding row."""
+        tree = None if parent is None else VerifyTree.check(parent, *ids.shape, device=self.device)
+        return self._forward(slots, ids, tree, False, capture, slots_t=slots_t)
 
-    def commit(self, num_accepted=None, *, path=None, host_counts: list[int] | None = None) -> None:
-        """Keep the accepted tokens of the open round: `num_accepted [B]` (chain: tokens kept, anchor
-        included) or `path [B, M]` (node indices, -1 padded). Trusted (the engine validated the round's
-        inputs); device ops only. `host_counts`: the kept counts on the host where the caller has them."""
-        B, T = self.kv.slots.shape[0], self.kv.num_tokens
-        if host_counts is None and isinstance(num_accepted, (list, tuple)):
-            host_counts = [int(x) for x in num_accepted]
-        path, n = path_and_count(num_accepted, path, B, T, self.device)
-        self.state._commit(path, n)
-        self.kv.commit(path.clamp(min=0), n, host_counts=host_counts)
+    def commit(self, acc: Acceptance | list[int] | None = None, *, path=None,
+               host_counts: list[int] | None = None) -> None:
+        """Keep what the open round accepted: `acc` as an accept rule returns it (its `path [B, M]` and `num_kept
+        [B]`), taken as it is (the engine checked the round's inputs), device ops only. `host_counts`: `num_kept`
+        on the host where the caller has it (it keeps the KV cache's length bounds exact). Outside a round's rule
+        (tests, a drafter's own catch-up): `acc` a list of kept counts of a chain, or `path=[B, M]` of a tree."""
+        if not isinstance(acc, Acceptance):
+            if path is not None:
+                acc = Acceptance.along(torch.as_tensor(path, device=self.device))
+                host_counts = (acc.path >= 0).sum(1).tolist()
+            else:
+                host_counts = [int(x) for x in acc]
+                acc = Acceptance.prefix(host_counts, self.kv.num_tokens, self.device)
+        self.state._commit(acc)
+        self.kv.commit(acc, host_counts=host_counts)
 
     def abort(self) -> None:
         self.state.abort()
@@ -328,19 +326,15 @@ class HybridRunner:
         """`slots` as a device tensor, built once per distinct list (a host-to-device copy otherwise)."""
         return index_tensor(self._slot_tensors, slots, self.device)
 
-    def _forward(self, slots, ids, parent, prefill: bool, capture, chunk: _Chunk | None = None, *,
+    def _forward(self, slots, ids, tree: VerifyTree | None, prefill: bool, capture, chunk: _Chunk | None = None, *,
                  slots_t: torch.Tensor | None = None) -> RunnerOutput:
         """One forward over `ids [B, T]`; a prefill commits at once (with `chunk`: `chunk.n` tokens per row)."""
         slots_t = self.slots_tensor(slots) if slots_t is None else slots_t
         B, T = ids.shape
-        if parent is not None:
-            parent = torch.as_tensor(parent, dtype=torch.long, device=self.device)
-            # one contiguous tensor for the KV mask and every layer: what they derive from it is made once
-            parent = (parent.expand(B, -1) if parent.dim() == 1 else parent).contiguous()
-        if not prefill:
-            self.state._begin(slots_t, T, parent)
+        if not prefill:  # one tree for the KV mask and every layer: what they derive from it is made once
+            self.state._begin(slots_t, T, tree)
         try:
-            self.kv.begin(slots_t, T, parent, host_slots=list(slots))
+            self.kv.begin(slots_t, T, tree, host_slots=list(slots))
             h = self.embed(ids)
             if self._embed_scale is not None:
                 h = h * self._embed_scale
@@ -404,7 +398,7 @@ class HybridRunner:
             raise
         if prefill:  # with `chunk`, keys past a row's real tokens stay beyond its length: never visible
             n, counts = (torch.full((B,), T, device=self.device), [T] * B) if chunk is None else (chunk.n, chunk.counts)
-            self.kv.commit(torch.arange(T, device=self.device).expand(B, T), n, host_counts=counts)
+            self.kv.advance(n, host_counts=counts)
             self.state.pool.seq_len[slots_t] += n
         return RunnerOutput(logits, hidden, captured)
 

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 import specdec.verify.accept as accept_mod
-from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_tree_greedy,
-                            accept_tree_sampling, probs_from_logits)
+from specdec.kernels.tree import VerifyTree
+from specdec.verify import (SamplingParams, accept_chain_greedy, accept_chain_sampling, accept_round,
+                            accept_tree_greedy, accept_tree_sampling, probs_from_logits)
 
 N = 20_000  # independent requests per statistical test, one row each
 V = 8
@@ -136,7 +137,12 @@ def test_chain_greedy_matches_python(data):
     capped = data.draw(st.booleans(), label="num_drafts")
     nd = torch.randint(0, g + 1, (b,), generator=gen) if capped else None
 
-    n, bonus = accept_chain_greedy(drafts, logits, num_drafts=nd)
+    acc = accept_chain_greedy(drafts, logits, num_drafts=nd)
+    n, bonus = acc.num_accepted, acc.bonus
+    assert torch.equal(acc.num_kept, n + 1) and acc.path.shape == acc.tokens.shape == (b, g + 1)
+    for r in range(b):  # the record: the kept nodes 0..n, the emitted tokens (accepted drafts, then the bonus)
+        assert acc.path[r].tolist() == list(range(int(n[r]) + 1)) + [-1] * (g - int(n[r]))
+        assert acc.tokens[r, :int(n[r]) + 1].tolist() == drafts[r, :int(n[r])].tolist() + [int(bonus[r])]
     for r in range(b):
         lg = logits[r].tolist()
         limit = g if nd is None else int(nd[r])
@@ -149,8 +155,11 @@ def test_chain_greedy_matches_python(data):
     parent = torch.arange(-1, g).expand(b, g + 1).clone()
     if nd is not None:
         parent[torch.arange(g + 1) > nd[:, None]] = -1  # unproposed drafts become padding nodes
-    path, tbonus = accept_tree_greedy(tokens, parent, logits)
+    tacc = accept_tree_greedy(tokens, parent, logits)
+    path, tbonus = tacc.path, tacc.bonus
     assert torch.equal(tbonus, bonus)
+    assert torch.equal(tacc.num_accepted, n) and torch.equal(tacc.num_kept, acc.num_kept)
+    assert all(tacc.tokens[r, :int(n[r]) + 1].tolist() == acc.tokens[r, :int(n[r]) + 1].tolist() for r in range(b))
     assert torch.equal((path >= 0).sum(1) - 1, n)
 
 
@@ -172,8 +181,10 @@ def test_tree_greedy_matches_python(data):
             if par[j] >= 0 and torch.rand(1, generator=gen).item() < 0.6:
                 tokens[r, j] = logits[r, par[j]].argmax()
 
-    path, bonus = accept_tree_greedy(tokens, parent, logits)
-    fixed, fixed_bonus = accept_tree_greedy(tokens, parent, logits, validate=False)  # the engine's call: M = T
+    acc = accept_tree_greedy(tokens, parent, logits)
+    path, bonus = acc.path, acc.bonus
+    acc = accept_round(tokens, VerifyTree.check(parent, b, t), num_drafts=None, logits=logits)  # the engine's: M = T
+    fixed, fixed_bonus = acc.path, acc.bonus
     m = max(tree_depth(p) for p in parents) + 1
     assert path.shape == (b, m) and path.dtype == torch.long
     assert fixed.shape == (b, t)
@@ -192,21 +203,27 @@ def test_sampling_edge_cases():
     gen = torch.Generator().manual_seed(0)
     p = torch.randn(50, 4, 5, generator=gen).softmax(-1)
     drafts = torch.multinomial(p[:, :3].reshape(-1, 5), 1, generator=gen).view(50, 3)
-    n, _ = accept_chain_sampling(drafts, p[:, :3], p, generator=gen)
+    acc = accept_chain_sampling(drafts, p[:, :3], p, generator=gen)
+    n, _ = acc.num_accepted, acc.bonus
     assert torch.equal(n, torch.full((50,), 3))  # q == p: every draft is accepted
     zero = p.clone()
     zero[:, 0].scatter_(-1, drafts[:, :1], 0.0)  # the first draft is impossible under the target
-    n, bonus = accept_chain_sampling(drafts, p[:, :3], zero, generator=gen)
+    acc = accept_chain_sampling(drafts, p[:, :3], zero, generator=gen)
+    n, bonus = acc.num_accepted, acc.bonus
     assert torch.equal(n, torch.zeros(50, dtype=torch.long)) and not bool((bonus == drafts[:, 0]).any())
-    n, _ = accept_chain_sampling(drafts, None, p, generator=gen, num_drafts=torch.zeros(50, dtype=torch.long))
+    acc = accept_chain_sampling(drafts, None, p, generator=gen, num_drafts=torch.zeros(50, dtype=torch.long))
+    n, _ = acc.num_accepted, acc.bonus
     assert torch.equal(n, torch.zeros(50, dtype=torch.long))
     # G = 0 and a root-only tree: just the bonus
-    n, bonus = accept_chain_sampling(drafts[:, :0], None, p[:, :1], generator=gen)
+    acc = accept_chain_sampling(drafts[:, :0], None, p[:, :1], generator=gen)
+    n, bonus = acc.num_accepted, acc.bonus
     assert n.shape == (50,) and bonus.shape == (50,) and not n.any()
-    path, bonus = accept_tree_sampling(drafts[:, :1], torch.tensor([-1]), None, p[:, :1], generator=gen)
+    acc = accept_tree_sampling(drafts[:, :1], torch.tensor([-1]), None, p[:, :1], generator=gen)
+    path, bonus = acc.path, acc.bonus
     assert torch.equal(path, torch.zeros(50, 1, dtype=torch.long))
     # low-precision inputs are computed in float32
-    n, bonus = accept_chain_sampling(drafts, p[:, :3].bfloat16(), p.bfloat16(), generator=gen)
+    acc = accept_chain_sampling(drafts, p[:, :3].bfloat16(), p.bfloat16(), generator=gen)
+    n, bonus = acc.num_accepted, acc.bonus
     assert n.dtype == torch.long and bonus.dtype == torch.long
 
 
@@ -221,8 +238,10 @@ def test_chain_sampling_is_the_tree_rule_on_a_chain(deterministic, capped):
     nd = torch.randint(0, g + 1, (b,), generator=gen) if capped else None
     dp = None if deterministic else q
 
-    n, bonus = accept_chain_sampling(drafts, dp, p, generator=torch.Generator().manual_seed(11), num_drafts=nd)
-    n2, bonus2 = accept_chain_sampling(drafts, dp, p, generator=torch.Generator().manual_seed(11), num_drafts=nd)
+    acc = accept_chain_sampling(drafts, dp, p, generator=torch.Generator().manual_seed(11), num_drafts=nd)
+    n, bonus = acc.num_accepted, acc.bonus
+    acc = accept_chain_sampling(drafts, dp, p, generator=torch.Generator().manual_seed(11), num_drafts=nd)
+    n2, bonus2 = acc.num_accepted, acc.bonus
     assert torch.equal(n, n2) and torch.equal(bonus, bonus2)  # seeded runs reproduce
 
     tokens = torch.cat([torch.zeros(b, 1, dtype=torch.long), drafts], 1)
@@ -230,7 +249,8 @@ def test_chain_sampling_is_the_tree_rule_on_a_chain(deterministic, capped):
     if nd is not None:
         parent[torch.arange(g + 1) > nd[:, None]] = -1
     tq = None if deterministic else torch.cat([torch.zeros(b, 1, V), q], 1)
-    path, tbonus = accept_tree_sampling(tokens, parent, tq, p, generator=torch.Generator().manual_seed(11))
+    acc = accept_tree_sampling(tokens, parent, tq, p, generator=torch.Generator().manual_seed(11))
+    path, tbonus = acc.path, acc.bonus
     assert torch.equal((path >= 0).sum(1) - 1, n)
     assert torch.equal(tbonus, bonus)
     assert 0 < n.float().mean() < g  # both accepts and rejections happen
@@ -277,7 +297,8 @@ def run_chain(seed: int, params: SamplingParams, *, deterministic: bool, wrong_q
     drafts = torch.stack([x1, x2], 1)
     target = torch.stack([p1.expand(N, V), p2[x1], p3.expand(N, V)], 1)
     dp = None if deterministic and not wrong_q else torch.stack([q1.expand(N, V), q2[x1]], 1)
-    n, bonus = accept_chain_sampling(drafts, dp, target, generator=torch.Generator().manual_seed(seed + 1))
+    acc = accept_chain_sampling(drafts, dp, target, generator=torch.Generator().manual_seed(seed + 1))
+    n, bonus = acc.num_accepted, acc.bonus
     first = torch.where(n >= 1, x1, bonus)
     two = n >= 1
     second = torch.where(n >= 2, x2, bonus)
@@ -308,7 +329,8 @@ def run_tree(seed: int, params: SamplingParams, *, deterministic: bool, wrong_q:
     if not deterministic or wrong_q:
         dp = torch.cat([torch.zeros(N, 1, V), q1.expand(N, 3, V), q2[mid]], 1)
     gen_accept = torch.Generator().manual_seed(seed + 1)
-    path, bonus = accept_tree_sampling(tokens, TREE_PARENT, dp, target, generator=gen_accept)
+    acc = accept_tree_sampling(tokens, TREE_PARENT, dp, target, generator=gen_accept)
+    path, bonus = acc.path, acc.bonus
     assert path.shape == (N, 3)
     rows = torch.arange(N)
     tok_at = [torch.where(path[:, k] >= 0, tokens[rows, path[:, k].clamp_min(0)], bonus) for k in (1, 2)]
@@ -319,17 +341,12 @@ def run_tree(seed: int, params: SamplingParams, *, deterministic: bool, wrong_q:
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_chain_sampling_follows_target(config, deterministic):
-    stat, crit, two = run_chain(100, CONFIGS[config], deterministic=deterministic)
-    assert 0.05 < two < 0.98, f"one branch barely exercised: {two:.3f} of rows accept the first draft"
-    assert stat < crit, f"chi-square {stat:.1f} >= critical {crit:.1f}"
-
-
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_tree_sampling_follows_target(config, deterministic):
-    stat, crit, two = run_tree(200, CONFIGS[config], deterministic=deterministic)
-    assert 0.05 < two < 0.99, f"one branch barely exercised: {two:.3f} of rows accept a depth-1 node"
+@pytest.mark.parametrize("run, seed, most", [(run_chain, 100, 0.98), (run_tree, 200, 0.99)], ids=["chain", "tree"])
+def test_sampling_follows_target(config, deterministic, run, seed, most):
+    """Chains and depth-2 trees: the emitted pair of tokens follows the target (chi-square), with both branches of
+    the first step exercised (the first draft / a depth-1 node accepted, or not)."""
+    stat, crit, two = run(seed, CONFIGS[config], deterministic=deterministic)
+    assert 0.05 < two < most, f"one branch barely exercised: {two:.3f} of rows accept at depth 1"
     assert stat < crit, f"chi-square {stat:.1f} >= critical {crit:.1f}"
 
 
@@ -429,7 +446,8 @@ def test_chain_errors(case, match):
 def test_padding_drafts_beyond_num_drafts_may_hold_anything():
     drafts, q, p = _chain_inputs()
     drafts[:, 2] = -1
-    n, _ = accept_chain_greedy(drafts, p, num_drafts=torch.tensor([2, 1]))
+    acc = accept_chain_greedy(drafts, p, num_drafts=torch.tensor([2, 1]))
+    n, _ = acc.num_accepted, acc.bonus
     assert bool((n <= torch.tensor([2, 1])).all())
 
 

@@ -30,7 +30,7 @@ syncs = pytest.importorskip("syncs")  # bench/syncs.py
 
 import specdec  # noqa: E402
 from specdec.draft.eagle_drafter import DEFAULT_TREE  # noqa: E402
-from specdec.kernels.common import per_tensor  # noqa: E402
+from specdec.tensors import per_tensor  # noqa: E402
 
 BIG_TREE = dict(topk=8, num_nodes=48)  # eagle's GPU default, for the heads too
 DRAFTS = {  # id -> (drafter, options, verify window)

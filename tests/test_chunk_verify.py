@@ -17,7 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from specdec.kernels import dispatch
-from specdec.kernels.common import ancestor_mask
+from specdec.kernels.tree import ancestor_mask
 from specdec.kernels.rebuild.naive import fast_rebuild
 from specdec.kernels.recurrent import recurrent_delta_rule
 from specdec.kernels.verify.chunk import verify_delta_rule as chunk_verify

@@ -43,7 +43,7 @@ def test_rounds_follow_the_schedule(target, static):
                           static_shapes=static, draft_tokens_by_batch=SCHEDULE)
     widths = []
     inner = engine.round_step.verify_step
-    engine.round_step.verify_step = lambda step, *a, **k: (widths.append(tuple(step["ids"].shape)), inner(step, *a, **k))[1]
+    engine.round_step.verify_step = lambda step, *a, **k: (widths.append(tuple(step.ids.shape)), inner(step, *a, **k))[1]
     out = generate_f64(engine, PROMPTS, max_new_tokens=NEW)
     assert_greedy(out, target, PROMPTS, NEW)
     sizes = [rows for rows, _ in drafter.calls]

@@ -23,14 +23,16 @@ from tiny_models import (Memo, assert_greedy, exact_joint, float64_everywhere, g
                          tiny_model, torch_fallbacks)
 
 import specdec
-import specdec.round as round_mod
-from specdec.kernels.common import tree_stack_slots
+import specdec.verify.accept as accept_mod
+from specdec.kernels.tree import tree_stack_slots
 from specdec.kernels.dispatch import uses_triton
 from specdec.draft.registry import build_drafter_net, save_drafter
 from specdec.draft.eagle import Net
 from specdec.draft.eagle_drafter import EagleDrafter, make_drafter
 from specdec.runner import HybridRunner
-from specdec.verify import SamplingParams, accept_tree_sampling
+from specdec.verify import Acceptance, SamplingParams
+
+RIGHT_TREE_RULE = accept_mod._tree_sampling
 
 FAMILIES = ("kimi_linear", "qwen3_next")
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
@@ -229,20 +231,20 @@ def test_sampling_follows_target(small, setting):
     assert stat < crit, f"chi2 {stat:.1f} >= critical {crit:.1f} (df {df})"
 
 
-def _bonus_from_p(tokens, parent, draft_probs, target_probs, *, generator=None, validate=True):
+def _bonus_from_p(tokens, tree, draft_probs, target_probs, generator):
     """Wrong: the right walk down the tree, but the bonus is drawn from p at the last accepted node, ignoring
     the rejected siblings (no residual)."""
-    path, _ = accept_tree_sampling(tokens, parent, draft_probs, target_probs, generator=generator, validate=validate)
+    path = RIGHT_TREE_RULE(tokens, tree, draft_probs, target_probs, generator).path
     last = path.gather(1, ((path >= 0).sum(1) - 1)[:, None])[:, 0]
     p = target_probs[torch.arange(tokens.shape[0]), last].double()
-    return path, torch.multinomial(p, 1, generator=generator)[:, 0]
+    return Acceptance.tree(path, torch.multinomial(p, 1, generator=generator)[:, 0], tokens)
 
 
 def test_wrong_tree_rule_is_detected(small, monkeypatch):
     target, engine = small
     setting = dict(temperature=1.0)
     joint = exact_joint(target, SPROMPT, SamplingParams(do_sample=True, **setting), NEW)
-    monkeypatch.setattr(round_mod, "accept_tree_sampling", _bonus_from_p)
+    monkeypatch.setattr(accept_mod, "_tree_sampling", _bonus_from_p)  # the rule the engine's `accept_round` runs
     counts, _ = _sample_counts(engine, setting, NSAMP, seed=100)
     stat, df = chi2_gof(counts, joint)
     crit = chi2_critical(df)
@@ -262,9 +264,9 @@ def test_tree_rounds_commit_plain_decode_state(setup, strategy, commit):
     paths, snaps, ptrs = [], [], set()
     commit_fn = engine.runner.commit
 
-    def record_commit(num_accepted=None, *, path=None, **kw):
-        paths.append(None if path is None else path.clone())
-        commit_fn(num_accepted, path=path, **kw)
+    def record_commit(acc, **kw):  # the round's acceptance record, a tree round's path (the KV cache holds its tree)
+        paths.append(None if engine.runner.kv.tree is None else acc.path[:, :acc.num_kept.max()].clone())
+        commit_fn(acc, **kw)
         if strategy == "replay":
             nodes = engine.runner.state.tree_stack
             ptrs.add(None if nodes is None else nodes.data_ptr())

@@ -103,7 +103,7 @@ BAD = {
     "parent_dtype": r"parent: expected dtype torch.int64",
     "parent_not_before": r"parent: not topological",
     "parent_below_minus_1": r"parent: not topological",
-    "parent_root": r"parent: root \(node 0\) is not -1",
+    "parent_root": r"parent: not topological .*the root, node 0, -1",
     "tree_budget": r"exceeds the node budget",
     "probs_nan": r"probs: not finite",
     "probs_inf": r"probs: not finite",
@@ -351,11 +351,11 @@ def _fault_site(engine, target, point, rng, B):
     if point == "layer":  # any decoder layer, linear or attention: raise inside the forward, mid-round
         return target.model.layers[rng.randrange(len(target.model.layers))].mlp, "forward", B + 2
     if point == "accept":
-        return specdec.round, "accept_chain_greedy", 2
+        return specdec.round, "accept_round", 2
     if point == "state_commit":
         return engine.runner.state, "_commit", 2  # the runner commits through the unchecked entry
     if point == "kv_commit":  # after the state strategy committed: a half-committed round
-        return engine.runner.kv, "commit", B + 2
+        return engine.runner.kv, "advance", B + 2
     if point == "drafter_observe":
         return engine.drafter, "observe", B + 2
     if point == "streamer":

@@ -474,7 +474,7 @@ def test_kind_without_weights_is_refused_at_wrap(models, kind, monkeypatch):
     naming `drafter` and where weights come from, raised before any net, runner or cache is built."""
     target = models.target(FAMILY)
     built = []
-    for owner, name in [(specdec.engine, "make_runner"), (specdec.engine.cpu_linear, "apply"),
+    for owner, name in [(specdec.build, "make_runner"), (specdec.build.cpu_linear, "apply"),
                         (factory, "build_drafter_net"), (registry.kind_module(kind).Net, "from_target")]:
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name,

@@ -134,8 +134,9 @@ def test_verify_logits_equal_uncached_forward(family):
             ids = torch.tensor([ids])
             out = runner.forward([slot], ids)
             errs.append(max_rel_err(out.logits[0], uncached_logits(model, seq + ids[0].tolist())[L:]))
-            n, _ = accept_chain_greedy(ids[:, 1:], out.logits)
-            runner.commit(n + 1)
+            acc = accept_chain_greedy(ids[:, 1:], out.logits)
+            n = acc.num_accepted
+            runner.commit(acc)
             seq += ids[0, :int(n) + 1].tolist()
             committed.append(int(n) + 1)
             assert runner.length(slot) == len(seq)
@@ -150,7 +151,7 @@ def test_greedy_identity(family, drafter, monkeypatch):
     model = tiny(family)
     # the generic runner for every family, those with a hybrid adapter too (tests/test_mamba2_adapters.py and
     # the adapter tests run those on the hybrid runner)
-    monkeypatch.setattr(specdec.engine, "make_runner", GenericRunner)
+    monkeypatch.setattr(specdec.build, "make_runner", GenericRunner)
     kw = dict(draft_model=noisy_draft(family)) if drafter == "model" else {}
     engine = specdec.wrap(model, drafter=drafter, num_draft_tokens=GAMMA, max_batch_size=1, **kw)
     assert type(engine.runner).__name__ == "GenericRunner"

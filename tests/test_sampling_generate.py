@@ -20,8 +20,10 @@ from assertions import chi2_critical, chi2_gof, count_samples
 from tiny_models import exact_joint, tiny_model
 
 import specdec
-import specdec.round as round_mod
-from specdec.verify import SamplingParams, accept_chain_sampling
+import specdec.verify.accept as accept_mod
+from specdec.verify import Acceptance, SamplingParams
+
+RIGHT_CHAIN_RULE = accept_mod._chain_sampling
 
 FAMILY = "qwen3_5"
 V = 8
@@ -153,19 +155,18 @@ def _p_at(target_probs: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return target_probs[torch.arange(n.shape[0]), n]
 
 
-def accept_every_draft(draft_tokens, draft_probs, target_probs, *, generator=None, num_drafts=None, validate=True):
+def accept_every_draft(drafts, draft_probs, target_probs, generator, num_drafts):
     """Wrong: emits every draft (the draft model's own distribution), bonus from p after them."""
-    n = torch.full((draft_tokens.shape[0],), draft_tokens.shape[1], dtype=torch.long) if num_drafts is None \
-        else num_drafts.long()
-    return n, torch.multinomial(_p_at(target_probs, n).double(), 1, generator=generator).squeeze(1)
+    n = torch.full((drafts.shape[0],), drafts.shape[1], dtype=torch.long) if num_drafts is None else num_drafts.long()
+    return Acceptance.chain(n, torch.multinomial(_p_at(target_probs, n).double(), 1, generator=generator).squeeze(1),
+                            drafts)
 
 
-def bonus_without_residual(draft_tokens, draft_probs, target_probs, *, generator=None, num_drafts=None,
-                           validate=True):
+def bonus_without_residual(drafts, draft_probs, target_probs, generator, num_drafts):
     """Wrong: the right accept test, but after a rejection the bonus is drawn from p, not norm(max(0, p - q))."""
-    n, _ = accept_chain_sampling(draft_tokens, draft_probs, target_probs, generator=generator,
-                                 num_drafts=num_drafts, validate=validate)
-    return n, torch.multinomial(_p_at(target_probs, n).double(), 1, generator=generator).squeeze(1)
+    n = RIGHT_CHAIN_RULE(drafts, draft_probs, target_probs, generator, num_drafts).num_accepted
+    return Acceptance.chain(n, torch.multinomial(_p_at(target_probs, n).double(), 1, generator=generator).squeeze(1),
+                            drafts)
 
 
 @pytest.mark.parametrize("drafter, wrong, n", [
@@ -176,7 +177,7 @@ def bonus_without_residual(draft_tokens, draft_probs, target_probs, *, generator
 def test_wrong_acceptance_is_detected(engines, target, monkeypatch, drafter, wrong, n):
     params = SETTINGS["temperature=1"]
     joint = exact_joint(target, PROMPT, SamplingParams(do_sample=True, **params), NEW)
-    monkeypatch.setattr(round_mod, "accept_chain_sampling", wrong)
+    monkeypatch.setattr(accept_mod, "_chain_sampling", wrong)  # the rule the engine's `accept_round` runs
     counts, _ = sample_counts(engines[drafter], params, n, seed=7000)
     stat, df, crit = gof(counts, joint)
     print(f"{drafter} {wrong.__name__}: chi2 {stat:.1f} df {df} critical {crit:.1f}")

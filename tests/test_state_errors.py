@@ -78,7 +78,7 @@ def test_round_errors_leave_state_untouched(name):
         strat.begin([1, 1])
     with pytest.raises(ValueError, match=r"num_tokens: expected 1 <= T <= D=4, got 5"):
         strat.begin([0, 1], num_tokens=5)
-    with pytest.raises(ValueError, match=r"parent: expected -1 <= parent\[i\] < i"):
+    with pytest.raises(ValueError, match=r"parent: not topological; expected -1 <= parent\[i\] < i"):
         strat.begin([0, 1], parent=[-1, 1, 0, 0])
     with pytest.raises(RuntimeError, match="no open round"):
         strat.mix(0, *qkv(0))

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from state_harness import Harness, check_verify_value, first_record, rel_tol
 
-from specdec.kernels.common import tree_stack_slots
+from specdec.kernels.tree import tree_stack_slots
 from specdec.replayssm import StateConfig
 
 

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 import specdec
 from specdec.draft.factory import TRAINED_KINDS
 from specdec.config import SpecConfig
-from specdec.engine import _buckets
+from specdec.build import _buckets
 from specdec.kernels import dispatch
 
 GAMMA = 4
@@ -84,7 +84,7 @@ def _record(engine, monkeypatch) -> dict[str, list]:
                     out = _inner(step, *a, **k)
                 finally:
                     current.pop()
-            rec[_name].append((step["ids"].shape[0], mode.ops))
+            rec[_name].append((step.ids.shape[0], mode.ops))
             return out
 
         setattr(engine.round_step, name[1:], wrapped)
@@ -145,7 +145,7 @@ def test_plain_decoding_static(targets, drafter):
     inner = plain.round_step.verify_step
 
     def verify(step, *a, **k):
-        shapes.append(tuple(step["ids"].shape))
+        shapes.append(tuple(step.ids.shape))
         return inner(step, *a, **k)
 
     plain.round_step.verify_step = verify

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import test_triton_kernels as ttk
 from test_triton_kernels import NULL, SLOTS, check_values, nan, to, verify_case
 
-from specdec.kernels.common import tree_schedule, tree_stack_slots
+from specdec.kernels.tree import tree_schedule, tree_stack_slots
 from specdec.kernels.verify import triton as tverify
 from specdec.kernels.verify.naive import verify_delta_rule as ref_verify_delta_rule
 

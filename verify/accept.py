@@ -21,9 +21,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..kernels.common import ancestor_mask
+from ..kernels.tree import VerifyTree
+from .record import Acceptance
 
-__all__ = ["accept_chain_greedy", "accept_chain_sampling", "accept_tree_greedy", "accept_tree_sampling"]
+__all__ = ["accept_chain_greedy", "accept_chain_sampling", "accept_tree_greedy", "accept_tree_sampling",
+           "accept_round"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -91,34 +93,22 @@ def _check_chain(draft_tokens: Tensor, target: Tensor, target_name: str, draft_p
     return b, g, v
 
 
-def _check_tree(tokens: Tensor, parent: Tensor, target: Tensor, target_name: str,
-                draft_probs: Tensor | None) -> tuple[int, int, int, Tensor]:
-    """Validate tree inputs; return `(B, T, V, parent [B, T] int64)`."""
+def _check_tree(tokens: Tensor, parent, target: Tensor, target_name: str,
+                draft_probs: Tensor | None) -> tuple[int, int, int, VerifyTree]:
+    """Validate tree inputs; return `(B, T, V, tree)`."""
     if not is_int_tensor(tokens) or tokens.dim() != 2 or tokens.shape[1] < 1:
         raise ValueError(f"tokens: expected an integer tensor [B, T] with T >= 1, got {_describe(tokens)}")
     b, t = tokens.shape
-    if not is_int_tensor(parent) or tuple(parent.shape) not in ((t,), (b, t)):
-        raise ValueError(f"parent: expected an integer tensor [T] = [{t}] or [B, T] = [{b}, {t}], "
-                         f"got {_describe(parent)}")
     v = _check_scores(target_name, target, (b, t), "[B, T, V]")
     device = target.device
     _check_device("tokens", tokens, device)
-    _check_device("parent", parent, device)
+    if isinstance(parent, Tensor):
+        _check_device("parent", parent, device)
+    tree = VerifyTree.check(parent, b, t)
     if draft_probs is not None:
         _check_probs("draft_probs", draft_probs, (b, t, v), "[B, T, V]", device)
-    per_row = parent.dim() == 2
-    parent = parent.long().expand(b, t)
-    if bool((parent[:, 0] != -1).any()):
-        raise ValueError(f"parent: node 0 is the root and must have parent -1, got {parent[:, 0].tolist()}")
-    idx = torch.arange(t, device=device)
-    bad = (parent < -1) | (parent >= idx)
-    if bool(bad.any()):
-        row, node = (int(i) for i in bad.nonzero()[0])
-        raise ValueError("parent: not topological; expected -1 <= parent[i] < i for every node i (-1 marks the "
-                         f"root or an unused padding node), got parent[{node}] = {int(parent[row, node])}"
-                         + (f" in row {row}" if per_row else ""))
-    _check_tokens_in_vocab("tokens", tokens, (parent >= 0), v)
-    return b, t, v, parent
+    _check_tokens_in_vocab("tokens", tokens, (tree.parent >= 0), v)
+    return b, t, v, tree
 
 
 def _check_generator(generator: object) -> None:
@@ -175,107 +165,73 @@ def _prefix_len(ok: Tensor, num_drafts: Tensor | None) -> Tensor:
     return ok.long().cumprod(1).sum(1)
 
 
-def _first_match_path(parent: Tensor, ok: Tensor, *, trim: bool = True) -> tuple[Tensor, Tensor]:
+def _first_match_path(tree: VerifyTree, ok: Tensor) -> tuple[Tensor, Tensor]:
     """The greedy walk of `_walk_tree` without a loop over the nodes: from the root, move to the first child (in
     index order) that would be accepted, until there is none.
 
-    `parent` `[B, T]` (topological, -1 = root / padding); `ok` `[B, T]` bool: node `j` is accepted when its
-    parent is the current node. A node is on the path iff it and each of its ancestors below the root is its
-    parent's first acceptable child, so the path is read off the ancestor mask. Same results as `_walk_tree`.
+    `ok` `[B, T]` bool: node `j` is accepted when its parent is the current node. A node is on the path iff it and
+    each of its ancestors below the root is its parent's first acceptable child, so the path is read off the
+    ancestor mask. Same results as `_walk_tree`: `path [B, T]` (-1 padded) and the last accepted node `[B]`.
     """
+    parent = tree.parent
     b, t = parent.shape
     idx = torch.arange(t, device=parent.device)
     ok = ok & (parent >= 0)  # padding nodes (parent -1 past the root) are never taken
     earlier_sibling = (parent[:, :, None] == parent[:, None, :]) & (idx[None, :] < idx[:, None])  # [B, j, k]: k < j
     first = ok & ~(earlier_sibling & ok[:, None, :]).any(-1)
     first[:, 0] = True  # the root
-    anc = ancestor_mask(parent)  # [B, node, ancestor-or-self]
-    on = ~(anc & ~first[:, None, :]).any(-1)  # [B, T]: every node from the root down to it taken
+    on = ~(tree.ancestors() & ~first[:, None, :]).any(-1)  # [B, T]: every node from the root down to it taken
     cur = torch.where(on, idx, 0).amax(1)  # the deepest node on the path has the largest index
     path = torch.where(on, idx, t).sort(1).values
-    path = path.masked_fill(path == t, -1)
-    if not trim:
-        return path, cur
-    m = int(anc.sum(-1).max()) if b > 0 else 1  # tree depth + 1
-    return path[:, :m].contiguous(), cur
+    return path.masked_fill(path == t, -1), cur
 
 
-def _walk_tree(parent: Tensor, try_child: Callable[[int, Tensor, Tensor], Tensor], *,
-               trim: bool = True) -> tuple[Tensor, Tensor]:
+def _walk_tree(parent: Tensor, try_child: Callable[[int, Tensor, Tensor], Tensor]) -> Tensor:
     """Walk every row of a tree from the root, trying children in index order.
 
     `parent` `[B, T]` (topological, -1 = root / padding). `try_child(j, m, cur)` gets node `j`, the
     rows `m` `[B]` whose current node is `j`'s parent and the current nodes `cur` `[B]`, and returns
     the rows `[B]` (a subset of `m`) that accept `j`. Since `parent[j] < j`, a node's children all
     come after it, so one pass over `j` tries each current node's children in index order.
-    Returns `path` `[B, M]` (node indices root..last accepted, -1 padded; `M` = tree depth + 1) and the
-    last accepted node `[B]`. `trim=False` keeps `M = T` (no host read of the depth).
+    Returns `path` `[B, T]` (node indices root..last accepted, -1 padded).
     """
     b, t = parent.shape
     device = parent.device
     rows = torch.arange(b, device=device)
     cur = torch.zeros(b, dtype=torch.long, device=device)
     steps = torch.zeros(b, dtype=torch.long, device=device)
-    depth = torch.zeros(b, t, dtype=torch.long, device=device)
     path = torch.full((b, t), -1, dtype=torch.long, device=device)
     path[:, 0] = 0
     for j in range(1, t):
-        par = parent[:, j]
-        depth[:, j] = torch.where(par >= 0, depth.gather(1, par.clamp_min(0)[:, None]).squeeze(1) + 1, 0)
-        acc = try_child(j, par == cur, cur)
+        acc = try_child(j, parent[:, j] == cur, cur)
         cur = torch.where(acc, j, cur)
         steps = steps + acc.long()
         path[rows, steps] = torch.where(acc, j, path[rows, steps])
-    if not trim:
-        return path, cur
-    m = int(depth.max()) + 1 if b > 0 else 1
-    return path[:, :m].contiguous(), cur
+    return path
+
+
+def _trimmed(acc: Acceptance, tree: VerifyTree) -> Acceptance:
+    """A public tree rule's record: `path` and `tokens` cut to the tree's depth + 1 columns (one host read)."""
+    return acc.trimmed(int(tree.depth().max()) + 1 if tree.B > 0 else 1)
 
 
 # ----------------------------------------------------------------------------------------------
-# chains
+# the rules (inputs taken as checked: the public functions below check them, the engine's round checked its
+# draft block once with `check_block`)
 
 
-def accept_chain_greedy(draft_tokens: Tensor, target_logits: Tensor, *,
-                        num_drafts: Tensor | None = None, validate: bool = True) -> tuple[Tensor, Tensor]:
-    """Greedy acceptance of a draft chain.
-
-    `draft_tokens` `[B, G]`; `target_logits` `[B, G+1, V]`, position `i` = the target's scores for the
-    token after the anchor and drafts `0..i-1`. `num_drafts` `[B]` (optional, values in 0..G): row `b`
-    proposed only its first `num_drafts[b]` drafts (the rest is padding and never accepted).
-    Returns `num_accepted` `[B]` int64 (drafts accepted, 0..G) and `bonus` `[B]` int64: the target's
-    argmax at the first mismatch, or at the position after the last accepted draft.
-    `validate=False` skips the argument checks (a caller that validated the block once, like the engine:
-    then nothing here reads a value back to the host).
-    """
-    if validate:
-        _check_chain(draft_tokens, target_logits, "target_logits", None, num_drafts)
-    best = target_logits.argmax(-1)
-    n = _prefix_len(draft_tokens.long() == best[:, :-1], num_drafts)
-    return n, best.gather(1, n[:, None]).squeeze(1)
+def _chain_greedy(drafts: Tensor, logits: Tensor, num_drafts: Tensor | None) -> Acceptance:
+    best = logits.argmax(-1)
+    n = _prefix_len(drafts.long() == best[:, :-1], num_drafts)
+    return Acceptance.chain(n, best.gather(1, n[:, None]).squeeze(1), drafts)
 
 
-def accept_chain_sampling(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, *,
-                          generator: torch.Generator | None = None,
-                          num_drafts: Tensor | None = None, validate: bool = True) -> tuple[Tensor, Tensor]:
-    """Speculative-sampling acceptance of a draft chain (lossless: emitted tokens follow `p`).
-
-    `draft_tokens` `[B, G]`, draft `i` drawn from `draft_probs[:, i]` `[B, G, V]` (None = deterministic
-    drafts, `q` one-hot at the draft token); `target_probs` `[B, G+1, V]`, position `i` = the target's
-    distribution after the anchor and drafts `0..i-1` (use `probs_from_logits` on both sides).
-    `num_drafts` `[B]` as in `accept_chain_greedy`. Every random draw uses `generator`.
-    Returns `num_accepted` `[B]` int64 (0..G) and `bonus` `[B]` int64: drawn from the residual
-    `norm(max(0, p - q))` at the first rejection, or from `p` after the last proposed draft.
-    `validate` as in `accept_chain_greedy`.
-    """
-    if validate:
-        b, g, v = _check_chain(draft_tokens, target_probs, "target_probs", draft_probs, num_drafts)
-        _check_generator(generator)
-    else:
-        (b, g), v = draft_tokens.shape, target_probs.shape[-1]
+def _chain_sampling(drafts: Tensor, draft_probs: Tensor | None, target_probs: Tensor,
+                    generator: torch.Generator | None, num_drafts: Tensor | None) -> Acceptance:
+    (b, g), v = drafts.shape, target_probs.shape[-1]
     dtype = _work_dtype(target_probs, draft_probs)
     p = target_probs.to(dtype)
-    x = draft_tokens.long()
+    x = drafts.long()
     u = torch.rand((b, g), generator=generator, dtype=dtype, device=p.device)
     p_x = p[:, :g].gather(-1, x.clamp(0, v - 1)[..., None]).squeeze(-1)
     if draft_probs is None:
@@ -285,65 +241,26 @@ def accept_chain_sampling(draft_tokens: Tensor, draft_probs: Tensor | None, targ
     n = _prefix_len(_accept(u, p_x, q_x), num_drafts)
     p_n = p.gather(1, n[:, None, None].expand(b, 1, v)).squeeze(1)
     if g == 0:
-        return n, _sample(p_n, generator)
+        return Acceptance.chain(n, _sample(p_n, generator), drafts)
     proposed = torch.full_like(n, g) if num_drafts is None else num_drafts.long()
     rejected = n < proposed
     at = n.clamp(max=g - 1)
     q_rows = None if draft_probs is None else draft_probs.gather(1, at[:, None, None].expand(b, 1, v)).squeeze(1)
     q_n = _draft_dist(q_rows, x.gather(1, at[:, None]).squeeze(1), v, dtype)
     dist = torch.where(rejected[:, None], _residual(p_n, q_n), p_n)
-    return n, _sample(dist, generator)
+    return Acceptance.chain(n, _sample(dist, generator), drafts)
 
 
-# ----------------------------------------------------------------------------------------------
-# trees
+def _tree_greedy(tokens: Tensor, tree: VerifyTree, logits: Tensor) -> Acceptance:
+    best = logits.argmax(-1)
+    ok = tokens.long() == best.gather(1, tree.parent.clamp(min=0))  # node j's token is the argmax at its parent
+    path, cur = _first_match_path(tree, ok)
+    return Acceptance.tree(path, best.gather(1, cur[:, None]).squeeze(1), tokens)
 
 
-def accept_tree_greedy(tokens: Tensor, parent: Tensor, target_logits: Tensor, *,
-                       validate: bool = True) -> tuple[Tensor, Tensor]:
-    """Greedy acceptance of a draft tree.
-
-    `tokens` `[B, T]` (node 0 = root / anchor); `parent` `[T]` or `[B, T]` int, `parent[0] = -1`,
-    `-1 <= parent[i] < i` (-1 at `i > 0` marks an unused padding node); `target_logits` `[B, T, V]`,
-    node `i` = the target's scores after the path root..i.
-    From the root, move to the first child (in index order) whose token is the target's argmax at the
-    current node; stop when there is none.
-    Returns `path` `[B, M]` int64 (node indices root..last accepted, -1 padded, `M` = tree depth + 1)
-    and `bonus` `[B]` int64 (the argmax at the last accepted node). With `validate=False` (no argument
-    checks, nothing read back to the host) `M = T`.
-    """
-    if validate:
-        _, _, _, parent = _check_tree(tokens, parent, target_logits, "target_logits", None)
-    else:
-        parent = parent.long().expand(tokens.shape[0], -1)
-    best = target_logits.argmax(-1)
-    tok = tokens.long()
-
-    ok = tok == best.gather(1, parent.clamp(min=0))  # node j's token is the argmax at its parent
-    path, cur = _first_match_path(parent, ok, trim=validate)
-    return path, best.gather(1, cur[:, None]).squeeze(1)
-
-
-def accept_tree_sampling(tokens: Tensor, parent: Tensor, draft_probs: Tensor | None, target_probs: Tensor, *,
-                         generator: torch.Generator | None = None, validate: bool = True) -> tuple[Tensor, Tensor]:
-    """Speculative-sampling acceptance of a draft tree by recursive rejection over siblings.
-
-    `tokens` `[B, T]` and `parent` `[T]` or `[B, T]` as in `accept_tree_greedy`; node `j`'s token was
-    drawn from `draft_probs[:, j]` `[B, T, V]` (row 0 unused; None = deterministic drafts, one-hot `q`);
-    `target_probs` `[B, T, V]`, node `i` = the target's distribution after the path root..i.
-    At the current node, children are tried in index order: child `j` is accepted with probability
-    `min(1, p(x_j) / q_j(x_j))`; on rejection `p <- norm(max(0, p - q_j))` and the next child is tried
-    against that. An accepted child becomes the current node with `p` = its target distribution; when
-    no child is left the bonus is drawn from the current `p` (the residual if children were rejected).
-    Every random draw uses `generator`. Returns `path` `[B, M]` int64 (root..last accepted, -1 padded)
-    and `bonus` `[B]` int64. `validate` as in `accept_tree_greedy`.
-    """
-    if validate:
-        b, t, v, parent = _check_tree(tokens, parent, target_probs, "target_probs", draft_probs)
-        _check_generator(generator)
-    else:
-        (b, t), v = tokens.shape, target_probs.shape[-1]
-        parent = parent.long().expand(b, -1)
+def _tree_sampling(tokens: Tensor, tree: VerifyTree, draft_probs: Tensor | None, target_probs: Tensor,
+                   generator: torch.Generator | None) -> Acceptance:
+    (b, t), v = tokens.shape, target_probs.shape[-1]
     dtype = _work_dtype(target_probs, draft_probs)
     p = target_probs.to(dtype)
     tok = tokens.long()
@@ -359,5 +276,92 @@ def accept_tree_sampling(tokens: Tensor, parent: Tensor, draft_probs: Tensor | N
         p_cur = torch.where(acc[:, None], p[:, j], torch.where(rej[:, None], _residual(p_cur, q_j), p_cur))
         return acc
 
-    path, _ = _walk_tree(parent, try_child, trim=validate)
-    return path, _sample(p_cur, generator)
+    path = _walk_tree(tree.parent, try_child)
+    return Acceptance.tree(path, _sample(p_cur, generator), tokens)
+
+
+def accept_round(ids: Tensor, tree: VerifyTree | None, *, num_drafts: Tensor, logits: Tensor | None = None,
+                 draft_probs: Tensor | None = None, target_probs: Tensor | None = None,
+                 generator: torch.Generator | None = None) -> Acceptance:
+    """A verified round's rule, on inputs checked once upstream (the engine's `check_block`, or a static draft
+    step's device-built tree): greedy with `logits [B, T, V]`, else sampling with `target_probs [B, T, V]`.
+
+    `ids [B, T]` = `[anchor, drafts]`; `tree` None for a chain (its `num_drafts [B]` proposed), else the round's
+    tree; `draft_probs` `[B, T - 1, V]` (a draft's distribution; None: deterministic drafts). Device ops only,
+    nothing read back: the record's `path` keeps `M = T` columns."""
+    if tree is None:
+        if logits is not None:
+            return _chain_greedy(ids[:, 1:], logits, num_drafts)
+        return _chain_sampling(ids[:, 1:], draft_probs, target_probs, generator, num_drafts)
+    if logits is not None:
+        return _tree_greedy(ids, tree, logits)
+    q = None if draft_probs is None else torch.cat([torch.zeros_like(draft_probs[:, :1]), draft_probs], 1)
+    return _tree_sampling(ids, tree, q, target_probs, generator)
+
+
+# ----------------------------------------------------------------------------------------------
+# the public rules: inputs checked (one ValueError naming the argument), then the rule
+
+
+def accept_chain_greedy(draft_tokens: Tensor, target_logits: Tensor, *,
+                        num_drafts: Tensor | None = None) -> Acceptance:
+    """Greedy acceptance of a draft chain.
+
+    `draft_tokens` `[B, G]`; `target_logits` `[B, G+1, V]`, position `i` = the target's scores for the
+    token after the anchor and drafts `0..i-1`. `num_drafts` `[B]` (optional, values in 0..G): row `b`
+    proposed only its first `num_drafts[b]` drafts (the rest is padding and never accepted).
+    Returns an `Acceptance`: `num_accepted` `[B]` (drafts accepted, 0..G), `bonus` `[B]` the target's argmax at
+    the first mismatch or after the last accepted draft, `path` / `tokens` `[B, G+1]`.
+    """
+    _check_chain(draft_tokens, target_logits, "target_logits", None, num_drafts)
+    return _chain_greedy(draft_tokens, target_logits, num_drafts)
+
+
+def accept_chain_sampling(draft_tokens: Tensor, draft_probs: Tensor | None, target_probs: Tensor, *,
+                          generator: torch.Generator | None = None,
+                          num_drafts: Tensor | None = None) -> Acceptance:
+    """Speculative-sampling acceptance of a draft chain (lossless: emitted tokens follow `p`).
+
+    `draft_tokens` `[B, G]`, draft `i` drawn from `draft_probs[:, i]` `[B, G, V]` (None = deterministic
+    drafts, `q` one-hot at the draft token); `target_probs` `[B, G+1, V]`, position `i` = the target's
+    distribution after the anchor and drafts `0..i-1` (use `probs_from_logits` on both sides).
+    `num_drafts` `[B]` as in `accept_chain_greedy`. Every random draw uses `generator`.
+    Returns an `Acceptance` as `accept_chain_greedy`'s; its `bonus` is drawn from the residual
+    `norm(max(0, p - q))` at the first rejection, or from `p` after the last proposed draft.
+    """
+    _check_chain(draft_tokens, target_probs, "target_probs", draft_probs, num_drafts)
+    _check_generator(generator)
+    return _chain_sampling(draft_tokens, draft_probs, target_probs, generator, num_drafts)
+
+
+def accept_tree_greedy(tokens: Tensor, parent: Tensor | VerifyTree, target_logits: Tensor) -> Acceptance:
+    """Greedy acceptance of a draft tree.
+
+    `tokens` `[B, T]` (node 0 = root / anchor); `parent` `[T]` or `[B, T]` int (or a `VerifyTree`),
+    `parent[0] = -1`, `-1 <= parent[i] < i` (-1 at `i > 0` marks an unused padding node); `target_logits`
+    `[B, T, V]`, node `i` = the target's scores after the path root..i.
+    From the root, move to the first child (in index order) whose token is the target's argmax at the
+    current node; stop when there is none.
+    Returns an `Acceptance`: `path` `[B, M]` (node indices root..last accepted, -1 padded, `M` = tree depth + 1),
+    `bonus` `[B]` (the argmax at the last accepted node), `num_accepted`, `tokens`.
+    """
+    _, _, _, tree = _check_tree(tokens, parent, target_logits, "target_logits", None)
+    return _trimmed(_tree_greedy(tokens, tree, target_logits), tree)
+
+
+def accept_tree_sampling(tokens: Tensor, parent: Tensor | VerifyTree, draft_probs: Tensor | None,
+                         target_probs: Tensor, *, generator: torch.Generator | None = None) -> Acceptance:
+    """Speculative-sampling acceptance of a draft tree by recursive rejection over siblings.
+
+    `tokens` `[B, T]` and `parent` as in `accept_tree_greedy`; node `j`'s token was
+    drawn from `draft_probs[:, j]` `[B, T, V]` (row 0 unused; None = deterministic drafts, one-hot `q`);
+    `target_probs` `[B, T, V]`, node `i` = the target's distribution after the path root..i.
+    At the current node, children are tried in index order: child `j` is accepted with probability
+    `min(1, p(x_j) / q_j(x_j))`; on rejection `p <- norm(max(0, p - q_j))` and the next child is tried
+    against that. An accepted child becomes the current node with `p` = its target distribution; when
+    no child is left the bonus is drawn from the current `p` (the residual if children were rejected).
+    Every random draw uses `generator`. Returns an `Acceptance` as `accept_tree_greedy`'s.
+    """
+    _, _, _, tree = _check_tree(tokens, parent, target_probs, "target_probs", draft_probs)
+    _check_generator(generator)
+    return _trimmed(_tree_sampling(tokens, tree, draft_probs, target_probs, generator), tree)

@@ -1,21 +1,25 @@
 """Triton exact fold: all layers of all requests in one launch, fp32, the verify kernel's own step; the conv
 windows of the same rows are rebuilt from their input records by extra programs of that launch.
 
-Same signature and semantics as `kernels/fold/naive.py`. The step, norm and gate come from
-`kernels/triton_utils.py`, shared with the verify kernel, so on one device the fold of n records gives
-bit for bit the state of n verify steps.
+Same arguments and semantics as `kernels/fold/naive.py` (its signature is the op's one). The step, norm and gate
+come from `kernels/triton_utils.py`, shared with the verify kernel, so on one device the fold of n records gives bit
+for bit the state of n verify steps.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import torch
 import triton
 import triton.language as tl
 
 from ..scatter.triton import conv_commit_tile
-from ..triton_utils import cast_to, check_float, delta_step, gate_params, load_gate, prepare_k, state_blocks
-from ..common import check_gate_params, check_rule
+from ..triton_utils import (cast_to, check_float, delta_step, gate_params, load_gate, prepare_k, state_blocks,
+                           state_tile)
+from ..common import check_gate_params, check_rule, keyword_options
 from .naive import check_fold_args
+from .naive import exact_fold as reference_fold
 
 
 @triton.jit
@@ -57,11 +61,7 @@ def _exact_fold_kernel(
     start = 0
     if HAS_START:
         start = tl.load(ring_start + r).to(tl.int64)
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
+    offs_k, offs_v, mask_k, mask_v, mask_kv = state_tile(K, V, BK, BV)
     st_off = lyr * s_sl + s * s_sn + i_h * s_sh
     kv_off = offs_k[:, None] * s_sk + offs_v[None, :] * s_sv
     S = tl.load(state + st_off + kv_off, mask=mask_kv, other=0.0).to(tl.float32)
@@ -103,14 +103,8 @@ def _exact_fold_kernel(
 
 def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torch.Tensor, ring_g: torch.Tensor,
                ring_beta: torch.Tensor, ssm_state_indices: torch.Tensor, ring_start: torch.Tensor | None,
-               num_tokens: torch.Tensor, *, offsets: torch.Tensor | None = None,
-               ring_indices: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-               track_interval: int | None = None, track_states: torch.Tensor | None = None,
-               conv_state: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
-               conv_path: torch.Tensor | None = None, conv_count: torch.Tensor | None = None,
-               A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-               eps: float = 1e-6, norm: str = "rsqrt", null_slot: int = -1, rule: str = "delta") -> None:
-    """Fold accepted records into the checkpoints of every layer, in place (see `naive.exact_fold`).
+               num_tokens: torch.Tensor, **options) -> None:
+    """`naive.exact_fold` (the same arguments and keyword options, checked as there) in one launch.
 
     One launch over (layer x request, head + conv channel block, V block); per program the K x BV state tile
     stays in registers while the records are stepped through in plain-decode op order. `rule="mamba2"`: the
@@ -118,13 +112,14 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
     `[Lyr, H]`, `dt_bias` `[Lyr, H, K]`: ring_g holds the KDA gate's input and each step computes the gate as the
     verify kernel does (`triton_utils.kda_gate`).
     """
-    check_rule(rule)
-    check_float("exact_fold", ssm_state, ring_rawv, ring_rawk, ring_g, ring_beta, track_states, conv_state,
-                conv_inputs)
-    if norm not in ("rsqrt", "sqrt_div"):
-        raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
-    check_fold_args(ssm_state, ring_beta, ssm_state_indices, num_tokens, ring_indices, conv_state, conv_inputs,
-                    conv_count)
+    o = SimpleNamespace(**keyword_options(reference_fold, options))
+    check_rule(o.rule)
+    check_float("exact_fold", ssm_state, ring_rawv, ring_rawk, ring_g, ring_beta, o.track_states, o.conv_state,
+                o.conv_inputs)
+    if o.norm not in ("rsqrt", "sqrt_div"):
+        raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {o.norm!r}")
+    check_fold_args(ssm_state, ring_beta, ssm_state_indices, num_tokens, o.ring_indices, o.conv_state,
+                    o.conv_inputs, o.conv_count)
     Lyr, N, H, K, V = ssm_state.shape
     R, L = ring_beta.shape[1], ring_beta.shape[3]
     if ring_start is not None and L & (L - 1):
@@ -134,46 +129,46 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
                          f"got {list(ring_rawv.shape)} / {list(ring_rawk.shape)}")
     if ring_g.shape[:4] != (Lyr, R, H, L) or ring_g.dim() != 5 or ring_g.shape[4] not in (1, K):
         raise ValueError(f"ring_g: expected [{Lyr}, {R}, {H}, {L}, {K} or 1], got {list(ring_g.shape)}")
-    gate_in = check_gate_params(A_log, dt_bias, (Lyr,), H, K, ring_g)
+    gate_in = check_gate_params(o.A_log, o.dt_bias, (Lyr,), H, K, ring_g)
     B = ssm_state_indices.shape[0]
     if B == 0 or Lyr == 0:
         return
-    has_track = track_interval is not None and seq_lens is not None
+    has_track = o.track_interval is not None and o.seq_lens is not None
     if has_track:
-        if track_states is None or track_states.shape != (Lyr, N, 2, H, K, V):
+        if o.track_states is None or o.track_states.shape != (Lyr, N, 2, H, K, V):
             raise ValueError(f"track_states: expected [{Lyr}, {N}, 2, {H}, {K}, {V}] with track_interval, got "
-                             f"{None if track_states is None else list(track_states.shape)}")
-    has_off = offsets is not None
-    if has_off and (offsets.dim() != 2 or offsets.shape[0] < B):
-        raise ValueError(f"offsets: expected [>={B}, M], got {list(offsets.shape)}")
-    has_conv = conv_state is not None
-    cpath = offsets if conv_path is None else conv_path
+                             f"{None if o.track_states is None else list(o.track_states.shape)}")
+    has_off = o.offsets is not None
+    if has_off and (o.offsets.dim() != 2 or o.offsets.shape[0] < B):
+        raise ValueError(f"offsets: expected [>={B}, M], got {list(o.offsets.shape)}")
+    has_conv = o.conv_state is not None
+    cpath = o.offsets if o.conv_path is None else o.conv_path
     if has_conv and cpath is not None and (cpath.dim() != 2 or cpath.shape[0] < B):
         raise ValueError(f"conv_path: expected [>={B}, M], got {list(cpath.shape)}")
-    C, W = (conv_state.shape[2], conv_state.shape[3]) if has_conv else (0, 0)
+    C, W = (o.conv_state.shape[2], o.conv_state.shape[3]) if has_conv else (0, 0)
     BC = min(triton.next_power_of_2(max(C, 1)), 256)
     BK, BV, num_warps = state_blocks(K, V)
-    off_t = offsets if has_off else num_tokens
-    tr = track_states if has_track else ssm_state
-    sl = seq_lens if has_track else num_tokens
+    off_t = o.offsets if has_off else num_tokens
+    tr = o.track_states if has_track else ssm_state
+    sl = o.seq_lens if has_track else num_tokens
     grid = (Lyr * B, H + (triton.cdiv(C, BC) if has_conv else 0), triton.cdiv(V, BV))
     _exact_fold_kernel[grid](
         ssm_state, ring_rawv, ring_rawk, ring_g, ring_beta, ssm_state_indices,
-        ssm_state_indices if ring_indices is None else ring_indices,
+        ssm_state_indices if o.ring_indices is None else o.ring_indices,
         num_tokens if ring_start is None else ring_start, num_tokens, off_t, sl, tr,
-        conv_state if has_conv else ssm_state, conv_inputs if has_conv else ssm_state,
+        o.conv_state if has_conv else ssm_state, o.conv_inputs if has_conv else ssm_state,
         cpath if (has_conv and cpath is not None) else num_tokens,
-        (num_tokens if conv_count is None else conv_count) if has_conv else num_tokens,
-        A_log if gate_in else ssm_state, dt_bias if gate_in else ssm_state,
+        (num_tokens if o.conv_count is None else o.conv_count) if has_conv else num_tokens,
+        o.A_log if gate_in else ssm_state, o.dt_bias if gate_in else ssm_state,
         *ssm_state.stride(), *ring_rawv.stride(), *ring_rawk.stride(), *ring_g.stride(), *ring_beta.stride(),
-        *(offsets.stride() if has_off else (0, 0)),
-        *(track_states.stride() if has_track else (0,) * 6),
-        *(conv_state.stride() if has_conv else (0,) * 4), *(conv_inputs.stride() if has_conv else (0,) * 4),
+        *(o.offsets.stride() if has_off else (0, 0)),
+        *(o.track_states.stride() if has_track else (0,) * 6),
+        *(o.conv_state.stride() if has_conv else (0,) * 4), *(o.conv_inputs.stride() if has_conv else (0,) * 4),
         *(cpath.stride() if (has_conv and cpath is not None) else (0, 0)),
-        *(A_log.stride() + dt_bias.stride() if gate_in else (0,) * 5),
-        B, H, C, int(null_slot), int(track_interval) if has_track else 1, float(eps),
+        *(o.A_log.stride() + o.dt_bias.stride() if gate_in else (0,) * 5),
+        B, H, C, int(o.null_slot), int(o.track_interval) if has_track else 1, float(o.eps),
         L=L, K=K, V=V, BK=BK, BV=BV, GDN=ring_g.shape[4] == 1 and K != 1, HAS_OFFSETS=has_off,
-        HAS_START=ring_start is not None, HAS_TRACK=has_track, SQRT_DIV=norm == "sqrt_div",
-        W=W, BC=BC, HAS_CPATH=has_conv and cpath is not None, MAMBA2=rule == "mamba2", GATE_IN=gate_in,
+        HAS_START=ring_start is not None, HAS_TRACK=has_track, SQRT_DIV=o.norm == "sqrt_div",
+        W=W, BC=BC, HAS_CPATH=has_conv and cpath is not None, MAMBA2=o.rule == "mamba2", GATE_IN=gate_in,
         num_warps=num_warps,
         enable_fp_fusion=False)

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..common import check_gate_params
-from ..triton_utils import check_float, gate_params, log_decay, state_blocks
+from ..triton_utils import check_float, gate_params, log_decay, state_blocks, state_tile
 
 
 @triton.jit
@@ -64,12 +64,7 @@ def _fast_rebuild_kernel(state, idx, rd, rk, rg, ring_start, num_tokens, out, a_
                          GDN: tl.constexpr, GATE_IN: tl.constexpr):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
-    i_v = tl.program_id(2)
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
+    offs_k, offs_v, mask_k, mask_v, mask_kv = state_tile(K, V, BK, BV)
     o_ptr = out + ((i_b * H + i_h) * K + offs_k[:, None]) * V + offs_v[None, :]
     s = tl.load(idx + i_b).to(tl.int64)
     if s < 0:

@@ -14,7 +14,7 @@ ancestors (a chain: tokens 1..t) and `G_t` = the log-decays summed over `path(t)
 
 `d_t` is the record the per-token step writes (`beta (v - S'^T k)`), so the rings hold the same quantities, and
 each node's output and state are those of its own root-to-node chain: the causal mask of the chunk is the
-ancestor mask (`common.ancestor_mask`), a chain's is the lower triangle. One triangular solve and a few masked
+ancestor mask (`VerifyTree.ancestors`), a chain's is the lower triangle. One triangular solve and a few masked
 matmuls, batched over requests and heads, with the decays factored per channel (`chunk_step`); heads whose gates
 are too strong for fp32 factors take fp64 ones, as the chunked prefill does (`chunk.strong_replaced`). (The
 embedded model's KDA gates reach -47 per token: about 4% of its verify calls on code prompts have such a head.)
@@ -39,7 +39,8 @@ import functools
 import torch
 
 from ..chunk.naive import factored_terms, strong_replaced, wy_terms
-from ..common import ancestor_mask, delta_step, outside_inference
+from ..common import delta_step
+from ...tensors import outside_inference
 from .naive import store_ring_records, verify_inputs
 
 
@@ -118,43 +119,15 @@ def chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                      ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, *,
-                      parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
-                      ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
-                      num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
-                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                      scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
-                      null_slot: int = -1, validate: bool = True) -> torch.Tensor:
-    """Run the verify tokens of each request from its slot's checkpoint, as one chunk; the checkpoint is not written.
-
-    Args:
-        q, k: raw `[B, T, H, K]`;  v: `[B, T, H, V]`;  g: `[B, T, H, K]` (KDA) or `[B, T, H]` (GDN);
-        beta: `[B, T, H]`.
-        ssm_state: checkpoints of one layer `[N, H, K, V]` (read only).
-        ssm_state_indices: slot per request `[B]`; -1 or `null_slot` rows are skipped (output 0).
-        parent: None (chain: token t follows t-1) or `[T]` / `[B, T]` tree parents (-1 = the checkpoint).
-        intermediate_states: out `[R >= B, T, H, K, V]`: the state after each token / node.
-        ring: this layer's records `(d, k, g, rawv, rawk, beta)`, each `[N', H, L, dim]` (`beta` `[N', H, L]`);
-            `d` and `k` may be None (eager layout). Token t of request b goes to ring row `r = ring_indices[b]`
-            (default: its slot), position `(ring_start[r] + num_pending[r] + t) % L`, or t without `ring_start`.
-        ring_start, num_pending: `[N']` long. With pending records the start state is the fast rebuild
-            of checkpoint + pending `(d, k, g)` (lazy commit).
-        ring_indices: `[B]` long ring row per request (eager layout: the running row 0..B-1).
-        A_log `[H]`, dt_bias `[H, K]`: given, g is the KDA gate's input f; the log-decays are
-            `common.kda_gate(f)` and the g ring keeps f.
-        validate: False when the caller checked `parent`'s values (topological order) at its own boundary: no
-            host read here (shapes are still checked).
-    Returns:
-        o `[B, T, H, V]` in v.dtype.
-    """
-    x = verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, parent=parent,
-                      intermediate_states=intermediate_states, ring=ring, ring_start=ring_start,
-                      num_pending=num_pending, ring_indices=ring_indices, scale=scale, eps=eps, norm=norm,
-                      null_slot=null_slot, A_log=A_log, dt_bias=dt_bias, validate=validate)
+                      ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, **options) -> torch.Tensor:
+    """`naive.verify_delta_rule` as one chunk per round (the delta rule): the same keyword options, checks, output
+    `o [B, T, H, V]`, ring records and node states; the checkpoint is not written."""
+    x = verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, **options)
+    intermediate_states, ring = options.get("intermediate_states"), options.get("ring")
     B, T, H, K, V = *q.shape[:4], v.shape[-1]
     if x is None:
         return v.new_zeros(B, T, H, V)
-    chain, parent, rows, full, sel, slots, root = x.chain, x.parent, x.rows, x.full, x.sel, x.slots, x.root
+    tree, rows, full, sel, slots, root = x.tree, x.rows, x.full, x.sel, x.slots, x.root
     qn, kn, vv, gg, bb = x.qn, x.kn, x.vv, x.gg, x.bb
     dt = root.dtype
     S = None
@@ -167,7 +140,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         if S is not None:
             S[:, 0] = S1
     else:
-        ot, d = chunk_step(qn, kn, vv, gg, bb, root, None if chain else ancestor_mask(sel(parent)), states=S)
+        ot, d = chunk_step(qn, kn, vv, gg, bb, root, None if tree is None else tree.ancestors(), states=S)
     if full:
         o = ot.to(v.dtype).contiguous()
     else:
@@ -176,6 +149,6 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if S is not None and not in_place:
         intermediate_states[rows, :T] = S.to(intermediate_states.dtype)
     if ring is not None:
-        store_ring_records(ring, (d, kn, x.grec, sel(v), sel(k), sel(beta)), slots, rows, ring_start=ring_start,
-                           num_pending=num_pending, ring_indices=ring_indices)
+        store_ring_records(ring, (d, kn, x.grec, sel(v), sel(k), sel(beta)), slots, rows,
+                           **{key: options.get(key) for key in ("ring_start", "num_pending", "ring_indices")})
     return o

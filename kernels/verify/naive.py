@@ -7,30 +7,18 @@ from dataclasses import dataclass
 import torch
 
 from ..common import (check_delta_inputs, check_gate_params, check_shape, check_verify_buffers, delta_step, kda_gate,
-                      math_dtype, per_tensor, prepare_qk, valid_slots)
+                      math_dtype, prepare_qk, valid_slots)
 from ..rebuild.naive import fast_rebuild
 from ..recurrent.naive import conv_taps
+from ..tree import VerifyTree, as_tree
 
 
-def _pick_parents(root: torch.Tensor, done: list[torch.Tensor], p: torch.Tensor, chain: bool) -> torch.Tensor:
+def _pick_parents(root: torch.Tensor, done: list[torch.Tensor], p: torch.Tensor | None) -> torch.Tensor:
     """Per row, the state (or window) a node starts from: `root` for parent -1, else the parent's output
-    (`done[parent]`); a chain just continues from the previous token."""
-    if chain:
+    (`done[parent]`); a chain (`p` None) just continues from the previous token."""
+    if p is None:
         return done[-1] if done else root
     return torch.stack([root[i] if p[i] < 0 else done[p[i]][i] for i in range(root.shape[0])])
-
-
-def _parents(parent: torch.Tensor | None, B: int, T: int, device, validate: bool = True) -> torch.Tensor:
-    """`None` (chain) / `[T]` / `[B, T]` -> `[B, T]` long, checked: -1 <= parent[i] < i (unless not `validate`)."""
-    if parent is None:
-        return torch.arange(-1, T - 1, device=device).expand(B, T)
-    given = parent
-    if parent.dim() == 1:
-        parent = parent.expand(B, -1)
-    check_shape("parent", parent, (B, T))
-    if validate and not is_topological(given):
-        raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
-    return parent.long()
 
 
 def _valid_rows(indices: torch.Tensor, null_slot: int):
@@ -41,21 +29,15 @@ def _valid_rows(indices: torch.Tensor, null_slot: int):
     return rows, full, (lambda x: x) if full else (lambda x: x[rows])
 
 
-@per_tensor
-def is_topological(parent: torch.Tensor) -> bool:
-    """`parent [..., T]`: -1 <= parent[i] < i everywhere (checked once per forward, see `common.per_tensor`)."""
-    idx = torch.arange(parent.shape[-1], device=parent.device)
-    return not bool(((parent < -1) | (parent >= idx)).any())
-
-
-def conv_columns(conv_state: torch.Tensor, x: torch.Tensor, parent: torch.Tensor | None, Kc: int) -> torch.Tensor:
+def conv_columns(conv_state: torch.Tensor, x: torch.Tensor, tree: VerifyTree | None, Kc: int) -> torch.Tensor:
     """The `Kc` conv inputs of every verify token, oldest first, by one row gather (no per-token loop).
 
     Tap `Kc-1` of token t is `x_t`, tap `Kc-2` its parent's input, ...; past the root the taps come from the
-    slot's window, newest first. A chain (`parent` None) reads sliding windows of `[window, x]`, a view.
+    slot's window, newest first. A chain (`tree` None) reads sliding windows of `[window, x]`, a view.
 
     Args:
-        conv_state: windows `[R, C, Kc-1]`;  x: inputs `[R, T, C]`;  parent: `[R, T]` (-1 = the window) or None.
+        conv_state: windows `[R, C, Kc-1]`;  x: inputs `[R, T, C]`;  tree: `[R, T]` parents (-1 = the window) or
+            None.
     Returns:
         `[R, T, Kc, C]` in the math dtype of `conv_state` and `x`.
     """
@@ -63,16 +45,15 @@ def conv_columns(conv_state: torch.Tensor, x: torch.Tensor, parent: torch.Tensor
     W = Kc - 1
     dt = math_dtype(conv_state, x)
     full = torch.cat([conv_state.to(dt).transpose(1, 2), x.to(dt)], dim=1)  # [R, W + T, C]
-    if parent is None:
+    if tree is None:
         return full.unfold(1, Kc, 1).transpose(-1, -2)
-    rows = _conv_rows(parent, R, T, Kc)  # [R * T * Kc]
+    rows = tree.memo(("conv_rows", Kc), lambda: _conv_rows(tree.parent, R, T, Kc))  # [R * T * Kc]
     return full.reshape(R * (W + T), C).index_select(0, rows).view(R, T, Kc, C)
 
 
-@per_tensor
 def _conv_rows(parent: torch.Tensor, R: int, T: int, Kc: int) -> torch.Tensor:
     """Rows of `full [R * (Kc-1 + T), C]` (see `conv_columns`) holding each token's `Kc` conv inputs, oldest
-    first, flattened from `[R, T, Kc]`. Depends on the tree alone, so it is built once per forward."""
+    first, flattened from `[R, T, Kc]`. Depends on the tree alone: kept with it, so built once per forward."""
     W = Kc - 1
     # Walk up from each token Kc-1 times (a loop over taps): a node's input is row W + node of `full`;
     # once past the root, the window's rows from the newest one down.
@@ -109,21 +90,20 @@ def check_conv_verify_args(x: torch.Tensor, weight: torch.Tensor, conv_state: to
 
 
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                      conv_state_indices: torch.Tensor, *, parent: torch.Tensor | None = None,
+                      conv_state_indices: torch.Tensor, *, parent: VerifyTree | torch.Tensor | None = None,
                       window_states: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
-                      activation: str | None = "silu", null_slot: int = -1, validate: bool = True) -> torch.Tensor:
+                      activation: str | None = "silu", null_slot: int = -1) -> torch.Tensor:
     """Short conv over the verify tokens of each request, from its slot's window, with no per-token loop.
 
     Args:
         x: pre-conv inputs `[B, T, C]`;  weight `[C, Kc]`;  bias `[C]` or None.
         conv_state: persistent windows of one layer `[N, C, Kc-1]` (read only).
         conv_state_indices: slot per request `[B]`; -1 or `null_slot` rows are skipped (output 0).
-        parent: None (chain) or `[T]` / `[B, T]` tree parents (-1 = the slot's window).
+        parent: None (chain), a `VerifyTree`, or `[T]` / `[B, T]` tree parents (-1 = the slot's window), checked
+            here (one host read): a round passes its `VerifyTree` to every layer.
         window_states: out `[R >= B, >= T, C, Kc-1]`: the window after each token / node (snapshot scheme).
         conv_inputs: out `[R >= B, >= T, C]`: each token's pre-conv input (the record commit rebuilds the
             window from, `scatter.rebuild_windows`).
-        validate: False when the caller checked `parent`'s values (topological order) at its own boundary: no
-            host read here (shapes are still checked).
     Returns:
         y `[B, T, C]` in x.dtype.
     """
@@ -131,12 +111,11 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                                          activation)
     if T == 0:  # nothing to run (as the Triton kernel: an empty output)
         return x.new_zeros(B, 0, C)
-    chain = parent is None
-    parent = None if chain else _parents(parent, B, T, x.device, validate)
+    tree = as_tree(parent, B, T, x.device)
     rows, full, sel = _valid_rows(conv_state_indices, null_slot)
     if rows.numel() == 0:
         return x.new_zeros(B, T, C)
-    cols = conv_columns(conv_state[sel(conv_state_indices)], sel(x), None if chain else sel(parent), Kc)
+    cols = conv_columns(conv_state[sel(conv_state_indices)], sel(x), tree and tree.rows(None if full else rows), Kc)
     yr = conv_taps(cols, weight, bias, activation).to(x.dtype)  # [R, T, Kc, C] -> [R, T, C]
     if full:
         y = yr
@@ -195,8 +174,7 @@ def store_ring_records(ring: tuple[torch.Tensor | None, ...], recs: tuple[torch.
 class VerifyInputs:
     """A verify's checked inputs, restricted to its valid rows (`rows [R]`; `full`: all B rows, not gathered)."""
 
-    chain: bool
-    parent: torch.Tensor  # [B, T] long (a chain: t - 1)
+    tree: VerifyTree | None  # the valid rows' tree; None: a chain
     rows: torch.Tensor  # [R] long: rows whose slot is valid
     full: bool
     slots: torch.Tensor  # [R]
@@ -213,9 +191,9 @@ class VerifyInputs:
         return x if self.full else x[self.rows]
 
 
-def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent, intermediate_states, ring, ring_start,
-                  num_pending, ring_indices, scale, eps, norm, null_slot, rule="delta", A_log=None,
-                  dt_bias=None, validate=True) -> VerifyInputs | None:
+def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent=None, intermediate_states=None, ring=None,
+                  ring_start=None, num_pending=None, ring_indices=None, scale=None, eps=1e-6, norm="rsqrt",
+                  null_slot=-1, rule="delta", A_log=None, dt_bias=None) -> VerifyInputs | None:
     """The checks and preparation every CPU verify (per-token and chunk form) runs before computing: one error
     naming the argument before anything is written. -> None when there is nothing to run (no token, or no row with
     a valid slot)."""
@@ -225,8 +203,7 @@ def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent, int
     check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
     if T == 0:  # nothing to run (as the Triton kernels: an empty output)
         return None
-    chain = parent is None
-    parent = _parents(parent, B, T, k.device, validate)
+    tree = as_tree(parent, B, T, k.device)
     rows, full, sel = _valid_rows(ssm_state_indices, null_slot)
     if rows.numel() == 0:
         return None
@@ -241,18 +218,19 @@ def verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, *, parent, int
         root = ssm_state[slots].to(dt)
     grec = sel(g)
     gg = kda_gate(grec, A_log, dt_bias).to(dt) if gate_in else grec.to(dt)
-    return VerifyInputs(chain, parent, rows, full, slots, qn, kn, sel(v).to(dt), gg, grec if gate_in else gg,
-                        sel(beta).to(dt), root)
+    return VerifyInputs(tree and tree.rows(None if full else rows), rows, full, slots, qn, kn, sel(v).to(dt), gg,
+                        grec if gate_in else gg, sel(beta).to(dt), root)
 
 
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, *,
-                      parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
+                      parent: VerifyTree | torch.Tensor | None = None,
+                      intermediate_states: torch.Tensor | None = None,
                       ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
                       num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
                       A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                       scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
-                      null_slot: int = -1, rule: str = "delta", validate: bool = True) -> torch.Tensor:
+                      null_slot: int = -1, rule: str = "delta") -> torch.Tensor:
     """Run the verify tokens of each request from its slot's checkpoint; the checkpoint is not written.
     The per-token recurrence of either rule (`rule="mamba2"`: `common.delta_step` without the delta correction;
     q = C, k = B, v = x, g = dt A, beta = dt, taken as they come).
@@ -262,7 +240,8 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         beta: `[B, T, H]`.
         ssm_state: checkpoints of one layer `[N, H, K, V]` (read only).
         ssm_state_indices: slot per request `[B]`; -1 or `null_slot` rows are skipped (output 0).
-        parent: None (chain: token t follows t-1) or `[T]` / `[B, T]` tree parents (-1 = the checkpoint).
+        parent: None (chain: token t follows t-1), a `VerifyTree`, or `[T]` / `[B, T]` tree parents (-1 = the
+            checkpoint), checked here (one host read): a round passes its `VerifyTree` to every layer.
         intermediate_states: out `[R >= B, T, H, K, V]`: the state after each token / node (snapshot
             strategy; per-layer node buffer of tree verify).
         ring: this layer's records `(d, k, g, rawv, rawk, beta)`, each `[N', H, L, dim]` (`beta` `[N', H, L]`);
@@ -274,27 +253,24 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         ring_indices: `[B]` long ring row per request (eager layout: the running row 0..B-1).
         A_log `[H]`, dt_bias `[H, K]`: given, g is the KDA gate's input f `[B, T, H, K]`; the log-decay is
             `common.kda_gate(f)` and the g ring keeps f (fla's `use_gate_in_kernel`).
-        validate: False when the caller checked `parent`'s values (topological order) at its own boundary: no
-            host read here (shapes are still checked).
     Returns:
         o `[B, T, H, V]` in v.dtype.
     """
     x = verify_inputs(q, k, v, g, beta, ssm_state, ssm_state_indices, parent=parent,
                       intermediate_states=intermediate_states, ring=ring, ring_start=ring_start,
                       num_pending=num_pending, ring_indices=ring_indices, scale=scale, eps=eps, norm=norm,
-                      null_slot=null_slot, rule=rule, A_log=A_log, dt_bias=dt_bias, validate=validate)
+                      null_slot=null_slot, rule=rule, A_log=A_log, dt_bias=dt_bias)
     B, T, H, V = *q.shape[:3], v.shape[-1]
     o = v.new_zeros(B, T, H, V)
     if x is None:
         return o
-    chain, parent, rows, slots, root = x.chain, x.parent, x.rows, x.slots, x.root
+    tree, rows, slots, root = x.tree, x.rows, x.slots, x.root
     qn, kn, vv, gg, bb = x.qn, x.kn, x.vv, x.gg, x.bb
     states: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
     ds: list[torch.Tensor] = []
     for t in range(T):
-        p = parent[rows, t]
-        prev = _pick_parents(root, states, p, chain)
+        prev = _pick_parents(root, states, None if tree is None else tree.parent[:, t])
         S, ot, d = delta_step(prev, qn[:, t], kn[:, t], vv[:, t], gg[:, t], bb[:, t], rule=rule)
         states.append(S)
         outs.append(ot)

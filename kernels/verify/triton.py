@@ -2,7 +2,7 @@
 
 Same signatures and semantics as `kernels/verify/naive.py`. One program per (request, head, V block):
 - chain: the state stays in registers across the tokens;
-- tree: the nodes run in the order of `common.tree_schedule` (depth first, smaller subtree first); a node
+- tree: the nodes run in the order of `tree.tree_schedule` (depth first, smaller subtree first); a node
   whose parent ran just before goes on from the state in registers, any other reloads its parent's state,
   from `tree_stack` (`[>= B, tree_stack_slots(T), H, K, V]`: a state is kept only while a later child needs
   it) or, without it, from `intermediate_states` (every node's state, the snapshot strategy's buffer); an
@@ -21,32 +21,20 @@ Rows whose slot is -1 or `null_slot` write zero outputs and nothing else.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import triton
 import triton.language as tl
 
 from ..common import (check_delta_inputs, check_gate_params, check_rule, check_shape, check_verify_buffers,
-                      tree_stack_slots)
-from ..common import tree_schedule as _schedule
-from .naive import check_conv_verify_args, check_ring_args, is_topological
+                      keyword_options)
+from ..tree import VerifyTree, as_tree, tree_stack_slots
+from .naive import check_conv_verify_args, check_ring_args
+from .naive import verify_delta_rule as reference_verify
 from ..rebuild.triton import rebuild_tile
 from ..triton_utils import (cast_to, check_float, delta_step, gate_params, load_gate, num_warps_for, prepare_k,
-                           prepare_q, readout, state_blocks)
-
-
-def _parents(parent: torch.Tensor | None, B: int, T: int, device, validate: bool = True) -> torch.Tensor | None:
-    """`None` (chain) / `[T]` / `[B, T]` -> None or a contiguous `[B, T]` int32 tensor, checked (the values
-    only when `validate` and outside a CUDA graph capture, where a host read is not allowed: the engine checked
-    the tree)."""
-    if parent is None:
-        return None
-    if parent.dim() == 1:
-        parent = parent.expand(B, -1)
-    check_shape("parent", parent, (B, T))
-    capturing = parent.is_cuda and torch.cuda.is_current_stream_capturing()  # CPU builds of torch cannot ask
-    if validate and not capturing and not is_topological(parent):
-        raise ValueError(f"parent: expected -1 <= parent[i] < i (topological order), got {parent.tolist()}")
-    return parent.to(device=device, dtype=torch.int32).contiguous()
+                            prepare_q, readout, state_blocks, state_tile)
 
 
 @triton.jit
@@ -138,9 +126,9 @@ def _short_conv_verify_kernel(
 
 
 def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                      conv_state_indices: torch.Tensor, *, parent: torch.Tensor | None = None,
+                      conv_state_indices: torch.Tensor, *, parent: VerifyTree | torch.Tensor | None = None,
                       window_states: torch.Tensor | None = None, conv_inputs: torch.Tensor | None = None,
-                      activation: str | None = "silu", null_slot: int = -1, validate: bool = True) -> torch.Tensor:
+                      activation: str | None = "silu", null_slot: int = -1) -> torch.Tensor:
     """Short conv over the verify tokens of each request, from its slot's window (see `naive`)."""
     check_float("short_conv_verify", x, weight, bias, conv_state, window_states, conv_inputs)
     B, T, C, Kc = check_conv_verify_args(x, weight, conv_state, conv_state_indices, window_states, conv_inputs,
@@ -148,7 +136,8 @@ def short_conv_verify(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if bias is not None:
         check_shape("bias", bias, (C,))
         bias = bias.contiguous()
-    par = _parents(parent, B, T, x.device, validate)
+    tree = as_tree(parent, B, T, x.device)
+    par = None if tree is None else tree.int32()
     y = torch.empty(B, T, C, dtype=x.dtype, device=x.device)
     if B == 0 or T == 0:
         return y
@@ -210,11 +199,7 @@ def _verify_kernel(
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2)
-    offs_k = tl.arange(0, BK)
-    offs_v = i_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    mask_kv = mask_k[:, None] & mask_v[None, :]
+    offs_k, offs_v, mask_k, mask_v, mask_kv = state_tile(K, V, BK, BV)
     o_ptr = o + (i_b * T * H + i_h) * V + offs_v
     s = tl.load(idx + i_b).to(tl.int64)
     if (s < 0) | (s == null_slot):
@@ -315,35 +300,31 @@ def _verify_kernel(
 
 def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, *,
-                      parent: torch.Tensor | None = None, intermediate_states: torch.Tensor | None = None,
-                      ring: tuple[torch.Tensor | None, ...] | None = None, ring_start: torch.Tensor | None = None,
-                      num_pending: torch.Tensor | None = None, ring_indices: torch.Tensor | None = None,
-                      tree_stack: torch.Tensor | None = None, tree_schedule: tuple | None = None,
-                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-                      scale: float | None = None, eps: float = 1e-6, norm: str = "rsqrt",
-                      null_slot: int = -1, rule: str = "delta", validate: bool = True) -> torch.Tensor:
-    """Run the verify tokens of each request from its slot's checkpoint (see `naive.verify_delta_rule`).
+                      tree_stack: torch.Tensor | None = None, **options) -> torch.Tensor:
+    """`naive.verify_delta_rule` (the same arguments and keyword options) in one launch.
 
-    Trees need `tree_stack` `[>= B, common.tree_stack_slots(T), H, K, V]` (the parent states a later child
-    reloads) or `intermediate_states` (every node's state); `tree_schedule`: `common.tree_schedule(parent)`,
-    when the caller computed it once for every layer of a round. Ring records are stored in the ring tensors'
+    Trees need `tree_stack` `[>= B, tree.tree_stack_slots(T), H, K, V]` (the parent states a later child
+    reloads) or `intermediate_states` (every node's state); the walk is the tree's `VerifyTree.schedule()`, made
+    once per tree: a round passes one `VerifyTree` to every layer. Ring records are stored in the ring tensors'
     dtypes; the checkpoint is read only. `rule="mamba2"`: the same kernel with the Mamba2 step (q = C, k = B
     taken as they come: no norm, no scale; the `k` ring holds B). `A_log` `[H]`, `dt_bias` `[H, K]`: g is the KDA
     gate's input f, the kernel computes `common.kda_gate(f)` per token and the g ring keeps f (in its dtype: a
     bf16 ring holds a bf16 model's f exactly, half the bytes of an fp32 log-decay).
     """
-    check_rule(rule)
-    check_float("verify_delta_rule", q, k, v, g, beta, ssm_state, intermediate_states, tree_stack,
-                *(t for t in (ring or ()) if t is not None))
+    opt = SimpleNamespace(**keyword_options(reference_verify, options))
+    check_rule(opt.rule)
+    check_float("verify_delta_rule", q, k, v, g, beta, ssm_state, opt.intermediate_states, tree_stack,
+                *(t for t in (opt.ring or ()) if t is not None))
     B, T, H, K, V, g = check_delta_inputs(q, k, v, g, beta)
     if g.shape[-1] not in (1, K):
         raise ValueError(f"g: expected last dim {K} (KDA) or none (GDN), got {list(g.shape)}")
-    gate_in = check_gate_params(A_log, dt_bias, (), H, K, g)
-    check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, intermediate_states)
-    if norm not in ("rsqrt", "sqrt_div"):
-        raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {norm!r}")
-    par = _parents(parent, B, T, k.device, validate)
-    if par is not None and intermediate_states is None and tree_stack is None:
+    gate_in = check_gate_params(opt.A_log, opt.dt_bias, (), H, K, g)
+    check_verify_buffers(B, T, H, K, V, ssm_state, ssm_state_indices, opt.intermediate_states)
+    if opt.norm not in ("rsqrt", "sqrt_div"):
+        raise ValueError(f"norm: expected 'rsqrt' or 'sqrt_div', got {opt.norm!r}")
+    tree = as_tree(opt.parent, B, T, k.device)
+    par = None if tree is None else tree.int32()
+    if par is not None and opt.intermediate_states is None and tree_stack is None:
         raise ValueError("tree_stack: a tree verify needs tree_stack or intermediate_states (where parent states "
                          "are kept)")
     if tree_stack is not None:
@@ -352,14 +333,11 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                 or tree_stack.shape[2:] != (H, K, V):
             raise ValueError(f"tree_stack: expected [>={B}, >={slots}, {H}, {K}, {V}], got {list(tree_stack.shape)}")
     if par is not None:
-        sched = tree_schedule if tree_schedule is not None else _schedule(par)
-        for name, t in zip(("order", "load", "store"), sched):
-            check_shape(f"tree_schedule[{name}]", t, (B, T))
-        order, load, store = (t.to(torch.int32).contiguous() for t in sched)
-    check_ring_args(ring, ring_start, num_pending, ring_indices, B, T)
+        order, load, store = (t.contiguous() for t in tree.schedule())
+    check_ring_args(opt.ring, opt.ring_start, opt.num_pending, opt.ring_indices, B, T)
     has_dk = False
-    if ring is not None:
-        rd, rk, rg, rrv, rrk, rb = ring
+    if opt.ring is not None:
+        rd, rk, rg, rrv, rrk, rb = opt.ring
         N, L = rg.shape[0], rg.shape[2]
         has_dk = rd is not None and rk is not None
         for name, t, dim in (("d", rd, V), ("k", rk, K), ("rawv", rrv, V), ("rawk", rrk, K)):
@@ -369,15 +347,15 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         if rg.dim() != 4 or rg.shape[:3] != (N, H, L) or rg.shape[3] not in (1, K) \
                 or (rg.shape[3] == 1 and g.shape[-1] == K and K != 1):
             raise ValueError(f"ring[g]: expected [{N}, {H}, {L}, {g.shape[-1]}], got {list(rg.shape)}")
-        if ring_start is not None and L & (L - 1):
+        if opt.ring_start is not None and L & (L - 1):
             raise ValueError(f"ring: ring depth L={L} must be a power of two")
     o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)
     if B == 0 or T == 0:
         return o
-    scale = K ** -0.5 if scale is None else float(scale)
+    scale = K ** -0.5 if opt.scale is None else float(opt.scale)
     BK, BV, num_warps = state_blocks(K, V)
-    has_ring = ring is not None
-    has_inter = intermediate_states is not None
+    has_ring = opt.ring is not None
+    has_inter = opt.intermediate_states is not None
     has_stack = par is not None and tree_stack is not None
     if par is None:
         order = load = store = ssm_state_indices
@@ -393,20 +371,21 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         L, RGK = 1, 1
     _verify_kernel[(B, H, triton.cdiv(V, BV))](
         q, k, v, g, beta, ssm_state, ssm_state_indices, par if par is not None else ssm_state_indices,
-        order, load, store, intermediate_states if has_inter else o, tree_stack if has_stack else o, o, *ring_args,
-        ring_start if ring_start is not None else ssm_state_indices,
-        num_pending if num_pending is not None else ssm_state_indices,
-        ring_indices if ring_indices is not None else ssm_state_indices,
-        A_log if gate_in else o, dt_bias if gate_in else o,
+        order, load, store, opt.intermediate_states if has_inter else o, tree_stack if has_stack else o, o, *ring_args,
+        opt.ring_start if opt.ring_start is not None else ssm_state_indices,
+        opt.num_pending if opt.num_pending is not None else ssm_state_indices,
+        opt.ring_indices if opt.ring_indices is not None else ssm_state_indices,
+        opt.A_log if gate_in else o, opt.dt_bias if gate_in else o,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(),
-        *ssm_state.stride(), *(intermediate_states.stride() if has_inter else (0,) * 5),
+        *ssm_state.stride(), *(opt.intermediate_states.stride() if has_inter else (0,) * 5),
         *(tree_stack.stride() if has_stack else (0,) * 5), *ring_strides,
-        *(A_log.stride() + dt_bias.stride() if gate_in else (0, 0, 0)),
-        T, H, int(null_slot), scale, float(eps),
+        *(opt.A_log.stride() + opt.dt_bias.stride() if gate_in else (0, 0, 0)),
+        T, H, int(opt.null_slot), scale, float(opt.eps),
         L=L, K=K, V=V, BK=BK, BV=BV, GDN=g.shape[-1] == 1 and K != 1, RING_GDN=has_ring and RGK == 1 and K != 1,
         RGK=RGK, IS_TREE=par is not None, HAS_INTER=has_inter, HAS_STACK=has_stack, HAS_RING=has_ring,
-        HAS_START=has_ring and ring_start is not None, HAS_DK=has_dk,
-        HAS_PENDING=num_pending is not None, SQRT_DIV=norm == "sqrt_div", STAGES=1 if par is not None else 2,
-        MAMBA2=rule == "mamba2", GATE_IN=gate_in, num_warps=num_warps, enable_fp_fusion=False,
+        HAS_START=has_ring and opt.ring_start is not None, HAS_DK=has_dk,
+        HAS_PENDING=opt.num_pending is not None, SQRT_DIV=opt.norm == "sqrt_div",
+        STAGES=1 if par is not None else 2,
+        MAMBA2=opt.rule == "mamba2", GATE_IN=gate_in, num_warps=num_warps, enable_fp_fusion=False,
         **({"maxnreg": 128} if par is not None else {}))
     return o

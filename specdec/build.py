@@ -1,0 +1,165 @@
+"""What an engine is built from: the option checks, the drafter, the target runner and its memory plan, the round's
+device step and CUDA graphs, the drafter's view of the target, and the checks of the caller's prompts."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import fields
+
+import torch
+
+from specdec.draft import Drafter, TargetView, make_drafter
+from specdec.verify.accept import is_int_tensor
+
+from . import cpu_linear, memory
+from .adapters import HYBRID_FAMILIES
+from .config import SpecConfig
+from .graphs import RoundGraphs
+from .round import RoundStep
+from .runner import HybridRunner, index_tensor, make_runner
+
+
+def _buckets(max_batch: int) -> list[int]:
+    """Batch buckets 1, 2, 4, ... and max_batch itself."""
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return out + [max_batch]
+
+
+class EngineParts:
+    """An engine's parts, built and checked in `__init__` (`SpecEngine` runs requests on them)."""
+
+    def __init__(self, model, config: SpecConfig | None = None, **options):
+        if config is not None and not isinstance(config, SpecConfig):
+            raise ValueError(f"config: expected a SpecConfig or None, got {type(config).__name__}")
+        if config is None:
+            config, drafter_options = SpecConfig.split(options)
+        else:
+            clash = sorted(set(options) & {f.name for f in fields(SpecConfig)})
+            if clash:
+                raise ValueError(f"{clash[0]}: given both in config and as a keyword")
+            drafter_options = options
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise ValueError(f"model: expected a transformers causal LM (a torch.nn.Module with a config, e.g. from "
+                             f"AutoModelForCausalLM.from_pretrained), got {type(model).__name__}")
+        self.config = cfg = config
+        self.model = model
+        self.gamma = cfg.num_draft_tokens
+        self.max_length = int(cfg.max_length or min(getattr(model.config, "max_position_embeddings", 4096) or 4096,
+                                                    4096))
+        self._check_model(model, cfg)
+        self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options)
+        verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
+        self.memory_plan: memory.MemoryPlan | None = None  # the buffers by part (None: a runner with no plan)
+        # the hybrid runner calls `_check_memory` with its plan before it allocates its pool, rings and KV cache
+        self.runner = make_runner(model, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
+                                  max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
+                                  static=cfg.static_shapes,
+                                  check_memory=lambda plan: self._check_memory(plan, verify_tokens))
+        if cfg.static_shapes and not isinstance(self.runner, HybridRunner):
+            raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
+                             f"forward, whose cache grows every round")
+        cpu_linear.apply(cfg.cpu_linear, model, *self.drafter.modules())  # after every check: changes the model
+        self.buckets = _buckets(cfg.max_batch_size)
+        self._row_index: dict[tuple[int, ...], torch.Tensor] = {}
+        # the round's device step (inputs, draft step, verify + accept, commit), called by `_round` and the graphs
+        self.round_step = RoundStep(self.runner, self.drafter, cfg, self.buckets, self._index)
+        self._graphs = RoundGraphs(self) if cfg.cuda_graph else None
+        self.slots: list = []  # target slot of each lane (a drafter row) of the running generate call
+        runner = self.runner
+        self.target = TargetView(model=model, kv=getattr(runner, "kv", None),
+                                 supports_tree=isinstance(runner, HybridRunner),
+                                 num_verify_tokens=getattr(runner, "num_verify_tokens", self.gamma + 1),
+                                 gamma=self.gamma, max_length=self.max_length,
+                                 slots=lambda rows: [self.slots[r] for r in rows],
+                                 index=lambda values: index_tensor(self._draft_index, values, runner.device))
+        self._draft_index: dict[tuple[int, ...], torch.Tensor] = {}
+        self.drafter.bind(self.target)
+        gen = getattr(model, "generation_config", None)
+        self.eos_token_id = getattr(gen, "eos_token_id", None)
+        pad = getattr(gen, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(model.config, "pad_token_id", None)
+        if pad is None:
+            eos = self.eos_token_id
+            pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
+        self.pad_token_id = int(pad)
+
+    @property
+    def graph_counts(self) -> dict[str, int]:
+        """With `cuda_graph`, the step shapes captured as CUDA graphs, those that fell back to eager rounds and those
+        not captured yet (`RoundGraphs.counts`); all 0 without."""
+        if self._graphs is None:
+            return {"captured": 0, "eager": 0, "warm": 0}
+        return self._graphs.counts()
+
+    @staticmethod
+    def _check_model(model, cfg: SpecConfig) -> None:
+        """What the hybrid runner cannot honour, refused before anything is built."""
+        hybrid = model.config.model_type in HYBRID_FAMILIES
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        if hybrid and impl not in ("eager", "sdpa"):
+            raise ValueError(f"model: attn_implementation {impl!r} is not supported by the hybrid runner, which "
+                             f"passes tree and padding masks as a dense additive mask; load the model with "
+                             f"attn_implementation='sdpa' or 'eager'")
+        if cfg.cuda_graph:
+            device = next(model.parameters()).device
+            if device.type != "cuda" or not torch.cuda.is_available():
+                raise ValueError(f"cuda_graph: CUDA graphs need the model on a CUDA device, got {device}")
+            if not hybrid:
+                raise ValueError(f"cuda_graph: needs a hybrid target; {type(model).__name__} runs through its own "
+                                 f"forward")
+
+    def _make_drafter(self, drafter, draft_model, max_batch_size, kwargs) -> Drafter:
+        # a draft model's runner is checked on its own, before it allocates (the target's plan needs the drafter's
+        # verify window, so it comes after)
+        factory = functools.partial(make_runner, check_memory=lambda plan: memory.check_fits(
+            plan, self._memory_options(), what="the draft model"))
+        return make_drafter(drafter, self.model, gamma=self.gamma, max_batch_size=max_batch_size,
+                            max_length=self.max_length, draft_model=draft_model, runner_factory=factory, **kwargs)
+
+    def _memory_options(self) -> dict:
+        return {"max_batch_size": self.config.max_batch_size, "max_length": self.max_length}
+
+    def _check_memory(self, plan: memory.MemoryPlan, verify_tokens: int) -> None:
+        """The target runner's plan with the drafter's caches (kept as `memory_plan`) against the free memory
+        (`memory.check_fits`)."""
+        self.memory_plan = plan.copy().add("drafter caches", self.drafter.memory_specs(
+            max_length=self.max_length, num_verify_tokens=verify_tokens, gamma=self.gamma,
+            static=self.config.static_shapes), deferred=True)
+        memory.check_fits(self.memory_plan, self._memory_options())
+
+    # ---- generate ----------------------------------------------------------------------------------
+    def _prompts(self, input_ids) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """The caller's prompts, checked: `[P]` tensors on the target's device, and the same as host lists."""
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() == 1:
+                input_ids = input_ids[None]
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids: expected [B, P] or a list of 1-D sequences, got {list(input_ids.shape)}")
+            prompts = list(input_ids)
+        else:
+            prompts = [torch.as_tensor(p) for p in input_ids]
+        if not prompts:
+            raise ValueError("input_ids: no prompts")
+        emb = self.model.get_input_embeddings()
+        vocab = getattr(emb, "num_embeddings", None) or self.runner.vocab_size
+        for i, p in enumerate(prompts):
+            if p.dim() != 1 or p.numel() == 0:
+                raise ValueError(f"input_ids: prompt {i} is empty or not 1-D (shape {list(p.shape)})")
+            if not is_int_tensor(p):  # a cast would truncate silently
+                raise ValueError(f"input_ids: prompt {i}: expected integer token ids, got {p.dtype}")
+            if bool(((p < 0) | (p >= vocab)).any()):  # else the embedding fails after slots are taken
+                raise ValueError(f"input_ids: prompt {i} has token ids outside [0, {vocab}): "
+                                 f"min {int(p.min())}, max {int(p.max())}")
+        return [p.to(self.runner.device, torch.long) for p in prompts], [p.tolist() for p in prompts]
+
+    @property
+    def _vocab(self) -> tuple[int, int]:
+        """(ids the target can read: embedding rows, scores it returns: the logits' last dim)."""
+        emb = self.model.get_input_embeddings()
+        head = self.model.get_output_embeddings()
+        logits_v = getattr(head, "out_features", None) or self.runner.vocab_size
+        return min(getattr(emb, "num_embeddings", None) or logits_v, logits_v), logits_v
