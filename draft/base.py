@@ -231,6 +231,9 @@ class Drafter(ABC):
     name = "drafter"
     feature_layers: tuple[int, ...] = ()  # target decoder layers whose outputs `observe` receives
     static_draft = False  # has `draft_step`: drafting as device work of fixed shapes (CUDA-graph capturable)
+    # `observe` reads the target's hidden states / features (a drafter with caches of its own): a prefix cache keeps
+    # them with its entries, so that a request started from a cached prefix observes its whole prompt
+    observes_features = True
 
     def bind(self, target: TargetView) -> None:
         """Called once by the engine with its view of the target."""
@@ -312,6 +315,8 @@ class Drafter(ABC):
 class NoDraft(Drafter):
     """Proposes nothing: every round verifies the anchor alone, i.e. plain decoding through the same engine (the
     baseline of the timing comparisons)."""
+
+    observes_features = False
 
     name = "none"
 

@@ -16,6 +16,7 @@ class ModelDrafter(Drafter):
     token by token in rounds that are aborted, so rejected drafts never touch its state."""
 
     name = "model"
+    observes_features = False  # its own model's runner prefills the token history
 
     def __init__(self, draft_model, *, runner_factory: Callable, max_batch_size: int = 8, max_length: int = 4096,
                  gamma: int = 7, **unknown):

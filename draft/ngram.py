@@ -10,6 +10,7 @@ class NgramDrafter(Drafter):
     last n tokens and propose the (up to gamma) tokens that followed it."""
 
     name = "ngram"
+    observes_features = False  # its context is the token history alone
 
     def __init__(self, *, max_ngram: int = 3, min_ngram: int = 1, **unknown):
         if unknown:

@@ -15,6 +15,7 @@ from . import cpu_linear, memory
 from .adapters import HYBRID_FAMILIES
 from .config import SpecConfig
 from .graphs import RoundGraphs
+from .prefix_cache import PrefixCache, check_budget
 from .round import RoundStep
 from .runner import HybridRunner, index_tensor, make_runner
 
@@ -54,10 +55,14 @@ class EngineParts:
         verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
         self.memory_plan: memory.MemoryPlan | None = None  # the buffers by part (None: a runner with no plan)
         # the hybrid runner calls `_check_memory` with its plan before it allocates its pool, rings and KV cache
+        tracked = dict(track_interval=cfg.track_interval) if cfg.prefix_cache else {}
+        if cfg.prefix_cache and model.config.model_type not in HYBRID_FAMILIES:
+            raise ValueError(f"prefix_cache: needs a hybrid target; {type(model).__name__} runs through its own "
+                             f"forward and cache")
         self.runner = make_runner(model, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
                                   max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
                                   static=cfg.static_shapes,
-                                  check_memory=lambda plan: self._check_memory(plan, verify_tokens))
+                                  check_memory=lambda plan: self._check_memory(plan, verify_tokens), **tracked)
         if cfg.static_shapes and not isinstance(self.runner, HybridRunner):
             raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
                              f"forward, whose cache grows every round")
@@ -77,6 +82,13 @@ class EngineParts:
                                  index=lambda values: index_tensor(self._draft_index, values, runner.device))
         self._draft_index: dict[tuple[int, ...], torch.Tensor] = {}
         self.drafter.bind(self.target)
+        # the target features a drafter with its own caches observes: kept per lane, and in prefix cache entries
+        self.feature_names = (("hidden", *self.drafter.feature_layers) if self.drafter.observes_features else ())
+        self.prefix_cache = None
+        if cfg.prefix_cache:
+            d = self.runner.hidden_size
+            per_token = len(self.feature_names) * d * torch.empty((), dtype=self.runner.dtype).element_size()
+            self.prefix_cache = PrefixCache(check_budget(cfg.prefix_cache, self.runner, per_token))
         gen = getattr(model, "generation_config", None)
         self.eos_token_id = getattr(gen, "eos_token_id", None)
         pad = getattr(gen, "pad_token_id", None)

@@ -41,6 +41,12 @@ class SpecConfig:
     and checked against the weight in every `generate`). "aten": left as they are. "auto" (default): "onednn"
     for an fp32 model on CPU when torch has oneDNN, else "aten". The model's layers change class in place (plain
     decoding through it runs the same layers); `specdec.cpu_linear.uninstall(model)` undoes it.
+    prefix_cache: False (default), True (a budget of `prefix_cache.DEFAULT_BUDGET` bytes) or a byte budget: keep
+    the committed state of prompts and finished requests (recurrent state, KV entries, the drafter's target
+    features) in a radix tree over token ids, and start a request whose prompt begins with a cached prefix from
+    that state, prefilling only the rest (`specdec.prefix_cache`; hybrid targets).
+    track_interval: with `prefix_cache`, the token interval at which a request's state is tracked, so that a
+    finished request also leaves entries at its last two multiples of it.
     """
 
     drafter: object = "ngram"
@@ -54,6 +60,8 @@ class SpecConfig:
     cuda_graph: bool = False
     draft_tokens_by_batch: dict | None = None
     cpu_linear: str = "auto"
+    prefix_cache: bool | int = False
+    track_interval: int = 256
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -77,6 +85,12 @@ class SpecConfig:
                 raise ValueError(f"draft_tokens_by_batch: expected a dict {{batch size >= 1: drafts in [1, "
                                  f"num_draft_tokens = {self.num_draft_tokens}]}}, got {sched!r}")
             self.draft_tokens_by_batch = dict(sorted(sched.items()))
+        if not isinstance(self.track_interval, int) or isinstance(self.track_interval, bool) \
+                or self.track_interval < 1:
+            raise ValueError(f"track_interval: expected an int >= 1, got {self.track_interval!r}")
+        pc = self.prefix_cache
+        if not isinstance(pc, (bool, int)) or (not isinstance(pc, bool) and pc < 1):
+            raise ValueError(f"prefix_cache: expected False, True or a byte budget (an int >= 1), got {pc!r}")
         if self.cuda_graph:
             if self.commit != "eager":
                 raise ValueError("cuda_graph: needs commit='eager' (lazy commit decides on the host when to fold)")

@@ -15,7 +15,7 @@ from specdec.tensors import outside_inference
 from specdec.verify import SamplingParams, sample_token
 from specdec.verify.accept import is_int_tensor
 
-from . import cpu_linear
+from . import cpu_linear, prefix_cache
 from .build import EngineParts
 from .config import SpecConfig
 from .runner import HybridRunner, index_tensor
@@ -58,15 +58,17 @@ class GenerateOutput:
 class _Lanes:
     """The requests in flight of one `generate` call, one per lane (a lane is a drafter row, < max_batch_size):
     target slot (None: free) and the request's host lists (`hist`, `out`) per lane; device token buffer
-    `tok [L, W]`, lengths `lens [L]` and anchors `anchors [L]`."""
+    `tok [L, W]`, lengths `lens [L]` and anchors `anchors [L]`; with a prefix cache and a drafter that observes
+    features, the target's features at every committed position, `feat[name] [L, W, d]`."""
 
-    def __init__(self, L: int, tok: torch.Tensor):
+    def __init__(self, L: int, tok: torch.Tensor, feat: dict[str, torch.Tensor] | None = None):
         self.slot: list = [None] * L
         self.hist: list = [None] * L
         self.out: list = [None] * L
         self.tok = tok
         self.lens = torch.zeros(L, dtype=torch.long, device=tok.device)
         self.anchors = torch.zeros(L, dtype=torch.long, device=tok.device)
+        self.feat = feat or {}
 
     def held(self) -> list[int]:
         return [l for l, s in enumerate(self.slot) if s is not None]
@@ -119,8 +121,12 @@ class SpecEngine(EngineParts):
         hist = [list(p) for p in host_prompts]  # host mirror of every request's tokens (prompt, committed, anchor)
         # per lane: its target slot and its request's host lists; the device token buffer, lengths and anchors
         # are per lane too, and rounds update them without a host round trip
-        lanes = _Lanes(L, tok=torch.full((L, longest + max_new_tokens + 1), self.pad_token_id, dtype=torch.long,
-                                         device=dev))
+        W = longest + max_new_tokens + 1
+        feat = None
+        if self.prefix_cache is not None:
+            feat = {name: torch.zeros(L, W, self.runner.hidden_size, dtype=self.runner.dtype, device=dev)
+                    for name in self.feature_names}
+        lanes = _Lanes(L, torch.full((L, W), self.pad_token_id, dtype=torch.long, device=dev), feat)
         self.slots = lanes.slot
         waiting = list(range(N - 1, -1, -1))  # requests not yet admitted, next one last
         try:
@@ -131,7 +137,7 @@ class SpecEngine(EngineParts):
                 done = [l for l in active if self._done(lanes.out[l], max_new_tokens, eos_set)]
                 if done:
                     active = [l for l in active if l not in done]
-                    self._retire(lanes, done)
+                    self._retire(lanes, done, publish=True)
                     refill = done[:len(waiting)]
                     if refill:
                         active = sorted(active + self._admit(
@@ -167,7 +173,23 @@ class SpecEngine(EngineParts):
         t = time.perf_counter()
         capture = tuple(self.drafter.feature_layers)
         lens = torch.tensor(sizes, dtype=torch.long, device=lanes.tok.device)
-        if hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
+        stats.prompt_tokens += sum(sizes)
+        cache = self.prefix_cache
+        if cache is not None:  # each prompt from its deepest cached prefix (keeping one token to prefill)
+            hits = [cache.match(hist[r], len(hist[r]) - 1) for r in reqs]
+            with cache.pinned(hits):
+                for s, e in zip(slots, hits):
+                    if e is not None:
+                        prefix_cache.restore(self.runner, e, s)
+            cached = [0 if e is None else e.length for e in hits]
+            stats.cached_tokens += sum(cached)
+            out = self.runner.prefill_batch(slots, [p[c:] for p, c in zip(ps, cached)], capture=capture,
+                                            last_logits=True)
+            feats = self._prompt_features(out, hits, cached, sizes)
+            last = out.logits[:, 0]
+            self.drafter.observe(ids, Observed(ps, lens), Observed.rows_of(feats["hidden"], sizes, lens),
+                                 {c: Observed.rows_of(feats[c], sizes, lens) for c in capture})
+        elif hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
             out = self.runner.prefill_batch(slots, ps, capture=capture, last_logits=True)
             last = out.logits[:, 0]
             self.drafter.observe(ids, Observed(ps, lens), Observed.rows_of(out.hidden, sizes, lens),
@@ -201,10 +223,50 @@ class SpecEngine(EngineParts):
             if not self._emit(out_tokens[r], [back[i][0]], max_new, eos_set, streamer):
                 going.append(l)
             hist[r].extend(out_tokens[r])
+        if cache is not None:  # each prompt's end: an entry (its state, KV and features, as the prefill left them),
+            for name, buf in lanes.feat.items():  # written after the first tokens went out
+                buf[lane_t, :max(sizes)] = feats[name]
+            for l, s, P in zip(ids, slots, sizes):
+                cache.insert(lanes.hist[l][:P], lambda s=s, P=P, l=l: prefix_cache.take(
+                    self.runner, s, P, {name: buf[l] for name, buf in lanes.feat.items()}))
         return going
 
-    def _retire(self, lanes: "_Lanes", ids: list[int]) -> None:
-        """Requests of lanes `ids` ended (or the call failed): the drafter and the runner let go of them."""
+    def _prompt_features(self, out, hits, cached: list[int], sizes: list[int]) -> dict[str, torch.Tensor]:
+        """The features the drafter observes over each whole prompt `[k, P, d]`: a cached prefix's from its entry
+        (zeros where the drafter observes none), the rest from the prefill of the suffix (`out`)."""
+        feats = {"hidden": out.hidden, **out.captured}
+        if not any(cached):
+            return feats
+        full = {k: x.new_zeros(x.shape[0], max(sizes), x.shape[-1]) for k, x in feats.items()}
+        for b, (e, c, P) in enumerate(zip(hits, cached, sizes)):
+            for k, x in feats.items():
+                if c and k in e.features:
+                    full[k][b, :c] = e.features[k]
+                full[k][b, c:P] = x[b, :P - c]
+        return full
+
+    def _publish(self, lanes: "_Lanes", l: int) -> None:
+        """A finished request's committed state as prefix cache entries: at its end and at the track boundaries its
+        slot passed (lazy records folded first). Key: the committed tokens (the emitted history, or the token
+        buffer where EOS or max_new_tokens cut the last round's accepted tokens short)."""
+        runner, cache, s = self.runner, self.prefix_cache, lanes.slot[l]
+        runner.state.flush([s])
+        c = runner.kv.bound[s]  # exact: every commit passes its host counts
+        toks = lanes.hist[l][:c] if len(lanes.hist[l]) >= c else lanes.tok[l, :c].tolist()
+        feats = {name: buf[l] for name, buf in lanes.feat.items()}
+        cache.insert(toks, lambda: prefix_cache.take(runner, s, c, feats))
+        pool = runner.state.pool
+        for par, t in enumerate(pool.track_len[s].tolist()):
+            if 0 < t < c:
+                cache.insert(toks[:t], lambda t=t, par=par: prefix_cache.take(
+                    runner, s, t, feats, conv=pool.track_conv[:, s, par], ssm=pool.track_ssm[:, s, par]))
+
+    def _retire(self, lanes: "_Lanes", ids: list[int], *, publish: bool = False) -> None:
+        """Requests of lanes `ids` ended (or the call failed): with `publish` (finished requests) their state goes
+        to the prefix cache; then the drafter and the runner let go of them."""
+        if publish and self.prefix_cache is not None:
+            for l in ids:
+                self._publish(lanes, l)
         try:
             self.drafter.release(ids)
         finally:
@@ -277,6 +339,11 @@ class SpecEngine(EngineParts):
         sizes = [m + 1 for m in host.num_accepted]
         self.drafter.observe(active, Observed.rows_of(kept_ids, sizes, kept), Observed.rows_of(kept_h, sizes, kept),
                              {l: Observed.rows_of(f, sizes, kept) for l, f in kept_f.items()})
+        if lanes.feat:  # the kept positions' features (the anchor's at lens - 1), for the prefix cache
+            fpos = (base[:, None] - 1 + j[None]).clamp(max=tok.shape[1] - 1)
+            for name, buf in lanes.feat.items():
+                src = kept_h if name == "hidden" else kept_f[name]
+                buf[idx[:, None], fpos] = torch.where(keep[..., None], src.to(buf.dtype), buf[idx[:, None], fpos])
         for i, b in enumerate(active):
             before = len(out_tokens[b])
             self._emit(out_tokens[b], host.tokens[i], max_new, eos_set, streamer)

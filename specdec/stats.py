@@ -19,6 +19,8 @@ class SpecStats:
     proposed: int = 0
     accepted: int = 0
     drafter_failures: int = 0
+    prompt_tokens: int = 0  # tokens of the prompts admitted
+    cached_tokens: int = 0  # of those, served from the prefix cache (not prefilled)
     reached: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
@@ -31,6 +33,11 @@ class SpecStats:
     @property
     def alpha(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """The share of prompt tokens served from the prefix cache."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
     def per_position(self) -> list[float]:
@@ -56,5 +63,6 @@ class SpecStats:
     def as_dict(self) -> dict:
         return dict(rounds=self.rounds, steps=self.steps, tokens=self.tokens, tau=self.tau, alpha=self.alpha,
                     proposed=self.proposed, accepted=self.accepted, per_position=self.per_position,
-                    drafter_failures=self.drafter_failures,
+                    drafter_failures=self.drafter_failures, prompt_tokens=self.prompt_tokens,
+                    cached_tokens=self.cached_tokens, prefix_hit_rate=self.prefix_hit_rate,
                     timings=dict(self.timings))

@@ -1,0 +1,231 @@
+"""Prefix-state cache: a request whose prompt starts with an earlier one's tokens starts from the state cached there.
+
+A radix tree over token ids holds entries at boundaries: after each prompt (its prefill), and when a request ends,
+at its committed end and at the last two `track_interval` boundaries its slot passed (the pool's track copies,
+`replayssm.pool`). An entry is the committed state of that prefix, copied out of the slot:
+- every recurrent layer's conv window `[Lyr, C, Kc-1]` and state `[Lyr, H, K, V]`;
+- every attention layer's KV entries `[heads, n, dim]` (copies, not shared pages: a slot's KV buffer is rewritten
+  past its committed length by every round, and a copy keeps an entry valid whatever the slot does next);
+- the target features the drafter observes over the prefix (`hidden` and its `feature_layers`, `[n, d]`): drafters
+  with their own caches (eagle, mtp, dspark, native) rebuild them from these, as from a prefill, instead of the
+  cache keeping entries per drafter kind; the features are the target's, so they serve any drafter.
+
+Only committed state enters (after a prefill, or at the end of a request, with lazy records folded first), never a
+verify-time or tree-node state; an aborted request publishes nothing. Entries are immutable: a request copies an
+entry into its slot and never writes into it. Within a byte budget the least recently used entries go first;
+entries pinned by an admission in progress are never evicted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .memory import format_bytes
+from .tensors import outside_inference
+
+DEFAULT_BUDGET = 1 << 30  # `prefix_cache=True`
+
+
+@dataclass(eq=False)
+class Entry:
+    """The committed state of one prefix of `length` tokens (see the module docstring); `nbytes` counted from the
+    tensors."""
+
+    length: int
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    kv: dict[int, tuple[torch.Tensor, ...]]
+    features: dict[str, torch.Tensor]
+    nbytes: int = 0
+    used: int = 0  # LRU clock at the last hit or write
+    pins: int = 0  # admissions restoring it right now: not evictable
+
+    def __post_init__(self):
+        tensors = [self.conv, self.ssm, *(t for ts in self.kv.values() for t in ts), *self.features.values()]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Node:
+    __slots__ = ("edge", "children", "entry", "parent")
+
+    def __init__(self, edge: tuple[int, ...], parent: "_Node | None"):
+        self.edge, self.parent = edge, parent
+        self.children: dict[int, _Node] = {}
+        self.entry: Entry | None = None
+
+
+class PrefixCache:
+    """Radix tree of `Entry`s over token ids, within `budget` bytes (LRU eviction of unpinned entries)."""
+
+    def __init__(self, budget: int):
+        self.budget = int(budget)
+        self.root = _Node((), None)
+        self.bytes = 0
+        self.clock = 0
+        # over the cache's life: lookups, hits (a lookup that found an entry), cached_tokens (prompt tokens served
+        # from entries), inserted, evicted, skipped (an entry larger than the whole budget)
+        self.stats = dict.fromkeys(("lookups", "hits", "cached_tokens", "inserted", "evicted", "skipped"), 0)
+
+    # ---- lookup ------------------------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int], limit: int) -> Entry | None:
+        """The deepest entry whose prefix starts `tokens` and holds at most `limit` tokens (a request keeps at
+        least one prompt token to prefill: its logits give the first new token)."""
+        self.stats["lookups"] += 1
+        node, i, best = self.root, 0, None
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None or i + len(child.edge) > limit or tuple(tokens[i:i + len(child.edge)]) != child.edge:
+                break
+            node, i = child, i + len(child.edge)
+            if node.entry is not None:
+                best = node.entry
+        if best is not None:
+            self.clock += 1
+            best.used = self.clock
+            self.stats["hits"] += 1
+            self.stats["cached_tokens"] += best.length
+        return best
+
+    @contextlib.contextmanager
+    def pinned(self, entries: Sequence[Entry | None]):
+        """Hold `entries` (None skipped) unevictable while an admission copies them."""
+        held = [e for e in entries if e is not None]
+        for e in held:
+            e.pins += 1
+        try:
+            yield
+        finally:
+            for e in held:
+                e.pins -= 1
+
+    # ---- insert / evict ------------------------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], make: Callable[[], Entry]) -> Entry | None:
+        """The entry of the prefix `tokens`: the one already there (entries are immutable), or `make()`'s, stored
+        after evicting least recently used entries down to the budget. None when it alone exceeds the budget."""
+        node = self._node(tuple(tokens))
+        self.clock += 1
+        if node.entry is not None:
+            node.entry.used = self.clock
+            return node.entry
+        entry = make()
+        if entry.nbytes > self.budget or not self._evict(self.budget - entry.nbytes):
+            self.stats["skipped"] += 1
+            self._prune(node)
+            return None
+        entry.used = self.clock
+        node.entry = entry
+        self.bytes += entry.nbytes
+        self.stats["inserted"] += 1
+        return entry
+
+    def _node(self, tokens: tuple[int, ...]) -> _Node:
+        """The node at the end of `tokens`, made (splitting an edge where `tokens` ends or turns inside it)."""
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                new = _Node(tokens[i:], node)
+                node.children[tokens[i]] = new
+                return new
+            edge = child.edge
+            m = 0
+            while m < len(edge) and i + m < len(tokens) and edge[m] == tokens[i + m]:
+                m += 1
+            if m < len(edge):  # split: node -> mid (edge[:m]) -> child (edge[m:])
+                mid = _Node(edge[:m], node)
+                node.children[tokens[i]] = mid
+                child.edge, child.parent = edge[m:], mid
+                mid.children[edge[m]] = child
+                child = mid
+            node, i = child, i + m
+        return node
+
+    def _evict(self, room: int) -> bool:
+        """Drop unpinned entries, least recently used first, until the cache holds at most `room` bytes."""
+        if self.bytes <= room:
+            return True
+        victims = sorted((e for e in self.entries() if e[1].pins == 0), key=lambda ne: ne[1].used)
+        for node, e in victims:
+            if self.bytes <= room:
+                break
+            node.entry = None
+            self.bytes -= e.nbytes
+            self.stats["evicted"] += 1
+            self._prune(node)
+        return self.bytes <= room
+
+    def _prune(self, node: _Node) -> None:
+        """Remove `node` and its ancestors while they hold no entry and no child."""
+        while node is not self.root and node.entry is None and not node.children:
+            parent = node.parent
+            del parent.children[node.edge[0]]
+            node = parent
+
+    def entries(self) -> list[tuple[_Node, Entry]]:
+        """Every (node, entry), depth first."""
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            if node.entry is not None:
+                out.append((node, node.entry))
+            stack.extend(node.children.values())
+        return out
+
+    def describe(self) -> dict:
+        return dict(entries=len(self.entries()), bytes=self.bytes, budget=self.budget, **self.stats)
+
+
+# ---- the runner's side: take an entry out of a slot, put one into a slot ------------------------------------
+def take(runner, slot: int, length: int, features: dict[str, torch.Tensor], *, conv=None, ssm=None) -> Entry:
+    """A copy of `slot`'s committed state after `length` tokens: its pool state (or `conv [Lyr, C, Kc-1]`, `ssm
+    [Lyr, H, K, V]`: a track copy of an earlier boundary), its KV entries `[:length]` and `features[name][:length]`.
+    The slot's pending records (lazy commit) must be folded first."""
+    pool, kv = runner.state.pool, runner.kv
+    with outside_inference():  # kept across calls: normal tensors, as the pool's
+        conv = (pool.conv[:, slot] if conv is None else conv).clone()
+        ssm = (pool.ssm[:, slot] if ssm is None else ssm).clone()
+        kvs = {layer: tuple(buf[slot, :, :length].clone() for buf in bufs) for layer, bufs in kv.store.items()}
+        feats = {k: f[:length].clone() for k, f in features.items()}
+    return Entry(length, conv, ssm, kvs, feats)
+
+
+def restore(runner, entry: Entry, slot: int) -> None:
+    """Copy `entry` into the fresh `slot`: state, conv window, KV entries, lengths (the entry is read only)."""
+    pool, kv, n = runner.state.pool, runner.kv, entry.length
+    pool.conv[:, slot] = entry.conv
+    pool.ssm[:, slot] = entry.ssm
+    pool.seq_len[slot] = n
+    for layer, ts in entry.kv.items():
+        for buf, t in zip(kv.store[layer], ts):
+            buf[slot, :, :n] = t
+    kv.lengths[slot] = n
+    kv.bound[slot] = n
+
+
+def entry_bytes(runner, tokens: int, feature_bytes_per_token: int) -> dict[str, int]:
+    """The bytes of an entry of `tokens` tokens, by part: recurrent state, KV (from the runner's memory plan, which
+    sizes KV buffers `[slots, heads, max_length, dim]`) and drafter features."""
+    pool = runner.state.pool
+    state = (pool.conv[:, 0].numel() * pool.conv.element_size() + pool.ssm[:, 0].numel() * pool.ssm.element_size())
+    kv = sum(spec.shape[1] * spec.shape[3] * torch.empty((), dtype=spec.dtype).element_size()
+             for spec in runner.memory.parts.get("KV cache", {}).values())
+    return {"recurrent state": state, "KV": kv * tokens, "drafter features": feature_bytes_per_token * tokens}
+
+
+def check_budget(budget, runner, feature_bytes_per_token: int) -> int:
+    """`prefix_cache=` as bytes: True -> `DEFAULT_BUDGET`; a budget below one entry of one token is a ValueError."""
+    if budget is True:
+        budget = DEFAULT_BUDGET
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"prefix_cache: expected False, True or a byte budget (an int >= 1), got {budget!r}")
+    parts = entry_bytes(runner, 1, feature_bytes_per_token)
+    least = sum(parts.values())
+    if budget < least:
+        detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
+        raise ValueError(f"prefix_cache: a budget of {format_bytes(budget)} is smaller than one entry "
+                         f"({format_bytes(least)} for a 1-token prefix: {detail}); give at least {least} bytes")
+    return budget

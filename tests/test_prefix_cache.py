@@ -1,0 +1,225 @@
+"""`wrap(model, prefix_cache=...)`: a conversation's next turn starts from the cached state of its prefix, and its
+output is the output without the cache, token for token (float64; greedy, and sampling with a fixed seed), on
+Kimi-Linear, Qwen3-Next and a Mamba2 hybrid (Nemotron-H), for every state strategy and ngram, eagle (tree) and
+mtp drafters. The conversations hit at a prompt's end (mid-interval), at a finished request's end and at a track
+boundary inside an earlier reply. A hypothesis property runs random conversations with random budgets (eviction)
+and interleaved requests: outputs as without the cache, no entry changed after it was written, no slot leaked."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tiny_models import generate_f64, greedy_reference, tiny_model
+
+import specdec
+import test_generic_families as generic
+from specdec.prefix_cache import PrefixCache, Entry
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+INTERVAL = 8
+NEW = 10
+MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
+DRAFTERS = {"ngram": {}, "eagle": dict(untrained=True, topk=2, num_nodes=6), "mtp": dict(untrained=True)}
+
+
+@functools.cache
+def target(family: str):
+    return generic.tiny(family) if family == "nemotron_h" else tiny_model(family)
+
+
+def engine(family, drafter, mode, **kw):
+    strategy, commit = mode
+    model = target(family)
+    torch.manual_seed(0)  # the same untrained head in every engine: the same drafts, so sampled tokens compare too
+    return specdec.wrap(model, drafter=drafter, strategy=strategy, commit=commit, max_batch_size=2,
+                        max_length=160, num_draft_tokens=3, **DRAFTERS[drafter], **kw)
+
+
+def conversation(seed: int) -> list[tuple[str, list[int]]]:
+    """Turns `(expected hit, prompt)`: a first prompt of 11 tokens (its end is mid-interval), the whole first
+    exchange continued (a hit at the first request's end), the first prompt with another continuation (a hit at its
+    end), and the first reply cut after 18 tokens and continued (a hit at the track boundary 16)."""
+    g = torch.Generator().manual_seed(seed)
+    toks = lambda n: torch.randint(3, 90, (n,), generator=g).tolist()  # noqa: E731
+    first = toks(11)
+    return [("none", first), ("request end", None), ("prompt end", first + toks(4)), ("track boundary", None)], toks
+
+
+def run_conversation(eng, conv_seed, **kw) -> tuple[list[list[int]], list[int]]:
+    """The conversation's outputs (`conversation`, the continued turns built from this engine's own outputs) and
+    the cached tokens of each turn."""
+    turns, toks = conversation(conv_seed)
+    outs, cached, first_out = [], [], None
+    for kind, prompt in turns:
+        if kind == "request end":
+            prompt = first_out + toks(5)
+        elif kind == "track boundary":
+            prompt = first_out[:18] + toks(3)
+        out = generate_f64(eng, [prompt], max_new_tokens=NEW, **kw)
+        seq = out.sequences[0].tolist()
+        first_out = seq if first_out is None else first_out
+        outs.append(seq)
+        cached.append(out.stats.cached_tokens)
+    return outs, cached
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+@pytest.mark.parametrize("family", ["kimi_linear", "qwen3_next", "nemotron_h"])
+def test_greedy_equals_no_cache(family, drafter, mode):
+    plain = engine(family, drafter, mode)
+    cached_eng = engine(family, drafter, mode, prefix_cache=True, track_interval=INTERVAL)
+    want, none = run_conversation(plain, 0)
+    got, cached = run_conversation(cached_eng, 0)
+    assert got == want
+    assert none == [0, 0, 0, 0]
+    # what each turn reused: nothing, the first request's committed end (prompt 11 + 9 new, the last new token being
+    # the uncommitted anchor; or + 10 when the last round accepted it as a draft past max_new_tokens), the first
+    # prompt's end, and the first reply's track boundary 16 (the cut is at 18)
+    assert cached[0] == 0 and cached[1] in (20, 21) and cached[2:] == [11, 16], cached
+    for seq in got:  # and the outputs are transformers' greedy decode
+        prompt = seq[:-NEW]
+        assert seq[len(prompt):] == greedy_reference(target(family), prompt, NEW)[len(prompt):]
+
+
+def test_sampling_with_a_seed_equals_no_cache():
+    plain = engine("kimi_linear", "eagle", MODES[0])
+    cached_eng = engine("kimi_linear", "eagle", MODES[0], prefix_cache=True, track_interval=INTERVAL)
+    kw = dict(do_sample=True, temperature=1.0, seed=5)
+    want, _ = run_conversation(plain, 1, **kw)
+    got, cached = run_conversation(cached_eng, 1, **kw)
+    assert got == want and cached[1] > 0
+
+
+def test_a_prompt_with_no_cached_prefix_runs_as_without():
+    plain = engine("qwen3_next", "ngram", MODES[0])
+    eng = engine("qwen3_next", "ngram", MODES[0], prefix_cache=True)
+    for prompt in ([4, 5, 6, 7, 8], [9, 10, 11, 12]):  # no common first token: no hit
+        out = generate_f64(eng, [prompt], max_new_tokens=NEW)
+        assert out.stats.cached_tokens == 0 and out.stats.prompt_tokens == len(prompt)
+        assert torch.equal(out.sequences, generate_f64(plain, [prompt], max_new_tokens=NEW).sequences)
+
+
+def test_bad_budgets_and_targets_are_one_clear_error():
+    model = target("kimi_linear")
+    with pytest.raises(ValueError, match=r"prefix_cache: a budget of 100 B is smaller than one entry \(.* "
+                                         r"recurrent state .*\); give at least \d+ bytes"):
+        specdec.wrap(model, prefix_cache=100)
+    with pytest.raises(ValueError, match=r"prefix_cache: expected False, True or a byte budget"):
+        specdec.wrap(model, prefix_cache=-5)
+    with pytest.raises(ValueError, match=r"track_interval: expected an int >= 1"):
+        specdec.wrap(model, prefix_cache=True, track_interval=0)
+    with pytest.raises(ValueError, match=r"prefix_cache: needs a hybrid target"):
+        specdec.wrap(generic.tiny("mamba"), prefix_cache=True)
+
+
+def _entry(n: int, nbytes_each: int = 8) -> Entry:
+    return Entry(n, torch.zeros(nbytes_each // 8, dtype=torch.float64), torch.zeros(0), {}, {})
+
+
+def test_eviction_is_least_recently_used_and_never_touches_a_pinned_entry():
+    cache = PrefixCache(budget=3 * 64)
+    a = cache.insert([1, 2], lambda: _entry(2, 64))
+    b = cache.insert([1, 3], lambda: _entry(2, 64))
+    c = cache.insert([1, 2, 4], lambda: _entry(3, 64))
+    assert cache.match([1, 2, 4, 9], 3) is c and cache.match([1, 2, 5], 2) is a  # deepest entry within the limit
+    assert cache.match([1, 2, 4], 2) is a  # c holds 3 tokens: more than the limit
+    with cache.pinned([b]):  # b is the least recently used, but pinned
+        d = cache.insert([7], lambda: _entry(1, 64))
+    held = {id(e) for _, e in cache.entries()}
+    assert id(b) in held and id(d) in held and cache.bytes <= cache.budget
+    assert cache.stats["evicted"] == 1 and id(c) not in held  # c (used before a) went
+    assert cache.insert([8], lambda: _entry(1, 4 * 64)) is None and cache.stats["skipped"] == 1  # over the budget
+    assert cache.insert([1, 2], lambda: pytest.fail("an entry is written once")) is a
+
+
+def _tensors(e: Entry) -> list[torch.Tensor]:
+    return [e.conv, e.ssm, *(x for ts in e.kv.values() for x in ts), *e.features.values()]
+
+
+def _snapshot(cache: PrefixCache) -> dict:
+    """Each entry (kept alive here, so that its id is not reused) with copies of its tensors."""
+    return {id(e): (e, [t.clone() for t in _tensors(e)]) for _, e in cache.entries()}
+
+
+def _unchanged(cache: PrefixCache, seen: dict) -> None:
+    for _, e in cache.entries():
+        if id(e) in seen:
+            assert all(torch.equal(x, y) for x, y in zip(_tensors(e), seen[id(e)][1])), \
+                "an entry changed after it was written"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_random_conversations_budgets_and_interleaving(data):
+    mode = data.draw(st.sampled_from(MODES), label="mode")
+    drafter = data.draw(st.sampled_from(["ngram", "eagle"]), label="drafter")
+    budget = data.draw(st.sampled_from([60_000, 150_000, 10**9]), label="budget")  # small ones evict
+    plain = _engines(drafter, mode)
+    eng = engine("kimi_linear", drafter, mode, prefix_cache=budget, track_interval=4)
+    pool = eng.runner.state.pool
+    pieces = [data.draw(st.lists(st.integers(3, 90), min_size=2, max_size=9), label=f"piece{i}") for i in range(3)]
+    seen = {}
+    for turn in range(data.draw(st.integers(2, 4), label="turns")):
+        # a batch of 1-3 prompts, each some pieces concatenated: shared prefixes, interleaved in one call
+        prompts = [sum((pieces[i] for i in data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=3),
+                                                        label=f"turn{turn}.{j}")), [])
+                   for j in range(data.draw(st.integers(1, 3), label=f"batch{turn}"))]
+        want = generate_f64(plain, prompts, max_new_tokens=6).sequences
+        got = generate_f64(eng, prompts, max_new_tokens=6).sequences
+        assert torch.equal(got, want)
+        _unchanged(eng.prefix_cache, seen)
+        seen.update({k: v for k, v in _snapshot(eng.prefix_cache).items() if k not in seen})
+        assert pool.num_free == pool.cfg.max_requests, "a slot leaked"
+        assert eng.prefix_cache.bytes <= budget
+        pieces.append(got[0].tolist()[-4:])  # later turns may reuse an output
+
+
+@functools.cache
+def _engines(drafter, mode):
+    """The engine without a cache, one per setting across the property's examples (it keeps nothing between calls;
+    each example makes its own cached engine)."""
+    return engine("kimi_linear", drafter, mode)
+
+
+def test_a_fault_mid_round_leaves_the_cache_and_engine_consistent(monkeypatch):
+    plain = engine("qwen3_next", "eagle", MODES[1])
+    eng = engine("qwen3_next", "eagle", MODES[1], prefix_cache=True, track_interval=INTERVAL)
+    first = generate_f64(eng, [[5, 9, 12, 40, 41, 42, 43, 7, 8]], max_new_tokens=NEW).sequences[0].tolist()
+    seen = _snapshot(eng.prefix_cache)
+    assert seen
+    calls = {"n": 0}
+    real = eng.runner.kv.advance
+
+    def flaky(*a, **k):  # the third commit of the next call raises, after the state strategy committed
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+        return real(*a, **k)
+    monkeypatch.setattr(eng.runner.kv, "advance", flaky)
+    prompt = first + [60, 61]
+    with pytest.raises(RuntimeError, match="injected"):
+        generate_f64(eng, [prompt], max_new_tokens=NEW)
+    monkeypatch.setattr(eng.runner.kv, "advance", real)
+    _unchanged(eng.prefix_cache, seen)
+    pool = eng.runner.state.pool
+    assert pool.num_free == pool.cfg.max_requests
+    out = generate_f64(eng, [prompt], max_new_tokens=NEW)
+    assert out.stats.cached_tokens > 0
+    assert torch.equal(out.sequences, generate_f64(plain, [prompt], max_new_tokens=NEW).sequences)
+
+
+def test_teeth_a_changed_entry_is_caught():
+    """The property's immutability check fails when a written entry changes."""
+    eng = engine("kimi_linear", "ngram", MODES[0], prefix_cache=True)
+    generate_f64(eng, [[5, 6, 7, 8, 9]], max_new_tokens=4)
+    seen = _snapshot(eng.prefix_cache)
+    _, e = eng.prefix_cache.entries()[0]
+    e.ssm.view(-1)[0] += 1
+    with pytest.raises(AssertionError, match="an entry changed"):
+        _unchanged(eng.prefix_cache, seen)
