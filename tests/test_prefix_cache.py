@@ -223,3 +223,15 @@ def test_teeth_a_changed_entry_is_caught():
     e.ssm.view(-1)[0] += 1
     with pytest.raises(AssertionError, match="an entry changed"):
         _unchanged(eng.prefix_cache, seen)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_static_shapes_equal_no_cache(drafter):
+    """With static shapes (the padded rounds CUDA graphs capture; eagle drafts inside the device step) the cache
+    serves the same conversation, token for token."""
+    plain = engine("kimi_linear", drafter, MODES[0], static_shapes=True)
+    cached_eng = engine("kimi_linear", drafter, MODES[0], static_shapes=True, prefix_cache=True,
+                        track_interval=INTERVAL)
+    want, _ = run_conversation(plain, 2)
+    got, cached = run_conversation(cached_eng, 2)
+    assert got == want and cached[0] == 0 and cached[1] >= 20 and cached[2:] == [11, 16], cached
