@@ -175,18 +175,8 @@ class SpecEngine(EngineParts):
         lens = torch.tensor(sizes, dtype=torch.long, device=lanes.tok.device)
         stats.prompt_tokens += sum(sizes)
         cache = self.prefix_cache
-        if cache is not None:  # each prompt from its deepest cached prefix (keeping one token to prefill)
-            hits = [cache.match(hist[r], len(hist[r]) - 1) for r in reqs]
-            with cache.pinned(hits):
-                for s, e in zip(slots, hits):
-                    if e is not None:
-                        prefix_cache.restore(self.runner, e, s)
-            cached = [0 if e is None else e.length for e in hits]
-            stats.cached_tokens += sum(cached)
-            out = self.runner.prefill_batch(slots, [p[c:] for p, c in zip(ps, cached)], capture=capture,
-                                            last_logits=True)
-            feats = self._prompt_features(out, hits, cached, sizes)
-            last = out.logits[:, 0]
+        if cache is not None:  # each prompt from its deepest cached prefix
+            last, feats = prefix_cache.prefill(self, slots, ps, [hist[r] for r in reqs], capture, stats)
             self.drafter.observe(ids, Observed(ps, lens), Observed.rows_of(feats["hidden"], sizes, lens),
                                  {c: Observed.rows_of(feats[c], sizes, lens) for c in capture})
         elif hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
@@ -223,50 +213,18 @@ class SpecEngine(EngineParts):
             if not self._emit(out_tokens[r], [back[i][0]], max_new, eos_set, streamer):
                 going.append(l)
             hist[r].extend(out_tokens[r])
-        if cache is not None:  # each prompt's end: an entry (its state, KV and features, as the prefill left them),
-            for name, buf in lanes.feat.items():  # written after the first tokens went out
+        if cache is not None:  # each prompt's end: an entry, written after the first tokens went out
+            for name, buf in lanes.feat.items():
                 buf[lane_t, :max(sizes)] = feats[name]
-            for l, s, P in zip(ids, slots, sizes):
-                cache.insert(lanes.hist[l][:P], lambda s=s, P=P, l=l: prefix_cache.take(
-                    self.runner, s, P, {name: buf[l] for name, buf in lanes.feat.items()}))
+            prefix_cache.publish_prompts(self, lanes, ids, sizes)
         return going
-
-    def _prompt_features(self, out, hits, cached: list[int], sizes: list[int]) -> dict[str, torch.Tensor]:
-        """The features the drafter observes over each whole prompt `[k, P, d]`: a cached prefix's from its entry
-        (zeros where the drafter observes none), the rest from the prefill of the suffix (`out`)."""
-        feats = {"hidden": out.hidden, **out.captured}
-        if not any(cached):
-            return feats
-        full = {k: x.new_zeros(x.shape[0], max(sizes), x.shape[-1]) for k, x in feats.items()}
-        for b, (e, c, P) in enumerate(zip(hits, cached, sizes)):
-            for k, x in feats.items():
-                if c and k in e.features:
-                    full[k][b, :c] = e.features[k]
-                full[k][b, c:P] = x[b, :P - c]
-        return full
-
-    def _publish(self, lanes: "_Lanes", l: int) -> None:
-        """A finished request's committed state as prefix cache entries: at its end and at the track boundaries its
-        slot passed (lazy records folded first). Key: the committed tokens (the emitted history, or the token
-        buffer where EOS or max_new_tokens cut the last round's accepted tokens short)."""
-        runner, cache, s = self.runner, self.prefix_cache, lanes.slot[l]
-        runner.state.flush([s])
-        c = runner.kv.bound[s]  # exact: every commit passes its host counts
-        toks = lanes.hist[l][:c] if len(lanes.hist[l]) >= c else lanes.tok[l, :c].tolist()
-        feats = {name: buf[l] for name, buf in lanes.feat.items()}
-        cache.insert(toks, lambda: prefix_cache.take(runner, s, c, feats))
-        pool = runner.state.pool
-        for par, t in enumerate(pool.track_len[s].tolist()):
-            if 0 < t < c:
-                cache.insert(toks[:t], lambda t=t, par=par: prefix_cache.take(
-                    runner, s, t, feats, conv=pool.track_conv[:, s, par], ssm=pool.track_ssm[:, s, par]))
 
     def _retire(self, lanes: "_Lanes", ids: list[int], *, publish: bool = False) -> None:
         """Requests of lanes `ids` ended (or the call failed): with `publish` (finished requests) their state goes
         to the prefix cache; then the drafter and the runner let go of them."""
         if publish and self.prefix_cache is not None:
             for l in ids:
-                self._publish(lanes, l)
+                prefix_cache.publish_end(self, lanes, l)
         try:
             self.drafter.release(ids)
         finally:
@@ -348,6 +306,8 @@ class SpecEngine(EngineParts):
             before = len(out_tokens[b])
             self._emit(out_tokens[b], host.tokens[i], max_new, eos_set, streamer)
             hist[b].extend(out_tokens[b][before:])
+        if self.prefix_cache is not None:  # the track boundaries this round passed
+            prefix_cache.publish_boundaries(self, lanes, active, [m + 1 for m in host.num_accepted])
 
     # ---- failures ----------------------------------------------------------------------------------
     def _propose(self, active, contexts, gamma, sampling, gen, stats) -> DraftBlock:

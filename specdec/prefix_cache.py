@@ -1,8 +1,9 @@
 """Prefix-state cache: a request whose prompt starts with an earlier one's tokens starts from the state cached there.
 
-A radix tree over token ids holds entries at boundaries: after each prompt (its prefill), and when a request ends,
-at its committed end and at the last two `track_interval` boundaries its slot passed (the pool's track copies,
-`replayssm.pool`). An entry is the committed state of that prefix, copied out of the slot:
+A radix tree over token ids holds entries at boundaries: every multiple of `track_interval` a request's committed
+tokens pass (a prompt's prefill runs in segments that end there; a round that passes one publishes the pool's track
+copy of it, `replayssm.pool`), each prompt's end, and each finished request's committed end. An entry is the
+committed state of that prefix, copied out of the slot:
 - every recurrent layer's conv window `[Lyr, C, Kc-1]` and state `[Lyr, H, K, V]`;
 - every attention layer's KV entries `[heads, n, dim]` (copies, not shared pages: a slot's KV buffer is rewritten
   past its committed length by every round, and a copy keeps an entry valid whatever the slot does next);
@@ -229,3 +230,85 @@ def check_budget(budget, runner, feature_bytes_per_token: int) -> int:
         raise ValueError(f"prefix_cache: a budget of {format_bytes(budget)} is smaller than one entry "
                          f"({format_bytes(least)} for a 1-token prefix: {detail}); give at least {least} bytes")
     return budget
+
+
+# ---- the engine's side: admission, rounds and retirement of `SpecEngine.generate` with a cache ---------------------
+def prefill(engine, slots: list[int], prompts: list[torch.Tensor], hosts: list[list[int]], capture: tuple, stats):
+    """Start the prompts `[P_b]` (`hosts`: the same as lists) in their fresh `slots`: each from its deepest cached
+    prefix (at most P - 1 tokens, one is left for the first token's logits), the rest prefilled in segments that end
+    at the multiples of `track_interval` (each boundary an entry) and at the prompt's end. -> (logits at each
+    prompt's last token `[k, V]`, the features the drafter observes over each whole prompt `{name: [k, P, d]}`: the
+    cached prefix's from its entry, zeros where the drafter observes none)."""
+    cache, runner, iv = engine.prefix_cache, engine.runner, engine.config.track_interval
+    hits = [cache.match(h, len(h) - 1) for h in hosts]
+    with cache.pinned(hits):
+        for s, e in zip(slots, hits):
+            if e is not None:
+                restore(runner, e, s)
+    pos = [0 if e is None else e.length for e in hits]
+    sizes = [len(h) for h in hosts]
+    stats.cached_tokens += sum(pos)
+    ends = [list(range((c // iv + 1) * iv, P, iv)) + [P] for c, P in zip(pos, sizes)]  # each segment's end
+    feats, last = None, [None] * len(slots)
+    for step in range(max(len(x) for x in ends)):
+        rows = [b for b in range(len(slots)) if step < len(ends[b])]
+        seg = [prompts[b][pos[b]:ends[b][step]] for b in rows]
+        out = runner.prefill_batch([slots[b] for b in rows], seg, capture=capture, last_logits=True)
+        got = {"hidden": out.hidden, **out.captured}
+        if feats is None:
+            feats = {k: x.new_zeros(len(slots), max(sizes), x.shape[-1]) for k, x in got.items()}
+            for b, e in enumerate(hits):
+                for k in feats:
+                    if e is not None and k in e.features:
+                        feats[k][b, :e.length] = e.features[k]
+        for i, b in enumerate(rows):
+            n = len(seg[i])
+            for k, x in got.items():
+                feats[k][b, pos[b]:pos[b] + n] = x[i, :n]
+            pos[b] += n
+            if step == len(ends[b]) - 1:
+                last[b] = out.logits[i, 0]
+            else:  # a track boundary inside the prompt: the slot holds its state now
+                names = engine.feature_names
+                cache.insert(hosts[b][:pos[b]], lambda b=b, t=pos[b]: take(
+                    runner, slots[b], t, {k: feats[k][b] for k in names}))
+    return torch.stack(last), feats
+
+
+def publish_prompts(engine, lanes, ids: list[int], sizes: list[int]) -> None:
+    """Each new request's prompt end as an entry (its state, KV and features as the prefill left them)."""
+    for l, P in zip(ids, sizes):
+        engine.prefix_cache.insert(lanes.hist[l][:P], lambda l=l, P=P: take(
+            engine.runner, lanes.slot[l], P, {k: buf[l] for k, buf in lanes.feat.items()}))
+
+
+def _tokens(lanes, l: int, n: int) -> list[int]:
+    """The first `n` committed tokens of lane `l`: its emitted history, or the token buffer where EOS or
+    max_new_tokens cut a round's accepted tokens short of it."""
+    hist = lanes.hist[l]
+    return hist[:n] if len(hist) >= n else lanes.tok[l, :n].tolist()
+
+
+def publish_boundaries(engine, lanes, active: list[int], kept: list[int]) -> None:
+    """After a round that kept `kept[i]` tokens of lane `active[i]`: an entry at each multiple of `track_interval`
+    the round passed, from the pool's track copy of it (ping-pong: the last two boundaries are kept)."""
+    runner, iv, pool = engine.runner, engine.config.track_interval, engine.runner.state.pool
+    for l, n in zip(active, kept):
+        s = lanes.slot[l]
+        after = runner.kv.bound[s]  # exact: every commit passes its host counts
+        for t in range(max((after - n) // iv + 1, after // iv - 1) * iv, after + 1, iv):
+            if t <= 0:
+                continue
+            par = (t // iv) % 2
+            engine.prefix_cache.insert(_tokens(lanes, l, t), lambda t=t, par=par, l=l, s=s: take(
+                runner, s, t, {k: buf[l] for k, buf in lanes.feat.items()}, conv=pool.track_conv[:, s, par],
+                ssm=pool.track_ssm[:, s, par]))
+
+
+def publish_end(engine, lanes, l: int) -> None:
+    """A finished request's committed end as an entry (lazy records folded first)."""
+    runner, s = engine.runner, lanes.slot[l]
+    runner.state.flush([s])
+    c = runner.kv.bound[s]
+    engine.prefix_cache.insert(_tokens(lanes, l, c), lambda: take(runner, s, c, {k: buf[l] for k, buf in
+                                                                                    lanes.feat.items()}))

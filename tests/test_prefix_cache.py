@@ -13,11 +13,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_models import generate_f64, greedy_reference, tiny_model
+from assertions import max_rel_err
+from tiny_models import float64_everywhere, generate_f64, greedy_reference, tiny_model, torch_fallbacks
 
 import specdec
 import test_generic_families as generic
 from specdec.prefix_cache import PrefixCache, Entry
+from specdec.runner import HybridRunner
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -235,3 +237,34 @@ def test_static_shapes_equal_no_cache(drafter):
     want, _ = run_conversation(plain, 2)
     got, cached = run_conversation(cached_eng, 2)
     assert got == want and cached[0] == 0 and cached[1] >= 20 and cached[2:] == [11, 16], cached
+
+
+def _key(node) -> list[int]:
+    out = []
+    while node.parent is not None:
+        out = list(node.edge) + out
+        node = node.parent
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
+def test_an_entry_at_every_boundary_holds_the_state_of_its_prefix(mode):
+    """Entries at every multiple of the interval (inside the prompt, from prefill segments; in the reply, from the
+    rounds' track copies), at the prompt's end and at the request's end; each holds the state, conv window and KV
+    entries that a fresh prefill of its tokens gives (float64)."""
+    eng = engine("qwen3_next", "eagle", mode, prefix_cache=True, track_interval=4)
+    prompt = list(range(5, 19))  # 14 tokens: boundaries 4, 8, 12 inside it
+    generate_f64(eng, [prompt], max_new_tokens=13)
+    entries = {e.length: (node, e) for node, e in eng.prefix_cache.entries()}
+    end = max(entries)
+    assert end >= 14 + 12 and set(range(4, end + 1, 4)) | {14, end} == set(entries), sorted(entries)
+    fresh = HybridRunner(target("qwen3_next"), strategy="snapshot", max_batch_size=1, max_length=64)
+    for n, (node, e) in sorted(entries.items()):
+        s = fresh.alloc(1)[0]
+        with torch_fallbacks(), float64_everywhere():
+            fresh.prefill(s, torch.tensor(_key(node)))
+        pool = fresh.state.pool
+        assert max_rel_err(e.ssm, pool.ssm[:, s]) < 1e-10 and max_rel_err(e.conv, pool.conv[:, s]) < 1e-10, n
+        for layer, ts in e.kv.items():
+            assert all(max_rel_err(t, buf[s, :, :n]) < 1e-10 for t, buf in zip(ts, fresh.kv.store[layer])), n
+        fresh.release([s])
