@@ -9,13 +9,14 @@ from dataclasses import fields
 import torch
 
 from specdec.draft import Drafter, TargetView, make_drafter
+from specdec.replayssm.plan import BufferSpec
 from specdec.verify.accept import is_int_tensor
 
 from . import cpu_linear, memory
 from .adapters import HYBRID_FAMILIES
 from .config import SpecConfig
 from .graphs import RoundGraphs
-from .prefix_cache import PrefixCache, check_budget
+from .prefix_cache import DEFAULT_BUDGET, PrefixCache, check_budget
 from .round import RoundStep
 from .runner import HybridRunner, index_tensor, make_runner
 
@@ -133,14 +134,20 @@ class EngineParts:
                             max_length=self.max_length, draft_model=draft_model, runner_factory=factory, **kwargs)
 
     def _memory_options(self) -> dict:
-        return {"max_batch_size": self.config.max_batch_size, "max_length": self.max_length}
+        opts = {"max_batch_size": self.config.max_batch_size, "max_length": self.max_length}
+        return {**opts, "prefix_cache": self.config.prefix_cache} if self.config.prefix_cache else opts
 
     def _check_memory(self, plan: memory.MemoryPlan, verify_tokens: int) -> None:
-        """The target runner's plan with the drafter's caches (kept as `memory_plan`) against the free memory
-        (`memory.check_fits`)."""
+        """The target runner's plan with the drafter's caches and the prefix cache's budget (kept as `memory_plan`)
+        against the free memory (`memory.check_fits`)."""
         self.memory_plan = plan.copy().add("drafter caches", self.drafter.memory_specs(
             max_length=self.max_length, num_verify_tokens=verify_tokens, gamma=self.gamma,
             static=self.config.static_shapes), deferred=True)
+        budget = self.config.prefix_cache
+        if budget:  # filled as requests finish, up to its budget
+            budget = DEFAULT_BUDGET if budget is True else int(budget)
+            self.memory_plan.add("prefix cache", {"prefix_cache.budget": BufferSpec(
+                "prefix_cache.budget", (budget,), torch.uint8)}, deferred=True)
         memory.check_fits(self.memory_plan, self._memory_options())
 
     # ---- generate ----------------------------------------------------------------------------------

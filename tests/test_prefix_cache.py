@@ -268,3 +268,11 @@ def test_an_entry_at_every_boundary_holds_the_state_of_its_prefix(mode):
         for layer, ts in e.kv.items():
             assert all(max_rel_err(t, buf[s, :, :n]) < 1e-10 for t, buf in zip(ts, fresh.kv.store[layer])), n
         fresh.release([s])
+
+
+def test_a_budget_past_the_free_memory_is_refused_at_wrap():
+    """The budget counts in the wrap's memory check (the cache fills up to it as requests finish)."""
+    with pytest.raises(specdec.memory.InsufficientMemoryError,
+                       match=r"max_batch_size, max_length, prefix_cache: wrap with .*prefix_cache=1000000000000000 "
+                             r"needs .*\(.*, prefix cache 909\.5 TiB\), but only .* is free .*lower .* or prefix_cache"):
+        specdec.wrap(target("kimi_linear"), prefix_cache=10**15)
