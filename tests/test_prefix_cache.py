@@ -3,7 +3,8 @@ output is the output without the cache, token for token (float64; greedy, and sa
 Kimi-Linear, Qwen3-Next and a Mamba2 hybrid (Nemotron-H), for every state strategy and ngram, eagle (tree) and
 mtp drafters. The conversations hit at a prompt's end (mid-interval), at a finished request's end and at a track
 boundary inside an earlier reply. A hypothesis property runs random conversations with random budgets (eviction)
-and interleaved requests: outputs as without the cache, no entry changed after it was written, no slot leaked."""
+and interleaved requests, greedy or sampled with a seed: outputs as without the cache, no entry changed after it
+was written, no slot leaked."""
 
 from __future__ import annotations
 
@@ -162,6 +163,7 @@ def test_random_conversations_budgets_and_interleaving(data):
     mode = data.draw(st.sampled_from(MODES), label="mode")
     drafter = data.draw(st.sampled_from(["ngram", "eagle"]), label="drafter")
     budget = data.draw(st.sampled_from([60_000, 150_000, 10**9]), label="budget")  # small ones evict
+    sampled = data.draw(st.booleans(), label="sampled")  # greedy, or sampling with a seed
     plain = _engines(drafter, mode)
     eng = engine("kimi_linear", drafter, mode, prefix_cache=budget, track_interval=4)
     pool = eng.runner.state.pool
@@ -172,8 +174,9 @@ def test_random_conversations_budgets_and_interleaving(data):
         prompts = [sum((pieces[i] for i in data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=3),
                                                         label=f"turn{turn}.{j}")), [])
                    for j in range(data.draw(st.integers(1, 3), label=f"batch{turn}"))]
-        want = generate_f64(plain, prompts, max_new_tokens=6).sequences
-        got = generate_f64(eng, prompts, max_new_tokens=6).sequences
+        kw = dict(do_sample=True, temperature=1.0, seed=turn) if sampled else {}
+        want = generate_f64(plain, prompts, max_new_tokens=6, **kw).sequences
+        got = generate_f64(eng, prompts, max_new_tokens=6, **kw).sequences
         assert torch.equal(got, want)
         _unchanged(eng.prefix_cache, seen)
         seen.update({k: v for k, v in _snapshot(eng.prefix_cache).items() if k not in seen})
