@@ -1,7 +1,7 @@
 """`wrap(model, prefix_cache=...)`: a conversation's next turn starts from the cached state of its prefix, and its
 output is the output without the cache, token for token (float64; greedy, and sampling with a fixed seed), on
-Kimi-Linear, Qwen3-Next and a Mamba2 hybrid (Nemotron-H), for every state strategy and ngram, eagle (tree) and
-mtp drafters. The conversations hit at a prompt's end (mid-interval), at a finished request's end and at a track
+Kimi-Linear, Qwen3-Next and a Mamba2 hybrid (Nemotron-H), for every state strategy and ngram, eagle (tree), mtp and
+dspark drafters. The conversations hit at a prompt's end (mid-interval), at a finished request's end and at a track
 boundary inside an earlier reply. A hypothesis property runs random conversations with random budgets (eviction)
 and interleaved requests, greedy or sampled with a seed: outputs as without the cache, no entry changed after it
 was written, no slot leaked."""
@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 INTERVAL = 8
 NEW = 10
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
-DRAFTERS = {"ngram": {}, "eagle": dict(untrained=True, topk=2, num_nodes=6), "mtp": dict(untrained=True)}
+DRAFTERS = {"ngram": {}, "eagle": dict(untrained=True, topk=2, num_nodes=6), "mtp": dict(untrained=True),
+            "dspark": dict(untrained=True)}
 
 
 @functools.cache
@@ -277,5 +278,6 @@ def test_a_budget_past_the_free_memory_is_refused_at_wrap():
     """The budget counts in the wrap's memory check (the cache fills up to it as requests finish)."""
     with pytest.raises(specdec.memory.InsufficientMemoryError,
                        match=r"max_batch_size, max_length, prefix_cache: wrap with .*prefix_cache=1000000000000000 "
-                             r"needs .*\(.*, prefix cache 909\.5 TiB\), but only .* is free .*lower .* or prefix_cache"):
+                             r"needs .*\(.*, prefix cache 909\.5 TiB\), but only .* is free "
+                             r".*lower .* or prefix_cache"):
         specdec.wrap(target("kimi_linear"), prefix_cache=10**15)
