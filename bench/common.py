@@ -8,7 +8,6 @@ A script run as `python bench/NAME.py` has this folder first on `sys.path`; one 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import platform
 import statistics
@@ -98,20 +97,15 @@ def parse_drafter(spec: str) -> tuple[str, dict]:
 def load_prompts(path: str | Path, kinds: list[str], limit: int | None) -> list[dict]:
     """Prompts of `kinds` from a JSONL file of `{"id", "kind", "source", "prompt"}`, at most `limit`, round-robin
     over the kinds (file order within a kind). Raises ValueError naming the bad line."""
+    from specdec.draft.data import json_lines
+
     by_kind: dict[str, list[dict]] = {k: [] for k in kinds}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise ValueError(f"{path}:{n}: expected an object with a string 'prompt'")
-            rec.setdefault("id", f"line-{n}")
-            if rec.get("kind") in by_kind:
-                by_kind[rec["kind"]].append(rec)
+    for n, rec in json_lines(path):
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+            raise ValueError(f"{path}:{n}: expected an object with a string 'prompt'")
+        rec.setdefault("id", f"line-{n}")
+        if rec.get("kind") in by_kind:
+            by_kind[rec["kind"]].append(rec)
     out: list[dict] = []
     queues = [list(v) for v in by_kind.values()]
     while any(queues) and (limit is None or len(out) < limit):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -113,18 +114,26 @@ def write_corpus(engine, prompts: list[torch.Tensor], out: str, *, new_tokens: i
     return written
 
 
+def json_lines(path) -> Iterator[tuple[int, object]]:
+    """(line number, value) of each non-blank line of a JSON-lines file; a line that is not JSON is a ValueError
+    naming the file and the line."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield n, json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+
+
 def corpus_tokens(path: str) -> torch.Tensor:
     """A corpus file -> one token stream `[N]`: each record's prompt then its continuation, in id order."""
     recs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                recs.append((int(r["id"]), list(r["prompt"]) + list(r["continuation"])))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"data: {path} line {n} is not a corpus record ({type(e).__name__}: {e})") from None
+    for n, r in json_lines(path):
+        try:
+            recs.append((int(r["id"]), list(r["prompt"]) + list(r["continuation"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"data: {path} line {n} is not a corpus record ({type(e).__name__}: {e})") from None
     if not recs:
         raise ValueError(f"data: {path} holds no corpus records")
     recs.sort(key=lambda r: r[0])

@@ -6,7 +6,7 @@ A speculative round on the linear layers:
     for layer in range(num_layers):
         y = strategy.conv(layer, x, weight, bias)  # short conv; conv windows (snapshot) or inputs (replay) kept
         o = strategy.mix(layer, q, k, v, g, beta)  # delta rule from the checkpoint
-    strategy.commit(num_accepted)                  # or path=[B, M] accepted node indices, or an Acceptance
+    strategy.commit(num_accepted)                  # or path=[B, M] accepted node indices
 
 Nothing persistent changes before `commit`; `abort` drops an open round, leaving every slot as it was.
 """
@@ -159,18 +159,15 @@ class StateStrategy(ABC):
         return o
 
     def commit(self, num_accepted=None, *, path=None) -> None:
-        """Keep the accepted tokens of each request: an `Acceptance` (its `path` and `num_kept`, as the accept
-        rules return it), `num_accepted [B]` (chain: tokens kept, 1..T; ignored on skipped rows) or `path [B, M]`
-        (accepted node indices root to leaf, -1 padded). Checked against the round; closes it."""
+        """Keep the accepted tokens of each request: `num_accepted [B]` (chain: tokens kept, 1..T; ignored on skipped
+        rows) or `path [B, M]` (accepted node indices root to leaf, -1 padded). Checked against the round, then
+        committed as an `Acceptance` (`_commit`, which the runner calls with an accept rule's record); closes it."""
         r = self._round
         if r is None:
             raise RuntimeError("commit: no open round")
         missing = sorted(set(range(self.cfg.num_layers)) - (r.conv_done & r.mix_done))
         if missing:
             raise RuntimeError(f"commit: layers {missing} were not verified (conv and mix) in this round")
-        if isinstance(num_accepted, Acceptance):
-            num_accepted, path = None, num_accepted.path.masked_fill(
-                torch.arange(num_accepted.path.shape[1], device=self.device) >= num_accepted.num_kept[:, None], -1)
         self._commit(Acceptance.kept(*self._accepted(r, num_accepted, path)))
 
     def _commit(self, acc: Acceptance) -> None:

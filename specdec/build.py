@@ -16,7 +16,7 @@ from . import cpu_linear, memory
 from .adapters import HYBRID_FAMILIES
 from .config import SpecConfig
 from .graphs import RoundGraphs
-from .prefix_cache import DEFAULT_BUDGET, PrefixCache, check_budget
+from .prefix_cache import PrefixCache, budget_bytes, check_budget
 from .round import RoundStep
 from .runner import HybridRunner, index_tensor, make_runner
 
@@ -88,7 +88,7 @@ class EngineParts:
         self.prefix_cache = None
         if cfg.prefix_cache:
             d = self.runner.hidden_size
-            per_token = len(self.feature_names) * d * torch.empty((), dtype=self.runner.dtype).element_size()
+            per_token = len(self.feature_names) * d * self.runner.dtype.itemsize
             self.prefix_cache = PrefixCache(check_budget(cfg.prefix_cache, self.runner, per_token))
         gen = getattr(model, "generation_config", None)
         self.eos_token_id = getattr(gen, "eos_token_id", None)
@@ -143,11 +143,9 @@ class EngineParts:
         self.memory_plan = plan.copy().add("drafter caches", self.drafter.memory_specs(
             max_length=self.max_length, num_verify_tokens=verify_tokens, gamma=self.gamma,
             static=self.config.static_shapes), deferred=True)
-        budget = self.config.prefix_cache
-        if budget:  # filled as requests finish, up to its budget
-            budget = DEFAULT_BUDGET if budget is True else int(budget)
+        if self.config.prefix_cache:  # filled as requests finish, up to its budget
             self.memory_plan.add("prefix cache", {"prefix_cache.budget": BufferSpec(
-                "prefix_cache.budget", (budget,), torch.uint8)}, deferred=True)
+                "prefix_cache.budget", (budget_bytes(self.config.prefix_cache),), torch.uint8)}, deferred=True)
         memory.check_fits(self.memory_plan, self._memory_options())
 
     # ---- generate ----------------------------------------------------------------------------------

@@ -294,7 +294,7 @@ class SpecEngine(EngineParts):
         kept_h = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
         kept_f = {l: res.captured[l][:B].gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
                   for l in capture}
-        sizes = [m + 1 for m in host.num_accepted]
+        sizes = host.num_kept
         self.drafter.observe(active, Observed.rows_of(kept_ids, sizes, kept), Observed.rows_of(kept_h, sizes, kept),
                              {l: Observed.rows_of(f, sizes, kept) for l, f in kept_f.items()})
         if lanes.feat:  # the kept positions' features (the anchor's at lens - 1), for the prefix cache
@@ -307,7 +307,7 @@ class SpecEngine(EngineParts):
             self._emit(out_tokens[b], host.tokens[i], max_new, eos_set, streamer)
             hist[b].extend(out_tokens[b][before:])
         if self.prefix_cache is not None:  # the track boundaries this round passed
-            prefix_cache.publish_boundaries(self, lanes, active, [m + 1 for m in host.num_accepted])
+            prefix_cache.publish_boundaries(self, lanes, active, sizes)
 
     # ---- failures ----------------------------------------------------------------------------------
     def _propose(self, active, contexts, gamma, sampling, gen, stats) -> DraftBlock:

@@ -103,7 +103,7 @@ class RoundGraphs:
         if entry.commit is not None:
             entry.commit.replay()
             rows = self._slots
-            kept = [m + 1 for m in host.num_accepted]
+            kept = host.num_kept
             eng.runner.kv.advance_bound(rows, kept + [0] * (len(rows) - len(kept)))
             return
         graph = torch.cuda.CUDAGraph()

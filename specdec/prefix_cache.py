@@ -212,17 +212,19 @@ def entry_bytes(runner, tokens: int, feature_bytes_per_token: int) -> dict[str, 
     sizes KV buffers `[slots, heads, max_length, dim]`) and drafter features."""
     pool = runner.state.pool
     state = (pool.conv[:, 0].numel() * pool.conv.element_size() + pool.ssm[:, 0].numel() * pool.ssm.element_size())
-    kv = sum(spec.shape[1] * spec.shape[3] * torch.empty((), dtype=spec.dtype).element_size()
+    kv = sum(spec.shape[1] * spec.shape[3] * spec.dtype.itemsize
              for spec in runner.memory.parts.get("KV cache", {}).values())
     return {"recurrent state": state, "KV": kv * tokens, "drafter features": feature_bytes_per_token * tokens}
 
 
-def check_budget(budget, runner, feature_bytes_per_token: int) -> int:
-    """`prefix_cache=` as bytes: True -> `DEFAULT_BUDGET`; a budget below one entry of one token is a ValueError."""
-    if budget is True:
-        budget = DEFAULT_BUDGET
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise ValueError(f"prefix_cache: expected False, True or a byte budget (an int >= 1), got {budget!r}")
+def budget_bytes(option) -> int:
+    """`SpecConfig.prefix_cache` (True or a byte budget, checked there) as bytes: True -> `DEFAULT_BUDGET`."""
+    return DEFAULT_BUDGET if option is True else int(option)
+
+
+def check_budget(option, runner, feature_bytes_per_token: int) -> int:
+    """`prefix_cache=` as bytes (`budget_bytes`); a budget below one entry of one token is a ValueError."""
+    budget = budget_bytes(option)
     parts = entry_bytes(runner, 1, feature_bytes_per_token)
     least = sum(parts.values())
     if budget < least:

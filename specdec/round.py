@@ -78,6 +78,11 @@ class HostRound:
     reached: list[int]
     tokens: list[list[int]]
 
+    @property
+    def num_kept(self) -> list[int]:
+        """Tokens each row's target keeps: the anchor and the accepted drafts."""
+        return [m + 1 for m in self.num_accepted]
+
 
 @dataclass
 class RoundResult:
@@ -224,5 +229,5 @@ class RoundStep:
 
     def commit_step(self, res: RoundResult, host: HostRound) -> None:
         """Commit the round's acceptance (padding rows keep nothing)."""
-        kept = [m + 1 for m in host.num_accepted]
+        kept = host.num_kept
         self.runner.commit(res.acceptance, host_counts=kept + [0] * (res.ids.shape[0] - len(kept)))
