@@ -234,6 +234,8 @@ class Drafter(ABC):
     # `observe` reads the target's hidden states / features (a drafter with caches of its own): a prefix cache keeps
     # them with its entries, so that a request started from a cached prefix observes its whole prompt
     observes_features = True
+    # target layers whose KV cache the drafter reads (a tensor-parallel target keeps their attention whole)
+    target_kv_layers: tuple[int, ...] = ()
 
     def bind(self, target: TargetView) -> None:
         """Called once by the engine with its view of the target."""

@@ -34,6 +34,10 @@ class MTPDrafter(HeadDrafter):
         self.h: torch.Tensor | None = None  # [max_batch_size, d]: each row's last committed hidden state
         self.ready: set[int] = set()  # rows whose h is set
 
+    @property
+    def target_kv_layers(self) -> tuple[int, ...]:
+        return (self.net.config.attn_layer,)
+
     def bind(self, target) -> None:
         if target.kv is None:
             raise ValueError(f"drafter: mtp reads the target's KV cache, which {type(target.model).__name__} does "

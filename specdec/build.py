@@ -16,6 +16,7 @@ from . import cpu_linear, memory
 from .adapters import HYBRID_FAMILIES
 from .config import SpecConfig
 from .graphs import RoundGraphs
+from .parallel import Follower, TensorParallel
 from .prefix_cache import PrefixCache, budget_bytes, check_budget
 from .round import RoundStep
 from .runner import HybridRunner, index_tensor, make_runner
@@ -33,7 +34,7 @@ def _buckets(max_batch: int) -> list[int]:
 class EngineParts:
     """An engine's parts, built and checked in `__init__` (`SpecEngine` runs requests on them)."""
 
-    def __init__(self, model, config: SpecConfig | None = None, **options):
+    def __init__(self, model, config: SpecConfig | None = None, *, tp_group=None, **options):
         if config is not None and not isinstance(config, SpecConfig):
             raise ValueError(f"config: expected a SpecConfig or None, got {type(config).__name__}")
         if config is None:
@@ -52,7 +53,12 @@ class EngineParts:
         self.max_length = int(cfg.max_length or min(getattr(model.config, "max_position_embeddings", 4096) or 4096,
                                                     4096))
         self._check_model(model, cfg)
+        self.tp = None if tp_group is None else self._tensor_parallel(tp_group, model, cfg)
         self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options)
+        # with tp, rank 0 drafts alone (its block is broadcast); the attention a drafter reads stays whole
+        replicate = tuple(getattr(self.drafter, "target_kv_layers", ()))
+        if self.tp is not None and not self.tp.leads:
+            self.drafter = Follower(self.drafter, self.gamma)
         verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
         self.memory_plan: memory.MemoryPlan | None = None  # the buffers by part (None: a runner with no plan)
         # the hybrid runner calls `_check_memory` with its plan before it allocates its pool, rings and KV cache
@@ -63,11 +69,13 @@ class EngineParts:
         self.runner = make_runner(model, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
                                   max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
                                   static=cfg.static_shapes,
-                                  check_memory=lambda plan: self._check_memory(plan, verify_tokens), **tracked)
+                                  check_memory=lambda plan: self._check_memory(plan, verify_tokens), **tracked,
+                                  **({} if self.tp is None else dict(tp=self.tp, replicate=replicate)))
         if cfg.static_shapes and not isinstance(self.runner, HybridRunner):
             raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
                              f"forward, whose cache grows every round")
-        cpu_linear.apply(cfg.cpu_linear, model, *self.drafter.modules())  # after every check: changes the model
+        cpu_linear.apply(cfg.cpu_linear, model, *{id(m): m for m in (self.runner.model, *self.drafter.modules())
+                                                  }.values())  # after every check: changes the model
         self.buckets = _buckets(cfg.max_batch_size)
         self._row_index: dict[tuple[int, ...], torch.Tensor] = {}
         # the round's device step (inputs, draft step, verify + accept, commit), called by `_round` and the graphs
@@ -107,6 +115,15 @@ class EngineParts:
         if self._graphs is None:
             return {"captured": 0, "eager": 0, "warm": 0}
         return self._graphs.counts()
+
+    @staticmethod
+    def _tensor_parallel(group, model, cfg: SpecConfig) -> TensorParallel:
+        """The process group checked, for a hybrid target (`specdec.parallel`)."""
+        if model.config.model_type not in HYBRID_FAMILIES:
+            raise ValueError(f"tp_group: needs a hybrid target; {type(model).__name__} runs through its own forward")
+        if cfg.cuda_graph:
+            raise ValueError("tp_group: not with cuda_graph (a round's fault vote reads back mid-round)")
+        return TensorParallel(group, next(model.parameters()).device)
 
     @staticmethod
     def _check_model(model, cfg: SpecConfig) -> None:

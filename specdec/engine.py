@@ -112,8 +112,14 @@ class SpecEngine(EngineParts):
         eos_set = _eos_ids(self.eos_token_id if isinstance(eos_token_id, str) and eos_token_id == "default"
                            else eos_token_id)
         gen = None
+        if self.tp is not None and do_sample:  # one sampling stream on every rank
+            seed = self.tp.agree_seed(seed)
         if seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
+        # with tp only rank 0 drafts: its drafter draws from a stream of its own, the acceptance from `gen` on every
+        # rank alike
+        self._draft_gen = gen if self.tp is None or gen is None else \
+            torch.Generator(device=self.runner.device).manual_seed(seed + 1)
         stats = SpecStats()
         L = min(N, self.runner.num_free)
         dev = self.runner.device
@@ -257,12 +263,16 @@ class SpecEngine(EngineParts):
         if not static:
             gamma = min(gamma, max(max_new - len(out_tokens[b]) for b in active))
         # a drafter with a static draft step drafts inside the device step (with the verify, in one CUDA graph)
-        static_draft = static and getattr(self.drafter, "static_draft", False)
+        static_draft = static and getattr(self.drafter, "static_draft", False) and self.tp is None
         t = time.perf_counter()
         if gamma == 0:  # plain decoding: nothing to draft, and no block to check (its check reads back)
             block = DraftBlock.empty(B, self.runner.device)
         else:
-            block = None if static_draft else self._propose(active, contexts, gamma, sampling, gen, stats)
+            lead = self.tp is None or self.tp.leads
+            block = None if static_draft or not lead else \
+                self._propose(active, contexts, gamma, sampling, self._draft_gen, stats)
+            if self.tp is not None:  # rank 0's checked block on every rank
+                block = self.tp.share_block(block, B, max(gamma, self.runner.num_verify_tokens - 1))
         stats.timings["draft"] += time.perf_counter() - t
         t = time.perf_counter()
         host_slots = [slots[b] for b in active]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec import kernels
+from specdec import kernels, parallel
 from specdec.replayssm import StateConfig, make_strategy
 from specdec.kernels.tree import VerifyTree
 from specdec.replayssm.plan import DEFERRED_NAMES, pool_specs, strategy_specs
@@ -138,13 +138,21 @@ class HybridRunner:
 
     def __init__(self, model, *, strategy: str = "replay", commit: str = "eager", max_batch_size: int = 8,
                  max_length: int = 4096, num_verify_tokens: int = 8, track_interval: int | None = None,
-                 prefill_chunk: int = 512, static: bool = False, check_memory=None):
+                 prefill_chunk: int = 512, static: bool = False, check_memory=None,
+                 tp: parallel.TensorParallel | None = None, replicate=()):
         """`check_memory`: called with the runner's `MemoryPlan` before any of its buffers is allocated (raising
-        there stops the build)."""
+        there stops the build). `tp`: run this rank's share of a tensor-parallel target (`specdec.parallel`; the
+        runner shards a private copy of the model's modules), the attentions of the layers in `replicate` whole
+        (a drafter reads their KV cache)."""
         family = model.config.model_type
         if family not in HYBRID_FAMILIES:
             raise ValueError(f"model: no hybrid adapter for model_type {family!r}; known: {sorted(HYBRID_FAMILIES)}")
         spec = HYBRID_FAMILIES[family]
+        if tp is not None:
+            if family not in parallel.FAMILIES:
+                raise ValueError(f"tp_group: no tensor-parallel layout for model_type {family!r}; those with one: "
+                                 f"{sorted(parallel.FAMILIES)}")
+            model = parallel.private_copy(model)
         self.model, self.mixer = model, spec.mixer
         base = model.model
         # bailing_hybrid appends its MTP layers to `layers`: the decoder is the first num_hidden_layers
@@ -157,6 +165,8 @@ class HybridRunner:
             raise ValueError("model: no linear_attention layers")
         (self._norms, self._attn_rope, self._mlps, self._mixers, self._attn,
          self._joins) = _layer_plan(family, spec, self.layers, self._kinds)
+        self.tp = tp
+        self._split = self._shard(family, spec, tp, set(replicate)) if tp is not None else {}
         for name in (spec.embed, spec.final_norm):
             if not isinstance(getattr(base, name, None), torch.nn.Module):
                 raise ValueError(f"model: {family} base model ({type(base).__name__}) has no module {name!r}; the "
@@ -190,6 +200,36 @@ class HybridRunner:
         self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
         self.vocab_size = model.config.vocab_size
         self.hidden_size = model.config.hidden_size
+
+    def _shard(self, family: str, spec, tp, replicate: set[int]) -> dict[str, set[int]]:
+        """Split this rank's modules by `parallel.LAYOUTS`: every mixer, every attention but those of `replicate`
+        (Zamba2's shared blocks stay whole), every MLP / MoE; -> the layers whose mixer / attn / mlp output is a
+        partial sum (an all-reduce follows it)."""
+        mixer = parallel.layout_of(spec.mixer)
+        split = {"mixer": set(), "attn": set(), "mlp": set()}
+        for i, mod in self._mixers.items():
+            if not parallel.apply_layout(mod, mixer, tp.rank, tp.size, f"{family} layer {i} mixer"):
+                raise ValueError(f"tp_group: the {family} layer {i} mixer has none of the parameters its layout "
+                                 f"splits")
+            split["mixer"].add(i)
+        for i, attn in self._attn.items():
+            mod = getattr(attn, "mod", attn)  # Kimi's MLA in latent form: its module
+            if i not in replicate and parallel.apply_layout(mod, parallel.ATTENTION, tp.rank, tp.size,
+                                                            f"{family} layer {i} attention"):
+                split["attn"].add(i)
+        for i, (mlp, moe, _) in enumerate(self._mlps):
+            done = [parallel.apply_layout(m, parallel.MLP, tp.rank, tp.size, f"{family} layer {i} MLP")
+                    for m in (mlp, moe) if m is not None]
+            if any(done) and not all(done):  # one all-reduce after their sum: both partial or both whole
+                raise ValueError(f"tp_group: the {family} layer {i} MLP and MoE split differently")
+            if any(done):
+                split["mlp"].add(i)
+        self._reduces = sum(len(s) for s in split.values())  # all-reduces per forward
+        return split
+
+    def _reduce(self, x: torch.Tensor, part: str, i: int) -> torch.Tensor:
+        """Layer i's `part` output summed over the ranks where it is a partial sum."""
+        return self.tp.all_reduce(x) if i in self._split.get(part, ()) else x
 
     def _memory_plan(self, cfg: StateConfig, strategy: str, commit: str, max_length: int) -> MemoryPlan:
         """The buffers this runner holds: its strategy's (`replayssm.plan.strategy_specs`, the pool apart) and
@@ -331,6 +371,8 @@ class HybridRunner:
         """One forward over `ids [B, T]`; a prefill commits at once (with `chunk`: `chunk.n` tokens per row)."""
         slots_t = self.slots_tensor(slots) if slots_t is None else slots_t
         B, T = ids.shape
+        if self.tp is not None:
+            self.tp.pending = self._reduces
         if not prefill:  # one tree for the KV mask and every layer: what they derive from it is made once
             self.state._begin(slots_t, T, tree)
         try:
@@ -359,12 +401,12 @@ class HybridRunner:
                     if kind == "attention" or (join is not None and join.attn is not None):
                         a = x if join is None or join.attn_in is None else x * join.attn_in
                         kw = dict(position_embeddings=pos_emb) if pos_emb is not None or self._attn_rope[i] else {}
-                        a = self._attn[i](hidden_states=a, attention_mask=mask, position_ids=positions, cache=self.kv,
-                                          **kw)[0]
+                        a = self._reduce(self._attn[i](hidden_states=a, attention_mask=mask, position_ids=positions,
+                                                       cache=self.kv, **kw)[0], "attn", i)
                     if kind != "attention":
                         li = self.linear_index[i]
                         ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)
-                        x = self.mixer.run(self._mixers[i], x, ops)
+                        x = self._reduce(self.mixer.run(self._mixers[i], x, ops), "mixer", i)
                         if join is not None and join.attn is not None:  # Falcon-H1: both branches, scaled
                             x = x if join.mixer_out is None else x * join.mixer_out
                             x = x + (a if join.attn_out is None else a * join.attn_out)
@@ -380,6 +422,7 @@ class HybridRunner:
                     if moe is not None:  # routed experts beside the shared MLP, on the same input
                         routed = moe(x_in)
                         x = (routed[0] if isinstance(routed, tuple) else routed) + x
+                    x = self._reduce(x, "mlp", i)
                     x = post_mlp(x) if post_mlp is not None else x
                     h = residual + (x if scale is None else x * scale)
                 if i in capture:
@@ -394,8 +437,14 @@ class HybridRunner:
             if self._logits_multiplier is not None:
                 logits = logits * self._logits_multiplier
         except BaseException:
+            if self.tp is not None:  # the other ranks finish this forward, then learn it failed
+                self.tp.drain((B, T, self.hidden_size), self.dtype)
+                self.tp.vote(False)
             self.abort()
             raise
+        if self.tp is not None and not self.tp.vote(True):
+            self.abort()
+            raise parallel.PeerFailure("tp_group: another rank failed in this forward; every rank dropped the round")
         if prefill:  # with `chunk`, keys past a row's real tokens stay beyond its length: never visible
             n, counts = (torch.full((B,), T, device=self.device), [T] * B) if chunk is None else (chunk.n, chunk.counts)
             self.kv.advance(n, host_counts=counts)
