@@ -216,12 +216,19 @@ class TensorParallel:
         while self.pending > 0:
             self.all_reduce(torch.zeros(shape, dtype=dtype, device=self.device))
 
-    def vote(self, ok: bool) -> bool:
-        """Whether every rank is ok (one collective; a host read)."""
-        flag = torch.tensor([int(ok)], dtype=torch.int32, device=self.device)
+    def vote(self, ok: bool, logits: torch.Tensor | None = None) -> bool:
+        """Whether every rank is ok (one collective; a host read). With `logits` (a forward's, the same bits on every
+        rank when all is well) a digest of them is compared too: ranks that drifted apart raise here, on every rank,
+        instead of waiting later in collectives that no longer match."""
+        digest = torch.zeros((), dtype=torch.float64, device=self.device) if logits is None else \
+            torch.nan_to_num(logits.detach().double().sum(), nan=0.0, posinf=1.0, neginf=-1.0)
+        flag = torch.stack([torch.tensor(float(ok), dtype=torch.float64, device=self.device), digest, -digest])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         self.collectives += 1
-        return bool(flag.item())
+        all_ok, low, high = flag.tolist()
+        if all_ok and logits is not None and low != -high:
+            raise PeerFailure("tp_group: the ranks' logits differ (ranks out of step); every rank stops here")
+        return bool(all_ok)
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         dist.broadcast(t, self.src, group=self.group)

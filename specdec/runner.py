@@ -437,14 +437,21 @@ class HybridRunner:
             if self._logits_multiplier is not None:
                 logits = logits * self._logits_multiplier
         except BaseException:
-            if self.tp is not None:  # the other ranks finish this forward, then learn it failed
-                self.tp.drain((B, T, self.hidden_size), self.dtype)
-                self.tp.vote(False)
-            self.abort()
+            try:
+                if self.tp is not None:  # the other ranks finish this forward, then learn it failed
+                    self.tp.drain((B, T, self.hidden_size), self.dtype)
+                    self.tp.vote(False)
+            finally:
+                self.abort()
             raise
-        if self.tp is not None and not self.tp.vote(True):
-            self.abort()
-            raise parallel.PeerFailure("tp_group: another rank failed in this forward; every rank dropped the round")
+        if self.tp is not None:  # every rank learns whether every other one got here, with the same logits
+            try:
+                if not self.tp.vote(True, logits):
+                    raise parallel.PeerFailure("tp_group: another rank failed in this forward; every rank dropped "
+                                               "the round")
+            except BaseException:
+                self.abort()
+                raise
         if prefill:  # with `chunk`, keys past a row's real tokens stay beyond its length: never visible
             n, counts = (torch.full((B,), T, device=self.device), [T] * B) if chunk is None else (chunk.n, chunk.counts)
             self.kv.advance(n, host_counts=counts)

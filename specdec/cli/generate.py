@@ -49,6 +49,27 @@ def _check_generate_args(args: argparse.Namespace, parser: argparse.ArgumentPars
         import torch
         if not torch.cuda.is_available():
             parser.error("argument --device: CUDA is not available")
+    if args.tp < 1:
+        parser.error(f"argument --tp: expected >= 1, got {args.tp}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp > 1 and world != args.tp:
+        parser.error(f"argument --tp: {args.tp} ranks need as many processes, launched by torchrun "
+                     f"(torchrun --nproc-per-node {args.tp} -m specdec generate ...); WORLD_SIZE is {world}")
+
+
+def tensor_parallel(args: argparse.Namespace):
+    """With `--tp N`: this process's rank in the group torchrun started (gloo on CPU, NCCL on CUDA, each rank on
+    its local GPU), and the device it runs on; else (None, the device)."""
+    if args.tp == 1:
+        return None, args.device
+    import torch
+    import torch.distributed as dist
+    device = args.device
+    if device == "cuda":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    return dist.group.WORLD, device
 
 
 def load_model(path: str, flag: str, dtype, device: str, parser: argparse.ArgumentParser, tokenizer: bool):
@@ -76,22 +97,36 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import warnings
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
     import torch
-    from transformers import TextStreamer
     from transformers.utils import logging as hf_logging
-
-    import specdec
 
     hf_logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype)
-    model, tokenizer = load_model(args.model, "--model", dtype, args.device, parser, tokenizer=True)
+    group, device = tensor_parallel(args)
+    try:
+        return _generate(args, parser, dtype, group, device)
+    finally:
+        if group is not None:
+            torch.distributed.destroy_process_group()
+
+
+def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, dtype, group, device) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    import specdec
+
+    lead = group is None or torch.distributed.get_rank() == 0  # with --tp, rank 0 streams and prints
+    model, tokenizer = load_model(args.model, "--model", dtype, device, parser, tokenizer=True)
     draft_model = None
     if args.draft_model is not None:
-        draft_model, _ = load_model(args.draft_model, "--draft-model", dtype, args.device, parser, tokenizer=False)
+        draft_model, _ = load_model(args.draft_model, "--draft-model", dtype, device, parser, tokenizer=False)
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids[0]
     if input_ids.numel() == 0:
         parser.error("argument --prompt: the prompt tokenizes to no tokens")
     options = {"drafter": args.drafter, "num_draft_tokens": args.num_draft_tokens, "strategy": args.strategy,
                "commit": args.commit, "draft_model": draft_model}
+    if group is not None:
+        options["tp_group"] = group
     try:
         engine = specdec.wrap(model, **options)
     except ValueError as exc:
@@ -103,7 +138,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                     "top_k": args.top_k or 0, "top_p": 1.0 if args.top_p is None else args.top_p}
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    streamer = None if args.json or args.no_stream else TextStreamer(tokenizer, skip_prompt=False,
+    streamer = None if args.json or args.no_stream or not lead else TextStreamer(tokenizer, skip_prompt=False,
                                                                           skip_special_tokens=True)
     try:
         out = engine.generate(input_ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos, seed=args.seed,
@@ -116,6 +151,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     stats["new_tokens"] = len(new)
     stats["tokens_per_s"] = len(new) / total if total > 0 else 0.0
     text = tokenizer.decode(new, skip_special_tokens=True)
+    if not lead:
+        return 0
     if args.json:
         print(json.dumps({"text": text, "tokens": new, "stats": stats}))
         return 0
@@ -160,6 +197,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
                    help="model dtype")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: run under torchrun --nproc-per-node N (each rank holds 1/N of the "
+                        "heads; rank 0 prints)")
     p.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object {text, tokens, stats} (generated text and token ids only)")

@@ -35,6 +35,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"argument --ring-len: {str(exc).removeprefix('ring_len: ')}")
     try:
         ssm_dtype = resolve_dtype(args.ssm_dtype, arg="--ssm-dtype")
+        act_dtype = resolve_dtype(args.act_dtype, arg="--act-dtype")
     except ValueError as exc:
         parser.error(f"argument {exc}")
 
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     cfg = StateConfig(
         num_layers=args.layers, num_heads=heads, head_k_dim=k, head_v_dim=v, conv_kernel=args.conv_kernel,
         conv_dim=conv_dim, gate=args.gate, rule=args.rule, max_requests=max_requests, max_running=running,
-        num_verify_tokens=args.draft_tokens, ring_len=ring_len, ssm_dtype=ssm_dtype, act_dtype="bfloat16",
+        num_verify_tokens=args.draft_tokens, ring_len=ring_len, ssm_dtype=ssm_dtype, act_dtype=act_dtype,
         gate_in_kernel=gate_record == "input",
     )
     print(json.dumps(plan_json(cfg, layout=args.layout), indent=2) if args.json
@@ -81,6 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--running", type=int, default=None,
                    help="running requests; spec buffers get running+1 rows (default slots-1)")
     p.add_argument("--ssm-dtype", default="float32", help="float32 | bfloat16 | float16 | float64")
+    p.add_argument("--act-dtype", default="bfloat16",
+                   help="the model's dtype: conv windows, records (float32 | bfloat16 | float16 | float64)")
     p.add_argument("--gate", choices=("kda", "gdn"), default="kda", help="kda: per-channel g; gdn: scalar g")
     p.add_argument("--gate-record", choices=("input", "g"), default=None,
                    help="what the g ring keeps: input (KDA: the gate's input f in bf16, the kernels compute Kimi's "

@@ -1,0 +1,316 @@
+"""Tensor parallelism (`specdec.parallel`, `wrap(model, tp_group=...)`) on 2 gloo ranks, float64 tiny models of
+transformers' own classes: Kimi-Linear (KDA, MLA, MoE), Qwen3-Next (Gated DeltaNet, gated GQA, MoE with a shared
+expert) and Nemotron-H (Mamba2, GQA, MLP blocks).
+
+- greedy output on every rank == the single-process engine == transformers' `generate`, for replay eager, replay
+  lazy and snapshot, with the ngram (chain), eagle (tree), mtp (chain; it reads the target's KV cache, which stays
+  whole in that layer) and draft-model (chain, mostly accepted) drafters;
+- sampling with a fixed seed, and with none, gives the same tokens on both ranks;
+- each rank's recurrent state (pool, rings, conv records) is half the single-process allocation, and so is the KV
+  cache of GQA attention (MLA's latent cache is every head's: whole on each rank), bytes counted from the buffers;
+  the memory plan's `--tp 2` bytes equal a rank's pool;
+- an exception on one rank in the middle of a round: both ranks raise, drop the round, and the next generate on
+  both is the reference again; a drafter failing on rank 0 costs that round's drafts, not correctness;
+- collectives per round: the layers' all-reduces + 2 (the block broadcast, the fault vote), the same at batch 1,
+  2 and 4;
+- `torchrun --nproc-per-node 2 -m specdec generate --tp 2` prints what the single-process command prints.
+
+The ranks run in spawned processes (`tp_harness.spawn`), every scenario in one spawn (process start-up and imports
+cost more than the scenarios).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import test_generic_families as generic
+import torch
+from cli_harness import ROOT
+from tiny_models import float64_everywhere, greedy_reference, noisy_copy, tiny_model, torch_fallbacks
+from tp_harness import spawn
+
+import specdec
+from specdec.parallel import PeerFailure
+
+FAMILIES = ("kimi_linear", "qwen3_next", "nemotron_h")
+MODES = (("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager"))
+DRAFTERS = {"ngram": {}, "eagle": dict(untrained=True), "mtp": dict(untrained=True), "model": {}}
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5], [9, 10, 11, 9, 10, 11, 12]]
+NEW = 16
+BATCHES = (1, 2, 4)
+
+
+def target(family: str):
+    return generic.tiny(family) if family == "nemotron_h" else tiny_model(family)
+
+
+@functools.cache
+def draft_model(family: str):
+    """The target plus noise: a draft model that mostly agrees with it (partial acceptance)."""
+    return noisy_copy(target(family), 1e-3)
+
+
+def engine(family: str, strategy: str = "replay", commit: str = "eager", drafter: str = "ngram", **kw):
+    torch.manual_seed(0)  # an untrained drafter's weights
+    if drafter == "model":
+        kw["draft_model"] = draft_model(family)
+    return specdec.wrap(target(family), drafter=drafter, strategy=strategy, commit=commit, max_length=64,
+                        **DRAFTERS[drafter], **kw)
+
+
+def generate(eng, prompts=PROMPTS, **kw) -> list[list[int]]:
+    with torch_fallbacks(), float64_everywhere():
+        out = eng.generate([torch.tensor(p) for p in prompts], max_new_tokens=NEW, eos_token_id=None, **kw)
+    return out.sequences.tolist(), out.stats
+
+
+def buffer_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of the floating-point tensors `obj` holds (through attributes of specdec objects, dicts, lists, tuples),
+    each storage once."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        key = obj.untyped_storage().data_ptr()
+        if not obj.is_floating_point() or key in seen or isinstance(obj, torch.nn.Parameter):
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, dict):
+        return sum(buffer_bytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(buffer_bytes(v, seen) for v in obj)
+    if type(obj).__module__.startswith("specdec") and hasattr(obj, "__dict__"):
+        if id(obj) in seen:
+            return 0
+        seen.add(id(obj))
+        return sum(buffer_bytes(v, seen) for v in vars(obj).values())
+    return 0
+
+
+def allocation(eng) -> dict[str, int]:
+    """Bytes of the target runner's state strategy (pool, rings, records) and KV cache, after a generate."""
+    return {"state": buffer_bytes(eng.runner.state), "kv": buffer_bytes(eng.runner.kv),
+            "pool": buffer_bytes(eng.runner.state.pool)}
+
+
+def scenarios(rank: int, world: int) -> dict:
+    """Everything a rank runs (the same calls on each rank, as under torchrun)."""
+    group = torch.distributed.group.WORLD
+    res = {"greedy": {}, "sample": {}, "alloc": {}, "rounds": {}}
+    for family in FAMILIES:
+        for strategy, commit in MODES:
+            for drafter in DRAFTERS:
+                eng = engine(family, strategy, commit, drafter, tp_group=group)
+                seqs, stats = generate(eng)
+                res["greedy"][family, strategy, commit, drafter] = (seqs, stats.accepted)
+                if (strategy, commit, drafter) == ("replay", "eager", "ngram"):
+                    res["alloc"][family] = allocation(eng)
+    eng = engine("qwen3_next", drafter="eagle", tp_group=group)  # draft probabilities broadcast too
+    for drafter in ("ngram", "eagle"):
+        e = eng if drafter == "eagle" else engine("qwen3_next", tp_group=group)
+        for seed in (7, None):
+            res["sample"][drafter, seed] = generate(e, do_sample=True, temperature=1.5, seed=seed)[0]
+    # collectives per round at several batch sizes
+    eng = engine("qwen3_next", tp_group=group)
+    counts, run_round = [], eng._round
+
+    def counted(*a, **kw):
+        before = eng.tp.collectives
+        run_round(*a, **kw)
+        counts.append(eng.tp.collectives - before)
+
+    eng._round = counted
+    for B in BATCHES:
+        counts.clear()
+        generate(eng, [PROMPTS[b % 2] + [b] for b in range(B)])
+        res["rounds"][B] = list(counts)
+    res["reduces"] = eng.runner._reduces
+    res["fault"] = fault(rank, eng)
+    res["drafter_failure"] = drafter_failure(rank, group)
+    return res
+
+
+def fault(rank: int, eng) -> dict:
+    """Rank 1's linear-attention mix raises in the second verify round (its second layer): what each rank raised,
+    and the next generate's output and free slots."""
+    calls, mix = [0], eng.runner.state.mix
+
+    def failing(*a, **kw):
+        calls[0] += 1
+        if rank == 1 and calls[0] == 5:
+            raise RuntimeError("injected fault")
+        return mix(*a, **kw)
+
+    eng.runner.state.mix = failing
+    free = eng.runner.num_free
+    try:
+        generate(eng)
+        raised = None
+    except PeerFailure as e:
+        raised = ("PeerFailure", str(e))
+    except RuntimeError as e:
+        raised = ("RuntimeError", str(e))
+    eng.runner.state.mix = mix
+    return {"raised": raised, "free": (free, eng.runner.num_free), "after": generate(eng)[0]}
+
+
+def drafter_failure(rank: int, group) -> tuple:
+    """Rank 0's drafter raises every other round."""
+    eng = engine("kimi_linear", drafter="mtp", tp_group=group)
+    calls, propose = [0], eng.drafter.propose
+
+    def flaky(*a, **kw):
+        calls[0] += 1
+        if calls[0] % 2:
+            raise RuntimeError("drafter down")
+        return propose(*a, **kw)
+
+    eng.drafter.propose = flaky
+    with pytest.warns(RuntimeWarning) if rank == 0 else _nothing():
+        seqs, stats = generate(eng)
+    return seqs, stats.drafter_failures
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return spawn(scenarios)
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The single-process engine's outputs, and allocation, of the same scenarios."""
+    greedy, alloc = {}, {}
+    for family in FAMILIES:
+        for strategy, commit in MODES:
+            for drafter in DRAFTERS:
+                eng = engine(family, strategy, commit, drafter)
+                greedy[family, strategy, commit, drafter] = generate(eng)[0]
+                if (strategy, commit, drafter) == ("replay", "eager", "ngram"):
+                    alloc[family] = allocation(eng)
+    return greedy, alloc
+
+
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+@pytest.mark.parametrize("strategy,commit", MODES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_single_process_and_transformers(ranks, single, family, strategy, commit, drafter):
+    key = (family, strategy, commit, drafter)
+    (seqs0, _), (seqs1, _) = ranks[0]["greedy"][key], ranks[1]["greedy"][key]
+    assert seqs0 == seqs1, "the ranks disagree"
+    assert seqs0 == single[0][key], "differs from the single-process engine"
+    model = target(family)
+    for b, p in enumerate(PROMPTS):
+        ref = greedy_reference(model, p, NEW)
+        assert seqs0[b][:len(ref)] == ref, f"row {b} differs from transformers' greedy generate"
+
+
+def test_drafts_were_accepted(ranks):
+    """The comparisons ran through accepted drafts: the draft model's chains in every case, the other drafters' in
+    some (untrained eagle and mtp heads on random targets seldom agree with them)."""
+    accepted = {k: a for k, (_, a) in ranks[0]["greedy"].items()}
+    assert all(accepted[f, s, c, "model"] >= NEW for f in FAMILIES for s, c in MODES), accepted
+    for drafter in ("ngram", "eagle", "mtp"):
+        assert any(accepted[f, s, c, drafter] > 0 for f in FAMILIES for s, c in MODES), accepted
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+@pytest.mark.parametrize("seed", [7, None])
+def test_sampling_same_tokens_on_every_rank(ranks, drafter, seed):
+    out0, out1 = ranks[0]["sample"][drafter, seed], ranks[1]["sample"][drafter, seed]
+    assert out0 == out1
+    greedy = ranks[0]["greedy"]["qwen3_next", "replay", "eager", drafter][0]
+    assert out0 != greedy  # temperature 1.5 over 32 tokens: a sample, not the greedy path
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_per_rank_allocation_is_half(ranks, single, family):
+    """Recurrent state: exactly 1/2 on each rank. KV cache: 1/2 where the attention splits K / V by head; MLA's
+    latent cache (Kimi) is shared by every head, so each rank holds it whole, as vLLM and SGLang do."""
+    full = single[1][family]
+    for r in (0, 1):
+        got = ranks[r]["alloc"][family]
+        assert 2 * got["state"] == full["state"] > 0
+        assert got["kv"] == (full["kv"] if family == "kimi_linear" else full["kv"] // 2) > 0
+        assert family == "kimi_linear" or 2 * got["kv"] == full["kv"]
+
+
+def test_memory_plan_tp_matches_a_rank(ranks):
+    """`python -m specdec memory --tp 2 --json` for Kimi's settings: its pool bytes (conv_state + ssm_state) == each
+    rank's allocated pool."""
+    eng = engine("kimi_linear")
+    cfg = eng.runner.state.cfg
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec", "memory", "--layers", str(cfg.num_layers), "--slots", str(cfg.num_slots),
+         "--heads", str(cfg.num_heads), "--tp", "2", "--head-dim", str(cfg.head_k_dim), "--conv-kernel",
+         str(cfg.conv_kernel), "--ssm-dtype", "float64", "--act-dtype", "float64", "--json"], capture_output=True, text=True, cwd=ROOT,
+        timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    for r in (0, 1):
+        assert plan["conv_state"] + plan["ssm_state"] == ranks[r]["alloc"]["kimi_linear"]["pool"]
+
+
+def test_fault_on_one_rank_leaves_both_usable(ranks):
+    f0, f1 = ranks[0]["fault"], ranks[1]["fault"]
+    assert f1["raised"] == ("RuntimeError", "injected fault")
+    assert f0["raised"][0] == "PeerFailure" and "another rank failed" in f0["raised"][1]
+    for f in (f0, f1):
+        assert f["free"][0] == f["free"][1]  # every slot returned
+        assert f["after"] == ranks[0]["greedy"]["qwen3_next", "replay", "eager", "ngram"][0]
+
+
+def test_drafter_failure_on_rank_0_costs_drafts_only(ranks):
+    (s0, failures0), (s1, failures1) = ranks[0]["drafter_failure"], ranks[1]["drafter_failure"]
+    assert failures0 > 0 and failures1 == 0
+    assert s0 == s1 == ranks[0]["greedy"]["kimi_linear", "replay", "eager", "mtp"][0]
+
+
+def test_collectives_per_round_flat_in_batch(ranks):
+    """Every round: the layers' all-reduces (mixer, attention, MLP outputs), the block broadcast and the fault vote,
+    whatever the batch."""
+    for r in (0, 1):
+        rounds, reduces = ranks[r]["rounds"], ranks[r]["reduces"]
+        assert reduces == 4 * 2  # Qwen3-Next: 4 layers, each a mixer or attention and an MoE
+        for B in BATCHES:
+            assert rounds[B] and set(rounds[B]) == {reduces + 2}, (B, rounds[B])
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is torch's launcher: installed with torch")
+def test_torchrun_generate_matches_single_process(tmp_path):
+    from tiny_models import save_tiny
+
+    save_tiny(tmp_path, "qwen3_5")  # dense: transformers' grouped MoE kernel takes no float64
+    args = ["generate", "--model", str(tmp_path), "--prompt", "def f(x): return x", "--max-new-tokens", "12",
+            "--dtype", "float64", "--json"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    tp = subprocess.run([shutil.which("torchrun"), "--nproc-per-node", "2", "-m", "specdec", *args, "--tp", "2"],
+                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    one = subprocess.run([sys.executable, "-m", "specdec", *args], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300)
+    assert tp.returncode == 0 and one.returncode == 0, tp.stderr[-3000:] + one.stderr[-3000:]
+    lines = [json.loads(ln) for ln in tp.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1  # rank 0 prints, rank 1 does not
+    assert lines[0]["tokens"] == json.loads(one.stdout)["tokens"] and len(lines[0]["tokens"]) == 12
+
+
+def test_bad_groups_are_refused():
+    """A target the hybrid runner does not run, and a group without torch.distributed initialized: one ValueError
+    naming tp_group, before anything is built."""
+    with pytest.raises(ValueError, match="tp_group: needs a hybrid target"):
+        specdec.wrap(generic.tiny("llama"), tp_group=True)
+    with pytest.raises(ValueError, match="tp_group: torch.distributed is not initialized"):
+        specdec.wrap(tiny_model("qwen3_next"), tp_group=True)
