@@ -123,6 +123,10 @@ class EngineParts:
             raise ValueError(f"tp_group: needs a hybrid target; {type(model).__name__} runs through its own forward")
         if cfg.cuda_graph:
             raise ValueError("tp_group: not with cuda_graph (a round's fault vote reads back mid-round)")
+        sharded = next((n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"), None)
+        if sharded is not None:
+            raise ValueError(f"tp_group: {sharded} is a DTensor (a model loaded with transformers' tp_plan); load "
+                             f"the model whole on each rank: specdec splits it by head itself")
         return TensorParallel(group, next(model.parameters()).device)
 
     @staticmethod

@@ -147,9 +147,6 @@ def apply_layout(mod: nn.Module, layout: Layout, rank: int, tp: int, where: str)
         if owner is None or not isinstance(getattr(owner, name, None), torch.Tensor):
             continue
         t = getattr(owner, name)
-        if type(t).__name__ == "DTensor":
-            raise ValueError(f"tp_group: {where}.{s.path} is a DTensor (a model loaded with transformers' tp_plan); "
-                             f"load it whole and let specdec split it")
         found.append((s, owner, name, t))
     sizes = {s.path: None if s.sections is None else list(s.sections(mod)) for s, *_ in found}
     for s, owner, name, t in found:

@@ -21,6 +21,7 @@ cost more than the scenarios).
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -132,7 +133,24 @@ def scenarios(rank: int, world: int) -> dict:
     res["reduces"] = eng.runner._reduces
     res["fault"] = fault(rank, eng)
     res["drafter_failure"] = drafter_failure(rank, group)
+    res["dtensor"] = dtensor_refused(group)
     return res
+
+
+def dtensor_refused(group) -> str:
+    """A model with a DTensor weight (as transformers' tp_plan loads one): wrap's error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = copy.deepcopy(target("qwen3_5"))
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    proj = model.model.layers[3].mlp.down_proj
+    proj.weight = torch.nn.Parameter(distribute_tensor(proj.weight.detach(), mesh, [Shard(1)]))
+    try:
+        specdec.wrap(model, tp_group=group)
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 def fault(rank: int, eng) -> dict:
@@ -307,6 +325,12 @@ def test_torchrun_generate_matches_single_process(tmp_path):
     assert lines[0]["tokens"] == json.loads(one.stdout)["tokens"] and len(lines[0]["tokens"]) == 12
 
 
+def test_dtensor_weights_are_refused(ranks):
+    """A model loaded with transformers' tp_plan (DTensor weights): one ValueError naming tp_group and the weight."""
+    for r in (0, 1):
+        assert ranks[r]["dtensor"].startswith("tp_group: model.layers.3.mlp.down_proj.weight is a DTensor")
+
+
 def test_bad_groups_are_refused():
     """A target the hybrid runner does not run, and a group without torch.distributed initialized: one ValueError
     naming tp_group, before anything is built."""
@@ -314,3 +338,25 @@ def test_bad_groups_are_refused():
         specdec.wrap(generic.tiny("llama"), tp_group=True)
     with pytest.raises(ValueError, match="tp_group: torch.distributed is not initialized"):
         specdec.wrap(tiny_model("qwen3_next"), tp_group=True)
+
+
+@pytest.mark.parametrize("family", ["kimi_linear", "qwen3_next", "qwen3_5", "nemotron_h"])
+def test_mlp_and_attention_split_as_transformers_plans(family):
+    """Every colwise / rowwise entry of the family's own `base_model_tp_plan` on an MLP or attention module is a
+    split of that weight along the same dim in `parallel.MLP` / `parallel.ATTENTION` (colwise: output rows, dim 0;
+    rowwise: input columns, dim 1)."""
+    from specdec import parallel
+
+    plan = target(family).config.base_model_tp_plan
+    checked = 0
+    for path, style in plan.items():
+        parts = path.split(".")  # layers.*.<mlp | self_attn | mixer>.<module>
+        kind = parts[2] if len(parts) > 3 else None
+        if style not in ("colwise", "rowwise") or kind not in ("mlp", "self_attn", "mixer"):
+            continue
+        layout = parallel.MLP if kind == "mlp" else parallel.ATTENTION
+        name = ".".join(parts[3:]) + ".weight"
+        dims = {s.dim for s in layout.splits if s.path == name}
+        assert dims == {0 if style == "colwise" else 1}, (path, style, dims)
+        checked += 1
+    assert checked >= 4
