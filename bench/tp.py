@@ -9,7 +9,8 @@ Each repeat runs, interleaved: tp = 1 on rank 0 alone with one thread and with t
 idle), then tp = 2 on both ranks. The same prompts (held-out ones, cut to `--prompt-tokens`) and greedy decoding
 throughout; `identical`: tp = 2 generated what tp = 1 did (fp32: the all-reduces sum in another order, so a near
 tie may resolve differently; the float64 tests require identity). Collectives per round: the all-reduces of the
-layers plus the block broadcast and the fault vote, counted by the engine's group. Medians over `--repeats`.
+layers plus the block broadcast and the fault vote, counted by the engine's group; `all-reduce`: the median time
+of one all-reduce of a round's hidden state `[B, T, d]` alone (what each of those costs). Medians over `--repeats`.
 On a GPU machine with N devices, `torchrun --nproc-per-node N -m specdec generate --tp N` runs the same engine.
 """
 
@@ -77,12 +78,20 @@ def _measure(rank: int, a: dict, model_dir: str, drafters: dict, prompts: list) 
                 if rep:
                     times["tp2"].append(dt)
             new = B * a["max_new_tokens"]
+            hidden = torch.zeros(B, tp.runner.num_verify_tokens, tp.runner.hidden_size)
+            reduce_s = []
+            for _ in range(40):  # one all-reduce of a round's hidden state [B, T, d], alone
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(hidden)
+                reduce_s.append(time.perf_counter() - t0)
             out.append(dict(drafter=name, batch=B, new_tokens=new, samples_s=times,
                                 tokens_per_s={c: new / statistics.median(t) for c, t in times.items() if t},
                                 spread={c: common.spread(t) for c, t in times.items() if t},
                                 identical=seqs.get(CONFIGS[0]) == seqs["tp2"] if rank == 0 else None,
                                 collectives_per_round=sorted(set(rounds)), reduces_per_forward=tp.runner._reduces,
-                                tau=res.stats.as_dict()["tau"]))
+                                tau=res.stats.as_dict()["tau"], rounds=res.stats.as_dict()["rounds"],
+                                allreduce_us=statistics.median(reduce_s[10:]) * 1e6))
     return out
 
 
@@ -162,7 +171,8 @@ def main(argv=None) -> dict:
     print(f"tensor parallel, {a.model}, gloo on CPU ({common.cpu_name()}, {os.cpu_count()} cores), "
           f"{a.max_new_tokens} new tokens per request, greedy, medians of {a.repeats}")
     print(f"{'drafter':>8} {'batch':>5} " + " ".join(f"{c + ' tok/s':>20}" for c in CONFIGS)
-          + f" {'tp2 / tp1x1':>11} {'tp2 / tp1x2':>11} {'identical':>9} {'coll./round':>11} {'spread':>6}")
+          + f" {'tp2 / tp1x1':>11} {'tp2 / tp1x2':>11} {'identical':>9} {'coll./round':>11} {'all-reduce':>10}"
+          f" {'spread':>6}")
     for r in rows:
         tps = r["tokens_per_s"]
         r["ratio_tp2_over_tp1_1thread"] = tps["tp2"] / tps[CONFIGS[0]]
@@ -170,6 +180,7 @@ def main(argv=None) -> dict:
         print(f"{r['drafter']:>8} {r['batch']:>5} " + " ".join(f"{tps[c]:>20.1f}" for c in CONFIGS)
               + f" {r['ratio_tp2_over_tp1_1thread']:>11.2f} {r['ratio_tp2_over_tp1_2threads']:>11.2f}"
               f" {str(r['identical']):>9} {','.join(map(str, r['collectives_per_round'])):>11}"
+              f" {r['allreduce_us']:>7.0f} us"
               f" {max(r['spread'].values()):>6.2f}")
     if any(max(r["spread"].values()) > 0.25 for r in rows):
         print("note: a configuration's spread ((p90 - p10) / median over repeats) exceeds 25%: a noisy machine")
