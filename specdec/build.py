@@ -16,6 +16,7 @@ from . import cpu_linear, memory
 from .adapters import HYBRID_FAMILIES
 from .config import SpecConfig
 from .graphs import RoundGraphs
+from . import parallel
 from .parallel import Follower, TensorParallel
 from .prefix_cache import PrefixCache, budget_bytes, check_budget
 from .round import RoundStep
@@ -54,7 +55,13 @@ class EngineParts:
                                                     4096))
         self._check_model(model, cfg)
         self.tp = None if tp_group is None else self._tensor_parallel(tp_group, model, cfg)
-        self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options)
+        # with tp the runner splits its own copy of the modules (the caller's model stays whole), which the drafter
+        # reads too; a tp_plan's DTensors outside the decoder layers (embeddings, lm_head) are made whole first
+        target = model if self.tp is None else parallel.private_copy(model)
+        if self.tp is not None:
+            parallel.gather_rest(target, self.tp.gathered, skip=target.model.layers)
+        self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options,
+                                          target)
         # with tp, rank 0 drafts alone (its block is broadcast); the attention a drafter reads stays whole
         replicate = tuple(getattr(self.drafter, "target_kv_layers", ()))
         if self.tp is not None and not self.tp.leads:
@@ -66,7 +73,7 @@ class EngineParts:
         if cfg.prefix_cache and model.config.model_type not in HYBRID_FAMILIES:
             raise ValueError(f"prefix_cache: needs a hybrid target; {type(model).__name__} runs through its own "
                              f"forward and cache")
-        self.runner = make_runner(model, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
+        self.runner = make_runner(target, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
                                   max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
                                   static=cfg.static_shapes,
                                   check_memory=lambda plan: self._check_memory(plan, verify_tokens), **tracked,
@@ -74,8 +81,7 @@ class EngineParts:
         if cfg.static_shapes and not isinstance(self.runner, HybridRunner):
             raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
                              f"forward, whose cache grows every round")
-        cpu_linear.apply(cfg.cpu_linear, model, *{id(m): m for m in (self.runner.model, *self.drafter.modules())
-                                                  }.values())  # after every check: changes the model
+        cpu_linear.apply(cfg.cpu_linear, target, *self.drafter.modules())  # after every check: changes the model
         self.buckets = _buckets(cfg.max_batch_size)
         self._row_index: dict[tuple[int, ...], torch.Tensor] = {}
         # the round's device step (inputs, draft step, verify + accept, commit), called by `_round` and the graphs
@@ -83,7 +89,7 @@ class EngineParts:
         self._graphs = RoundGraphs(self) if cfg.cuda_graph else None
         self.slots: list = []  # target slot of each lane (a drafter row) of the running generate call
         runner = self.runner
-        self.target = TargetView(model=model, kv=getattr(runner, "kv", None),
+        self.target = TargetView(model=target, kv=getattr(runner, "kv", None),
                                  supports_tree=isinstance(runner, HybridRunner),
                                  num_verify_tokens=getattr(runner, "num_verify_tokens", self.gamma + 1),
                                  gamma=self.gamma, max_length=self.max_length,
@@ -123,10 +129,6 @@ class EngineParts:
             raise ValueError(f"tp_group: needs a hybrid target; {type(model).__name__} runs through its own forward")
         if cfg.cuda_graph:
             raise ValueError("tp_group: not with cuda_graph (a round's fault vote reads back mid-round)")
-        sharded = next((n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"), None)
-        if sharded is not None:
-            raise ValueError(f"tp_group: {sharded} is a DTensor (a model loaded with transformers' tp_plan); load "
-                             f"the model whole on each rank: specdec splits it by head itself")
         return TensorParallel(group, next(model.parameters()).device)
 
     @staticmethod
@@ -146,12 +148,12 @@ class EngineParts:
                 raise ValueError(f"cuda_graph: needs a hybrid target; {type(model).__name__} runs through its own "
                                  f"forward")
 
-    def _make_drafter(self, drafter, draft_model, max_batch_size, kwargs) -> Drafter:
+    def _make_drafter(self, drafter, draft_model, max_batch_size, kwargs, target) -> Drafter:
         # a draft model's runner is checked on its own, before it allocates (the target's plan needs the drafter's
         # verify window, so it comes after)
         factory = functools.partial(make_runner, check_memory=lambda plan: memory.check_fits(
             plan, self._memory_options(), what="the draft model"))
-        return make_drafter(drafter, self.model, gamma=self.gamma, max_batch_size=max_batch_size,
+        return make_drafter(drafter, target, gamma=self.gamma, max_batch_size=max_batch_size,
                             max_length=self.max_length, draft_model=draft_model, runner_factory=factory, **kwargs)
 
     def _memory_options(self) -> dict:

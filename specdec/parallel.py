@@ -128,14 +128,56 @@ def shard(t: torch.Tensor, dim: int, sections: list[int] | None, rank: int, tp: 
 
 def private_copy(model: nn.Module) -> nn.Module:
     """`model` with modules of its own (so sharding leaves the caller's model whole) sharing every parameter and
-    buffer with it."""
+    buffer with it. A model loaded with transformers' `tp_plan` comes back with its tensor-parallel forwards undone
+    on the copy (the replaced `forward` and the hooks of each module it sharded: the runner's all-reduces replace
+    them); its DTensor weights stay as they are until `apply_layout` takes their local shards or `gather_rest`
+    makes them whole."""
     memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
-    return copy.deepcopy(model, memo)
+    own = copy.deepcopy(model, memo)
+    for mod in own.modules():
+        if getattr(mod, "_is_hooked", False):
+            mod.__dict__.pop("forward", None)  # transformers' wrapper, which calls the original module's forward
+            for hooks in (mod._forward_pre_hooks, mod._forward_hooks):
+                hooks.clear()
+            mod._is_hooked = False
+    return own
 
 
-def apply_layout(mod: nn.Module, layout: Layout, rank: int, tp: int, where: str) -> bool:
+def is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+def gather_rest(module: nn.Module, gathered: list[str] | None = None, *, skip: nn.Module | None = None) -> None:
+    """Every DTensor parameter left in `module` (outside `skip`) made whole, in place (collectives, in
+    `named_parameters` order: the same on every rank); their names appended to `gathered`."""
+    skipped = set() if skip is None else {id(p) for p in skip.parameters()}
+    for name, p in list(module.named_parameters()):
+        if is_dtensor(p) and id(p) not in skipped:
+            owner_path, _, attr = name.rpartition(".")
+            setattr(_find(module, owner_path), attr, nn.Parameter(p.full_tensor().detach(), requires_grad=False))
+            if gathered is not None:
+                gathered.append(name)
+
+
+def _local_part(t: torch.Tensor, s: "Split", sections, rank: int, tp: int, taken: list | None) -> torch.Tensor:
+    """The rank's part of `t` by `s`: a DTensor already split that way (one `Shard` on `s.dim`, no sections) gives
+    its local shard as it is; any other is gathered whole first, then split."""
+    if is_dtensor(t):
+        placements = t.placements
+        if (sections is None and len(placements) == 1 and type(placements[0]).__name__ == "Shard"
+                and placements[0].dim % t.ndim == s.dim % t.ndim and t.shape[s.dim] % tp == 0):
+            if taken is not None:
+                taken.append(s.path)
+            return t.to_local().detach()
+        t = t.full_tensor()
+    return shard(t.detach(), s.dim, sections, rank, tp)
+
+
+def apply_layout(mod: nn.Module, layout: Layout, rank: int, tp: int, where: str, *,
+                 taken: list[str] | None = None) -> bool:
     """Split `mod`'s parameters by `layout`, in place (the module a `private_copy`'s); -> whether anything was
-    split (a module with none of the layout's parameters stays whole)."""
+    split (a module with none of the layout's parameters stays whole). `taken`: where a weight was a DTensor
+    already split the same way, its path is appended and its local shard used."""
     for name, n in layout.units(mod).items():
         if n % tp:
             raise ValueError(f"tp_group: {tp} ranks do not divide the {n} {name} of {where}; a head is never split "
@@ -150,10 +192,12 @@ def apply_layout(mod: nn.Module, layout: Layout, rank: int, tp: int, where: str)
         found.append((s, owner, name, t))
     sizes = {s.path: None if s.sections is None else list(s.sections(mod)) for s, *_ in found}
     for s, owner, name, t in found:
-        local = shard(t.detach(), s.dim, sizes[s.path], rank, tp)
+        local = _local_part(t, s, sizes[s.path], rank, tp, taken)
         setattr(owner, name, nn.Parameter(local, requires_grad=False) if isinstance(t, nn.Parameter) else local)
-        if s.dim == 1 and name == "weight" and isinstance(getattr(owner, "bias", None), torch.Tensor) and rank:
-            owner.bias = nn.Parameter(torch.zeros_like(owner.bias), requires_grad=False)  # added once, by rank 0
+        bias = getattr(owner, "bias", None)
+        if s.dim == 1 and name == "weight" and isinstance(bias, torch.Tensor):  # added once, by rank 0
+            bias = bias.full_tensor() if is_dtensor(bias) else bias
+            owner.bias = nn.Parameter(bias.detach() if rank == 0 else torch.zeros_like(bias), requires_grad=False)
     if found:
         for path in layout.divide:
             owner_path, _, name = path.rpartition(".")
@@ -195,6 +239,10 @@ class TensorParallel:
         self.src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         self.collectives = 0
         self.pending = 0  # all-reduces left in the running forward
+        # a model loaded with transformers' tp_plan: the weights whose local shards were taken as they are, and
+        # those gathered whole (then split here, or kept whole)
+        self.local_shards: list[str] = []
+        self.gathered: list[str] = []
 
     @property
     def leads(self) -> bool:

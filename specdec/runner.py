@@ -141,18 +141,16 @@ class HybridRunner:
                  prefill_chunk: int = 512, static: bool = False, check_memory=None,
                  tp: parallel.TensorParallel | None = None, replicate=()):
         """`check_memory`: called with the runner's `MemoryPlan` before any of its buffers is allocated (raising
-        there stops the build). `tp`: run this rank's share of a tensor-parallel target (`specdec.parallel`; the
-        runner shards a private copy of the model's modules), the attentions of the layers in `replicate` whole
-        (a drafter reads their KV cache)."""
+        there stops the build). `tp`: run this rank's share of a tensor-parallel target (`specdec.parallel`): the
+        runner splits the model's modules in place, so `model` is the engine's `parallel.private_copy`; the
+        attentions of the layers in `replicate` stay whole (a drafter reads their KV cache)."""
         family = model.config.model_type
         if family not in HYBRID_FAMILIES:
             raise ValueError(f"model: no hybrid adapter for model_type {family!r}; known: {sorted(HYBRID_FAMILIES)}")
         spec = HYBRID_FAMILIES[family]
-        if tp is not None:
-            if family not in parallel.FAMILIES:
-                raise ValueError(f"tp_group: no tensor-parallel layout for model_type {family!r}; those with one: "
-                                 f"{sorted(parallel.FAMILIES)}")
-            model = parallel.private_copy(model)
+        if tp is not None and family not in parallel.FAMILIES:
+            raise ValueError(f"tp_group: no tensor-parallel layout for model_type {family!r}; those with one: "
+                             f"{sorted(parallel.FAMILIES)}")
         self.model, self.mixer = model, spec.mixer
         base = model.model
         # bailing_hybrid appends its MTP layers to `layers`: the decoder is the first num_hidden_layers
@@ -208,22 +206,24 @@ class HybridRunner:
         mixer = parallel.layout_of(spec.mixer)
         split = {"mixer": set(), "attn": set(), "mlp": set()}
         for i, mod in self._mixers.items():
-            if not parallel.apply_layout(mod, mixer, tp.rank, tp.size, f"{family} layer {i} mixer"):
+            if not parallel.apply_layout(mod, mixer, tp.rank, tp.size, f"{family} layer {i} mixer",
+                                         taken=tp.local_shards):
                 raise ValueError(f"tp_group: the {family} layer {i} mixer has none of the parameters its layout "
                                  f"splits")
             split["mixer"].add(i)
         for i, attn in self._attn.items():
             mod = getattr(attn, "mod", attn)  # Kimi's MLA in latent form: its module
             if i not in replicate and parallel.apply_layout(mod, parallel.ATTENTION, tp.rank, tp.size,
-                                                            f"{family} layer {i} attention"):
+                                                            f"{family} layer {i} attention", taken=tp.local_shards):
                 split["attn"].add(i)
         for i, (mlp, moe, _) in enumerate(self._mlps):
-            done = [parallel.apply_layout(m, parallel.MLP, tp.rank, tp.size, f"{family} layer {i} MLP")
-                    for m in (mlp, moe) if m is not None]
+            done = [parallel.apply_layout(m, parallel.MLP, tp.rank, tp.size, f"{family} layer {i} MLP",
+                                          taken=tp.local_shards) for m in (mlp, moe) if m is not None]
             if any(done) and not all(done):  # one all-reduce after their sum: both partial or both whole
                 raise ValueError(f"tp_group: the {family} layer {i} MLP and MoE split differently")
             if any(done):
                 split["mlp"].add(i)
+        parallel.gather_rest(self.model, tp.gathered)  # what stays whole here (a tp_plan's other DTensors)
         self._reduces = sum(len(s) for s in split.values())  # all-reduces per forward
         return split
 

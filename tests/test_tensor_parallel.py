@@ -99,7 +99,7 @@ def allocation(eng) -> dict[str, int]:
             "pool": buffer_bytes(eng.runner.state.pool)}
 
 
-def scenarios(rank: int, world: int) -> dict:
+def scenarios(rank: int, world: int, path: str) -> dict:
     """Everything a rank runs (the same calls on each rank, as under torchrun)."""
     group = torch.distributed.group.WORLD
     res = {"greedy": {}, "sample": {}, "alloc": {}, "rounds": {}}
@@ -133,24 +133,42 @@ def scenarios(rank: int, world: int) -> dict:
     res["reduces"] = eng.runner._reduces
     res["fault"] = fault(rank, eng)
     res["drafter_failure"] = drafter_failure(rank, group)
-    res["dtensor"] = dtensor_refused(group)
+    res["dtensor"] = dtensor_weights(group)
+    res["tp_plan"] = tp_plan_loaded(group, path)
     return res
 
 
-def dtensor_refused(group) -> str:
-    """A model with a DTensor weight (as transformers' tp_plan loads one): wrap's error."""
+def dtensor_weights(group) -> dict:
+    """A model with DTensor weights (as transformers' tp_plan leaves them): a down_proj split as the MLP layout
+    splits it (its local shard is taken), an in_proj_qkv split evenly over [q | k | v] (not per section: gathered,
+    then split), the embeddings split by vocabulary (gathered, kept whole). -> the greedy output and what was taken
+    and gathered."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     model = copy.deepcopy(target("qwen3_5"))
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    proj = model.model.layers[3].mlp.down_proj
-    proj.weight = torch.nn.Parameter(distribute_tensor(proj.weight.detach(), mesh, [Shard(1)]))
-    try:
-        specdec.wrap(model, tp_group=group)
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    for mod, dim in ((model.model.layers[3].mlp.down_proj, 1), (model.model.layers[0].linear_attn.in_proj_qkv, 0),
+                     (model.model.embed_tokens, 0)):
+        mod.weight = torch.nn.Parameter(distribute_tensor(mod.weight.detach(), mesh, [Shard(dim)]))
+    eng = specdec.wrap(model, tp_group=group, max_length=64)
+    return dict(seqs=generate(eng)[0], taken=list(eng.tp.local_shards), gathered=list(eng.tp.gathered))
+
+
+def tp_plan_loaded(group, path) -> dict:
+    """The checkpoint at `path` loaded with transformers' own tensor parallelism (`tp_plan="auto"`: DTensor
+    weights, its forwards wrapped): wrap takes what it can of its shards. -> greedy output, what was taken and
+    gathered, and whether the loaded model's own forward still runs (its wrapped modules untouched)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto", tp_size=2),
+                                                 dtype=torch.float64)
+    eng = specdec.wrap(model, tp_group=group, max_length=64)
+    out = dict(seqs=generate(eng)[0], taken=list(eng.tp.local_shards), gathered=list(eng.tp.gathered))
+    with torch.no_grad(), torch_fallbacks(), float64_everywhere():
+        out["own_forward"] = model(torch.tensor([PROMPTS[0]])).logits[0, -1].argmax().item()
+    return out
 
 
 def fault(rank: int, eng) -> dict:
@@ -203,8 +221,18 @@ class _nothing:
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    return spawn(scenarios)
+def saved_qwen3_5(tmp_path_factory):
+    """A tiny Qwen3.5 saved with `save_pretrained` (float32 weights; loaded in float64)."""
+    from tiny_models import save_tiny
+
+    path = tmp_path_factory.mktemp("qwen3_5")
+    save_tiny(path, "qwen3_5")
+    return path
+
+
+@pytest.fixture(scope="module")
+def ranks(saved_qwen3_5):
+    return spawn(scenarios, str(saved_qwen3_5))
 
 
 @pytest.fixture(scope="module")
@@ -325,10 +353,36 @@ def test_torchrun_generate_matches_single_process(tmp_path):
     assert lines[0]["tokens"] == json.loads(one.stdout)["tokens"] and len(lines[0]["tokens"]) == 12
 
 
-def test_dtensor_weights_are_refused(ranks):
-    """A model loaded with transformers' tp_plan (DTensor weights): one ValueError naming tp_group and the weight."""
+def test_dtensor_weights_take_local_shards(ranks):
+    """DTensor weights: the local shard where it is split as the layout splits it, gathered (then split or kept
+    whole) elsewhere; the output is transformers' greedy generate."""
+    ref = [greedy_reference(target("qwen3_5"), p, NEW) for p in PROMPTS]
     for r in (0, 1):
-        assert ranks[r]["dtensor"].startswith("tp_group: model.layers.3.mlp.down_proj.weight is a DTensor")
+        got = ranks[r]["dtensor"]
+        assert got["taken"] == ["down_proj.weight"]
+        assert got["gathered"] == ["model.embed_tokens.weight"]
+        assert [row[:len(x)] for row, x in zip(got["seqs"], ref)] == ref
+
+
+def test_tp_plan_loaded_model(ranks, saved_qwen3_5):
+    """A checkpoint loaded with transformers' `tp_plan="auto"` on the 2 ranks: wrap takes the local shards of the
+    plan's splits that match its own (attention by head, MLP gate / up / down, the z / b / a projections), gathers
+    the rest (the plan splits embeddings and lm_head by vocabulary, in_proj_qkv evenly over [q | k | v], out_proj
+    by output), and generates transformers' greedy output of the plainly loaded model; the loaded model's own
+    forward still runs afterwards (wrap changed only its own copy)."""
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(saved_qwen3_5, dtype=torch.float64).eval()
+    ref = [greedy_reference(plain, p, NEW) for p in PROMPTS]
+    first = greedy_reference(plain, PROMPTS[0], 1)[-1]
+    for r in (0, 1):
+        got = ranks[r]["tp_plan"]
+        assert [row[:len(x)] for row, x in zip(got["seqs"], ref)] == ref
+        assert got["own_forward"] == first
+        assert {"q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                "up_proj.weight", "down_proj.weight", "in_proj_z.weight", "in_proj_b.weight",
+                "in_proj_a.weight"} <= set(got["taken"])
+        assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(got["gathered"])
 
 
 def test_bad_groups_are_refused():
