@@ -52,7 +52,6 @@ def _measure(rank: int, a: dict, model_dir: str, drafters: dict, prompts: list) 
             opts = dict(drafter=drafter, max_batch_size=B, max_length=length)
             single = specdec.wrap(model, **opts) if rank == 0 else None
             tp = specdec.wrap(model, tp_group=group, **opts)
-            rounds = _count_rounds(tp)
 
             def run(engine):
                 t0 = time.perf_counter()
@@ -72,7 +71,6 @@ def _measure(rank: int, a: dict, model_dir: str, drafters: dict, prompts: list) 
                             times[config].append(dt)
                     dist.barrier()
                 torch.set_num_threads(1)
-                rounds.clear()
                 res, dt = run(tp)
                 seqs["tp2"] = res.sequences.tolist()
                 if rep:
@@ -89,23 +87,11 @@ def _measure(rank: int, a: dict, model_dir: str, drafters: dict, prompts: list) 
                                 tokens_per_s={c: new / statistics.median(t) for c, t in times.items() if t},
                                 spread={c: common.spread(t) for c, t in times.items() if t},
                                 identical=seqs.get(CONFIGS[0]) == seqs["tp2"] if rank == 0 else None,
-                                collectives_per_round=sorted(set(rounds)), reduces_per_forward=tp.runner._reduces,
+                                collectives_per_round=sorted(set(res.stats.collectives)),
+                                reduces_per_forward=tp.runner._reduces,
                                 tau=res.stats.as_dict()["tau"], rounds=res.stats.as_dict()["rounds"],
                                 allreduce_us=statistics.median(reduce_s[10:]) * 1e6))
     return out
-
-
-def _count_rounds(engine) -> list[int]:
-    """The collectives of each of `engine`'s rounds, as they run (the list is the engine's)."""
-    counts, run_round = [], engine._round
-
-    def counted(*args, **kw):
-        before = engine.tp.collectives
-        run_round(*args, **kw)
-        counts.append(engine.tp.collectives - before)
-
-    engine._round = counted
-    return counts
 
 
 def worker(job: Path) -> None:

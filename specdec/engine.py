@@ -256,6 +256,7 @@ class SpecEngine(EngineParts):
         slots, hist, out_tokens, tok, lens, anchors = lanes.slot, lanes.hist, lanes.out, lanes.tok, lanes.lens, \
             lanes.anchors
         B = len(active)
+        started = None if self.tp is None else self.tp.collectives
         idx = self._index(active)
         contexts = Contexts([tok[b, :len(hist[b])] for b in active], [hist[b] for b in active])
         static = self.config.static_shapes
@@ -318,6 +319,8 @@ class SpecEngine(EngineParts):
             hist[b].extend(out_tokens[b][before:])
         if self.prefix_cache is not None:  # the track boundaries this round passed
             prefix_cache.publish_boundaries(self, lanes, active, sizes)
+        if started is not None:
+            stats.collectives.append(self.tp.collectives - started)
 
     # ---- failures ----------------------------------------------------------------------------------
     def _propose(self, active, contexts, gamma, sampling, gen, stats) -> DraftBlock:

@@ -23,6 +23,7 @@ class SpecStats:
     cached_tokens: int = 0  # of those, served from the prefix cache (not prefilled)
     reached: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    collectives: list[int] = field(default_factory=list)  # tensor parallel: the collectives of each batch round
     timings: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "draft": 0.0, "verify": 0.0,
                                                                "total": 0.0})
 
