@@ -50,6 +50,36 @@ class KVCache:
         self.tree: VerifyTree | None = None
         self.num_tokens = 0
         self.span = 0  # S: keys a round's attention reads
+        # data-parallel layers (tensor parallelism, `split_slots`): stored for this rank's request slots only
+        self.dp_layers: set[int] = set()
+        self.rank = self.ranks = 0
+        self.own: torch.Tensor | None = None  # [B_own] the round's rows whose slot this rank owns
+        self.own_rows: torch.Tensor | None = None  # [B_own] their rows in a data-parallel layer's buffers
+        self._index: dict = {}
+
+    def split_slots(self, layers, rank: int, ranks: int) -> None:
+        """Keep `layers` for the request slots `s` with `s % ranks == rank` only (row `s // ranks`; the null slot,
+        the last, for none): the attention of those layers runs data-parallel over the requests, each rank on the
+        rows it owns (a tensor-parallel MLA layer: its latent cache is every head's, so it is split by request)."""
+        self.dp_layers, self.rank, self.ranks = set(layers), rank, ranks
+
+    def rows(self, layer_idx: int) -> int:
+        """Buffer rows of a layer: a data-parallel one's, one per request slot this rank owns (at most)."""
+        n = self.lengths.shape[0]
+        return -(-(n - 1) // self.ranks) if layer_idx in self.dp_layers else n
+
+    def _own(self, host_slots: list[int]) -> None:
+        """The round's owned rows and their buffer rows (device tensors, kept per distinct slot list)."""
+        key = tuple(host_slots)
+        if key not in self._index:
+            if len(self._index) > 256:
+                self._index.clear()
+            null = self.lengths.shape[0] - 1
+            own = [b for b, s in enumerate(host_slots) if s != null and s % self.ranks == self.rank]
+            self._index[key] = (torch.tensor(own, dtype=torch.long, device=self.device),
+                                torch.tensor([host_slots[b] // self.ranks for b in own], dtype=torch.long,
+                                             device=self.device))
+        self.own, self.own_rows = self._index[key]
 
     # ---- round -------------------------------------------------------------------------------------
     def begin(self, slots: torch.Tensor, num_tokens: int, tree: VerifyTree | None = None, *,
@@ -59,6 +89,8 @@ class KVCache:
         need = self.check_room(host_slots, num_tokens)
         self.slots, self.host_slots, self.num_tokens, self.tree = slots, host_slots, num_tokens, tree
         self.span = self.max_length if self.static else need
+        if self.dp_layers:
+            self._own(host_slots)
 
     def check_room(self, host_slots: list[int], num_tokens: int) -> int:
         """-> the key span a round of `num_tokens` needs; ValueError when it would not fit."""
@@ -112,16 +144,22 @@ class KVCache:
         layer_idx = states[2] if len(states) > 2 else kwargs["layer_idx"]
         new = states[:2]
         if layer_idx not in self.store:  # normal tensors (`allocate`): kept across calls
-            self.store[layer_idx] = [allocate(kv_spec(layer_idx, j, self.lengths.shape[0], x.shape[1], self.max_length,
+            self.store[layer_idx] = [allocate(kv_spec(layer_idx, j, self.rows(layer_idx), x.shape[1], self.max_length,
                                                       x.shape[3], x.dtype), self.device) for j, x in enumerate(new)]
-        lens = self.lengths[self.slots]
+        slots, rows = self._rows(layer_idx)  # a data-parallel layer: the owned rows' states come in
+        lens = self.lengths[slots]
         S = self.span
         idx = lens[:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]
         out = []
         for buf, x in zip(self.store[layer_idx], new):
-            buf[self.slots[:, None], :, idx] = x.transpose(1, 2).to(buf.dtype)  # [B, T, h, d] at (slot, pos)
-            out.append(buf[self.slots, :, :S])
+            buf[rows[:, None], :, idx] = x.transpose(1, 2).to(buf.dtype)  # [B, T, h, d] at (slot, pos)
+            out.append(buf[rows, :, :S])
         return tuple(out)
+
+    def _rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The round's slots a layer's buffers hold `[B']` and their buffer rows: every row's, or a data-parallel
+        layer's owned ones."""
+        return (self.slots[self.own], self.own_rows) if layer_idx in self.dp_layers else (self.slots, self.slots)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.span - self.num_tokens if self.slots is not None else 0
@@ -132,15 +170,19 @@ class KVCache:
         `host_counts`: the same counts on the host, which keep `bound` exact (else it grows by T)."""
         n = acc.num_kept
         if self.tree is not None:  # tree: move each accepted path to consecutive positions
-            path = acc.path
-            lens = self.lengths[self.slots]
-            j = torch.arange(path.shape[1], device=self.device)
-            keep = (j[None, :] < n[:, None])[..., None, None]  # [B, M, 1, 1]
-            src = (lens[:, None] + path.clamp(min=0)).clamp(max=self.max_length - 1)
-            dst = (lens[:, None] + j[None, :]).clamp(max=self.max_length - 1)
-            rows = self.slots[:, None]
-            for bufs in self.store.values():
-                for buf in bufs:  # [N, h, max_length, d]: indexed -> [B, M, h, d]
+            for dp in (False, True):
+                layers = [bufs for layer, bufs in self.store.items() if (layer in self.dp_layers) == dp]
+                if not layers:
+                    continue
+                slots, rows = (self.slots[self.own], self.own_rows) if dp else (self.slots, self.slots)
+                path, kept = (acc.path[self.own], n[self.own]) if dp else (acc.path, n)
+                lens = self.lengths[slots]
+                j = torch.arange(path.shape[1], device=self.device)
+                keep = (j[None, :] < kept[:, None])[..., None, None]  # [B, M, 1, 1]
+                src = (lens[:, None] + path.clamp(min=0)).clamp(max=self.max_length - 1)
+                dst = (lens[:, None] + j[None, :]).clamp(max=self.max_length - 1)
+                rows = rows[:, None]
+                for buf in (b for bufs in layers for b in bufs):  # [N, h, max_length, d]: indexed -> [B, M, h, d]
                     new, old = buf[rows, :, src], buf[rows, :, dst]
                     buf[rows, :, dst] = torch.where(keep, new, old)
         self.advance(n, host_counts=host_counts)
@@ -153,7 +195,7 @@ class KVCache:
         self.abort()
 
     def abort(self) -> None:
-        self.slots = self.tree = None
+        self.slots = self.tree = self.own = self.own_rows = None
 
     def reset(self, slot: int) -> None:
         self.lengths[slot] = 0

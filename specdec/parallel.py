@@ -198,6 +198,11 @@ def apply_layout(mod: nn.Module, layout: Layout, rank: int, tp: int, where: str,
         if s.dim == 1 and name == "weight" and isinstance(bias, torch.Tensor):  # added once, by rank 0
             bias = bias.full_tensor() if is_dtensor(bias) else bias
             owner.bias = nn.Parameter(bias.detach() if rank == 0 else torch.zeros_like(bias), requires_grad=False)
+    for _, owner, _, _ in found:  # the module's size attributes follow its weight (read by plans, by forwards)
+        if isinstance(owner, nn.Linear):
+            owner.out_features, owner.in_features = owner.weight.shape
+        elif isinstance(owner, nn.Conv1d) and owner.groups == owner.in_channels:  # depthwise: a group per channel
+            owner.in_channels = owner.out_channels = owner.groups = owner.weight.shape[0]
     if found:
         for path in layout.divide:
             owner_path, _, name = path.rpartition(".")

@@ -164,6 +164,7 @@ class HybridRunner:
         (self._norms, self._attn_rope, self._mlps, self._mixers, self._attn,
          self._joins) = _layer_plan(family, spec, self.layers, self._kinds)
         self.tp = tp
+        self._dp: set[int] = set()  # MLA layers run data-parallel over the requests (tensor parallelism)
         self._split = self._shard(family, spec, tp, set(replicate)) if tp is not None else {}
         for name in (spec.embed, spec.final_norm):
             if not isinstance(getattr(base, name, None), torch.nn.Module):
@@ -193,6 +194,8 @@ class HybridRunner:
             for i, n in self.linear_index.items():
                 self.state.set_gate(n, *self.mixer.gate_params(self._mixers[i]))
         self.kv = KVCache(cfg.num_slots, max_length, device=self.device, static=static)
+        if self._dp:
+            self.kv.split_slots(self._dp, tp.rank, tp.size)
         self.max_length, self.prefill_chunk = max_length, prefill_chunk
         self.num_verify_tokens = num_verify_tokens
         self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
@@ -212,9 +215,15 @@ class HybridRunner:
                                  f"splits")
             split["mixer"].add(i)
         for i, attn in self._attn.items():
-            mod = getattr(attn, "mod", attn)  # Kimi's MLA in latent form: its module
-            if i not in replicate and parallel.apply_layout(mod, parallel.ATTENTION, tp.rank, tp.size,
-                                                            f"{family} layer {i} attention", taken=tp.local_shards):
+            if i in replicate:
+                continue
+            if spec.latent_attention is not None and isinstance(attn, spec.latent_attention):
+                # MLA: its latent cache is every head's, so the layer runs whole on each rank, over the requests
+                # whose slots the rank owns (its cache 1/tp of the slots); the all-reduce joins the rows
+                self._dp.add(i)
+                split["attn"].add(i)
+            elif parallel.apply_layout(attn, parallel.ATTENTION, tp.rank, tp.size, f"{family} layer {i} attention",
+                                       taken=tp.local_shards):
                 split["attn"].add(i)
         for i, (mlp, moe, _) in enumerate(self._mlps):
             done = [parallel.apply_layout(m, parallel.MLP, tp.rank, tp.size, f"{family} layer {i} MLP",
@@ -231,6 +240,17 @@ class HybridRunner:
         """Layer i's `part` output summed over the ranks where it is a partial sum."""
         return self.tp.all_reduce(x) if i in self._split.get(part, ()) else x
 
+    def _own_rows(self, i: int, x: torch.Tensor, mask, positions, kw) -> torch.Tensor:
+        """A data-parallel attention (`_dp`) on the rows of `x [B, T, d]` whose slots this rank owns; the other rows
+        0 (each row's output comes from its owner alone through the all-reduce)."""
+        own = self.kv.own
+        out = torch.zeros_like(x)
+        if own.numel():
+            kw = {k: tuple(t[own] for t in v) if isinstance(v, tuple) else v for k, v in kw.items()}
+            out[own] = self._attn[i](hidden_states=x[own], attention_mask=None if mask is None else mask[own],
+                                     position_ids=positions[own], cache=self.kv, **kw)[0]
+        return out
+
     def _memory_plan(self, cfg: StateConfig, strategy: str, commit: str, max_length: int) -> MemoryPlan:
         """The buffers this runner holds: its strategy's (`replayssm.plan.strategy_specs`, the pool apart) and
         the KV cache of every attention (each layer's at its first write), from the same specs they allocate."""
@@ -246,7 +266,11 @@ class HybridRunner:
         plan.add("snapshots" if strategy == "snapshot" else "rings",
                  {n: s for n, s in specs.items() if n not in pool and n not in DEFERRED_NAMES})
         plan.add("rings", {n: s for n, s in specs.items() if n in DEFERRED_NAMES}, deferred=True)
-        plan.add("KV cache", kv_specs(cfg.num_slots, max_length, layers, self.dtype), deferred=True)
+        kv = kv_specs(cfg.num_slots, max_length, {i: d for i, d in layers.items() if i not in self._dp}, self.dtype)
+        if self._dp:  # a data-parallel layer keeps the rank's request slots only (`KVCache.split_slots`)
+            rows = -(-(cfg.num_slots - 1) // self.tp.size)
+            kv.update(kv_specs(rows, max_length, {i: d for i, d in layers.items() if i in self._dp}, self.dtype))
+        plan.add("KV cache", kv, deferred=True)
         return plan
 
     @property
@@ -401,8 +425,11 @@ class HybridRunner:
                     if kind == "attention" or (join is not None and join.attn is not None):
                         a = x if join is None or join.attn_in is None else x * join.attn_in
                         kw = dict(position_embeddings=pos_emb) if pos_emb is not None or self._attn_rope[i] else {}
-                        a = self._reduce(self._attn[i](hidden_states=a, attention_mask=mask, position_ids=positions,
-                                                       cache=self.kv, **kw)[0], "attn", i)
+                        if i in self._dp:
+                            a = self._reduce(self._own_rows(i, a, mask, positions, kw), "attn", i)
+                        else:
+                            a = self._reduce(self._attn[i](hidden_states=a, attention_mask=mask, position_ids=positions,
+                                                           cache=self.kv, **kw)[0], "attn", i)
                     if kind != "attention":
                         li = self.linear_index[i]
                         ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)

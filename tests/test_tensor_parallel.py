@@ -7,7 +7,7 @@ expert) and Nemotron-H (Mamba2, GQA, MLP blocks).
   whole in that layer) and draft-model (chain, mostly accepted) drafters;
 - sampling with a fixed seed, and with none, gives the same tokens on both ranks;
 - each rank's recurrent state (pool, rings, conv records) is half the single-process allocation, and so is the KV
-  cache of GQA attention (MLA's latent cache is every head's: whole on each rank), bytes counted from the buffers;
+  cache (GQA: half the heads; MLA: half the request slots), bytes counted from the buffers;
   the memory plan's `--tp 2` bytes equal a rank's pool;
 - an exception on one rank in the middle of a round: both ranks raise, drop the round, and the next generate on
   both is the reference again; a drafter failing on rank 0 costs that round's drafts, not correctness;
@@ -96,7 +96,7 @@ def buffer_bytes(obj, seen: set | None = None) -> int:
 def allocation(eng) -> dict[str, int]:
     """Bytes of the target runner's state strategy (pool, rings, records) and KV cache, after a generate."""
     return {"state": buffer_bytes(eng.runner.state), "kv": buffer_bytes(eng.runner.kv),
-            "pool": buffer_bytes(eng.runner.state.pool)}
+            "pool": buffer_bytes(eng.runner.state.pool), "kv_plan": eng.runner.memory.part_bytes()["KV cache"]}
 
 
 def scenarios(rank: int, world: int, path: str) -> dict:
@@ -273,14 +273,19 @@ def test_sampling_same_tokens_on_every_rank(ranks, drafter, seed):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_per_rank_allocation_is_half(ranks, single, family):
-    """Recurrent state: exactly 1/2 on each rank. KV cache: 1/2 where the attention splits K / V by head; MLA's
-    latent cache (Kimi) is shared by every head, so each rank holds it whole, as vLLM and SGLang do."""
+    """Recurrent state: exactly 1/2 on each rank. KV cache: exactly 1/2 where the attention splits K / V by head;
+    MLA (Kimi), whose latent cache every head reads, runs data-parallel over the requests: each rank keeps its half
+    of the 8 request slots (4 rows against the single process's 9, the null slot's included), at most 1/2. The
+    runner's memory plan names those bytes."""
     full = single[1][family]
     for r in (0, 1):
         got = ranks[r]["alloc"][family]
         assert 2 * got["state"] == full["state"] > 0
-        assert got["kv"] == (full["kv"] if family == "kimi_linear" else full["kv"] // 2) > 0
-        assert family == "kimi_linear" or 2 * got["kv"] == full["kv"]
+        if family == "kimi_linear":
+            assert 9 * got["kv"] == 4 * full["kv"] > 0
+        else:
+            assert 2 * got["kv"] == full["kv"] > 0
+        assert got["kv_plan"] == got["kv"]
 
 
 def test_memory_plan_tp_matches_a_rank(ranks):
