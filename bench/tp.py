@@ -103,6 +103,7 @@ def worker(job: Path) -> None:
         rows = _measure(dist.get_rank(), spec["opts"], spec["model_dir"], spec["drafters"], spec["prompts"])
         if dist.get_rank() == 0:
             (job.parent / "rows.json").write_text(json.dumps(rows))
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 

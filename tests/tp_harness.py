@@ -24,7 +24,9 @@ def _rank(rank: int, world: int, port: int, fn, args, queue) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        queue.put((rank, True, fn(rank, world, *args)))
+        value = fn(rank, world, *args)
+        dist.barrier()  # no rank tears the group down while another still uses it
+        queue.put((rank, True, value))
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:

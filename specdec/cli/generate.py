@@ -103,7 +103,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     dtype = getattr(torch, args.dtype)
     group, device = tensor_parallel(args)
     try:
-        return _generate(args, parser, dtype, group, device)
+        code = _generate(args, parser, dtype, group, device)
+        if group is not None:  # no rank tears the group down while another still uses it
+            torch.distributed.barrier()
+        return code
     finally:
         if group is not None:
             torch.distributed.destroy_process_group()
