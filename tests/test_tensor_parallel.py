@@ -5,6 +5,7 @@ expert) and Nemotron-H (Mamba2, GQA, MLP blocks).
 - greedy output on every rank == the single-process engine == transformers' `generate`, for replay eager, replay
   lazy and snapshot, with the ngram (chain), eagle (tree), mtp (chain; it reads the target's KV cache, which stays
   whole in that layer) and draft-model (chain, mostly accepted) drafters;
+- the same with static shapes (ngram, eagle, mtp; every family);
 - sampling with a fixed seed, and with none, gives the same tokens on both ranks;
 - each rank's recurrent state (pool, rings, conv records) is half the single-process allocation, and so is the KV
   cache (GQA: half the heads; MLA: half the request slots), bytes counted from the buffers;
@@ -111,6 +112,8 @@ def scenarios(rank: int, world: int, path: str) -> dict:
                 res["greedy"][family, strategy, commit, drafter] = (seqs, stats.accepted)
                 if (strategy, commit, drafter) == ("replay", "eager", "ngram"):
                     res["alloc"][family] = allocation(eng)
+    res["static"] = {(family, drafter): generate(engine(family, drafter=drafter, tp_group=group, static_shapes=True))[0]
+                     for family in FAMILIES for drafter in ("ngram", "eagle", "mtp")}
     eng = engine("qwen3_next", drafter="eagle", tp_group=group)  # draft probabilities broadcast too
     for drafter in ("ngram", "eagle"):
         e = eng if drafter == "eagle" else engine("qwen3_next", tp_group=group)
@@ -251,6 +254,18 @@ def test_greedy_equals_single_process_and_transformers(ranks, single, family, st
     for b, p in enumerate(PROMPTS):
         ref = greedy_reference(model, p, NEW)
         assert seqs0[b][:len(ref)] == ref, f"row {b} differs from transformers' greedy generate"
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle", "mtp"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_shapes_greedy(ranks, family, drafter):
+    """With static shapes (rounds padded to the batch bucket, drafts to gamma or the tree budget; the drafter
+    drafts on the host, rank 0's block broadcast): the same greedy output on both ranks, transformers' own."""
+    seqs0, seqs1 = ranks[0]["static"][family, drafter], ranks[1]["static"][family, drafter]
+    assert seqs0 == seqs1
+    for b, p in enumerate(PROMPTS):
+        ref = greedy_reference(target(family), p, NEW)
+        assert seqs0[b][:len(ref)] == ref
 
 
 def test_drafts_were_accepted(ranks):
