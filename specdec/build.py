@@ -129,9 +129,9 @@ class EngineParts:
             raise ValueError(f"tp_group: needs a hybrid target; {type(model).__name__} runs through its own forward")
         if cfg.cuda_graph:
             raise ValueError("tp_group: not with cuda_graph (a round's fault vote reads back mid-round)")
-        if cfg.prefix_cache:
-            raise ValueError("tp_group: not with prefix_cache yet (an entry's state would have to follow each rank's "
-                             "share of the slots)")
+        if cfg.prefix_cache and HYBRID_FAMILIES[model.config.model_type].latent_attention is not None:
+            raise ValueError("tp_group: not with prefix_cache on an MLA target yet (its attention runs data-parallel "
+                             "over the slots: a cached latent would have to move to the rank of the slot it fills)")
         return TensorParallel(group, next(model.parameters()).device)
 
     @staticmethod

@@ -114,6 +114,7 @@ def scenarios(rank: int, world: int, path: str) -> dict:
                     res["alloc"][family] = allocation(eng)
     res["static"] = {(family, drafter): generate(engine(family, drafter=drafter, tp_group=group, static_shapes=True))[0]
                      for family in FAMILIES for drafter in ("ngram", "eagle", "mtp")}
+    res["prefix_cache"] = conversation(group)
     eng = engine("qwen3_next", drafter="eagle", tp_group=group)  # draft probabilities broadcast too
     for drafter in ("ngram", "eagle"):
         e = eng if drafter == "eagle" else engine("qwen3_next", tp_group=group)
@@ -162,6 +163,18 @@ def tp_plan_loaded(group, path) -> dict:
     with torch.no_grad(), torch_fallbacks(), float64_everywhere():
         out["own_forward"] = model(torch.tensor([PROMPTS[0]])).logits[0, -1].argmax().item()
     return out
+
+
+def conversation(group) -> list:
+    """Qwen3-Next with the prefix cache: three turns, each resending the conversation so far plus 3 tokens; ->
+    each turn's (tokens, cached prompt tokens)."""
+    eng = engine("qwen3_next", drafter="eagle", tp_group=group, prefix_cache=True)
+    history, turns = list(PROMPTS[0]), []
+    for turn in range(3):
+        (seq,), stats = generate(eng, [history])
+        turns.append((seq, stats.cached_tokens))
+        history = seq + [20 + turn, 30 + turn, 40 + turn]
+    return turns
 
 
 def fault(rank: int, eng) -> dict:
@@ -266,6 +279,19 @@ def test_static_shapes_greedy(ranks, family, drafter):
     for b, p in enumerate(PROMPTS):
         ref = greedy_reference(target(family), p, NEW)
         assert seqs0[b][:len(ref)] == ref
+
+
+def test_prefix_cache_conversation(ranks):
+    """The prefix cache on a tensor-parallel target (each rank caches its share of the state and KV): every turn
+    after the first starts from the cached conversation, and every turn is transformers' greedy continuation."""
+    model = target("qwen3_next")
+    assert ranks[0]["prefix_cache"] == ranks[1]["prefix_cache"]
+    for turn, (seq, cached) in enumerate(ranks[0]["prefix_cache"]):
+        prompt = seq[:len(seq) - NEW]
+        assert seq == greedy_reference(model, prompt, NEW)
+        assert (cached > 0) == (turn > 0)
+    with pytest.raises(ValueError, match="tp_group: not with prefix_cache on an MLA target"):
+        specdec.wrap(tiny_model("kimi_linear"), tp_group=True, prefix_cache=True)
 
 
 def test_drafts_were_accepted(ranks):
