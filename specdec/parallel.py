@@ -3,8 +3,10 @@
 Each rank holds 1/tp of every recurrent layer's heads (its slice of the q / k / v / gate / beta projections, of the
 short-conv channels, hence of the state pool and rings), of every attention's heads (hence of the KV cache) and of
 every MLP's hidden units (and of each MoE expert's), as transformers' `tp_plan`s split MLPs; output projections are
-row-parallel, followed by one all-reduce. Embeddings, norms, routers and the lm_head are replicated, so the logits
-are the same on every rank and so is every decision taken from them. Rank 0 drafts alone and broadcasts its block.
+row-parallel, followed by one all-reduce. MLA layers, whose latent cache every head reads, run whole and
+data-parallel over the requests instead (each rank the rows whose slot it owns; `KVCache.split_slots`). Embeddings,
+norms, routers and the lm_head are replicated, so the logits are the same on every rank and so is every decision
+taken from them. Rank 0 drafts alone and broadcasts its block.
 
 What is split is data: `LAYOUTS`, one `Layout` per mixer class (the `specdec.adapters` mixers) and one for
 attentions and for MLPs, whose `Split`s name parameters by their path in the module. A layout's names the module
