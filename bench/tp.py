@@ -4,7 +4,7 @@ per round.
     python bench/tp.py                                   # embedded model, ngram and mtp, batch 1 and 4, gloo on CPU
     python bench/tp.py --drafters ngram --batches 1 --max-new-tokens 16 --json tp.json
 
-Two ranks of a gloo group on this machine, started by torchrun (`torch.distributed.run`), one thread each.
+Two ranks of a gloo group on this machine (two worker processes, as torchrun starts them), one thread each.
 Each repeat runs, interleaved: tp = 1 on rank 0 alone with one thread and with two (rank 1 waits in a barrier,
 idle), then tp = 2 on both ranks. The same prompts (held-out ones, cut to `--prompt-tokens`) and greedy decoding
 throughout; `identical`: tp = 2 generated what tp = 1 did (fp32: the all-reduces sum in another order, so a near
@@ -94,10 +94,11 @@ def _measure(rank: int, a: dict, model_dir: str, drafters: dict, prompts: list) 
     return out
 
 
-def worker(job: Path) -> None:
-    """One rank under torchrun: the measurements of `job`; rank 0 writes them beside it."""
+def worker(job: Path, rank: int, port: int) -> None:
+    """One rank of two (a gloo group on `port` of this machine): the measurements of `job`; rank 0 writes them
+    beside it."""
     spec = json.loads(job.read_text())
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)
         rows = _measure(dist.get_rank(), spec["opts"], spec["model_dir"], spec["drafters"], spec["prompts"])
@@ -110,8 +111,8 @@ def worker(job: Path) -> None:
 
 def main(argv=None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        return worker(Path(argv[1]))
+    if argv[:1] == ["--worker"]:  # --worker JOB RANK PORT
+        return worker(Path(argv[1]), int(argv[2]), int(argv[3]))
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="embedded")
     p.add_argument("--prompts", default=str(common.PROMPTS))
@@ -149,11 +150,13 @@ def main(argv=None) -> dict:
             port = s.getsockname()[1]
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         env["OMP_NUM_THREADS"] = "2"
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                               "--master-port", str(port), __file__, "--worker", str(job)], env=env,
-                              capture_output=True, text=True, timeout=3600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(job), str(rank), str(port)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+        outs = [proc.communicate(timeout=3600) for proc in procs]
+        failed = [f"rank {r} ({proc.returncode}):\n{err[-4000:]}" for r, (proc, (_, err)) in
+                  enumerate(zip(procs, outs)) if proc.returncode != 0]
+        if failed:
+            raise RuntimeError("a rank failed: " + "\n".join(failed))
         rows = json.loads((Path(tmp) / "rows.json").read_text())
     print(f"tensor parallel, {a.model}, gloo on CPU ({common.cpu_name()}, {os.cpu_count()} cores), "
           f"{a.max_new_tokens} new tokens per request, greedy, medians of {a.repeats}")

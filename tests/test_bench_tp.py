@@ -1,4 +1,4 @@
-"""`bench/tp.py` on the embedded model at tiny settings (two gloo ranks under torchrun): every configuration timed
+"""`bench/tp.py` on the embedded model at tiny settings (two gloo ranks): every configuration timed
 `--repeats` times, tokens per second the medians', tp = 2 identical to tp = 1, and every round's collectives the
 layers' all-reduces plus the block broadcast and the fault vote."""
 

@@ -379,8 +379,13 @@ def test_torchrun_generate_matches_single_process(tmp_path):
             "--dtype", "float64", "--json"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
-    tp = subprocess.run([shutil.which("torchrun"), "--nproc-per-node", "2", "-m", "specdec", *args, "--tp", "2"],
-                        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    command = [shutil.which("torchrun"), "--nproc-per-node", "2", "-m", "specdec", *args, "--tp", "2"]
+    tp = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    if tp.returncode != 0 and "terminate called without an active exception" in tp.stderr:
+        # a torchrun worker on a loaded host now and then aborts in native code right after loading the model,
+        # before any collective (2 of 45 stress runs; the same ranks started without torchrun's agent: 0 of 15):
+        # one more launch, only for that abort
+        tp = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     one = subprocess.run([sys.executable, "-m", "specdec", *args], capture_output=True, text=True, cwd=ROOT, env=env,
                          timeout=300)
     assert tp.returncode == 0 and one.returncode == 0, tp.stderr[-3000:] + one.stderr[-3000:]
