@@ -7,6 +7,7 @@ import torch
 from specdec.kernels.tree import VerifyTree
 from specdec.replayssm.plan import BufferSpec
 from specdec.replayssm.pool import allocate
+from specdec.tensors import index_tensor
 from specdec.verify.record import Acceptance
 
 
@@ -22,6 +23,12 @@ def kv_specs(num_slots: int, max_length: int, layers: dict[int, list[tuple[int, 
     stored tensor]}` whose tensors come in `dtype`."""
     return {spec.name: spec for layer, dims in layers.items() for j, (heads, dim) in enumerate(dims)
             for spec in [kv_spec(layer, j, num_slots, heads, max_length, dim, dtype)]}
+
+
+def owned_rows(num_slots: int, ranks: int) -> int:
+    """Rows a rank keeps of a data-parallel layer (`KVCache.split_slots`): its share of the request slots (slot s
+    to rank s % ranks, row s // ranks; the null slot, the last, to none)."""
+    return -(-(num_slots - 1) // ranks)
 
 
 class KVCache:
@@ -64,22 +71,16 @@ class KVCache:
         self.dp_layers, self.rank, self.ranks = set(layers), rank, ranks
 
     def rows(self, layer_idx: int) -> int:
-        """Buffer rows of a layer: a data-parallel one's, one per request slot this rank owns (at most)."""
+        """Buffer rows of a layer: one per slot, a data-parallel one's one per request slot this rank may own."""
         n = self.lengths.shape[0]
-        return -(-(n - 1) // self.ranks) if layer_idx in self.dp_layers else n
+        return owned_rows(n, self.ranks) if layer_idx in self.dp_layers else n
 
     def _own(self, host_slots: list[int]) -> None:
-        """The round's owned rows and their buffer rows (device tensors, kept per distinct slot list)."""
-        key = tuple(host_slots)
-        if key not in self._index:
-            if len(self._index) > 256:
-                self._index.clear()
-            null = self.lengths.shape[0] - 1
-            own = [b for b, s in enumerate(host_slots) if s != null and s % self.ranks == self.rank]
-            self._index[key] = (torch.tensor(own, dtype=torch.long, device=self.device),
-                                torch.tensor([host_slots[b] // self.ranks for b in own], dtype=torch.long,
-                                             device=self.device))
-        self.own, self.own_rows = self._index[key]
+        """The round's owned rows and their buffer rows (device tensors, kept per distinct list)."""
+        null = self.lengths.shape[0] - 1
+        own = [b for b, s in enumerate(host_slots) if s != null and s % self.ranks == self.rank]
+        self.own = index_tensor(self._index, own, self.device)
+        self.own_rows = index_tensor(self._index, [host_slots[b] // self.ranks for b in own], self.device)
 
     # ---- round -------------------------------------------------------------------------------------
     def begin(self, slots: torch.Tensor, num_tokens: int, tree: VerifyTree | None = None, *,
@@ -146,7 +147,7 @@ class KVCache:
         if layer_idx not in self.store:  # normal tensors (`allocate`): kept across calls
             self.store[layer_idx] = [allocate(kv_spec(layer_idx, j, self.rows(layer_idx), x.shape[1], self.max_length,
                                                       x.shape[3], x.dtype), self.device) for j, x in enumerate(new)]
-        slots, rows = self._rows(layer_idx)  # a data-parallel layer: the owned rows' states come in
+        slots, rows, _ = self._rows(layer_idx in self.dp_layers)  # data-parallel: the owned rows' states come in
         lens = self.lengths[slots]
         S = self.span
         idx = lens[:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]
@@ -156,10 +157,10 @@ class KVCache:
             out.append(buf[rows, :, :S])
         return tuple(out)
 
-    def _rows(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The round's slots a layer's buffers hold `[B']` and their buffer rows: every row's, or a data-parallel
-        layer's owned ones."""
-        return (self.slots[self.own], self.own_rows) if layer_idx in self.dp_layers else (self.slots, self.slots)
+    def _rows(self, dp: bool) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """The round's slots a layer's buffers hold `[B']`, their buffer rows and which round rows they are: every
+        row's, or (`dp`, a data-parallel layer) the owned ones."""
+        return (self.slots[self.own], self.own_rows, self.own) if dp else (self.slots, self.slots, slice(None))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.span - self.num_tokens if self.slots is not None else 0
@@ -174,8 +175,8 @@ class KVCache:
                 layers = [bufs for layer, bufs in self.store.items() if (layer in self.dp_layers) == dp]
                 if not layers:
                     continue
-                slots, rows = (self.slots[self.own], self.own_rows) if dp else (self.slots, self.slots)
-                path, kept = (acc.path[self.own], n[self.own]) if dp else (acc.path, n)
+                slots, rows, sel = self._rows(dp)
+                path, kept = (acc.path[sel], n[sel]) if dp else (acc.path, n)
                 lens = self.lengths[slots]
                 j = torch.arange(path.shape[1], device=self.device)
                 keep = (j[None, :] < kept[:, None])[..., None, None]  # [B, M, 1, 1]

@@ -17,10 +17,10 @@ from specdec.replayssm import StateConfig, make_strategy
 from specdec.kernels.tree import VerifyTree
 from specdec.replayssm.plan import DEFERRED_NAMES, pool_specs, strategy_specs
 from specdec.verify.record import Acceptance
-from specdec.tensors import outside_inference
+from specdec.tensors import index_tensor
 
 from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
-from .kv_cache import KVCache, kv_specs
+from .kv_cache import KVCache, kv_specs, owned_rows
 from .memory import MemoryPlan
 from .prefill import _Chunk, _PrefillOps
 
@@ -30,19 +30,6 @@ class RunnerOutput:
     logits: torch.Tensor  # [B, T, vocab]
     hidden: torch.Tensor  # [B, T, hidden] final normed hidden state
     captured: dict[int, torch.Tensor]  # layer index -> [B, T, hidden] output of that decoder layer
-
-
-def index_tensor(cache: dict, values: list[int], device) -> torch.Tensor:
-    """`values` as a long device tensor, kept in `cache` per distinct list: rounds reuse their row and slot
-    indices, so only a change of the batch costs a host-to-device copy."""
-    key = tuple(values)
-    t = cache.get(key)
-    if t is None:
-        if len(cache) > 256:
-            cache.clear()
-        with outside_inference():  # kept across calls
-            t = cache[key] = torch.tensor(key, dtype=torch.long, device=device)
-    return t
 
 
 class _VerifyOps:
@@ -268,8 +255,7 @@ class HybridRunner:
         plan.add("rings", {n: s for n, s in specs.items() if n in DEFERRED_NAMES}, deferred=True)
         kv = kv_specs(cfg.num_slots, max_length, {i: d for i, d in layers.items() if i not in self._dp}, self.dtype)
         if self._dp:  # a data-parallel layer keeps the rank's request slots only (`KVCache.split_slots`)
-            rows = -(-(cfg.num_slots - 1) // self.tp.size)
-            kv.update(kv_specs(rows, max_length, {i: d for i, d in layers.items() if i in self._dp}, self.dtype))
+            kv.update(kv_specs(owned_rows(cfg.num_slots, self.tp.size), max_length, {i: d for i, d in layers.items() if i in self._dp}, self.dtype))
         plan.add("KV cache", kv, deferred=True)
         return plan
 

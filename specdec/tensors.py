@@ -14,6 +14,19 @@ def outside_inference():
     return torch.inference_mode(False)
 
 
+def index_tensor(cache: dict, values: list[int], device) -> torch.Tensor:
+    """`values` as a long device tensor, kept in `cache` per distinct list: rounds reuse their row and slot
+    indices, so only a change of the batch costs a host-to-device copy."""
+    key = tuple(values)
+    t = cache.get(key)
+    if t is None:
+        if len(cache) > 256:
+            cache.clear()
+        with outside_inference():  # kept across calls
+            t = cache[key] = torch.tensor(key, dtype=torch.long, device=device)
+    return t
+
+
 def per_tensor(fn):
     """Remember `fn(t, *args)` (args: hashable) for the last CPU tensor `t` and args it was called with, while `t`
     is that same object, unchanged: a normal tensor by its version counter, which every in-place write bumps; an
