@@ -8,7 +8,9 @@ Parts, in order (a budget in seconds each; a part that runs out prints what it h
             (TRITON_INTERPRET=0), in a pytest subprocess stopped by SIGINT at its budget (the report keeps
             what ran); `fold_bitwise`: every `test_fold_equals_single_steps[triton-*]` ran and passed (None when one
             did not run, False when one failed)
-  kernels   bench/kernel_speed.py at Kimi-Linear shapes (Triton and fla, no torch references)
+  kernels   bench/kernel_speed.py at Kimi-Linear shapes (Triton and fla, no torch references); `ms` is the
+            device's time of a call (replayed from a CUDA graph, as a graphed round runs it), `call_ms` one eager
+            call with its host work; the goals read `ms`
   tiles     bench/tile_sweep.py: the state tile candidates of verify, fold and rebuild (the bits do not depend on
             the tile, the speed does)
   graphs    bench/graph_check.py: ngram, mtp, dspark, eagle and plain decoding, eager vs CUDA-graph rounds token
@@ -20,10 +22,10 @@ Parts, in order (a budget in seconds each; a part that runs out prints what it h
 The benches run in this process (one import of torch and transformers, one autotune of fla's kernels per shape;
 TRITON_CACHE_AUTOTUNING keeps those across processes too). Every row is printed as soon as it is measured. The
 JSON (`DIR/gpu_check.json`) holds the keys below, plus each part's own JSON beside it:
-  device, date, commit, tests {passed, failed, skipped}, fold_bitwise, kernels {op: {ms, frac_copy_bw}},
-  kernel_goals {goal: {value, target, met}}, graphs {drafter: {identical, eager_fallbacks,
-  speedup_vs_plain_graph, speedup_vs_transformers}}, realistic {params, step_1_ms, ratios, projected_speedup},
-  accept, budgets {part: {budget_s, used_s}}
+  device, date, commit, tests {passed, failed, skipped}, fold_bitwise,
+  kernels {op: {ms, frac_copy_bw, call_ms, timing}}, kernel_goals {goal: {value, target, met}},
+  graphs {drafter: {identical, eager_fallbacks, speedup_vs_plain_graph, speedup_vs_transformers}},
+  realistic {params, step_1_ms, ratios, projected_speedup}, accept, budgets {part: {budget_s, used_s}}
 """
 
 from __future__ import annotations
@@ -152,7 +154,9 @@ def part_kernels(out: Path, budget: float) -> dict:
     if not path.exists():
         return {"kernels": {}, "kernel_goals": {}, "kernels_rc": rc}
     rows = json.loads(path.read_text())["results"]
-    k = {r["op"]: {"ms": r["ms"], "frac_copy_bw": r["frac_copy_bw"]} for r in rows if r["impl"] in ("triton", "fla")}
+    # ms: the device's time per call (a graph replay); call_ms: one eager call, host work included
+    k = {r["op"]: {key: r.get(key) for key in ("ms", "frac_copy_bw", "call_ms", "timing")}
+         for r in rows if r["impl"] in ("triton", "fla")}
     goals = {}
     for name, what, target, kind in GOALS:
         if name == "verify_chain_vs_fla":

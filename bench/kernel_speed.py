@@ -8,6 +8,12 @@ For every op it reports milliseconds per call, GB/s (bytes the op has to move / 
 that bandwidth as a fraction of a measured device copy (`dst.copy_(src)` of a large tensor, counted as
 read + write). Per-layer ops (verify, short conv, fast rebuild) are timed for one layer; exact fold and
 masked scatter cover all layers in one call, as they run at commit.
+
+On CUDA `ms` is the device's time alone, as a round captured in a CUDA graph runs the kernels: `--graph-calls`
+calls captured in one graph, each sample one replay between two events, divided by the calls (fla's kernels are
+timed the same way); where a capture fails, that many eager calls queued back to back (`timing`: "graph" or
+"queued"). `call ms` is one eager call between two events after a sync: the wrapper's Python checks and the
+launch included, which is what an eager round pays. Bandwidth shares and the GPU check's goals use `ms`.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,6 +70,44 @@ def timed(fn, device: str, *, warmup: int, reps: int, budget_s: float) -> float:
         fn()
         done += 1
     return (time.perf_counter() - t0) * 1e3 / done
+
+
+def device_timed(fn, *, calls: int, reps: int, budget_s: float) -> tuple[float, str]:
+    """Milliseconds of CUDA device time per call of `fn` (warmed up already): `calls` calls captured in one CUDA
+    graph, timed as the median of up to `reps` replays between two events -> `(ms, "graph")`; where the capture
+    fails (an op that cannot be captured), `calls` eager calls queued back to back between two events, so the
+    host's launch work overlaps the device's -> `(ms, "queued")`."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # the side-stream call a capture wants first (allocator, lazy inits)
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        run, method = graph.replay, "graph"
+    except Exception:  # noqa: BLE001 - not capturable: queue the eager calls instead
+        del graph
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(calls):
+                fn()
+        method = "queued"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    run()
+    torch.cuda.synchronize()
+    samples, t0 = [], time.perf_counter()
+    while len(samples) < reps and (time.perf_counter() - t0) < budget_s:
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / calls)
+    return statistics.median(samples), method
 
 
 def copy_bandwidth(device: str) -> float:
@@ -147,6 +192,8 @@ def build_cases(s: Shapes, device: str, impls: list[str]):
     pending = torch.full((s.N,), D, device=device)
     snap = torch.empty(Lyr, B, D, H, K, V, device=device) if "masked_scatter" in s.ops else None
     step = torch.randint(0, D, (B,), device=device)
+    full = torch.full((B,), D, device=device)  # made here, not in the timed calls
+    fold_n = {n: {**fold, "num_tokens": torch.full((B,), n, device=device)} for n in FOLD_N if n <= s.L}
     cases = []
     for impl in impls:
         get = dispatch.reference_impl if impl == "reference" else dispatch.triton_impl
@@ -159,11 +206,9 @@ def build_cases(s: Shapes, device: str, impls: list[str]):
             ("verify_snapshot", impl, lambda verify=verify: verify(**x, intermediate_states=inter)),
             ("short_conv_verify", impl, lambda conv_fn=conv_fn: conv_fn(**conv, window_states=win)),
             ("fast_rebuild", impl, lambda rebuild=rebuild: rebuild(
-                x["ssm_state"], x["ssm_state_indices"], ring[0], ring[1], ring[2], ring_start,
-                torch.full((B,), D, device=device))),
+                x["ssm_state"], x["ssm_state_indices"], ring[0], ring[1], ring[2], ring_start, full)),
         ]
-        cases += [(f"exact_fold_n{n}", impl, lambda fold_fn=fold_fn, n=n: fold_fn(
-            **{**fold, "num_tokens": torch.full((B,), n, device=device)})) for n in FOLD_N if n <= s.L]
+        cases += [(f"exact_fold_n{n}", impl, lambda fold_fn=fold_fn, f=f: fold_fn(**f)) for n, f in fold_n.items()]
         if snap is not None:
             cases.append(("masked_scatter", impl, lambda scatter=scatter: scatter(
                 snap, fold["ssm_state"], fold["ssm_state_indices"], step)))
@@ -217,6 +262,8 @@ def main(argv=None) -> int:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="activation / ring dtype")
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--graph-calls", type=int, default=10,
+                   help="CUDA: calls per captured graph (the device time per call is a replay / this)")
     p.add_argument("--ops", default="all", help="comma-separated op names (default: all)")
     p.add_argument("--no-reference", action="store_true", help="skip the torch references")
     p.add_argument("--json", default=None, help="write the results here")
@@ -243,7 +290,9 @@ def main(argv=None) -> int:
     print(f"# device={a.device} ({torch.cuda.get_device_name() if a.device == 'cuda' else 'cpu'}) "
           f"H={s.H} K=V={s.K} D={s.D} B={s.B} layers={s.Lyr} L={s.L} act={a.dtype} "
           f"copy bandwidth {bw:.1f} GB/s", flush=True)
-    print(f"{'op':30s} {'impl':10s} {'ms':>10s} {'GB/s':>9s} {'copy bw':>8s} {'vs ref':>8s}", flush=True)
+    cuda = a.device == "cuda"
+    print(f"{'op':30s} {'impl':10s} {'ms':>10s} {'GB/s':>9s} {'copy bw':>8s} {'vs ref':>8s}"
+          + (f" {'call ms':>9s} {'timing':>7s}" if cuda else ""), flush=True)
     rows, ref_ms, skipped = [], {}, []
     for op, impl, fn in build_cases(s, a.device, impls):
         if a.budget_s is not None and time.perf_counter() - t0 > a.budget_s:
@@ -251,19 +300,23 @@ def main(argv=None) -> int:
             continue
         slow = impl == "reference" or (impl == "triton" and a.device == "cpu")
         try:
-            ms = timed(fn, a.device, warmup=1 if slow else 3, reps=(a.reps or 2) if slow else reps,
-                       budget_s=5.0 if slow else 2.0)
+            call_ms = timed(fn, a.device, warmup=1 if slow else 3, reps=(a.reps or 2) if slow else reps,
+                            budget_s=5.0 if slow else 2.0)
+            ms, how = (device_timed(fn, calls=a.graph_calls, reps=min(reps, 10), budget_s=2.0) if cuda and not slow
+                       else (call_ms, "call"))
         except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
             print(f"# {op} [{impl}] failed: {type(e).__name__}: {e}", file=sys.stderr)
             continue
         gbps = nbytes[op] / (ms * 1e-3) / GB
-        r = dict(op=op, impl=impl, ms=ms, bytes=nbytes[op], gbps=gbps, frac_copy_bw=gbps / bw)
+        r = dict(op=op, impl=impl, ms=ms, call_ms=call_ms, timing=how, bytes=nbytes[op], gbps=gbps,
+                 frac_copy_bw=gbps / bw)
         rows.append(r)
         if impl == "reference":
             ref_ms[op] = ms
         sp = ref_ms.get(op)
         vs = f"{sp / ms:7.1f}x" if sp and impl != "reference" else ""
-        print(f"{op:30s} {impl:10s} {ms:10.4f} {gbps:9.2f} {r['frac_copy_bw']:8.1%} {vs:>8s}", flush=True)
+        print(f"{op:30s} {impl:10s} {ms:10.4f} {gbps:9.2f} {r['frac_copy_bw']:8.1%} {vs:>8s}"
+              + (f" {call_ms:9.4f} {how:>7s}" if cuda else ""), flush=True)
     if skipped:
         print(f"# budget of {a.budget_s:.0f} s spent: not measured {', '.join(skipped)}", flush=True)
     if a.json:

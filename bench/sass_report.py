@@ -313,7 +313,8 @@ def cases(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: torch.dtype
 
 
 def report(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: str = "bf16", gdn: bool = False,
-           rule: str = "delta", gate_in_kernel: bool = False) -> dict:
+           rule: str = "delta", gate_in_kernel: bool = False, only: set[str] | None = None) -> dict:
+    """The summary of every kernel of `cases` (`only`: these names, fla's kernel among them by its name)."""
     gdn = gdn or rule == "mamba2"  # a Mamba2 head decays by one scalar
     if gate_in_kernel and gdn:
         raise ValueError("gate_in_kernel: Kimi's gate is per channel (KDA); not with --gdn or --rule mamba2")
@@ -324,9 +325,10 @@ def report(H: int, K: int, D: int, B: int, Lyr: int, Kc: int, *, act: str = "bf1
                              act_dtype=act, state_dtype="fp32", gate=gate, rule=rule),
               "kernels": {}}
     for name, fns, call, nbytes in ours:
-        (_, kernel, grid), = capture(fns, call)
-        result["kernels"][name] = summarize(kernel, grid, nbytes)
-    if fla is not None:
+        if only is None or name in only:
+            (_, kernel, grid), = capture(fns, call)
+            result["kernels"][name] = summarize(kernel, grid, nbytes)
+    if fla is not None and (only is None or fla[0] in only):
         name, fns, call, nbytes = fla
         (_, kernel, grid), = capture(fns, call)
         result[name] = summarize(kernel, grid, nbytes)

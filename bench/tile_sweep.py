@@ -9,12 +9,22 @@ not what a CPU can see: a tile of 4 warps splits K over the warps, and each warp
 shared memory per reduction (two to four reductions a step), while a narrower tile runs more programs that each
 normalize the same keys. For each candidate `(BV, num_warps)` (BK is always next_pow2(K)), the kernels'
 `state_blocks` is replaced in this process and each op is timed as bench/kernel_speed.py times it (same inputs,
-bytes and copy bandwidth); the table gives ms and the share of copy bandwidth, best per op marked.
+bytes and copy bandwidth; on CUDA the device's time of a graph replay, kernel_speed's `ms`); the table gives ms and
+the share of copy bandwidth, and the fastest tile per op.
+
+    python bench/tile_sweep.py --sass --json bench/results/tile_sass.json   # no GPU: the compiled code per tile
+
+`--sass` times nothing: it compiles each candidate for sm_90 through bench/sass_report.py (no GPU needed) and gives
+per kernel the registers, spills, resident CTAs and warps per SM, and per step (per record for fold and rebuild) the
+loop's instructions, barriers and shuffles, and the warp instructions one (request, head) issues per step (loop
+instructions x warps x V blocks). They are proxies for what the sweep on a GPU decides: barriers stall a step's
+warps, resident warps hide latency, issued instructions bound the throughput.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -30,6 +40,60 @@ finally:
 
 CANDIDATES = [(32, 4), (16, 2), (8, 1), (32, 2), (64, 4)]
 OPS = ["verify_replay_eager", "verify_replay_lazy", "exact_fold_n1", "exact_fold_n8", "fast_rebuild"]
+SASS_KERNELS = ["verify_chain", "verify_tree", "exact_fold", "fast_rebuild"]  # bench/sass_report.py's names
+
+
+@contextlib.contextmanager
+def state_tile(bv: int, warps: int):
+    """The kernels' `state_blocks` replaced by `(next_pow2(K), min(bv, next_pow2(V)), warps)` in this process."""
+    import triton
+
+    from specdec.kernels.fold import triton as tf
+    from specdec.kernels.rebuild import triton as tr
+    from specdec.kernels.verify import triton as tv
+
+    original = tv.state_blocks
+    tv.state_blocks = tf.state_blocks = tr.state_blocks = \
+        lambda K, V: (triton.next_power_of_2(K), min(bv, triton.next_power_of_2(V)), warps)
+    try:
+        yield
+    finally:
+        tv.state_blocks = tf.state_blocks = tr.state_blocks = original
+
+
+def parse_candidates(text: str) -> list[tuple[int, int]]:
+    try:
+        out = [tuple(int(x) for x in c.split("x")) for c in text.split(",")]
+    except ValueError:
+        out = []
+    if not out or any(len(c) != 2 or c[0] < 1 or c[1] < 1 for c in out):
+        raise ValueError(f"--candidates: expected BVxWARPS[,BVxWARPS...] (e.g. 32x4,8x1), got {text!r}")
+    return out
+
+
+def sass_sweep(candidates: list[tuple[int, int]], shapes: dict) -> list[dict]:
+    """Per candidate, bench/sass_report.py's summary of each of SASS_KERNELS compiled with that tile, plus the
+    resident warps per SM and the warp instructions per (request, head) and step; rows printed as compiled."""
+    sr = load_script("sass_report")  # sets TRITON_INTERPRET=0: compiles for sm_90, runs nothing
+    print(f"# sm_90 SASS per state tile (no GPU): H={shapes['H']} K=V={shapes['K']} D={shapes['D']} "
+          f"requests={shapes['B']} layers={shapes['Lyr']} bf16 activations, fp32 state", flush=True)
+    cols = ("regs", "spill", "CTA/SM", "warps/SM", "loop ins", "bar", "shfl", "warp ins/step")
+    print(f"{'tile':>6} {'kernel':14s} " + " ".join(f"{c:>8s}" for c in cols), flush=True)
+    rows = []
+    for bv, w in candidates:
+        with state_tile(bv, w):
+            r = sr.report(shapes["H"], shapes["K"], shapes["D"], shapes["B"], shapes["Lyr"], 4, only=set(SASS_KERNELS))
+        row = {"tile": f"{bv}x{w}"}
+        for name in SASS_KERNELS:
+            k = dict(r["kernels"][name])
+            k["warps_per_sm"] = k["ctas_per_sm"] * k["num_warps"]
+            k["warp_instructions_per_step"] = k["loop_instructions"] * k["num_warps"] * k["grid"][2]
+            row[name] = k
+            vals = (k["regs"], k["spill_bytes"], k["ctas_per_sm"], k["warps_per_sm"], k["loop_instructions"],
+                    k["loop_barriers"], k["loop_shuffles"], k["warp_instructions_per_step"])
+            print(f"{row['tile']:>6} {name:14s} " + " ".join(f"{v:8d}" for v in vals), flush=True)
+        rows.append(row)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -39,14 +103,23 @@ def main(argv=None) -> int:
                    help="BVxWARPS, comma separated")
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--budget-s", type=float, default=None, help="start no new candidate after this many seconds")
+    p.add_argument("--sass", action="store_true",
+                   help="no timing: each candidate's compiled code for sm_90 (bench/sass_report.py; no GPU needed)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    ks = load_script("kernel_speed")  # its cases, byte counts, copy bandwidth and timer
-    import triton
-
-    from specdec.kernels.fold import triton as tf
-    from specdec.kernels.rebuild import triton as tr
-    from specdec.kernels.verify import triton as tv
+    try:
+        candidates = parse_candidates(a.candidates)
+    except ValueError as e:
+        p.error(str(e))
+    ks = load_script("kernel_speed")  # its shapes, cases, byte counts, copy bandwidth and timers
+    if a.sass:
+        d = ks.CUDA_DEFAULTS
+        shapes = dict(H=d["heads"], K=d["head_dim"], D=d["draft_tokens"], B=d["requests"], Lyr=d["layers"])
+        rows = sass_sweep(candidates, shapes)
+        if a.json:
+            Path(a.json).write_text(json.dumps({"device": "none (sm_90 compile only)", "shapes": shapes,
+                                                "rows": rows}, indent=1))
+        return 0
 
     defaults = ks.CUDA_DEFAULTS if a.device == "cuda" else ks.CPU_DEFAULTS
     args = argparse.Namespace(**defaults, dtype="bf16" if a.device == "cuda" else "fp32")
@@ -54,32 +127,31 @@ def main(argv=None) -> int:
     s.ops, s.extra = set(a.ops.split(",")), set()
     nbytes = ks.byte_counts(s)
     bw = ks.copy_bandwidth(a.device)
-    original = tv.state_blocks
     print(f"# device={a.device} H={s.H} K=V={s.K} D={s.D} B={s.B} layers={s.Lyr} act={args.dtype} "
           f"copy bandwidth {bw:.1f} GB/s; torch threads {torch.get_num_threads()}", flush=True)
     print(f"{'tile':>8} " + " ".join(f"{op:>22s}" for op in sorted(s.ops, key=OPS.index)), flush=True)
     rows, t0 = [], time.perf_counter()
-    try:
-        for cand in a.candidates.split(","):
-            if a.budget_s is not None and time.perf_counter() - t0 > a.budget_s:
-                print(f"# budget of {a.budget_s:.0f} s spent: {cand} and later not measured", flush=True)
-                break
-            bv, w = (int(x) for x in cand.split("x"))
-            tile = lambda K, V, bv=bv, w=w: (triton.next_power_of_2(K), min(bv, triton.next_power_of_2(V)), w)  # noqa: E731
-            tv.state_blocks = tf.state_blocks = tr.state_blocks = tile
-            row = {"tile": cand}
+    for bv, w in candidates:
+        cand = f"{bv}x{w}"
+        if a.budget_s is not None and time.perf_counter() - t0 > a.budget_s:
+            print(f"# budget of {a.budget_s:.0f} s spent: {cand} and later not measured", flush=True)
+            break
+        row = {"tile": cand}
+        with state_tile(bv, w):
             for op, _, fn in ks.build_cases(s, a.device, ["triton"]):
                 try:
-                    ms = ks.timed(fn, a.device, warmup=3, reps=20 if a.device == "cuda" else 2, budget_s=2.0)
+                    if a.device == "cuda":  # the device's time, as kernel_speed's `ms` (a graph replay)
+                        ks.timed(fn, a.device, warmup=3, reps=1, budget_s=2.0)
+                        ms = ks.device_timed(fn, calls=10, reps=10, budget_s=2.0)[0]
+                    else:
+                        ms = ks.timed(fn, a.device, warmup=3, reps=2, budget_s=2.0)
                     row[op] = {"ms": ms, "frac_copy_bw": nbytes[op] / (ms * 1e-3) / ks.GB / bw}
                 except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a result too
                     row[op] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            rows.append(row)
-            cells = [f"{row[op]['ms']:9.4f} ms {row[op]['frac_copy_bw']:6.1%}" if "ms" in row.get(op, {}) else
-                     f"{'failed':>22s}" for op in sorted(s.ops, key=OPS.index)]
-            print(f"{cand:>8} " + " ".join(f"{c:>22s}" for c in cells), flush=True)
-    finally:
-        tv.state_blocks = tf.state_blocks = tr.state_blocks = original
+        rows.append(row)
+        cells = [f"{row[op]['ms']:9.4f} ms {row[op]['frac_copy_bw']:6.1%}" if "ms" in row.get(op, {}) else
+                 f"{'failed':>22s}" for op in sorted(s.ops, key=OPS.index)]
+        print(f"{cand:>8} " + " ".join(f"{c:>22s}" for c in cells), flush=True)
     best = {op: min((r for r in rows if "ms" in r.get(op, {})), key=lambda r: r[op]["ms"])["tile"]
             for op in s.ops if any("ms" in r.get(op, {}) for r in rows)}
     print("# fastest: " + ", ".join(f"{op} {t}" for op, t in sorted(best.items())), flush=True)
