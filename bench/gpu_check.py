@@ -20,12 +20,18 @@ Parts, in order (a budget in seconds each; a part that runs out prints what it h
   accept    bench/accept_rate.py on the embedded model, every drafter, CUDA graphs on, against both baselines
 
 The benches run in this process (one import of torch and transformers, one autotune of fla's kernels per shape;
-TRITON_CACHE_AUTOTUNING keeps those across processes too). Every row is printed as soon as it is measured. The
+TRITON_CACHE_AUTOTUNING keeps those across processes too). Autotune results persist across machines as files: the
+ones shipped for this GPU (bench/autotune/<GPU>/, triton's cache layout `<key hash>/<kernel>.autotune.json`) are
+copied into triton's cache folder first, so a kernel whose key, configs, source and triton build match is not tuned
+again (the key hash covers all of them; anything else is tuned as before); after each part every result in the
+cache goes to DIR/autotune/<GPU>/ (copy it to bench/autotune/ to ship it), and the JSON's `autotune` says how many
+were shipped and which kernels were tuned in this run. Every row is printed as soon as it is measured. The
 JSON (`DIR/gpu_check.json`) holds the keys below, plus each part's own JSON beside it:
   device, date, commit, tests {passed, failed, skipped}, fold_bitwise,
   kernels {op: {ms, frac_copy_bw, call_ms, timing}}, kernel_goals {goal: {value, target, met}},
   graphs {drafter: {identical, eager_fallbacks, speedup_vs_plain_graph, speedup_vs_transformers}},
-  realistic {params, step_1_ms, ratios, projected_speedup}, accept, budgets {part: {budget_s, used_s}}
+  realistic {params, step_1_ms, ratios, projected_speedup}, accept, budgets {part: {budget_s, used_s}},
+  autotune {shipped, tuned_now}
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import argparse
 import datetime
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,7 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
 try:
-    from common import ROOT, load_script  # noqa: E402
+    from common import BENCH, ROOT, load_script  # noqa: E402
 finally:
     sys.path.pop(0)
 
@@ -54,6 +62,47 @@ GOALS = [("verify_chain_vs_fla", "verify chain ms / fla fused_recurrent_kda ms",
          *[(f"exact_fold_n{n}", f"exact fold n={n}, share of copy bandwidth", 0.8, "min") for n in (1, 2, 4, 8)],
          ("fast_rebuild", "fast rebuild, share of copy bandwidth", 0.6, "min"),
          ("short_conv_verify", "short conv verify, share of copy bandwidth", 0.4, "min")]
+
+
+AUTOTUNE = BENCH / "autotune"  # shipped autotune results: <GPU>/<key hash>/<kernel>.autotune.json
+
+
+def gpu_folder(name: str) -> str:
+    """A device name as a folder name (`NVIDIA H200` -> `NVIDIA_H200`)."""
+    return re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_") or "unknown_gpu"
+
+
+def triton_cache_dir() -> Path:
+    """The folder triton caches compiled kernels and autotune results in (TRITON_CACHE_DIR, else its default)."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path(os.environ.get("TRITON_HOME") or Path.home()) /
+                ".triton" / "cache")
+
+
+def autotune_files(root: Path) -> set[str]:
+    """The autotune results under `root`, as `<key hash>/<kernel>.autotune.json` paths relative to it."""
+    return {p.relative_to(root).as_posix() for p in root.glob("*/*.autotune.json")} if root.is_dir() else set()
+
+
+def seed_autotune(src: Path, cache: Path) -> int:
+    """Copy the results under `src` into triton's cache folder `cache`, keeping any file already there; -> how many
+    were copied."""
+    n = 0
+    for rel in sorted(autotune_files(src)):
+        dst = cache / rel
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / rel, dst)
+            n += 1
+    return n
+
+
+def collect_autotune(cache: Path, dst: Path, before: set[str]) -> list[str]:
+    """Copy every autotune result of `cache` to `dst`; -> the kernels tuned since `before` (files new in `cache`)."""
+    now = autotune_files(cache)
+    for rel in sorted(now):
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(cache / rel, dst / rel)
+    return sorted(Path(rel).name.removesuffix(".autotune.json") for rel in now - before)
 
 
 class _Expired(Exception):
@@ -247,6 +296,11 @@ def main(argv=None) -> int:
         result["fla"] = f"unavailable: {type(e).__name__}"
     print(f"# gpu_check: {dev}, torch {torch.__version__}, triton {triton.__version__}, fla {result['fla']}, "
           f"commit {a.commit}", flush=True)
+    cache, folder = triton_cache_dir(), gpu_folder(dev)
+    shipped = seed_autotune(AUTOTUNE / folder, cache) if torch.cuda.is_available() else 0
+    before = autotune_files(cache)
+    result["autotune"] = {"shipped": shipped, "tuned_now": []}
+    print(f"# autotune results shipped for {folder}: {shipped} copied into {cache}", flush=True)
     t_all = time.perf_counter()
     for name in a.parts.split(","):
         budget = BUDGETS[name] * a.budget_scale
@@ -259,7 +313,9 @@ def main(argv=None) -> int:
             result[f"{name}_error"] = f"{type(e).__name__}: {e}"
         used = time.perf_counter() - t0
         result["budgets"][name] = {"budget_s": budget, "used_s": round(used, 1)}
-        print(f"# {name}: {used:.0f} s of {budget:.0f}", flush=True)
+        result["autotune"]["tuned_now"] = collect_autotune(cache, out / "autotune" / folder, before)
+        print(f"# {name}: {used:.0f} s of {budget:.0f}; kernels autotuned so far: "
+              f"{', '.join(result['autotune']['tuned_now']) or 'none'}", flush=True)
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))
     result["total_s"] = round(time.perf_counter() - t_all, 1)
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1, default=str))

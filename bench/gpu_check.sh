@@ -17,6 +17,8 @@ OUTDIR=${1:-${OUT:-/tmp/specdec_gpu_check}}
 mkdir -p "$OUTDIR"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 TRITON_CACHE_AUTOTUNING=1
+# triton's cache: compiled kernels and autotune results (gpu_check.py seeds it with bench/autotune/<GPU>/)
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/specdec_triton_cache}
 unset SPECDEC_FORCE_TRITON
 [ -n "${SPECDEC_COMMIT:-}" ] || export SPECDEC_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 T0=$(date +%s)
