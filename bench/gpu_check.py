@@ -12,7 +12,8 @@ Parts, in order (a budget in seconds each; a part that runs out prints what it h
             device's time of a call (replayed from a CUDA graph, as a graphed round runs it), `call_ms` one eager
             call with its host work; the goals read `ms`
   tiles     bench/tile_sweep.py: the state tile candidates of verify, fold and rebuild (the bits do not depend on
-            the tile, the speed does)
+            the tile, the speed does); the fastest per kernel as DIR/state_tiles.json (copy its entry into
+            kernels/state_tiles.json to ship it), and the kernel goals at each op's fastest tile
   graphs    bench/graph_check.py: ngram, mtp, dspark, eagle and plain decoding, eager vs CUDA-graph rounds token
             for token, speedups against plain decoding with graphs and against transformers' `generate`
   realistic bench/realistic.py: a random ~1.4B Kimi-Linear, step_1 / chain_8 / tree_49 and one graphed round
@@ -206,6 +207,11 @@ def part_kernels(out: Path, budget: float) -> dict:
     # ms: the device's time per call (a graph replay); call_ms: one eager call, host work included
     k = {r["op"]: {key: r.get(key) for key in ("ms", "frac_copy_bw", "call_ms", "timing")}
          for r in rows if r["impl"] in ("triton", "fla")}
+    return {"kernels": k, "kernel_goals": kernel_goals(k), "kernels_rc": rc}
+
+
+def kernel_goals(k: dict, label: str = "") -> dict:
+    """GOALS judged on `k` (`{op: {ms, frac_copy_bw}}`), each printed as met, not met or not measured."""
     goals = {}
     for name, what, target, kind in GOALS:
         if name == "verify_chain_vs_fla":
@@ -215,18 +221,29 @@ def part_kernels(out: Path, budget: float) -> dict:
             value = k.get(name, {}).get("frac_copy_bw")
         met = None if value is None else (value <= target if kind == "max" else value >= target)
         goals[name] = {"what": what, "value": value, "target": target, "met": met}
-        print(f"# goal {what}: {'-' if value is None else f'{value:.3f}'} "
+        print(f"# goal{label} {what}: {'-' if value is None else f'{value:.3f}'} "
               f"({'<=' if kind == 'max' else '>='} {target}): "
               f"{'not measured' if met is None else 'met' if met else 'NOT met'}", flush=True)
-    return {"kernels": k, "kernel_goals": goals, "kernels_rc": rc}
+    return goals
 
 
 def part_tiles(out: Path, budget: float) -> dict:
+    """bench/tile_sweep.py; its `state_tiles` entry goes to DIR/state_tiles.json (kernels/state_tiles.json's form),
+    and the kernel goals are judged again at each op's fastest tile (fla's time from the kernels part)."""
     path = out / "tiles.json"
     rc = _run_main("tile_sweep", ["--device", "cuda", "--budget-s", str(budget * 0.7), "--json", str(path)],
                    budget + 20)
     data = json.loads(path.read_text()) if path.exists() else {}
-    return {"tiles": data.get("fastest"), "tiles_rc": rc}
+    if data.get("state_tiles"):
+        (out / "state_tiles.json").write_text(json.dumps(data["state_tiles"], indent=1))
+    best = {}
+    for op, tile in (data.get("fastest") or {}).items():
+        row = next(r for r in data["rows"] if r["tile"] == tile)
+        best[op] = {**row[op], "tile": tile}
+    kernels = json.loads((out / "kernels.json").read_text())["results"] if (out / "kernels.json").exists() else []
+    best.update({r["op"]: {"ms": r["ms"]} for r in kernels if r["impl"] == "fla"})
+    return {"tiles": data.get("fastest"), "state_tiles": data.get("state_tiles"),
+            "kernel_goals_best_tile": kernel_goals(best, " (fastest tile)") if best else {}, "tiles_rc": rc}
 
 
 def part_graphs(out: Path, budget: float) -> dict:

@@ -21,6 +21,12 @@ It fails (exit 1) unless, for every variant drawn (rule, gate, norm, activation 
   buffer) and the lazy verify each hold that same expression;
 - the lazy verify's other update is the fast rebuild kernel's.
 The canonical form is written per kernel in the JSON (`--json`) so two tritons can be compared by eye.
+
+`--tiles 8x1,16x2` also compiles every kernel with each of these state tiles (`SPECDEC_STATE_TILE`: V columns x
+warps) at `--tile-head-dims` (128), and fails unless each kernel's updates equal its updates at the default tile,
+the tile's V width aside (a tile splits V; the K reductions and every op per element must be the same): then
+verify, fold and rebuild may each take their own tile (kernels/state_tiles.json) and a fold is still bit for bit
+the verify's steps.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import argparse
 import functools
 import hashlib
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -161,6 +168,22 @@ class TTGIR:
                        if d[0] == "math.fma" and re.match(r"tensor<\d+x\d+x", d[3])})
 
 
+def modulo_width(expr: str, bv: int) -> str:
+    """`expr` with every tensor dim of length `bv` (the tile's V width: `[BK, BV]` tiles, `[BV]` vectors) written as
+    `V`. Sound only when no other dim has that length: the K block (next_pow2(K)) must differ from it, and
+    `pair_sum`'s split dims are 2."""
+    def dims(m):
+        return "tensor<" + "".join("V" + "x" if d == str(bv) else d + "x" for d in m.group(1).split("x")[:-1]) + \
+            m.group(1).split("x")[-1] + ">"
+
+    return re.sub(r"tensor<((?:\d+x)+[a-z]\w*)>", dims, expr)
+
+
+# the state kernel each checked launch runs (its tile: kernels/triton_utils.py `state_blocks`)
+TILE_OP = {"verify_chain": "verify", "verify_tree": "verify", "verify_tree_snapshot": "verify", "verify_lazy": "verify",
+           "exact_fold": "fold", "fast_rebuild": "rebuild"}
+
+
 def _digest(e: str) -> str:
     return hashlib.sha1(e.encode()).hexdigest()[:10]
 
@@ -214,12 +237,58 @@ def _calls(K: int, rule: str, gate: str, norm: str, act: str):
     return calls
 
 
+def compile_updates(K: int, rule: str, gate: str, norm: str, act: str, tile: str | None = None) -> dict:
+    """`{kernel: [update expression]}` of one variant, compiled with the state tile `tile` (`BVxWARPS`, every kernel)
+    or the default one, each tile shape's V width written as `V` when `tile` is given (`modulo_width`)."""
+    from specdec.kernels import triton_utils as tu
+
+    before = os.environ.pop(tu.TILE_ENV, None)
+    if tile:
+        os.environ[tu.TILE_ENV] = tile
+    try:
+        found = {}
+        for name, (fns, call) in _calls(K, rule, gate, norm, act).items():
+            (_, kernel, _), = _sass_report().capture(fns, call)
+            found[name] = TTGIR(kernel.asm["ttgir"]).updates()
+            if tile:
+                bv = tu.state_blocks(K, K, TILE_OP[name])[1]
+                found[name] = sorted(modulo_width(x, bv) for x in found[name])
+        return found
+    finally:
+        os.environ.pop(tu.TILE_ENV, None)
+        if before is not None:
+            os.environ[tu.TILE_ENV] = before
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def check_tiles(K: int, variant: tuple, tiles: list[str], default: dict) -> list[str]:
+    """Problems of the variant's kernels at each of `tiles` against its kernels `default` (default tile)."""
+    from specdec.kernels import triton_utils as tu
+
+    problems = []
+    widths = {tu.state_blocks(K, K, op)[1] for op in tu.TILE_OPS} | {tu.parse_tiles(t, "--tiles")["fold"][0]
+                                                                     for t in tiles}
+    if triton_next_pow2(K) in widths or 2 in widths:
+        raise ValueError(f"--tiles: the K block {triton_next_pow2(K)} must differ from every tile's V width "
+                         f"{sorted(widths)} (and none be 2) to tell the dims apart; check tiles at K = 128 "
+                         f"(--tile-head-dims)")
+    for tile in tiles:
+        found = compile_updates(K, *variant, tile=tile)
+        for name, exprs in found.items():
+            bv = tu.state_blocks(K, K, TILE_OP[name])[1]
+            want = sorted(modulo_width(x, bv) for x in default[name])
+            if exprs != want:
+                problems.append(f"tile {tile}: {name}'s updates {[_digest(x) for x in exprs]} differ from the "
+                                f"default tile's {[_digest(x) for x in want]}")
+    return problems
+
+
 def check_variant(K: int, rule: str, gate: str, norm: str, act: str) -> dict:
     """Compile one variant's kernels and compare their updates; `{"ok", "kernels": {name: [expr]}, "problems"}`."""
-    found = {}
-    for name, (fns, call) in _calls(K, rule, gate, norm, act).items():
-        (_, kernel, _), = _sass_report().capture(fns, call)
-        found[name] = TTGIR(kernel.asm["ttgir"]).updates()
+    found = compile_updates(K, rule, gate, norm, act)
     problems = []
     fold = found["exact_fold"]
     if len(fold) != 1:
@@ -241,8 +310,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--head-dims", default="3,64,128", help="K = V of the variants, comma separated")
     p.add_argument("--variants", default=None, help="indices into VARIANTS (default: all)")
+    p.add_argument("--tiles", default="", help="state tiles BVxWARPS, comma separated: each kernel's updates at "
+                                               "each tile must equal its updates at the default tile")
+    p.add_argument("--tile-head-dims", default="128", help="the head dims --tiles is checked at")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    tiles = [t.strip() for t in a.tiles.split(",") if t.strip()]
+    tile_dims = {int(x) for x in a.tile_head_dims.split(",")}
     _sass_report()  # before triton: compile for real
     import triton
 
@@ -255,12 +329,23 @@ def main(argv=None) -> int:
     for K in (int(x) for x in a.head_dims.split(",")):
         for rule, gate, norm, act in chosen:
             r = check_variant(K, rule, gate, norm, act)
+            if tiles and K in tile_dims:
+                from specdec.kernels import triton_utils as tu
+
+                for t in tiles:  # one clear error for a malformed tile, before compiling
+                    tu.parse_tiles(t, "--tiles")
+                tile_problems = check_tiles(K, (rule, gate, norm, act), tiles, r["kernels"])
+                r["problems"] += tile_problems
+                r["ok"] = r["ok"] and not tile_problems
+                r["tiles"] = {t: not any(m.startswith(f"tile {t}:") for m in tile_problems) for t in tiles}
             ks = r["kernels"]
             step = ks["exact_fold"][0] if ks["exact_fold"] else ""
             cell = lambda n: ",".join(_digest(x) for x in sorted(ks.get(n, []), key=lambda x: x != step)) or "-"
             print(f"{K:4d} {rule:>6} {gate:>8} {norm:>8} {act:>5}  {cell('exact_fold'):>10} {cell('verify_chain'):>10} "
                   f"{cell('verify_tree'):>10} {cell('verify_tree_snapshot'):>10} {cell('verify_lazy'):>21} "
-                  f"{cell('fast_rebuild'):>10}  {'yes' if r['ok'] else 'NO'}", flush=True)
+                  f"{cell('fast_rebuild'):>10}  {'yes' if r['ok'] else 'NO'}"
+                  + (f"  tiles {' '.join(t + (' same' if v else ' DIFFER') for t, v in r['tiles'].items())}"
+                     if "tiles" in r else ""), flush=True)
             for msg in r["problems"]:
                 print(f"#   {msg}")
             ok &= r["ok"]

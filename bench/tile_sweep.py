@@ -4,13 +4,15 @@
     TRITON_INTERPRET=1 python bench/tile_sweep.py --device cpu            # tiny shapes, the interpreter (a smoke run)
 
 Every kernel that steps a state reduces over K with `triton_utils.pair_sum`, whose bits do not depend on the tile
-(bench/step_check.py checks the compiled code), so the tile is free to be the fastest one per device. Its cost is
-not what a CPU can see: a tile of 4 warps splits K over the warps, and each warp bit of K is one exchange through
-shared memory per reduction (two to four reductions a step), while a narrower tile runs more programs that each
-normalize the same keys. For each candidate `(BV, num_warps)` (BK is always next_pow2(K)), the kernels'
-`state_blocks` is replaced in this process and each op is timed as bench/kernel_speed.py times it (same inputs,
-bytes and copy bandwidth; on CUDA the device's time of a graph replay, kernel_speed's `ms`); the table gives ms and
-the share of copy bandwidth, and the fastest tile per op.
+(bench/step_check.py `--tiles` checks the compiled code), so each kernel's tile is free to be the fastest one per
+device. Its cost is not what a CPU can see: a tile of 4 warps splits K over the warps, and each warp bit of K is
+one exchange through shared memory per reduction (two to four reductions a step), while a narrower tile runs more
+programs that each normalize the same keys. For each candidate `(BV, num_warps)` (BK is always next_pow2(K)) every
+state kernel is launched with it (`SPECDEC_STATE_TILE`) and each op is timed as bench/kernel_speed.py times it
+(same inputs, bytes and copy bandwidth; on CUDA the device's time of a graph replay, kernel_speed's `ms`); the table
+gives ms and the share of copy bandwidth, and the fastest tile per op. The JSON's `state_tiles` is the entry for
+kernels/state_tiles.json: per kernel the tile of least time (verify: the eager replay verify; fold: its times at
+n = 1, 2, 4, 8 summed; rebuild: the fast rebuild), keyed by the device's name; the kernels take it from there.
 
     python bench/tile_sweep.py --sass --json bench/results/tile_sass.json   # no GPU: the compiled code per tile
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,26 +42,41 @@ finally:
     sys.path.pop(0)
 
 CANDIDATES = [(32, 4), (16, 2), (8, 1), (32, 2), (64, 4)]
-OPS = ["verify_replay_eager", "verify_replay_lazy", "exact_fold_n1", "exact_fold_n8", "fast_rebuild"]
+OPS = ["verify_replay_eager", "verify_replay_lazy", "exact_fold_n1", "exact_fold_n2", "exact_fold_n4", "exact_fold_n8",
+       "fast_rebuild"]
 SASS_KERNELS = ["verify_chain", "verify_tree", "exact_fold", "fast_rebuild"]  # bench/sass_report.py's names
+
+
+# the op whose time picks each kernel's tile (the fold's: the sum over its record counts)
+PICK = {"verify": ["verify_replay_eager"], "fold": ["exact_fold_n1", "exact_fold_n2", "exact_fold_n4", "exact_fold_n8"],
+        "rebuild": ["fast_rebuild"]}
 
 
 @contextlib.contextmanager
 def state_tile(bv: int, warps: int):
-    """The kernels' `state_blocks` replaced by `(next_pow2(K), min(bv, next_pow2(V)), warps)` in this process."""
-    import triton
+    """Every state kernel launched with `BVxWARPS` in this process (kernels/triton_utils.py `SPECDEC_STATE_TILE`)."""
+    from specdec.kernels.triton_utils import TILE_ENV
 
-    from specdec.kernels.fold import triton as tf
-    from specdec.kernels.rebuild import triton as tr
-    from specdec.kernels.verify import triton as tv
-
-    original = tv.state_blocks
-    tv.state_blocks = tf.state_blocks = tr.state_blocks = \
-        lambda K, V: (triton.next_power_of_2(K), min(bv, triton.next_power_of_2(V)), warps)
+    before = os.environ.get(TILE_ENV)
+    os.environ[TILE_ENV] = f"{bv}x{warps}"
     try:
         yield
     finally:
-        tv.state_blocks = tf.state_blocks = tr.state_blocks = original
+        if before is None:
+            os.environ.pop(TILE_ENV, None)
+        else:
+            os.environ[TILE_ENV] = before
+
+
+def pick_tiles(rows: list[dict]) -> dict[str, str]:
+    """`{kernel: tile}` (kernels/state_tiles.json's form): per kernel the tile whose PICK ops took the least time
+    in all, among the tiles that measured every one of them."""
+    out = {}
+    for kernel, ops in PICK.items():
+        done = [r for r in rows if all("ms" in r.get(op, {}) for op in ops)]
+        if done:
+            out[kernel] = min(done, key=lambda r: sum(r[op]["ms"] for op in ops))["tile"]
+    return out
 
 
 def parse_candidates(text: str) -> list[tuple[int, int]]:
@@ -155,9 +173,12 @@ def main(argv=None) -> int:
     best = {op: min((r for r in rows if "ms" in r.get(op, {})), key=lambda r: r[op]["ms"])["tile"]
             for op in s.ops if any("ms" in r.get(op, {}) for r in rows)}
     print("# fastest: " + ", ".join(f"{op} {t}" for op, t in sorted(best.items())), flush=True)
+    name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
+    tiles = {"devices": {name: pick_tiles(rows)}}
+    print(f"# kernels/state_tiles.json entry: {json.dumps(tiles['devices'])}", flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps({"device": a.device, "copy_bandwidth_gbps": bw, "rows": rows,
-                                            "fastest": best}, indent=1))
+        Path(a.json).write_text(json.dumps({"device": a.device, "device_name": name, "copy_bandwidth_gbps": bw,
+                                            "rows": rows, "fastest": best, "state_tiles": tiles}, indent=1))
     return 0 if rows else 1
 
 

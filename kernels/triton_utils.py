@@ -10,7 +10,10 @@ n records bitwise equal to n verify steps on one device (docs/EXACTNESS.md). All
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 import triton
@@ -28,13 +31,72 @@ def check_float(name: str, *tensors: torch.Tensor | None) -> None:
                              f"use the reference (specdec.kernels dispatches fp64 there)")
 
 
-def state_blocks(K: int, V: int) -> tuple[int, int, int]:
-    """`(BK, BV, num_warps)` of a `[K, V]` state tile: the whole K in one program (`pair_sum` reduces over it);
-    fla's choice for K = 128. The bits do not depend on this choice (`pair_sum`), the speed does: each warp bit
-    of K is one exchange through shared memory per reduction (bench/tile_sweep.py measures the candidates)."""
+TILE_OPS = ("verify", "fold", "rebuild")  # the kernels that step a state, each with its own tile
+TILE_ENV = "SPECDEC_STATE_TILE"
+STATE_TILES = Path(__file__).with_name("state_tiles.json")  # measured tiles per device name (bench/tile_sweep.py)
+
+
+def state_blocks(K: int, V: int, op: str = "verify", device: str | None = None) -> tuple[int, int, int]:
+    """`(BK, BV, num_warps)` of the `[K, V]` state tile of `op` (one of TILE_OPS): the whole K in one program
+    (`pair_sum` reduces over it), BV columns and the warps from, in order, the environment's `SPECDEC_STATE_TILE`
+    (`BVxWARPS` for every op, or `verify=8x1,fold=32x4`), the tile measured fastest for this op on the device named
+    `device` (kernels/state_tiles.json), else 32 columns and 4 warps (64 and fewer warps for K < 128).
+
+    The bits do not depend on the tile: every reduction is `pair_sum`'s fixed tree over K, and a tile only splits V
+    (bench/step_check.py `--tiles` compares the compiled steps across tiles), so verify, fold and rebuild may each
+    take their own. The speed does: each warp bit of K is one exchange through shared memory per reduction, and a
+    narrower tile runs more programs that each normalize the same keys (bench/tile_sweep.py measures them)."""
+    if op not in TILE_OPS:
+        raise ValueError(f"op: expected one of {TILE_OPS}, got {op!r}")
     BK = triton.next_power_of_2(K)
+    tile = tile_override(os.environ.get(TILE_ENV, "")).get(op) or shipped_tiles().get(device or "", {}).get(op)
+    if tile is not None:
+        return BK, min(tile[0], triton.next_power_of_2(V)), tile[1]
     BV = min(triton.next_power_of_2(V), 32 if BK >= 128 else 64)
     return BK, BV, num_warps_for(BK * BV)
+
+
+def parse_tiles(text: str, source: str) -> dict[str, tuple[int, int]]:
+    """`"8x1"` (every op) or `"verify=8x1,fold=16x2"` -> `{op: (BV, num_warps)}`; one ValueError naming `source`."""
+    out: dict[str, tuple[int, int]] = {}
+    for part in text.split(","):
+        op, _, tile = part.strip().rpartition("=")
+        bv, _, w = tile.partition("x")
+        ops = TILE_OPS if not op else (op,)
+        ok = op in ("", *TILE_OPS) and bv.isdigit() and w.isdigit()
+        if ok:
+            bv_, w_ = int(bv), int(w)
+            ok = bv_ >= 1 and not bv_ & (bv_ - 1) and w_ in (1, 2, 4, 8, 16)
+        if not ok:
+            raise ValueError(f"{source}: expected BVxWARPS or OP=BVxWARPS[,OP=BVxWARPS...] with OP in {TILE_OPS}, "
+                             f"BV a power of two and WARPS 1, 2, 4, 8 or 16 (e.g. verify=8x1,fold=32x4), got {text!r}")
+        out.update({o: (bv_, w_) for o in ops})
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def tile_override(text: str) -> dict[str, tuple[int, int]]:
+    """The tiles `SPECDEC_STATE_TILE` names (`{}` when unset)."""
+    return parse_tiles(text, TILE_ENV) if text.strip() else {}
+
+
+@functools.cache
+def shipped_tiles() -> dict[str, dict[str, tuple[int, int]]]:
+    """`{device name: {op: (BV, num_warps)}}` from kernels/state_tiles.json."""
+    data = json.loads(STATE_TILES.read_text()) if STATE_TILES.exists() else {}
+    return {name: parse_tiles(",".join(f"{op}={t}" for op, t in tiles.items()), f"{STATE_TILES.name} [{name}]")
+            for name, tiles in data.get("devices", {}).items()}
+
+
+def device_name(t: torch.Tensor) -> str | None:
+    """The CUDA device name of `t` (the key of kernels/state_tiles.json); None off CUDA."""
+    return _cuda_name(t.device.index if t.device.index is not None else torch.cuda.current_device()) \
+        if t.is_cuda else None
+
+
+@functools.cache
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def num_warps_for(block_elems: int) -> int:

@@ -2,9 +2,11 @@
 family of tests/test_fold_exactness.py ran and passed (a run cut by its budget says so instead); and its shipped
 autotune results: seeded into triton's cache folder and collected from it in triton's own layout."""
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from bench_scripts import BENCH, load_bench
@@ -121,3 +123,28 @@ def test_autotune_round_trip_through_triton(tmp_path):
     r = subprocess.run([sys.executable, str(script), str(BENCH), str(cache), str(out), str(fresh)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "round trip ok" in r.stdout, r.stderr[-4000:]
+
+
+def test_tiles_part_ships_the_fastest_and_judges_the_goals_there(tmp_path, monkeypatch):
+    rows = [{"tile": "32x4", "verify_replay_eager": {"ms": 0.75, "frac_copy_bw": 0.06},
+             "exact_fold_n1": {"ms": 1.9, "frac_copy_bw": 0.71}, "fast_rebuild": {"ms": 0.24, "frac_copy_bw": 0.3}},
+            {"tile": "8x1", "verify_replay_eager": {"ms": 0.40, "frac_copy_bw": 0.11},
+             "exact_fold_n1": {"ms": 2.0, "frac_copy_bw": 0.67}, "fast_rebuild": {"error": "refused"}}]
+    sweep = {"rows": rows, "fastest": {"verify_replay_eager": "8x1", "exact_fold_n1": "32x4", "fast_rebuild": "32x4"},
+             "state_tiles": {"devices": {"NVIDIA H200": {"verify": "8x1", "fold": "32x4", "rebuild": "32x4"}}}}
+
+    def fake_run(name, argv, hard_s):
+        assert name == "tile_sweep"
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(sweep))
+        return 0
+
+    monkeypatch.setattr(gc, "_run_main", fake_run)
+    (tmp_path / "kernels.json").write_text(json.dumps({"results": [
+        {"op": "fla_fused_recurrent_kda", "impl": "fla", "ms": 0.47, "frac_copy_bw": 0.15},
+        {"op": "verify_replay_eager", "impl": "triton", "ms": 0.75, "frac_copy_bw": 0.06}]}))
+    res = gc.part_tiles(tmp_path, 30)
+    assert json.loads((tmp_path / "state_tiles.json").read_text()) == sweep["state_tiles"]
+    goals = res["kernel_goals_best_tile"]
+    assert goals["verify_chain_vs_fla"]["value"] == pytest.approx(0.40 / 0.47) and goals["verify_chain_vs_fla"]["met"]
+    assert goals["exact_fold_n1"]["value"] == 0.71 and goals["exact_fold_n1"]["met"] is False
+    assert goals["exact_fold_n2"]["met"] is None and goals["short_conv_verify"]["met"] is None  # not swept

@@ -1,7 +1,8 @@
 """The compiled state step (sm_90 TTGIR, no GPU) is the same arithmetic in verify (chain, tree, snapshot tree,
-lazy), exact fold and fast rebuild, for every drawn variant at K = 3 and 128, under this environment's triton and
-under each triton named by `SPECDEC_TRITON_PATHS` (`os.pathsep`-separated folders, each holding one triton
-package: `.ci/run` installs torch 2.11's triton 3.6 there). bench/step_check.py holds the check and runs in a
+lazy), exact fold and fast rebuild, for every drawn variant at K = 3 and 128, and at K = 128 the same at each state
+tile checked (one and two warps against the default four: each kernel may take its own), under this environment's
+triton and under each triton named by `SPECDEC_TRITON_PATHS` (`os.pathsep`-separated folders, each holding one
+triton package: `.ci/run` installs torch 2.11's triton 3.6 there). bench/step_check.py holds the check and runs in a
 process of its own (compiling for real needs TRITON_INTERPRET=0 before any kernel is imported, which the other
 tests of a worker must not see); here also the teeth of its canonical form."""
 
@@ -32,7 +33,8 @@ def test_same_step_in_every_kernel(path, tmp_path):
                            capture_output=True, text=True, cwd=tmp_path).stdout
     assert path is None or found.startswith(path), f"triton came from {found!r}, not {path}"
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "step_check.py"), "--head-dims", "3,128",
-                          "--json", str(tmp_path / "s.json")], env=env, capture_output=True, text=True, cwd=tmp_path)
+                          "--tiles", "8x1,16x2", "--json", str(tmp_path / "s.json")], env=env, capture_output=True,
+                         text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "the same step in every kernel" in out.stdout
     r = json.loads((tmp_path / "s.json").read_text())
@@ -40,6 +42,8 @@ def test_same_step_in_every_kernel(path, tmp_path):
     for v in r["variants"]:  # the check compared something: the fold has one step and every verify kernel holds it
         ks = v["kernels"]
         assert len(ks["exact_fold"]) == 1 and all(ks[n] for n in ks), (v["K"], v["rule"], v["gate"])
+        # at K = 128 every kernel compiled at 1 and 2 warps steps as at the default tile (4 warps), V width aside
+        assert v.get("tiles") == ({"8x1": True, "16x2": True} if v["K"] == 128 else None), (v["K"], v.get("tiles"))
 
 
 _MODULE = """#b4 = #ttg.blocked<{{sizePerThread = [{a}], threadsPerWarp = [32], warpsPerCTA = [1], order = [0]}}>
@@ -77,3 +81,11 @@ def test_check_has_teeth():
     # another op, another step; a layout of the update tile alone (no reduction over it) changes nothing
     assert _updates(op="sqrt") != base
     assert _updates(b=2, c=1) == base
+
+
+def test_width_is_the_only_dim_set_aside():
+    """Across tiles only the V width may differ: dims of that length become `V`, no other dim does."""
+    e = "a:tensor<128x32xf32> b:tensor<32xf32> c:tensor<2x2x32xi1> d:tensor<128xbf16> e:tensor<1x32xf32> f:f32"
+    assert step_check.modulo_width(e, 32) == ("a:tensor<128xVxf32> b:tensor<Vxf32> c:tensor<2x2xVxi1> "
+                                              "d:tensor<128xbf16> e:tensor<1xVxf32> f:f32")
+    assert step_check.modulo_width(e, 8) == e

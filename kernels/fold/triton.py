@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from ..scatter.triton import conv_commit_tile
-from ..triton_utils import (cast_to, check_float, delta_step, gate_params, load_gate, prepare_k, state_blocks,
-                           state_tile)
+from ..triton_utils import (cast_to, check_float, delta_step, device_name, gate_params, load_gate, prepare_k,
+                           state_blocks, state_tile)
 from ..common import check_gate_params, check_rule, keyword_options
 from .naive import check_fold_args
 from .naive import exact_fold as reference_fold
@@ -147,7 +147,7 @@ def exact_fold(ssm_state: torch.Tensor, ring_rawv: torch.Tensor, ring_rawk: torc
         raise ValueError(f"conv_path: expected [>={B}, M], got {list(cpath.shape)}")
     C, W = (o.conv_state.shape[2], o.conv_state.shape[3]) if has_conv else (0, 0)
     BC = min(triton.next_power_of_2(max(C, 1)), 256)
-    BK, BV, num_warps = state_blocks(K, V)
+    BK, BV, num_warps = state_blocks(K, V, "fold", device_name(ssm_state))
     off_t = o.offsets if has_off else num_tokens
     tr = o.track_states if has_track else ssm_state
     sl = o.seq_lens if has_track else num_tokens

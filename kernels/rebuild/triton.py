@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..common import check_gate_params
-from ..triton_utils import check_float, gate_params, log_decay, state_blocks, state_tile
+from ..triton_utils import check_float, device_name, gate_params, log_decay, state_blocks, state_tile
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def fast_rebuild(ssm_state: torch.Tensor, ssm_state_indices: torch.Tensor, ring_
     out = torch.empty(B, H, K, V, dtype=torch.float32, device=ssm_state.device)
     if B == 0:
         return out
-    BK, BV, num_warps = state_blocks(K, V)
+    BK, BV, num_warps = state_blocks(K, V, "rebuild", device_name(ssm_state))
     _fast_rebuild_kernel[(B, H, triton.cdiv(V, BV))](
         ssm_state, ssm_state_indices, ring_d, ring_k, ring_g, ring_start, num_tokens, out,
         A_log if gate_in else out, dt_bias if gate_in else out,

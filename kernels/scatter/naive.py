@@ -30,7 +30,7 @@ def masked_scatter(src: torch.Tensor, dst: torch.Tensor, dst_indices: torch.Tens
         dst_indices: slot per request `[B]` (B <= R); -1 / `null_slot` rows are skipped.
         step: `[B]` step to copy; -1 skips.
     """
-    B = check_scatter_args(src, dst, dst_indices, step)
+    check_scatter_args(src, dst, dst_indices, step)
     for b in (valid_slots(dst_indices, null_slot) & (step >= 0)).nonzero().flatten().tolist():
         dst[:, int(dst_indices[b])] = src[:, b, int(step[b])].to(dst.dtype)
 

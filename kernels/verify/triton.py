@@ -33,8 +33,8 @@ from ..tree import VerifyTree, as_tree, tree_stack_slots
 from .naive import check_conv_verify_args, check_ring_args
 from .naive import verify_delta_rule as reference_verify
 from ..rebuild.triton import rebuild_tile
-from ..triton_utils import (cast_to, check_float, delta_step, gate_params, load_gate, num_warps_for, prepare_k,
-                            prepare_q, readout, state_blocks, state_tile)
+from ..triton_utils import (cast_to, check_float, delta_step, device_name, gate_params, load_gate, num_warps_for,
+                            prepare_k, prepare_q, readout, state_blocks, state_tile)
 
 
 @triton.jit
@@ -353,7 +353,7 @@ def verify_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if B == 0 or T == 0:
         return o
     scale = K ** -0.5 if opt.scale is None else float(opt.scale)
-    BK, BV, num_warps = state_blocks(K, V)
+    BK, BV, num_warps = state_blocks(K, V, "verify", device_name(ssm_state))
     has_ring = opt.ring is not None
     has_inter = opt.intermediate_states is not None
     has_stack = par is not None and tree_stack is not None
