@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import specdec  # noqa: E402
+from specdec.parallel import close_group  # noqa: E402
 
 CONFIGS = ("tp1 x1 thread", "tp1 x2 threads", "tp2")
 
@@ -99,14 +100,15 @@ def worker(job: Path, rank: int, port: int) -> None:
     beside it."""
     spec = json.loads(job.read_text())
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    ok = False
     try:
         torch.set_num_threads(1)
         rows = _measure(dist.get_rank(), spec["opts"], spec["model_dir"], spec["drafters"], spec["prompts"])
         if dist.get_rank() == 0:
             (job.parent / "rows.json").write_text(json.dumps(rows))
-        dist.barrier()  # no rank tears the group down while another still uses it
+        ok = True
     finally:
-        dist.destroy_process_group()
+        close_group(ok)
 
 
 def main(argv=None) -> dict:

@@ -21,6 +21,7 @@ waiting in a collective and the engine stays usable.
 from __future__ import annotations
 
 import copy
+import gc
 import itertools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -223,6 +224,22 @@ def _find(mod, path: str):
 
 def layout_of(mixer: type) -> Layout | None:
     return next((LAYOUTS[c] for c in mixer.__mro__ if c in LAYOUTS), None)
+
+
+def close_group(ok: bool = True) -> None:
+    """End this process's part in the default group: a barrier when `ok` (no rank tears the group down while another
+    still uses it), then a collection of the reference cycles that may still hold the group (an engine and its
+    runner refer to each other, so they outlive their last name until the cycle collector runs), then
+    `destroy_process_group`. Left to the collector, the last references could go at interpreter exit, where
+    releasing a group's native state can abort the process."""
+    if not dist.is_initialized():
+        return
+    try:
+        if ok:
+            dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 class TensorParallel:

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specdec.parallel import close_group
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -30,8 +32,7 @@ def _rank(rank: int, world: int, port: int, fn, args, queue) -> None:
     except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_group(ok=False)  # the barrier is above: a result is queued only once every rank got there
 
 
 def spawn(fn, *args, world: int = 2, timeout: float = 900) -> list:

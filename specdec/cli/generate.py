@@ -102,14 +102,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     hf_logging.disable_progress_bar()
     dtype = getattr(torch, args.dtype)
     group, device = tensor_parallel(args)
+    ok = False
     try:
         code = _generate(args, parser, dtype, group, device)
-        if group is not None:  # no rank tears the group down while another still uses it
-            torch.distributed.barrier()
+        ok = True
         return code
     finally:
         if group is not None:
-            torch.distributed.destroy_process_group()
+            from specdec.parallel import close_group
+            close_group(ok)
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, dtype, group, device) -> int:
