@@ -83,7 +83,7 @@ def device_timed(fn, *, calls: int, reps: int, budget_s: float) -> tuple[float, 
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    graph, current = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
     try:
         with torch.cuda.graph(graph):
             for _ in range(calls):
@@ -91,6 +91,7 @@ def device_timed(fn, *, calls: int, reps: int, budget_s: float) -> tuple[float, 
         run, method = graph.replay, "graph"
     except Exception:  # noqa: BLE001 - not capturable: queue the eager calls instead
         del graph
+        torch.cuda.set_stream(current)  # a capture that fails at its end leaves the capture stream current
         torch.cuda.synchronize()
 
         def run():
@@ -312,9 +313,9 @@ def main(argv=None) -> int:
                  frac_copy_bw=gbps / bw)
         rows.append(r)
         if impl == "reference":
-            ref_ms[op] = ms
-        sp = ref_ms.get(op)
-        vs = f"{sp / ms:7.1f}x" if sp and impl != "reference" else ""
+            ref_ms[op] = call_ms
+        sp = ref_ms.get(op)  # one call against one call: the references are timed eagerly only
+        vs = f"{sp / call_ms:7.1f}x" if sp and impl != "reference" else ""
         print(f"{op:30s} {impl:10s} {ms:10.4f} {gbps:9.2f} {r['frac_copy_bw']:8.1%} {vs:>8s}"
               + (f" {call_ms:9.4f} {how:>7s}" if cuda else ""), flush=True)
     if skipped:

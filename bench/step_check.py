@@ -32,6 +32,7 @@ the verify's steps.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import json
@@ -87,7 +88,8 @@ def _strip_type(t: str) -> str:
 class TTGIR:
     """The ops of one kernel's TTGIR by result name, and its layout aliases."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, width: int | None = None):
+        self.width = width  # a tile's V width, written as `V` in every type (`modulo_width`), before any sorting
         self.layouts = dict(re.findall(r"^(#[\w]+) = (.*)$", text, flags=re.M))
         self.defs: dict[str, tuple] = {}  # name -> (op, operands, attrs, result type, operand type, region ops)
         lines = [re.sub(r"\s*loc\(.*$", "", ln) for ln in text.splitlines()]
@@ -157,7 +159,10 @@ class TTGIR:
                         extra += f"|layout={self._layout(in_type)}"
                 if op == "arith.constant":
                     attrs = re.sub(r"\s+", " ", attrs)
-                out = f"{op}[{attrs}{extra}:{_strip_type(typ)}]({','.join(args)})"
+                out = f"{op}[{attrs}{extra}:{_strip_type(typ)}]"
+                if self.width:
+                    out = modulo_width(out, self.width)
+                out += f"({','.join(args)})"
         memo[name] = out
         return out
 
@@ -237,58 +242,67 @@ def _calls(K: int, rule: str, gate: str, norm: str, act: str):
     return calls
 
 
-def compile_updates(K: int, rule: str, gate: str, norm: str, act: str, tile: str | None = None) -> dict:
-    """`{kernel: [update expression]}` of one variant, compiled with the state tile `tile` (`BVxWARPS`, every kernel)
-    or the default one, each tile shape's V width written as `V` when `tile` is given (`modulo_width`)."""
+def compile_ttgir(K: int, rule: str, gate: str, norm: str, act: str, tile: str | None = None) -> dict[str, str]:
+    """`{kernel: TTGIR text}` of one variant, compiled with the state tile `tile` (`BVxWARPS`, every kernel) or the
+    package's default tile."""
+    with _tile_env(tile):
+        return {name: _sass_report().capture(fns, call)[0][1].asm["ttgir"]
+                for name, (fns, call) in _calls(K, rule, gate, norm, act).items()}
+
+
+def updates(ttgir: dict[str, str], widths: dict[str, int] | None = None) -> dict[str, list[str]]:
+    """`{kernel: [update expression]}`; with `widths` (`{kernel: its tile's V width}`) that width written as `V`."""
+    return {name: TTGIR(text, (widths or {}).get(name)).updates() for name, text in ttgir.items()}
+
+
+@contextlib.contextmanager
+def _tile_env(tile: str | None):
+    """`SPECDEC_STATE_TILE` set to `tile` (unset for None) inside, as it was after."""
     from specdec.kernels import triton_utils as tu
 
     before = os.environ.pop(tu.TILE_ENV, None)
     if tile:
         os.environ[tu.TILE_ENV] = tile
     try:
-        found = {}
-        for name, (fns, call) in _calls(K, rule, gate, norm, act).items():
-            (_, kernel, _), = _sass_report().capture(fns, call)
-            found[name] = TTGIR(kernel.asm["ttgir"]).updates()
-            if tile:
-                bv = tu.state_blocks(K, K, TILE_OP[name])[1]
-                found[name] = sorted(modulo_width(x, bv) for x in found[name])
-        return found
+        yield
     finally:
         os.environ.pop(tu.TILE_ENV, None)
         if before is not None:
             os.environ[tu.TILE_ENV] = before
 
 
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def check_tiles(K: int, variant: tuple, tiles: list[str], default: dict) -> list[str]:
-    """Problems of the variant's kernels at each of `tiles` against its kernels `default` (default tile)."""
+def widths_at(K: int, tile: str | None) -> dict[str, int]:
+    """`{kernel: V width}` of each checked kernel at `tile` (None: the default), V = K, as the launches take it."""
     from specdec.kernels import triton_utils as tu
 
+    with _tile_env(tile):
+        return {name: tu.state_blocks(K, K, op)[1] for name, op in TILE_OP.items()}
+
+
+def check_tiles(K: int, variant: tuple, tiles: list[str], default: dict[str, str]) -> list[str]:
+    """Problems of the variant's kernels at each of `tiles` against `default`, its TTGIR at the default tile."""
+    BK = 1 << max(0, (K - 1).bit_length())
+    base = widths_at(K, None)
+    widths = set(base.values()).union(*(widths_at(K, t).values() for t in tiles))
+    if BK in widths or 2 in widths:
+        raise ValueError(f"--tiles: the K block {BK} must differ from every tile's V width {sorted(widths)} (and "
+                         f"none be 2) to tell the dims apart; check tiles at K = 128 (--tile-head-dims)")
+    want = updates(default, base)
     problems = []
-    widths = {tu.state_blocks(K, K, op)[1] for op in tu.TILE_OPS} | {tu.parse_tiles(t, "--tiles")["fold"][0]
-                                                                     for t in tiles}
-    if triton_next_pow2(K) in widths or 2 in widths:
-        raise ValueError(f"--tiles: the K block {triton_next_pow2(K)} must differ from every tile's V width "
-                         f"{sorted(widths)} (and none be 2) to tell the dims apart; check tiles at K = 128 "
-                         f"(--tile-head-dims)")
     for tile in tiles:
-        found = compile_updates(K, *variant, tile=tile)
+        found = updates(compile_ttgir(K, *variant, tile=tile), widths_at(K, tile))
         for name, exprs in found.items():
-            bv = tu.state_blocks(K, K, TILE_OP[name])[1]
-            want = sorted(modulo_width(x, bv) for x in default[name])
-            if exprs != want:
+            if exprs != want[name]:
                 problems.append(f"tile {tile}: {name}'s updates {[_digest(x) for x in exprs]} differ from the "
-                                f"default tile's {[_digest(x) for x in want]}")
+                                f"default tile's {[_digest(x) for x in want[name]]}")
     return problems
 
 
 def check_variant(K: int, rule: str, gate: str, norm: str, act: str) -> dict:
-    """Compile one variant's kernels and compare their updates; `{"ok", "kernels": {name: [expr]}, "problems"}`."""
-    found = compile_updates(K, rule, gate, norm, act)
+    """Compile one variant's kernels and compare their updates; `{"ok", "kernels": {name: [expr]}, "problems",
+    "ttgir": {name: text}}`."""
+    ttgir = compile_ttgir(K, rule, gate, norm, act)
+    found = updates(ttgir)
     problems = []
     fold = found["exact_fold"]
     if len(fold) != 1:
@@ -303,7 +317,7 @@ def check_variant(K: int, rule: str, gate: str, norm: str, act: str) -> dict:
         if rest != found["fast_rebuild"]:
             problems.append(f"verify_lazy's rebuild {[_digest(x) for x in rest]} != fast_rebuild's "
                             f"{[_digest(x) for x in found['fast_rebuild']]}")
-    return {"ok": not problems, "problems": problems, "kernels": found}
+    return {"ok": not problems, "problems": problems, "kernels": found, "ttgir": ttgir}
 
 
 def main(argv=None) -> int:
@@ -320,6 +334,18 @@ def main(argv=None) -> int:
     _sass_report()  # before triton: compile for real
     import triton
 
+    from specdec.kernels import triton_utils as tu
+
+    for t in tiles:  # one clear error for a malformed tile, before anything compiles
+        try:
+            if "=" in t:
+                raise ValueError(f"--tiles: one BVxWARPS per tile, every kernel at it (no OP=), got {t!r}")
+            tu.parse_tiles(t, "--tiles")
+        except ValueError as e:
+            p.error(str(e))
+    if os.environ.pop(tu.TILE_ENV, None) is not None:  # the default side is the package's own tile
+        print(f"# {tu.TILE_ENV} ignored: the kernels compile at the package's default tiles and at --tiles")
+
     chosen = VARIANTS if a.variants is None else [VARIANTS[int(i)] for i in a.variants.split(",")]
     print(f"# triton {triton.__version__}, sm_90 TTGIR; a column holds the digest of each kernel's update "
           f"expressions (fold's step first)")
@@ -329,12 +355,9 @@ def main(argv=None) -> int:
     for K in (int(x) for x in a.head_dims.split(",")):
         for rule, gate, norm, act in chosen:
             r = check_variant(K, rule, gate, norm, act)
+            ttgir = r.pop("ttgir")
             if tiles and K in tile_dims:
-                from specdec.kernels import triton_utils as tu
-
-                for t in tiles:  # one clear error for a malformed tile, before compiling
-                    tu.parse_tiles(t, "--tiles")
-                tile_problems = check_tiles(K, (rule, gate, norm, act), tiles, r["kernels"])
+                tile_problems = check_tiles(K, (rule, gate, norm, act), tiles, ttgir)
                 r["problems"] += tile_problems
                 r["ok"] = r["ok"] and not tile_problems
                 r["tiles"] = {t: not any(m.startswith(f"tile {t}:") for m in tile_problems) for t in tiles}

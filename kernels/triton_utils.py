@@ -40,7 +40,8 @@ def state_blocks(K: int, V: int, op: str = "verify", device: str | None = None) 
     """`(BK, BV, num_warps)` of the `[K, V]` state tile of `op` (one of TILE_OPS): the whole K in one program
     (`pair_sum` reduces over it), BV columns and the warps from, in order, the environment's `SPECDEC_STATE_TILE`
     (`BVxWARPS` for every op, or `verify=8x1,fold=32x4`), the tile measured fastest for this op on the device named
-    `device` (kernels/state_tiles.json), else 32 columns and 4 warps (64 and fewer warps for K < 128).
+    `device` (kernels/state_tiles.json), else 32 columns and 4 warps (for K < 128: 64 columns, and 1 or 2 warps
+    for tiles of at most 1024 or 2048 elements).
 
     The bits do not depend on the tile: every reduction is `pair_sum`'s fixed tree over K, and a tile only splits V
     (bench/step_check.py `--tiles` compares the compiled steps across tiles), so verify, fold and rebuild may each

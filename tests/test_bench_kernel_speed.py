@@ -42,23 +42,28 @@ class FakeCuda:
                 fake.clock += self.calls * fake.cost
                 fake.ran += self.calls
 
-        @contextlib.contextmanager
-        def graph(g):
-            if not fake.capturable:
-                raise RuntimeError("operation not permitted when stream is capturing")
-            fake.capturing = True
-            try:
-                yield
-            finally:
-                fake.capturing = False
-                g.calls, fake.captured = fake.captured, 0
-
         class Stream:
             def wait_stream(self, other):
                 pass
 
+        @contextlib.contextmanager
+        def graph(g):
+            before, fake.current = fake.current, Stream()  # captures on a stream of its own
+            fake.capturing = True
+            yield
+            fake.capturing = False
+            g.calls, fake.captured = fake.captured, 0
+            if not fake.capturable:  # as torch: the capture's end raises, the capture stream stays current
+                raise RuntimeError("operation not permitted when stream is capturing")
+            fake.current = before
+
+        def set_stream(s):
+            fake.current = s
+
+        self.current = self.default = Stream()
         self.Event, self.CUDAGraph, self.graph, self.Stream = Event, Graph, graph, Stream
-        self.current_stream = lambda: Stream()
+        self.current_stream = lambda: fake.current
+        self.set_stream = set_stream
         self.stream = lambda s: contextlib.nullcontext()
         self.synchronize = lambda: None
 
@@ -73,10 +78,11 @@ class FakeCuda:
 @pytest.mark.parametrize("capturable,method", [(True, "graph"), (False, "queued")])
 def test_device_time_per_call(monkeypatch, capturable, method):
     fake = FakeCuda(cost=1.5, capturable=capturable)
-    for name in ("Event", "CUDAGraph", "graph", "Stream", "current_stream", "stream", "synchronize"):
+    for name in ("Event", "CUDAGraph", "graph", "Stream", "current_stream", "set_stream", "stream", "synchronize"):
         monkeypatch.setattr(ks.torch.cuda, name, getattr(fake, name))
     ms, how = ks.device_timed(fake.fn, calls=10, reps=7, budget_s=5.0)
     assert how == method
     assert ms == pytest.approx(1.5)
+    assert fake.current is fake.default  # the caller's stream is current again, after a failed capture too
     # the side-stream call, one untimed run of the 10 calls, then 7 timed runs of them
     assert fake.ran == 1 + 10 + 7 * 10

@@ -1,9 +1,12 @@
 """State tiles per kernel (kernels/triton_utils.py `state_blocks`): `SPECDEC_STATE_TILE`, the measured table
 kernels/state_tiles.json by device name, the default; and the contract that lets each kernel take its own: the tile
-changes no bit. Verify at one tile, fold at another and single steps at a third give the states of verify and fold
-at the default tile, bit for bit (in the interpreter here, compiled on a GPU)."""
+changes no bit. With verify at one tile and fold at another, a verify's outputs and node states, the fold and the
+one-token verifies (at verify's tile) are bit for bit what they are at the default tiles (in the interpreter here,
+whose warps change nothing; compiled on a GPU, where they do)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -36,9 +39,28 @@ def test_default_override_and_table(monkeypatch):
         tu.state_blocks(128, 128, "scatter")
 
 
-def test_shipped_table_parses():
-    for name, tiles in tu.shipped_tiles().items():
-        assert name and set(tiles) <= set(tu.TILE_OPS), name
+def test_table_file(tmp_path, monkeypatch):
+    """The shipped file is in the form the lookup reads (an empty `devices` until a GPU run fills it); a file with an
+    entry is read by device name, and a malformed one is one error naming the file and the device."""
+    shipped = json.loads(tu.STATE_TILES.read_text())
+    assert isinstance(shipped["devices"], dict) and tu.shipped_tiles() == {
+        name: tu.parse_tiles(",".join(f"{op}={t}" for op, t in tiles.items()), "x")
+        for name, tiles in shipped["devices"].items()}
+    f = tmp_path / "state_tiles.json"
+    f.write_text(json.dumps({"devices": {"NVIDIA H200": {"verify": "8x1", "fold": "16x2"}}}))
+    monkeypatch.setattr(tu, "STATE_TILES", f)
+    monkeypatch.delenv(tu.TILE_ENV, raising=False)
+    tu.shipped_tiles.cache_clear()
+    try:
+        assert tu.state_blocks(128, 128, "verify", "NVIDIA H200") == (128, 8, 1)
+        assert tu.state_blocks(128, 128, "fold", "NVIDIA H200") == (128, 16, 2)
+        assert tu.state_blocks(128, 128, "rebuild", "NVIDIA H200") == (128, 32, 4)
+        f.write_text(json.dumps({"devices": {"NVIDIA H200": {"fold": "16x3"}}}))
+        tu.shipped_tiles.cache_clear()
+        with pytest.raises(ValueError, match=r"state_tiles.json \[NVIDIA H200\]: expected BVxWARPS"):
+            tu.shipped_tiles()
+    finally:
+        tu.shipped_tiles.cache_clear()
 
 
 @pytest.mark.parametrize("text", ["", "32", "32x3", "x4", "fold=", "fold=32x4,", "scatter=8x1", "24x2", "0x1",
@@ -68,7 +90,7 @@ def _run(dev, inputs, S0, n):
         (torch.full((2, H, L), float("nan"), device=dev),)
     idx, start = torch.tensor([1], device=dev), torch.tensor([0, 3], device=dev)
     inter = torch.full((1, T, H, K, V), float("nan"), device=dev)
-    verify(*inputs.values(), S0, idx, ring=ring, ring_start=start, intermediate_states=inter)
+    o = verify(*inputs.values(), S0, idx, ring=ring, ring_start=start, intermediate_states=inter)
     state = S0.clone()[None]
     fold(state, ring[3][None], ring[4][None], ring[2][None], ring[5][None], idx, start, torch.tensor([n], device=dev))
     cur = S0[1:2].clone()
@@ -76,28 +98,38 @@ def _run(dev, inputs, S0, n):
         out = torch.full((1, 1, H, K, V), float("nan"), device=dev)
         verify(*(t[:, j:j + 1] for t in inputs.values()), cur, torch.tensor([0], device=dev), intermediate_states=out)
         cur = out[:, 0]
-    return inter, state[0], cur[0]
+    return (o, inter), state[0], cur[0]
 
 
 def test_tiles_change_no_bit(monkeypatch, triton_device):
     dev = triton_device
     inputs, S0 = _inputs(dev)
     monkeypatch.delenv(tu.TILE_ENV, raising=False)
-    inter_d, folded_d, stepped_d = _run(dev, inputs, S0, 4)
+    (o_d, inter_d), folded_d, stepped_d = _run(dev, inputs, S0, 4)
     assert torch.equal(folded_d[1], stepped_d) and torch.equal(folded_d[1], inter_d[0, 3])
     # verify in 3 V blocks of one warp, fold in one block of 2 warps (and the other way round)
     for tiles in ("verify=4x1,fold=16x2", "verify=16x2,fold=4x1"):
         monkeypatch.setenv(tu.TILE_ENV, tiles)
-        inter, folded, stepped = _run(dev, inputs, S0, 4)
-        assert torch.equal(inter, inter_d), tiles
+        (o, inter), folded, stepped = _run(dev, inputs, S0, 4)
+        assert torch.equal(o, o_d) and torch.equal(inter, inter_d), tiles
         assert torch.equal(folded, folded_d) and torch.equal(stepped, stepped_d), tiles
         assert torch.equal(folded[0], S0[0]), "a foreign slot was written"
 
 
 def test_bad_tile_raises_before_any_write(monkeypatch, triton_device):
-    inputs, S0 = _inputs(triton_device)
+    """A malformed `SPECDEC_STATE_TILE` is one error at the launch that reads it, before the kernel writes."""
+    dev = triton_device
+    _, S0 = _inputs(dev)
+    H, K, V, L = 2, 5, 12, 8
+    ring = tuple(torch.randn(1, 2, H, L, d, device=dev) for d in (V, K, K)) + (torch.rand(1, 2, H, L, device=dev),)
+    state = S0.clone()[None]
     monkeypatch.setenv(tu.TILE_ENV, "fold=12x1")
-    state = S0.clone()
+    fold = dispatch.triton_impl("exact_fold")
+    args = (ring[0], ring[1], -ring[2].abs(), ring[3], torch.tensor([1], device=dev), torch.tensor([0, 3], device=dev),
+            torch.tensor([2], device=dev))
     with pytest.raises(ValueError, match="SPECDEC_STATE_TILE"):
-        _run(triton_device, inputs, state, 2)
-    assert torch.equal(state, S0)
+        fold(state, *args)
+    assert torch.equal(state[0], S0)
+    monkeypatch.setenv(tu.TILE_ENV, "fold=4x1")  # the same call at a good tile does write (the check has teeth)
+    fold(state, *args)
+    assert not torch.equal(state[0, 1], S0[1])

@@ -1,10 +1,10 @@
 """The compiled state step (sm_90 TTGIR, no GPU) is the same arithmetic in verify (chain, tree, snapshot tree,
-lazy), exact fold and fast rebuild, for every drawn variant at K = 3 and 128, and at K = 128 the same at each state
-tile checked (one and two warps against the default four: each kernel may take its own), under this environment's
-triton and under each triton named by `SPECDEC_TRITON_PATHS` (`os.pathsep`-separated folders, each holding one
-triton package: `.ci/run` installs torch 2.11's triton 3.6 there). bench/step_check.py holds the check and runs in a
-process of its own (compiling for real needs TRITON_INTERPRET=0 before any kernel is imported, which the other
-tests of a worker must not see); here also the teeth of its canonical form."""
+lazy), exact fold and fast rebuild, for every drawn variant at K = 3 and 128, and at K = 128 the same at every
+state tile bench/tile_sweep.py tries (against the default 32x4: so each kernel may take its own), under this
+environment's triton and under each triton named by `SPECDEC_TRITON_PATHS` (`os.pathsep`-separated folders, each
+holding one triton package: `.ci/run` installs torch 2.11's triton 3.6 there). bench/step_check.py holds the check
+and runs in a process of its own (compiling for real needs TRITON_INTERPRET=0 before any kernel is imported, which
+the other tests of a worker must not see); here also the teeth of its canonical form."""
 
 import json
 import os
@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -22,6 +23,7 @@ import step_check  # noqa: E402
 assert "sass_report" not in sys.modules or os.environ.get("TRITON_INTERPRET") is not None
 
 ALT = [p for p in os.environ.get("SPECDEC_TRITON_PATHS", "").split(os.pathsep) if p]
+TILES = [f"{bv}x{w}" for bv, w in load_bench("tile_sweep").CANDIDATES if (bv, w) != (32, 4)]  # all but the default
 
 
 @pytest.mark.parametrize("path", [None, *ALT], ids=lambda p: p or "this-triton")
@@ -33,7 +35,7 @@ def test_same_step_in_every_kernel(path, tmp_path):
                            capture_output=True, text=True, cwd=tmp_path).stdout
     assert path is None or found.startswith(path), f"triton came from {found!r}, not {path}"
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "step_check.py"), "--head-dims", "3,128",
-                          "--tiles", "8x1,16x2", "--json", str(tmp_path / "s.json")], env=env, capture_output=True,
+                          "--tiles", ",".join(TILES), "--json", str(tmp_path / "s.json")], env=env, capture_output=True,
                          text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "the same step in every kernel" in out.stdout
@@ -42,8 +44,9 @@ def test_same_step_in_every_kernel(path, tmp_path):
     for v in r["variants"]:  # the check compared something: the fold has one step and every verify kernel holds it
         ks = v["kernels"]
         assert len(ks["exact_fold"]) == 1 and all(ks[n] for n in ks), (v["K"], v["rule"], v["gate"])
-        # at K = 128 every kernel compiled at 1 and 2 warps steps as at the default tile (4 warps), V width aside
-        assert v.get("tiles") == ({"8x1": True, "16x2": True} if v["K"] == 128 else None), (v["K"], v.get("tiles"))
+        # at K = 128 every kernel compiled at each other tile the sweep tries steps as at the default (32 x 4),
+        # V width aside
+        assert v.get("tiles") == ({t: True for t in TILES} if v["K"] == 128 else None), (v["K"], v.get("tiles"))
 
 
 _MODULE = """#b4 = #ttg.blocked<{{sizePerThread = [{a}], threadsPerWarp = [32], warpsPerCTA = [1], order = [0]}}>
