@@ -7,7 +7,9 @@
 For every op it reports milliseconds per call, GB/s (bytes the op has to move / time, 1 GB = 1e9 B) and
 that bandwidth as a fraction of a measured device copy (`dst.copy_(src)` of a large tensor, counted as
 read + write). Per-layer ops (verify, short conv, fast rebuild) are timed for one layer; exact fold and
-masked scatter cover all layers in one call, as they run at commit.
+masked scatter cover all layers in one call, as they run at commit. The short conv runs twice: keeping every
+token's window (`short_conv_verify`, the snapshot scheme and replay's copy commit) and keeping every token's input
+record (`short_conv_verify_records`, replay's default).
 
 On CUDA `ms` is the device's time alone, as a round captured in a CUDA graph runs the kernels: `--graph-calls`
 calls captured in one graph, each sample one replay between two events, divided by the calls (fla's kernels are
@@ -169,7 +171,8 @@ def byte_counts(s: Shapes) -> dict[str, int]:
     out = B * D * H * V * ab
     ring_rec = B * D * H * ((2 * V + 2 * K) * ab + K * 4 + 4)        # d k rawv rawk, g, beta
     pending = B * D * H * ((V + K) * ab + K * 4)                     # d k g of D pending records
-    conv_io = B * D * s.C * ab * (2 + (s.Kc - 1)) + B * s.C * (s.Kc - 1) * ab + s.C * s.Kc * ab
+    conv_io = B * D * s.C * ab * (2 + (s.Kc - 1)) + B * s.C * (s.Kc - 1) * ab + s.C * s.Kc * ab  # windows out
+    conv_rec = B * D * s.C * ab * 3 + B * s.C * (s.Kc - 1) * ab + s.C * s.Kc * ab  # x in, y and the x record out
     return {
         "verify_replay_eager": tokens_in + state + out + ring_rec,
         "verify_replay_lazy": tokens_in + state + out + ring_rec + pending,
@@ -177,6 +180,7 @@ def byte_counts(s: Shapes) -> dict[str, int]:
         "fla_fused_recurrent_kda": tokens_in + state + out + state,  # reads the state, writes the final state
         "fla_fused_recurrent_kda_spec": tokens_in + state + out + D * state,
         "short_conv_verify": conv_io,
+        "short_conv_verify_records": conv_rec,
         "fast_rebuild": 2 * state + pending,
         **{f"exact_fold_n{n}": Lyr * (2 * state + B * n * H * ((V + K) * ab + K * 4 + 4)) for n in FOLD_N},
         "masked_scatter": 2 * Lyr * state,
@@ -189,7 +193,8 @@ def build_cases(s: Shapes, device: str, impls: list[str]):
     x, ring, ring_start, fold, conv = make_inputs(s, device)
     B, D, H, K, V, Lyr = s.B, s.D, s.H, s.K, s.V, s.Lyr
     inter = torch.empty(B, D, H, K, V, device=device)
-    win = torch.empty(B, D, s.C, s.Kc - 1, dtype=s.act, device=device)
+    win = torch.empty(B, D, s.C, s.Kc - 1, dtype=s.act, device=device)  # the snapshot scheme's windows
+    xin = torch.empty(B, D, s.C, dtype=s.act, device=device)  # replay's per-token input records
     pending = torch.full((s.N,), D, device=device)
     snap = torch.empty(Lyr, B, D, H, K, V, device=device) if "masked_scatter" in s.ops else None
     step = torch.randint(0, D, (B,), device=device)
@@ -206,6 +211,7 @@ def build_cases(s: Shapes, device: str, impls: list[str]):
              lambda verify=verify: verify(**x, ring=ring, ring_start=ring_start, num_pending=pending)),
             ("verify_snapshot", impl, lambda verify=verify: verify(**x, intermediate_states=inter)),
             ("short_conv_verify", impl, lambda conv_fn=conv_fn: conv_fn(**conv, window_states=win)),
+            ("short_conv_verify_records", impl, lambda conv_fn=conv_fn: conv_fn(**conv, conv_inputs=xin)),
             ("fast_rebuild", impl, lambda rebuild=rebuild: rebuild(
                 x["ssm_state"], x["ssm_state_indices"], ring[0], ring[1], ring[2], ring_start, full)),
         ]
