@@ -57,9 +57,6 @@ try:
 finally:
     sys.path.pop(0)
 
-# the ops of each state kernel the tile sweep times (bench/tile_sweep.py PICK picks a kernel's tile from them)
-TILE_PICK = {"verify": ["verify_replay_eager", "verify_replay_lazy"],
-             "fold": [f"exact_fold_n{n}" for n in (1, 2, 4, 8)], "rebuild": ["fast_rebuild"]}
 # seconds per part: 375 in all, with ~30 s of setup within 7 minutes (kernels: ~13 ops, each an eager and a
 # graph-replay timing, plus their first compiles at Kimi shapes)
 BUDGETS = {"tests": 100, "kernels": 20, "tiles": 30, "graphs": 105, "realistic": 80, "accept": 40}
@@ -247,7 +244,7 @@ def part_tiles(out: Path, budget: float) -> dict:
         (out / "state_tiles.json").write_text(json.dumps(data["state_tiles"], indent=1))
     picked = next(iter((data.get("state_tiles") or {}).get("devices", {}).values()), {})
     best = {}
-    for kernel, ops in TILE_PICK.items():  # every op at the one tile its kernel would ship with
+    for kernel, ops in load_script("tile_sweep").KERNEL_OPS.items():  # each op at the tile its kernel ships with
         row = next((r for r in data.get("rows", []) if r["tile"] == picked.get(kernel)), None)
         best.update({op: {**row[op], "tile": row["tile"]} for op in ops if row and "ms" in row.get(op, {})})
     kernels = json.loads((out / "kernels.json").read_text())["results"] if (out / "kernels.json").exists() else []

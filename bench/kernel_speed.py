@@ -113,6 +113,16 @@ def device_timed(fn, *, calls: int, reps: int, budget_s: float) -> tuple[float, 
     return statistics.median(samples), method
 
 
+def measure(fn, device: str, *, slow: bool, reps: int, calls: int = 10) -> tuple[float, float, str]:
+    """`(ms, call_ms, timing)` of one case: `call_ms` one eager call after a warm-up (`timed`); on CUDA, for a case
+    that is not `slow` (a torch reference), `ms` the device's time per call (`device_timed`), else the call's."""
+    call_ms = timed(fn, device, warmup=1 if slow else 3, reps=reps, budget_s=5.0 if slow else 2.0)
+    if device == "cuda" and not slow:
+        ms, how = device_timed(fn, calls=calls, reps=min(reps, 10), budget_s=2.0)
+        return ms, call_ms, how
+    return call_ms, call_ms, "call"
+
+
 def copy_bandwidth(device: str) -> float:
     """GB/s of a device copy of a large tensor (read + write counted)."""
     n = (1 << 30 if device == "cuda" else 1 << 26) // 4
@@ -307,10 +317,8 @@ def main(argv=None) -> int:
             continue
         slow = impl == "reference" or (impl == "triton" and a.device == "cpu")
         try:
-            call_ms = timed(fn, a.device, warmup=1 if slow else 3, reps=(a.reps or 2) if slow else reps,
-                            budget_s=5.0 if slow else 2.0)
-            ms, how = (device_timed(fn, calls=a.graph_calls, reps=min(reps, 10), budget_s=2.0) if cuda and not slow
-                       else (call_ms, "call"))
+            ms, call_ms, how = measure(fn, a.device, slow=slow, reps=(a.reps or 2) if slow else reps,
+                                       calls=a.graph_calls)
         except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
             print(f"# {op} [{impl}] failed: {type(e).__name__}: {e}", file=sys.stderr)
             continue

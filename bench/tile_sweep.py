@@ -43,14 +43,15 @@ finally:
 
 # the fewest barriers per step first (bench/RESULTS.md, the per-tile compiled code), so a short budget measures them
 CANDIDATES = [(8, 1), (16, 2), (32, 4), (32, 2), (64, 4)]
-OPS = ["verify_replay_eager", "verify_replay_lazy", "exact_fold_n1", "exact_fold_n2", "exact_fold_n4", "exact_fold_n8",
-       "fast_rebuild"]
 SASS_KERNELS = ["verify_chain", "verify_tree", "exact_fold", "fast_rebuild"]  # bench/sass_report.py's names
 
 
-# the op whose time picks each kernel's tile (the fold's: the sum over its record counts)
-PICK = {"verify": ["verify_replay_eager"], "fold": ["exact_fold_n1", "exact_fold_n2", "exact_fold_n4", "exact_fold_n8"],
-        "rebuild": ["fast_rebuild"]}
+# the ops the sweep times of each state kernel, and those whose time picks its tile (verify: the eager replay,
+# Kimi-Linear's default; the fold: the sum over its record counts)
+KERNEL_OPS = {"verify": ["verify_replay_eager", "verify_replay_lazy"],
+              "fold": ["exact_fold_n1", "exact_fold_n2", "exact_fold_n4", "exact_fold_n8"], "rebuild": ["fast_rebuild"]}
+PICK = {**KERNEL_OPS, "verify": ["verify_replay_eager"]}
+OPS = [op for ops in KERNEL_OPS.values() for op in ops]
 
 
 @contextlib.contextmanager
@@ -158,12 +159,8 @@ def main(argv=None) -> int:
         row = {"tile": cand}
         with state_tile(bv, w):
             for op, _, fn in ks.build_cases(s, a.device, ["triton"]):
-                try:
-                    if a.device == "cuda":  # the device's time, as kernel_speed's `ms` (a graph replay)
-                        ks.timed(fn, a.device, warmup=3, reps=1, budget_s=2.0)
-                        ms = ks.device_timed(fn, calls=10, reps=10, budget_s=2.0)[0]
-                    else:
-                        ms = ks.timed(fn, a.device, warmup=3, reps=2, budget_s=2.0)
+                try:  # kernel_speed's `ms`: on CUDA the device's time of a graph replay
+                    ms = ks.measure(fn, a.device, slow=a.device == "cpu", reps=2 if a.device == "cpu" else 10)[0]
                     row[op] = {"ms": ms, "frac_copy_bw": nbytes[op] / (ms * 1e-3) / ks.GB / bw}
                 except Exception as e:  # noqa: BLE001 - a tile the compiler refuses is a result too
                     row[op] = {"error": f"{type(e).__name__}: {e}"[:200]}
