@@ -7,6 +7,7 @@ A script run as `python bench/NAME.py` has this folder first on `sys.path`; one 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import platform
@@ -205,3 +206,20 @@ def load_script(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@contextlib.contextmanager
+def state_tile(tile: str | None):
+    """Every state kernel launched in this process with the tile `tile` (`BVxWARPS`: kernels/triton_utils.py's
+    `SPECDEC_STATE_TILE`), or with the package's own tiles for None; the variable as it was after."""
+    from specdec.kernels.triton_utils import TILE_ENV
+
+    before = os.environ.pop(TILE_ENV, None)
+    if tile:
+        os.environ[TILE_ENV] = tile
+    try:
+        yield
+    finally:
+        os.environ.pop(TILE_ENV, None)
+        if before is not None:
+            os.environ[TILE_ENV] = before

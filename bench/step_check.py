@@ -32,7 +32,6 @@ the verify's steps.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import hashlib
 import json
@@ -45,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
 try:
-    from common import load_script  # noqa: E402
+    from common import load_script, state_tile  # noqa: E402
 finally:
     sys.path.pop(0)
 
@@ -245,7 +244,7 @@ def _calls(K: int, rule: str, gate: str, norm: str, act: str):
 def compile_ttgir(K: int, rule: str, gate: str, norm: str, act: str, tile: str | None = None) -> dict[str, str]:
     """`{kernel: TTGIR text}` of one variant, compiled with the state tile `tile` (`BVxWARPS`, every kernel) or the
     package's default tile."""
-    with _tile_env(tile):
+    with state_tile(tile):
         return {name: _sass_report().capture(fns, call)[0][1].asm["ttgir"]
                 for name, (fns, call) in _calls(K, rule, gate, norm, act).items()}
 
@@ -255,27 +254,11 @@ def updates(ttgir: dict[str, str], widths: dict[str, int] | None = None) -> dict
     return {name: TTGIR(text, (widths or {}).get(name)).updates() for name, text in ttgir.items()}
 
 
-@contextlib.contextmanager
-def _tile_env(tile: str | None):
-    """`SPECDEC_STATE_TILE` set to `tile` (unset for None) inside, as it was after."""
-    from specdec.kernels import triton_utils as tu
-
-    before = os.environ.pop(tu.TILE_ENV, None)
-    if tile:
-        os.environ[tu.TILE_ENV] = tile
-    try:
-        yield
-    finally:
-        os.environ.pop(tu.TILE_ENV, None)
-        if before is not None:
-            os.environ[tu.TILE_ENV] = before
-
-
 def widths_at(K: int, tile: str | None) -> dict[str, int]:
     """`{kernel: V width}` of each checked kernel at `tile` (None: the default), V = K, as the launches take it."""
     from specdec.kernels import triton_utils as tu
 
-    with _tile_env(tile):
+    with state_tile(tile):
         return {name: tu.state_blocks(K, K, op)[1] for name, op in TILE_OP.items()}
 
 

@@ -26,9 +26,7 @@ warps, resident warps hide latency, issued instructions bound the throughput.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/common.py, also when loaded from elsewhere
 try:
-    from common import load_script  # noqa: E402
+    from common import load_script, state_tile  # noqa: E402
 finally:
     sys.path.pop(0)
 
@@ -52,22 +50,6 @@ KERNEL_OPS = {"verify": ["verify_replay_eager", "verify_replay_lazy"],
               "fold": ["exact_fold_n1", "exact_fold_n2", "exact_fold_n4", "exact_fold_n8"], "rebuild": ["fast_rebuild"]}
 PICK = {**KERNEL_OPS, "verify": ["verify_replay_eager"]}
 OPS = [op for ops in KERNEL_OPS.values() for op in ops]
-
-
-@contextlib.contextmanager
-def state_tile(bv: int, warps: int):
-    """Every state kernel launched with `BVxWARPS` in this process (kernels/triton_utils.py `SPECDEC_STATE_TILE`)."""
-    from specdec.kernels.triton_utils import TILE_ENV
-
-    before = os.environ.get(TILE_ENV)
-    os.environ[TILE_ENV] = f"{bv}x{warps}"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(TILE_ENV, None)
-        else:
-            os.environ[TILE_ENV] = before
 
 
 def pick_tiles(rows: list[dict]) -> dict[str, str]:
@@ -101,7 +83,7 @@ def sass_sweep(candidates: list[tuple[int, int]], shapes: dict) -> list[dict]:
     print(f"{'tile':>6} {'kernel':14s} " + " ".join(f"{c:>8s}" for c in cols), flush=True)
     rows = []
     for bv, w in candidates:
-        with state_tile(bv, w):
+        with state_tile(f"{bv}x{w}"):
             r = sr.report(shapes["H"], shapes["K"], shapes["D"], shapes["B"], shapes["Lyr"], 4, only=set(SASS_KERNELS))
         row = {"tile": f"{bv}x{w}"}
         for name in SASS_KERNELS:
@@ -157,7 +139,7 @@ def main(argv=None) -> int:
             print(f"# budget of {a.budget_s:.0f} s spent: {cand} and later not measured", flush=True)
             break
         row = {"tile": cand}
-        with state_tile(bv, w):
+        with state_tile(f"{bv}x{w}"):
             for op, _, fn in ks.build_cases(s, a.device, ["triton"]):
                 try:  # kernel_speed's `ms`: on CUDA the device's time of a graph replay
                     ms = ks.measure(fn, a.device, slow=a.device == "cpu", reps=2 if a.device == "cpu" else 10)[0]
