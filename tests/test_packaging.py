@@ -80,31 +80,54 @@ def test_bench_scripts_shadow_no_module():
         assert found is None, f"bench/{name} shadows the importable module {stem} ({found.origin})"
 
 
+def _site_without_kernels(tmp_path):
+    """A view of this interpreter's site-packages without the PyPI package `kernels` (links to every other entry,
+    .pth files included, so the editable install still maps `specdec`): a site where it was never installed."""
+    import site
+
+    view = tmp_path / "site"
+    view.mkdir()
+    for sp in site.getsitepackages():
+        for name in sorted(os.listdir(sp)):
+            if name == "kernels" or (name.startswith("kernels-") and name.endswith(".dist-info")):
+                continue
+            if not (view / name).exists():
+                (view / name).symlink_to(os.path.join(sp, name))
+    return view
+
+
 def test_checkout_root_on_sys_path_hides_no_package(tmp_path):
     """`python -m specdec ...` from the checkout root puts the root on sys.path, where the folder `kernels/` would
-    stand in for the PyPI package `kernels` (which transformers imports when it is installed): there a top-level
-    `import kernels` gets the real package, or fails as if the folder were not there; also with the root on the
-    path a second time through a symlink."""
+    stand in for the PyPI package `kernels` (which transformers imports when it is installed, and probes for at load
+    when it is not): there a top-level `import kernels` gets the real package, or, in a site without it, an empty
+    namespace that transformers' probe reads as absent, as a folder without `__init__.py` would be; either way
+    transformers' models and specdec.kernels import. Also with the root on the path a second time (a symlink)."""
     import importlib.metadata
     import subprocess
     import sys
 
-    probe = ("import kernels, os; print(os.path.realpath(kernels.__file__))"
-             "\nimport transformers.models.kimi_linear.modeling_kimi_linear, specdec.kernels as k; print(k.__name__)")
+    probe = ("import kernels, os; f = getattr(kernels, '__file__', None); print(f and os.path.realpath(f))"
+             "\nimport transformers.models.kimi_linear.modeling_kimi_linear, specdec.kernels as k; print(k.__name__)"
+             "\nfrom transformers.utils.import_utils import is_kernels_available; print(is_kernels_available())")
     link = tmp_path / "checkout"
     link.symlink_to(ROOT, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     try:
         importlib.metadata.distribution("kernels")
-        installed = True
+        sites = {"installed": None}
     except importlib.metadata.PackageNotFoundError:
-        installed = False
-    for extra in ({}, {"PYTHONPATH": str(link)}):
-        proc = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True,
-                              env={**env, **extra}, timeout=120)
-        if not installed:
-            assert proc.returncode != 0 and "No module named 'kernels'" in proc.stderr, (extra, proc.stderr)
-            continue
-        assert proc.returncode == 0, (extra, proc.stderr[-2000:])
-        where, name = proc.stdout.split()
-        assert not where.startswith(os.path.realpath(ROOT) + os.sep) and name == "specdec.kernels", proc.stdout
+        sites = {}
+    sites["absent"] = _site_without_kernels(tmp_path)
+    for case, view in sites.items():
+        # -S and site.addsitedir: the interpreter's own site-packages replaced by the view
+        cmd = [sys.executable, "-c", probe] if view is None else \
+            [sys.executable, "-S", "-c", f"import site; site.addsitedir({str(view)!r})\n{probe}"]
+        for extra in ({}, {"PYTHONPATH": str(link)}):
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**env, **extra}, timeout=120)
+            assert proc.returncode == 0, (case, extra, proc.stderr[-2000:])
+            where, name, probed = proc.stdout.split()
+            assert name == "specdec.kernels", (case, proc.stdout)
+            if case == "installed":
+                assert not where.startswith(os.path.realpath(ROOT) + os.sep) and probed == "True", (case, proc.stdout)
+            else:
+                assert where == "None" and probed == "False", (case, extra, proc.stdout)
