@@ -51,28 +51,38 @@ def torch_original(fn):
     return orig if callable(orig) else None
 
 
+def installed_families() -> tuple[str, ...]:
+    """The families of ALL_FAMILIES that the installed transformers has (5.17 has no bailing_hybrid)."""
+    import importlib.util
+
+    return tuple(f for f in ALL_FAMILIES if importlib.util.find_spec(f"transformers.models.{f}") is not None)
+
+
 @contextlib.contextmanager
 def torch_fallbacks(*families: str, chunked: bool = False, chunk_size: int = 16):
     """Route transformers' linear-attention layers to pure-torch code: swap each hub/fla-backed function of the
-    modeling module for its pure-torch original (`torch_original`), restored on exit. Needed to run the transformers
-    model's own forward (training, reference outputs) on CPU when fla is installed.
+    modeling module for its pure-torch original (`torch_original`), restored on exit (also when a swap fails). Needed
+    to run the transformers model's own forward (training, reference outputs) on CPU when fla is installed.
+
+    families: default, those of ALL_FAMILIES that the installed transformers has (`installed_families`); a named
+    family it lacks raises ModuleNotFoundError.
 
     chunked: also replace the family's chunked delta rule (prefill / training) with `kernels.chunk_delta_rule`,
     the same recurrence vectorized across chunks; several times faster on CPU, forward and backward.
     """
     swaps = []
-    for fam in families or ALL_FAMILIES:
-        mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
-        for name, fn in list(vars(mod).items()):
-            orig = torch_original(fn)
-            if orig is not None and getattr(orig, "__module__", None) == mod.__name__:
-                swaps.append((mod, name, fn))
-                setattr(mod, name, orig)
-        if chunked:
-            name, norm = CHUNK_FNS[fam]
-            swaps.append((mod, name, getattr(mod, name)))
-            setattr(mod, name, _chunk_adapter(norm, chunk_size, getattr(mod, name)))
     try:
+        for fam in families or installed_families():
+            mod = importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
+            for name, fn in list(vars(mod).items()):
+                orig = torch_original(fn)
+                if orig is not None and getattr(orig, "__module__", None) == mod.__name__:
+                    swaps.append((mod, name, fn))
+                    setattr(mod, name, orig)
+            if chunked:
+                name, norm = CHUNK_FNS[fam]
+                swaps.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, _chunk_adapter(norm, chunk_size, getattr(mod, name)))
         yield
     finally:
         for mod, name, fn in reversed(swaps):

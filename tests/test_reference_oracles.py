@@ -135,6 +135,30 @@ def test_transformers_fallbacks_are_wrapped_torch_functions():
     assert torch_original(mk.l2norm) is None and torch_original(torch.nn.Linear(2, 2)) is None
 
 
+def test_torch_fallbacks_restores_on_a_failed_swap_and_defaults_to_installed_families():
+    """A family the installed transformers lacks fails the context before its body runs, with every swap made
+    before it undone (a partly patched module would leak into later tests); the default is the families that are
+    installed (the shared matrix's three at least; the others only where transformers lacks them are left out)."""
+    import importlib
+
+    from specdec.hf_compat import ALL_FAMILIES, FAMILIES, installed_families
+
+    mk = _kimi()
+    public = mk.recurrent_kimi_delta_attention
+    with pytest.raises(ModuleNotFoundError):
+        with torch_fallbacks("kimi_linear", "no_such_family"):
+            pytest.fail("the body ran")
+    assert mk.recurrent_kimi_delta_attention is public
+    fams = installed_families()
+    assert set(FAMILIES) <= set(fams) <= set(ALL_FAMILIES)
+    for fam in set(ALL_FAMILIES) - set(fams):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"transformers.models.{fam}.modeling_{fam}")
+    with torch_fallbacks():
+        assert mk.recurrent_kimi_delta_attention is _torch_fallback(public)
+    assert mk.recurrent_kimi_delta_attention is public
+
+
 @settings(max_examples=20)
 @given(B=Bs, T=Ts, H=Hs, K=Ks, V=Vs, seed=seeds)
 def test_recurrent_sqrt_div_vs_transformers_kimi(B, T, H, K, V, seed):
