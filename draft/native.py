@@ -49,6 +49,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specdec.hf_compat import cache_arg, rope_positions
+
 from .layers import SharesTarget, soft_ce, target_logits
 from .registry import DraftConfig
 
@@ -210,6 +212,7 @@ class Net(SharesTarget):
         self.hidden_norm = norm_cls(d, eps=eps)
         self.fc = nn.Linear(2 * d, d, bias=False)
         self.layer = layer
+        self._cache_arg = cache_arg(layer)  # the keyword the decoder layer takes its KV cache under
         self.norm = norm_cls(d, eps=eps)
         w = target.get_input_embeddings().weight
         for mod in (self.emb_norm, self.hidden_norm, self.fc, self.norm):
@@ -263,8 +266,9 @@ class Net(SharesTarget):
         """tokens `[B, T]`, h `[B, T, d]` at `positions [B, T]`; `mask` additive `[B, 1, T, S]` over the
         cache's keys (S = T without a cache) -> (logits `[B, T, V]`, out `[B, T, d]`: the next step's h)."""
         x = self.fc(torch.cat([self.emb_norm(self.embed(tokens)), self.hidden_norm(h.to(self.dtype))], -1))
-        rope = self.target_rotary(x, positions)
-        x = self.layer(x, position_embeddings=rope, attention_mask=mask, position_ids=positions, cache=cache)
+        rope = self.target_rotary(x, rope_positions(self.target_rotary, positions))
+        x = self.layer(x, position_embeddings=rope, attention_mask=mask, position_ids=positions,
+                       **{self._cache_arg: cache})
         x = x[0] if isinstance(x, tuple) else x
         out = self.norm(x)
         return self.lm_head(out), out

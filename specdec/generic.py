@@ -8,6 +8,7 @@ import inspect
 
 import torch
 
+from .hf_compat import cache_arg
 from .runner import RunnerOutput
 
 
@@ -31,9 +32,8 @@ class GenericRunner:
         self._cache: dict[int, object] = {}
         self._len: dict[int, int] = {}
         self._round = None
-        # transformers renamed `past_key_values` to `cache` (the old name is deprecated from 5.x on)
         params = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = cache_arg(model)
         self._position_args = [a for a in ("position_ids", "cache_position") if a in params]
         self._one_token = model.config.get_text_config().model_type in ONE_TOKEN_CONTINUATION
 

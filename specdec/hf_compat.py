@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
+import inspect
 
 FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5")  # the families the shared test matrix runs
 MORE_FAMILIES = ("qwen3_5_moe", "olmo_hybrid", "bailing_hybrid")  # tests/test_adapters_more.py
@@ -51,10 +53,26 @@ def torch_original(fn):
     return orig if callable(orig) else None
 
 
+def cache_arg(fn) -> str:
+    """The keyword under which a transformers model or layer (its `forward`), or any callable, takes the KV cache:
+    `cache` where its signature names it (transformers' name now), else `past_key_values` (the name through 5.17 at
+    least). A cache passed under the other name lands in `**kwargs`, unread: the layer attends over the new tokens
+    only."""
+    params = inspect.signature(getattr(fn, "forward", fn)).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def rope_positions(rotary, positions):
+    """`positions [B, T]` as a transformers rotary module takes them: `[3, B, T]` (one row per grid axis, all three
+    the text positions) for a multimodal rotary (`mrope_section`: Qwen3.5's), which through 5.17 at least reads
+    `[3, B, T]` only; `[B, T]` for every other."""
+    if getattr(rotary, "mrope_section", None) is None:
+        return positions
+    return positions.expand(3, *positions.shape)
+
+
 def installed_families() -> tuple[str, ...]:
     """The families of ALL_FAMILIES that the installed transformers has (5.17 has no bailing_hybrid)."""
-    import importlib.util
-
     return tuple(f for f in ALL_FAMILIES if importlib.util.find_spec(f"transformers.models.{f}") is not None)
 
 

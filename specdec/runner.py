@@ -20,6 +20,7 @@ from specdec.verify.record import Acceptance
 from specdec.tensors import index_tensor
 
 from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
+from .hf_compat import cache_arg, rope_positions
 from .kv_cache import KVCache, kv_specs, owned_rows
 from .memory import MemoryPlan
 from .prefill import _Chunk, _PrefillOps
@@ -150,6 +151,10 @@ class HybridRunner:
             raise ValueError("model: no linear_attention layers")
         (self._norms, self._attn_rope, self._mlps, self._mixers, self._attn,
          self._joins) = _layer_plan(family, spec, self.layers, self._kinds)
+        # the keyword each attention / shared block takes the cache under (`hf_compat.cache_arg`)
+        self._cache_args = {i: cache_arg(a) for i, a in self._attn.items()}
+        self._cache_args.update({("shared", i): cache_arg(j.shared) for i, j in self._joins.items()
+                                 if j.shared is not None})
         self.tp = tp
         self._dp: set[int] = set()  # MLA layers run data-parallel over the requests (tensor parallelism)
         self._split = self._shard(family, spec, tp, set(replicate)) if tp is not None else {}
@@ -235,7 +240,7 @@ class HybridRunner:
         if own.numel():
             kw = {k: tuple(t[own] for t in v) if isinstance(v, tuple) else v for k, v in kw.items()}
             out[own] = self._attn[i](hidden_states=x[own], attention_mask=None if mask is None else mask[own],
-                                     position_ids=positions[own], cache=self.kv, **kw)[0]
+                                     position_ids=positions[own], **{self._cache_args[i]: self.kv}, **kw)[0]
         return out
 
     def _memory_plan(self, cfg: StateConfig, strategy: str, commit: str, max_length: int) -> MemoryPlan:
@@ -394,7 +399,7 @@ class HybridRunner:
             positions = self.kv.positions()
             mask = self.kv.attention_mask(h.dtype)
             rotary = getattr(self.base, "rotary_emb", None)
-            pos_emb = rotary(h, positions) if rotary is not None else None
+            pos_emb = rotary(h, rope_positions(rotary, positions)) if rotary is not None else None
             captured = {}
             for i in range(len(self.layers)):
                 pre, post, pre_mlp, post_mlp = self._norms[i]  # the family's layout; None: no norm there
@@ -405,7 +410,8 @@ class HybridRunner:
                     join, x = self._joins.get(i), h
                     if join is not None and join.shared is not None:  # Zamba2: into the mixer's input only
                         t = join.shared(h, original_hidden_states=embeddings, layer_idx=i, attention_mask=mask,
-                                        cache=self.kv, position_embeddings=pos_emb, position_ids=positions)
+                                        position_embeddings=pos_emb, position_ids=positions,
+                                        **{self._cache_args["shared", i]: self.kv})
                         x = h + join.proj(t)
                     x = pre(x) if pre is not None else x
                     if kind == "attention" or (join is not None and join.attn is not None):
@@ -415,7 +421,7 @@ class HybridRunner:
                             a = self._reduce(self._own_rows(i, a, mask, positions, kw), "attn", i)
                         else:
                             a = self._reduce(self._attn[i](hidden_states=a, attention_mask=mask, position_ids=positions,
-                                                           cache=self.kv, **kw)[0], "attn", i)
+                                                           **{self._cache_args[i]: self.kv}, **kw)[0], "attn", i)
                     if kind != "attention":
                         li = self.linear_index[i]
                         ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)

@@ -104,6 +104,7 @@ def test_kimi_attention_reads_latents_like_the_module():
     equals the module's own forward on the same cache contents, with a tree mask (float64); the tests above
     then check whole rounds of it against transformers' forward."""
     from specdec.adapters import KimiLatentAttention
+    from specdec.hf_compat import cache_arg
     from specdec.kernels.tree import VerifyTree
     from specdec.kv_cache import KVCache
 
@@ -120,10 +121,10 @@ def test_kimi_attention_reads_latents_like_the_module():
     for attn in (mod, KimiLatentAttention(mod)):
         kv = KVCache(3, 32)
         kv.begin(torch.tensor([2, 0]), 6)  # a committed context of 6 tokens per row, written by the same attention
-        attn(hidden_states=context, attention_mask=kv.attention_mask(torch.float64), cache=kv)
+        attn(hidden_states=context, attention_mask=kv.attention_mask(torch.float64), **{cache_arg(attn): kv})
         kv.advance(torch.tensor([6, 4]))  # row 1 keeps 4 of them
         kv.begin(torch.tensor([2, 0]), 5, VerifyTree.check(parent, 2, 5))  # a tree round
-        outs.append(attn(hidden_states=x, attention_mask=kv.attention_mask(torch.float64), cache=kv)[0])
+        outs.append(attn(hidden_states=x, attention_mask=kv.attention_mask(torch.float64), **{cache_arg(attn): kv})[0])
     ref_out, out = outs
     assert max_rel_err(out, ref_out) < 1e-12
     # a module it does not mirror (a bias on kv_b_proj) runs as itself

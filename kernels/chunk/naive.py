@@ -44,7 +44,7 @@ def factored_terms(q: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, G: torc
         i sees; `fits` is None when every chunk fits (one host read), else `[...]` bool per chunk.
     """
     dt = q.dtype
-    lo, hi = torch.aminmax(G, dim=-2, keepdim=True)
+    lo, hi = G.amin(-2, keepdim=True), G.amax(-2, keepdim=True)  # (not aminmax: torch 2.11 has no derivative for it)
     span = hi - lo
     r = (hi + lo) / 2
     up, down = G - r, r - G
