@@ -8,7 +8,7 @@ import inspect
 
 import torch
 
-from .hf_compat import cache_arg
+from .hf_compat import CACHE_ARGS, cache_arg
 from .runner import RunnerOutput
 
 
@@ -68,15 +68,15 @@ class GenericRunner:
         """`ids [T]` right after the slot's committed tokens, on `cache` (None: a fresh one);
         -> (logits `[1, T, V]`, cache, hidden states per layer `[1, T, hidden]`)."""
         from transformers import DynamicCache
-        cache = cache if cache is not None else DynamicCache(config=self.model.config)
+        if cache is None and self._cache_arg != "cache_params":  # (a `cache_params` model builds its own)
+            cache = DynamicCache(config=self.model.config)
         start = self._len[slot]
         parts = ids.split(1) if start and self._one_token else [ids]
         outs = []
         for part in parts:
             out = self.model(input_ids=part[None], **{self._cache_arg: cache}, **self._positions(start, len(part)),
                              use_cache=True, output_hidden_states=True)
-            new = getattr(out, "cache", None)
-            new = getattr(out, "past_key_values", None) if new is None else new
+            new = next((c for c in (getattr(out, a, None) for a in CACHE_ARGS) if c is not None), None)
             cache, start = (new if new is not None else cache), start + len(part)
             outs.append(out)
         return (torch.cat([o.logits for o in outs], 1), cache,

@@ -53,13 +53,17 @@ def torch_original(fn):
     return orig if callable(orig) else None
 
 
+CACHE_ARGS = ("cache", "past_key_values", "cache_params")  # the names of the cache keyword, newest first
+
+
 def cache_arg(fn) -> str:
-    """The keyword under which a transformers model or layer (its `forward`), or any callable, takes the KV cache:
-    `cache` where its signature names it (transformers' name now), else `past_key_values` (the name through 5.17 at
-    least). A cache passed under the other name lands in `**kwargs`, unread: the layer attends over the new tokens
-    only."""
+    """The keyword under which a transformers model or layer (its `forward`), or any callable, takes its cache: the
+    first of CACHE_ARGS that its signature names, else `past_key_values`. transformers now says `cache`; through
+    5.17 at least it said `past_key_values`, and `cache_params` for the Mamba models (which build their own cache
+    when given none, and return it as `cache_params`). A cache passed under another name lands in `**kwargs`,
+    unread: the layer attends over the new tokens only."""
     params = inspect.signature(getattr(fn, "forward", fn)).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return next((a for a in CACHE_ARGS if a in params), "past_key_values")
 
 
 def rope_positions(rotary, positions):
