@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import tomllib
 
+from site_view import site_view
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -80,22 +82,6 @@ def test_bench_scripts_shadow_no_module():
         assert found is None, f"bench/{name} shadows the importable module {stem} ({found.origin})"
 
 
-def _site_without_kernels(tmp_path):
-    """A view of this interpreter's site-packages without the PyPI package `kernels` (links to every other entry,
-    .pth files included, so the editable install still maps `specdec`): a site where it was never installed."""
-    import site
-
-    view = tmp_path / "site"
-    view.mkdir()
-    for sp in site.getsitepackages():
-        for name in sorted(os.listdir(sp)):
-            if name == "kernels" or (name.startswith("kernels-") and name.endswith(".dist-info")):
-                continue
-            if not (view / name).exists():
-                (view / name).symlink_to(os.path.join(sp, name))
-    return view
-
-
 def test_checkout_root_on_sys_path_hides_no_package(tmp_path):
     """`python -m specdec ...` from the checkout root puts the root on sys.path, where the folder `kernels/` would
     stand in for the PyPI package `kernels` (which transformers imports when it is installed, and probes for at load
@@ -117,7 +103,7 @@ def test_checkout_root_on_sys_path_hides_no_package(tmp_path):
         sites = {"installed": None}
     except importlib.metadata.PackageNotFoundError:
         sites = {}
-    sites["absent"] = _site_without_kernels(tmp_path)
+    sites["absent"] = site_view(tmp_path / "site", without=("kernels",))
     for case, view in sites.items():
         # -S and site.addsitedir: the interpreter's own site-packages replaced by the view
         cmd = [sys.executable, "-c", probe] if view is None else \
