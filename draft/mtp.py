@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specdec.hf_compat import rope_positions
+from specdec.hf_compat import rotary_tables
 
 from .base import DraftBlock, TargetAttention, attention_layers, latent_attention
 from .layers import MLP, DraftChain, RMSNorm, SharesTarget, additive_mask, soft_ce, target_logits
@@ -222,7 +222,7 @@ class Net(SharesTarget):
             a, b = a.repeat_interleave(rep, dim=1), b.repeat_interleave(rep, dim=1)
         rope = None
         if self.target_rotary is not None:
-            rope = tuple(x.to(dt) for x in self.target_rotary(like, rope_positions(self.target_rotary, positions)))
+            rope = tuple(x.to(dt) for x in rotary_tables(self.target_rotary, like, positions))
         return KVContext(a.to(dt), b.to(dt), mask, rope)
 
     @torch.no_grad()
@@ -261,7 +261,7 @@ class Net(SharesTarget):
                 a = a * attn.key_multiplier
             b = attn.v_proj(x).view(shape).transpose(1, 2)
             if self.target_rotary is not None:
-                a, _ = self.apply_rope(a, a, *self.target_rotary(x, rope_positions(self.target_rotary, pos)))
+                a, _ = self.apply_rope(a, a, *rotary_tables(self.target_rotary, x, pos))
         causal = torch.ones(S, S, dtype=torch.bool, device=tokens.device).tril()[None]  # [1, S, S]
         return self._context(a, b, causal, x, pos)
 

@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specdec.hf_compat import cache_arg, rope_positions
+from specdec.hf_compat import cache_arg, rotary_tables
 
 from .layers import SharesTarget, soft_ce, target_logits
 from .registry import DraftConfig
@@ -266,7 +266,7 @@ class Net(SharesTarget):
         """tokens `[B, T]`, h `[B, T, d]` at `positions [B, T]`; `mask` additive `[B, 1, T, S]` over the
         cache's keys (S = T without a cache) -> (logits `[B, T, V]`, out `[B, T, d]`: the next step's h)."""
         x = self.fc(torch.cat([self.emb_norm(self.embed(tokens)), self.hidden_norm(h.to(self.dtype))], -1))
-        rope = self.target_rotary(x, rope_positions(self.target_rotary, positions))
+        rope = rotary_tables(self.target_rotary, x, positions)
         x = self.layer(x, position_embeddings=rope, attention_mask=mask, position_ids=positions,
                        **{self._cache_arg: cache})
         x = x[0] if isinstance(x, tuple) else x

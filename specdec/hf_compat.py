@@ -66,13 +66,13 @@ def cache_arg(fn) -> str:
     return next((a for a in CACHE_ARGS if a in params), "past_key_values")
 
 
-def rope_positions(rotary, positions):
-    """`positions [B, T]` as a transformers rotary module takes them: `[3, B, T]` (one row per grid axis, all three
-    the text positions) for a multimodal rotary (`mrope_section`: Qwen3.5's), which through 5.17 at least reads
-    `[3, B, T]` only; `[B, T]` for every other."""
-    if getattr(rotary, "mrope_section", None) is None:
-        return positions
-    return positions.expand(3, *positions.shape)
+def rotary_tables(rotary, x, positions):
+    """A transformers rotary module's `(cos, sin)` for `x` at `positions [B, T]`, given as the module takes them:
+    `[3, B, T]` (one row per grid axis, all three the text positions) to a multimodal rotary (`mrope_section`:
+    Qwen3.5's), which through 5.17 at least reads `[3, B, T]` only; `[B, T]` to every other."""
+    if getattr(rotary, "mrope_section", None) is not None:
+        positions = positions.expand(3, *positions.shape)
+    return rotary(x, positions)
 
 
 def installed_families() -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from specdec.verify.record import Acceptance
 from specdec.tensors import index_tensor
 
 from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
-from .hf_compat import cache_arg, rope_positions
+from .hf_compat import cache_arg, rotary_tables
 from .kv_cache import KVCache, kv_specs, owned_rows
 from .memory import MemoryPlan
 from .prefill import _Chunk, _PrefillOps
@@ -399,7 +399,7 @@ class HybridRunner:
             positions = self.kv.positions()
             mask = self.kv.attention_mask(h.dtype)
             rotary = getattr(self.base, "rotary_emb", None)
-            pos_emb = rotary(h, rope_positions(rotary, positions)) if rotary is not None else None
+            pos_emb = rotary_tables(rotary, h, positions) if rotary is not None else None
             captured = {}
             for i in range(len(self.layers)):
                 pre, post, pre_mlp, post_mlp = self._norms[i]  # the family's layout; None: no norm there
