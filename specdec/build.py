@@ -10,7 +10,6 @@ import torch
 
 from specdec.draft import Drafter, TargetView, make_drafter
 from specdec.replayssm.plan import BufferSpec
-from specdec.verify.accept import is_int_tensor
 
 from . import cpu_linear, memory
 from .adapters import HYBRID_FAMILIES
@@ -175,29 +174,16 @@ class EngineParts:
         memory.check_fits(self.memory_plan, self._memory_options())
 
     # ---- generate ----------------------------------------------------------------------------------
-    def _prompts(self, input_ids) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """The caller's prompts, checked: `[P]` tensors on the target's device, and the same as host lists."""
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() == 1:
-                input_ids = input_ids[None]
-            if input_ids.dim() != 2:
-                raise ValueError(f"input_ids: expected [B, P] or a list of 1-D sequences, got {list(input_ids.shape)}")
-            prompts = list(input_ids)
-        else:
-            prompts = [torch.as_tensor(p) for p in input_ids]
-        if not prompts:
-            raise ValueError("input_ids: no prompts")
+    def _prompts(self, rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[int]]]:
+        """The call's prompt rows (`[P_b]` integer tensors, `specdec.generation.read_prompts`) checked against the
+        vocabulary: `[P_b]` long tensors on the target's device, and the same as host lists."""
         emb = self.model.get_input_embeddings()
         vocab = getattr(emb, "num_embeddings", None) or self.runner.vocab_size
-        for i, p in enumerate(prompts):
-            if p.dim() != 1 or p.numel() == 0:
-                raise ValueError(f"input_ids: prompt {i} is empty or not 1-D (shape {list(p.shape)})")
-            if not is_int_tensor(p):  # a cast would truncate silently
-                raise ValueError(f"input_ids: prompt {i}: expected integer token ids, got {p.dtype}")
+        for i, p in enumerate(rows):
             if bool(((p < 0) | (p >= vocab)).any()):  # else the embedding fails after slots are taken
                 raise ValueError(f"input_ids: prompt {i} has token ids outside [0, {vocab}): "
                                  f"min {int(p.min())}, max {int(p.max())}")
-        return [p.to(self.runner.device, torch.long) for p in prompts], [p.tolist() for p in prompts]
+        return [p.to(self.runner.device, torch.long) for p in rows], [p.tolist() for p in rows]
 
     @property
     def _vocab(self) -> tuple[int, int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import warnings
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -12,10 +11,9 @@ import torch
 from specdec.draft import DraftBlock
 from specdec.draft.base import check_block
 from specdec.tensors import outside_inference
-from specdec.verify import SamplingParams, sample_token
-from specdec.verify.accept import is_int_tensor
+from specdec.verify import sample_token
 
-from . import cpu_linear, prefix_cache
+from . import cpu_linear, generation, prefix_cache
 from .build import EngineParts
 from .config import SpecConfig
 from .runner import HybridRunner, index_tensor
@@ -51,8 +49,15 @@ class Observed(list):
 
 @dataclass
 class GenerateOutput:
-    sequences: torch.Tensor  # [B, longest prompt + new], right-padded with the pad id
+    """What `generate` returns. `sequences [B, W]`: transformers' layout, the prompt block as the caller passed it
+    (`[B, P]`, pads included), then each row's new tokens right-padded with the pad id (a list of prompts of
+    different lengths: each prompt, then its new tokens, right-padded). `new_token_counts[b]`: row b's new tokens;
+    `finish_reasons[b]`: 'stop' (it ended on an eos id) or 'length' (it reached max_new_tokens), OpenAI's terms."""
+
+    sequences: torch.Tensor
     stats: SpecStats
+    new_token_counts: list[int]
+    finish_reasons: list[str]
 
 
 class _Lanes:
@@ -80,27 +85,42 @@ class SpecEngine(EngineParts):
 
     @torch.inference_mode()
     @cpu_linear.engaged()
-    def generate(self, input_ids, max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
-                 top_k: int = 0, top_p: float = 1.0, eos_token_id="default", seed: int | None = None,
-                 streamer=None) -> GenerateOutput:
-        """Generate up to `max_new_tokens` per prompt; greedy output equals the target's own greedy decode and
-        sampled output follows the target's distribution. `eos_token_id=None` never stops early.
+    def generate(self, input_ids=None, generation_config=None, *, attention_mask=None, seed: int | None = None,
+                 streamer=None, **kwargs) -> GenerateOutput:
+        """Generate new tokens per prompt, as transformers' `model.generate(**inputs)`: greedy output equals the
+        target's own greedy decode and sampled output follows the target's distribution.
+
+        input_ids: a `[B, P]` tensor with its `attention_mask` (left or right padding; pads are not prompt tokens),
+        a tokenizer's output passed whole, a `[P]` tensor, a list of 1-D sequences of any lengths, or one list of ints
+        (`specdec.generation.read_prompts`). generation_config and the keywords (do_sample, temperature, top_k, top_p,
+        max_new_tokens, max_length, eos_token_id: an id, a list or None for no early stop, pad_token_id) over the
+        model's own `generation_config`, as transformers merges them, with its warnings
+        (`specdec.generation.resolve_settings`). seed: the sampling stream's seed. streamer: a transformers streamer
+        (one prompt), fed as tokens are committed.
 
         Any number of prompts: at most `max_batch_size` run at once (the lanes), the rest wait in order and
         take a lane as soon as one is free (continuous batching: a finished request's lane is refilled before
         the next round, so the batch stays full while requests wait). Output rows follow the input order.
 
-        Runs under `torch.inference_mode` (no autograd bookkeeping per op: ~10% less time per token on a CPU, where
-        ops are small); what the engine keeps across calls stays normal tensors, so its runner and drafter can be
-        driven outside it, and `sequences` is a normal tensor. Runs inside `cpu_linear.engaged()`: the oneDNN
-        copies of a CPU model's weights are checked against the weights at their first use in each call, so
-        weights updated between calls (however: an optimizer step, a write through `.data`) are the ones used."""
+        Runs under `torch.inference_mode` (no autograd bookkeeping per op); what the engine keeps across calls stays
+        normal tensors, so its runner and drafter can be driven outside it, and `sequences` is a normal tensor. Runs
+        inside `cpu_linear.engaged()`: the oneDNN copies of a CPU model's weights are checked against the weights at
+        their first use in each call, so weights updated between calls (however: an optimizer step, a write through
+        `.data`) are the ones used."""
         t0 = time.perf_counter()
-        prompts, host_prompts = self._prompts(input_ids)
+        extras = {k: kwargs.pop(k) for k in generation.TOKENIZER_EXTRAS if k in kwargs}
+        generation.check_call(generation_config, kwargs)
+        own = getattr(self.model, "generation_config", None)
+        merged = generation.merged_config(own, generation_config, kwargs)
+        generation.warn_ignored(merged)
+        call = generation.read_prompts(input_ids, attention_mask, extras=extras, pad_token_id=merged.pad_token_id,
+                                       eos=generation.eos_ids(merged.eos_token_id))
+        settings = generation.resolve_settings(own, generation_config, kwargs, prompts=call,
+                                               max_length=self.max_length, fallback_pad=self.pad_token_id,
+                                               config=merged)
+        prompts, host_prompts = self._prompts(call.rows)
         N = len(prompts)
-        sampling = SamplingParams(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+        sampling, max_new_tokens, eos_set = settings.sampling, settings.max_new_tokens, settings.eos
         longest = max(p.numel() for p in prompts)
         if longest + max_new_tokens > self.max_length:
             raise ValueError(f"max_new_tokens: prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
@@ -109,10 +129,8 @@ class SpecEngine(EngineParts):
             raise ValueError("max_batch_size: no free slot (every one is held by a running generate call)")
         if streamer is not None and N != 1:
             raise ValueError("streamer: streaming supports a single prompt")
-        eos_set = _eos_ids(self.eos_token_id if isinstance(eos_token_id, str) and eos_token_id == "default"
-                           else eos_token_id)
         gen = None
-        if self.tp is not None and do_sample:  # one sampling stream on every rank
+        if self.tp is not None and sampling.do_sample:  # one sampling stream on every rank
             seed = self.tp.agree_seed(seed)
         if seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -160,11 +178,18 @@ class SpecEngine(EngineParts):
                 if streamer is not None:
                     streamer.end()
         stats.timings["total"] = time.perf_counter() - t0
-        width = max(p.numel() + len(o) for p, o in zip(prompts, out_tokens))
-        rows_out = [p + o for p, o in zip(host_prompts, out_tokens)]
+        pad = settings.pad_token_id
+        counts = [len(o) for o in out_tokens]
         with outside_inference():  # the caller's tensor: a normal one, as transformers' generate returns
-            seqs = torch.tensor([r + [self.pad_token_id] * (width - len(r)) for r in rows_out], dtype=torch.long)
-        return GenerateOutput(seqs, stats)
+            if call.block is not None:  # the prompt block as given, then the new tokens (transformers' layout)
+                new = torch.tensor([o + [pad] * (max(counts) - len(o)) for o in out_tokens], dtype=torch.long)
+                seqs = torch.cat([call.block.detach().cpu().long(), new], 1)
+            else:  # prompts of different lengths: each followed by its new tokens, right-padded
+                rows_out = [p + o for p, o in zip(host_prompts, out_tokens)]
+                width = max(len(r) for r in rows_out)
+                seqs = torch.tensor([r + [pad] * (width - len(r)) for r in rows_out], dtype=torch.long)
+        reasons = ["stop" if o and o[-1] in eos_set else "length" for o in out_tokens]
+        return GenerateOutput(seqs, stats, counts, reasons)
 
     def _admit(self, lanes: "_Lanes", ids: list[int], reqs: list[int], prompts, hist, out_tokens, sampling, gen,
                stats, max_new: int, eos_set: set, streamer) -> list[int]:
@@ -385,23 +410,6 @@ class SpecEngine(EngineParts):
         if streamer is not None and kept:
             streamer.put(torch.tensor(kept))
         return self._done(toks, max_new, eos_set)
-
-
-def _eos_ids(eos) -> set[int]:
-    """The stop tokens of `eos_token_id`, as `generate` takes it: None (never stop early), an int, a list / tuple of
-    ints or an integer tensor of any shape; anything else is one ValueError (a string or a tensor in a set of
-    ints would never match, and generation would run on silently)."""
-    if eos is None:
-        return set()
-    if isinstance(eos, torch.Tensor):
-        if not is_int_tensor(eos):
-            raise ValueError(f"eos_token_id: expected integer token ids, got a {eos.dtype} tensor")
-        return set(eos.flatten().tolist())
-    items = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-    bad = [x for x in items if isinstance(x, bool) or not isinstance(x, numbers.Integral)]
-    if bad:
-        raise ValueError(f"eos_token_id: expected None, an int, a list of ints or an integer tensor, got {eos!r}")
-    return {int(x) for x in items}
 
 
 def wrap(model, config: SpecConfig | None = None, **options) -> SpecEngine:

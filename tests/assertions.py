@@ -77,6 +77,7 @@ def count_samples(engine, n: int, seed: int, *, prompt: list[int], vocab: int, n
     place = vocab ** torch.arange(new - 1, -1, -1)
     totals = dict.fromkeys(stats, 0)
     prompts = torch.tensor(prompt).expand(batch, -1)
+    params = {"top_k": 0, **params}  # `SamplingParams`' default, as the exact joint uses (transformers' is 50)
     for call in range(n // batch):
         out = engine.generate(prompts, max_new_tokens=new, do_sample=True, seed=seed + call, eos_token_id=None,
                               **params)

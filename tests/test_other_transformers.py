@@ -19,7 +19,7 @@ from site_view import site_view
 ROOT = Path(__file__).resolve().parents[1]
 ALT = [p for p in os.environ.get("SPECDEC_TRANSFORMERS_PATHS", "").split(os.pathsep) if p]
 FILES = ["test_reference_oracles.py", "test_adapters.py", "test_generic_families.py",
-         "test_generate.py", "test_native_drafter.py", "test_drafter_mtp.py", "test_static_shapes.py"]
+         "test_generate.py", "test_generate_conventions.py", "test_native_drafter.py", "test_drafter_mtp.py", "test_static_shapes.py"]
 PROBE = "import transformers, sys; print(transformers.__version__, transformers.__file__); sys.exit(0)"
 
 

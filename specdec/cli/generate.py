@@ -136,7 +136,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, dtype, 
     except ValueError as exc:
         parser.error(argument_message(str(exc)))
     eos = engine.eos_token_id if engine.eos_token_id is not None else tokenizer.eos_token_id
-    sampling = {}
+    sampling = {"do_sample": False}  # the command's default, whatever the model's generation_config says
     if args.do_sample:
         sampling = {"do_sample": True, "temperature": 1.0 if args.temperature is None else args.temperature,
                     "top_k": args.top_k or 0, "top_p": 1.0 if args.top_p is None else args.top_p}
