@@ -107,21 +107,32 @@ class PrefixCache:
     def insert(self, tokens: Sequence[int], make: Callable[[], Entry]) -> Entry | None:
         """The entry of the prefix `tokens`: the one already there (entries are immutable), or `make()`'s, stored
         after evicting least recently used entries down to the budget. None when it alone exceeds the budget."""
-        node = self._node(tuple(tokens))
+        tokens = tuple(tokens)
         self.clock += 1
-        if node.entry is not None:
-            node.entry.used = self.clock
-            return node.entry
+        held = self._find(tokens)
+        if held is not None:
+            held.used = self.clock
+            return held
         entry = make()
         if entry.nbytes > self.budget or not self._evict(self.budget - entry.nbytes):
             self.stats["skipped"] += 1
-            self._prune(node)
             return None
+        node = self._node(tokens)  # after the eviction, which may prune the branch it sits on
         entry.used = self.clock
         node.entry = entry
         self.bytes += entry.nbytes
         self.stats["inserted"] += 1
         return entry
+
+    def _find(self, tokens: tuple[int, ...]) -> Entry | None:
+        """The entry stored at exactly `tokens`, if any (nothing is made or split)."""
+        node, i = self.root, 0
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None or tokens[i:i + len(child.edge)] != child.edge:
+                return None
+            node, i = child, i + len(child.edge)
+        return node.entry
 
     def _node(self, tokens: tuple[int, ...]) -> _Node:
         """The node at the end of `tokens`, made (splitting an edge where `tokens` ends or turns inside it)."""

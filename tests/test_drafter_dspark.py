@@ -576,8 +576,11 @@ def test_old_saved_drafter_loads_with_its_old_config_and_blocks():
     assert len(blocks) == len(rec["blocks"])
     for (block, conf), old in zip(blocks, rec["blocks"]):
         assert block.tokens.tolist() == old["tokens"] and block.num_drafts.tolist() == old["num_drafts"]
-        assert torch.allclose(conf.double(), torch.tensor(old["confidence"], dtype=torch.float64), rtol=1e-12,
-                              atol=1e-14)
+        # the confidences were recorded on another CPU: its float64 GEMMs (MKL / oneDNN kernels chosen by
+        # instruction set, AVX2 there, AVX-512 here) sum in another order, and the sharpened target amplifies the
+        # last-bit differences along the prompt to about 1e-9; the blocks above are the same ids
+        assert torch.allclose(conf.double(), torch.tensor(old["confidence"], dtype=torch.float64), rtol=1e-7,
+                              atol=1e-9)
 
 
 @pytest.mark.parametrize("window", [0, 5])
