@@ -69,6 +69,11 @@ class EngineParts:
         self.memory_plan: memory.MemoryPlan | None = None  # the buffers by part (None: a runner with no plan)
         # the hybrid runner calls `_check_memory` with its plan before it allocates its pool, rings and KV cache
         tracked = dict(track_interval=cfg.track_interval) if cfg.prefix_cache else {}
+        if cfg.prefix_cache and 2 * cfg.track_interval < self.gamma + 1:
+            raise ValueError(f"track_interval: {cfg.track_interval} with num_draft_tokens {self.gamma}: a round keeps up "
+                             f"to {self.gamma + 1} tokens and a slot holds the state of its last two boundaries "
+                             f"(ping-pong), so a round could pass a boundary the prefix cache would miss; give "
+                             f"track_interval >= {-(-(self.gamma + 1) // 2)}")
         if cfg.prefix_cache and model.config.model_type not in HYBRID_FAMILIES:
             raise ValueError(f"prefix_cache: needs a hybrid target; {type(model).__name__} runs through its own "
                              f"forward and cache")

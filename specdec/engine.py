@@ -309,9 +309,10 @@ class SpecEngine(EngineParts):
         host = res.read(B)
         if not all(host.finite):
             raise self._nonfinite_round(res.logits[:B], active, contexts, res.parent)
+        stats.record(host.num_drafts, host.num_accepted, host.reached)
+        self._cut_at_returned(res, host, [out_tokens[b] for b in active], max_new, eos_set)
         (self._graphs.commit if graphed else self.round_step.commit_step)(res, host)
         stats.timings["verify"] += time.perf_counter() - t
-        stats.record(host.num_drafts, host.num_accepted, host.reached)
         # the device copies follow without a host round trip: token buffer, lengths, anchors
         acc = res.acceptance
         n, path, new = acc.num_accepted[:B], acc.path[:B], acc.tokens[:B]
@@ -399,13 +400,33 @@ class SpecEngine(EngineParts):
     def _done(toks: list[int], max_new: int, eos_set: set) -> bool:
         return len(toks) >= max_new or (bool(toks) and toks[-1] in eos_set)
 
+    @staticmethod
+    def _taken(toks: list[int], new: list[int], max_new: int, eos_set: set) -> int:
+        """How many of `new` follow `toks` in the output: up to an eos id (included) or max_new_tokens."""
+        k = 0
+        while k < len(new) and not SpecEngine._done(toks + new[:k], max_new, eos_set):
+            k += 1
+        return k
+
+    def _cut_at_returned(self, res, host, outs: list[list[int]], max_new: int, eos_set: set) -> None:
+        """Where EOS or max_new_tokens ends a row inside its accepted drafts, the round keeps only the tokens returned
+        (the anchor and the drafts emitted): the committed state, and the prefix cache's end entry, are then at the
+        returned tokens, which the caller's next turn starts with. The record is cut in place (a captured commit
+        reads its buffers), with one small copy to the device on such a round only."""
+        caps = [min(n + 1, 1 + self._taken(o, toks, max_new, eos_set))
+                for o, toks, n in zip(outs, host.tokens, host.num_accepted)]
+        if all(c == n + 1 for c, n in zip(caps, host.num_accepted)):
+            return
+        B = len(caps)
+        res.acceptance.cut_(torch.tensor(caps, dtype=torch.long, device=res.acceptance.num_kept.device), B)
+        for i, (c, n) in enumerate(zip(caps, list(host.num_accepted))):
+            if c < n + 1:
+                host.num_accepted[i] = c - 1
+                host.tokens[i] = host.tokens[i][:c - 1]
+
     def _emit(self, toks: list[int], new: list[int], max_new: int, eos_set: set, streamer) -> bool:
         """Append `new`, cut at EOS / max_new_tokens; -> finished."""
-        kept = []
-        for x in new:
-            if self._done(toks + kept, max_new, eos_set):
-                break
-            kept.append(x)
+        kept = new[:self._taken(toks, new, max_new, eos_set)]
         toks.extend(kept)
         if streamer is not None and kept:
             streamer.put(torch.tensor(kept))

@@ -295,16 +295,10 @@ def publish_prompts(engine, lanes, ids: list[int], sizes: list[int]) -> None:
             engine.runner, lanes.slot[l], P, {k: buf[l] for k, buf in lanes.feat.items()}))
 
 
-def _tokens(lanes, l: int, n: int) -> list[int]:
-    """The first `n` committed tokens of lane `l`: its emitted history, or the token buffer where EOS or
-    max_new_tokens cut a round's accepted tokens short of it."""
-    hist = lanes.hist[l]
-    return hist[:n] if len(hist) >= n else lanes.tok[l, :n].tolist()
-
-
 def publish_boundaries(engine, lanes, active: list[int], kept: list[int]) -> None:
     """After a round that kept `kept[i]` tokens of lane `active[i]`: an entry at each multiple of `track_interval`
-    the round passed, from the pool's track copy of it (ping-pong: the last two boundaries are kept)."""
+    the round passed, from the pool's track copy of it (ping-pong: the last two boundaries are kept, which is every
+    boundary a round passes since `wrap` requires 2 * track_interval >= num_draft_tokens + 1)."""
     runner, iv, pool = engine.runner, engine.config.track_interval, engine.runner.state.pool
     for l, n in zip(active, kept):
         s = lanes.slot[l]
@@ -313,15 +307,17 @@ def publish_boundaries(engine, lanes, active: list[int], kept: list[int]) -> Non
             if t <= 0:
                 continue
             par = (t // iv) % 2
-            engine.prefix_cache.insert(_tokens(lanes, l, t), lambda t=t, par=par, l=l, s=s: take(
+            engine.prefix_cache.insert(lanes.hist[l][:t], lambda t=t, par=par, l=l, s=s: take(
                 runner, s, t, {k: buf[l] for k, buf in lanes.feat.items()}, conv=pool.track_conv[:, s, par],
                 ssm=pool.track_ssm[:, s, par]))
 
 
 def publish_end(engine, lanes, l: int) -> None:
-    """A finished request's committed end as an entry (lazy records folded first)."""
+    """A finished request's committed end as an entry (lazy records folded first): its returned tokens, or all but the
+    last one (a round commits nothing past what it returns: `SpecEngine._cut_at_returned`), so the next turn of a
+    conversation, which starts with them, finds it."""
     runner, s = engine.runner, lanes.slot[l]
     runner.state.flush([s])
     c = runner.kv.bound[s]
-    engine.prefix_cache.insert(_tokens(lanes, l, c), lambda: take(runner, s, c, {k: buf[l] for k, buf in
+    engine.prefix_cache.insert(lanes.hist[l][:c], lambda: take(runner, s, c, {k: buf[l] for k, buf in
                                                                                     lanes.feat.items()}))

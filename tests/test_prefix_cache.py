@@ -120,6 +120,40 @@ def test_bad_budgets_and_targets_are_one_clear_error():
         specdec.wrap(model, prefix_cache=True, track_interval=0)
     with pytest.raises(ValueError, match=r"prefix_cache: needs a hybrid target"):
         specdec.wrap(generic.tiny("mamba"), prefix_cache=True)
+    with pytest.raises(ValueError, match=r"track_interval: 1 with num_draft_tokens 3: .* track_interval >= 2"):
+        specdec.wrap(model, prefix_cache=True, track_interval=1, num_draft_tokens=3)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
+@pytest.mark.parametrize("stop", ["length", "eos"])
+def test_the_end_entry_is_at_the_returned_tokens(mode, stop):
+    """The draft model is the target itself, so every draft is accepted and the last round's drafts run past the
+    end (max_new_tokens with static shapes, whose rounds draft gamma whatever is left; or an eos id among them). The
+    next turn, built from the returned sequence, finds an entry holding every returned token but at most the last
+    one, and its output is the output without the cache."""
+    family = "qwen3_next"
+    model = target(family)
+    kw = dict(drafter="model", draft_model=model, strategy=mode[0], commit=mode[1], max_batch_size=2,
+              max_length=160, num_draft_tokens=3, static_shapes=stop == "length")
+    plain = specdec.wrap(model, **kw)
+    eng = specdec.wrap(model, prefix_cache=True, track_interval=64, **kw)
+    prompt = [5, 9, 12, 40, 41, 42, 43, 7, 8]
+    free = greedy_reference(model, prompt, 12)[len(prompt):]
+    gen = dict(max_new_tokens=7) if stop == "length" else dict(max_new_tokens=12, eos_token_id=free[6])
+    out = generate_f64(eng, [prompt], **gen) if stop == "length" else _gen_eos(eng, prompt, gen)
+    seq = out.sequences[0].tolist()
+    assert seq == prompt + free[:7] and out.stats.accepted == out.stats.proposed  # the drafts ran past the end
+    ends = sorted(e.length for _, e in eng.prefix_cache.entries())
+    assert ends[-1] in (len(seq) - 1, len(seq)), ends
+    turn = seq + [17, 18]
+    got = generate_f64(eng, [turn], max_new_tokens=NEW)
+    assert got.stats.cached_tokens >= len(seq) - 1
+    assert torch.equal(got.sequences, generate_f64(plain, [turn], max_new_tokens=NEW).sequences)
+
+
+def _gen_eos(eng, prompt, gen):
+    with torch_fallbacks(), float64_everywhere():
+        return eng.generate([torch.tensor(prompt)], **gen)
 
 
 def _entry(n: int, nbytes_each: int = 8) -> Entry:
