@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Block, RMSNorm, additive_mask, target_logits
+from .layers import Block, RMSNorm, target_logits
 from .registry import DraftConfig
 
 
@@ -274,9 +274,10 @@ class Net(nn.Module):
         """Per layer K, V `[B, H, S, D]` of context states `[B, S, d]` at `positions [B, S]`."""
         return [layer.attn.kv(ctx, positions) for layer in self.layers]
 
-    def block_hidden(self, anchors: torch.Tensor, positions: torch.Tensor, ctx_kv, mask: torch.Tensor) -> torch.Tensor:
+    def block_hidden(self, anchors: torch.Tensor, positions: torch.Tensor, ctx_kv,
+                     visible: torch.Tensor) -> torch.Tensor:
         """Blocks `[B, N*G]` (N blocks of G slots; `anchors [B, N]`) -> normed hidden states `[B, N*G, d]`.
-        `mask` additive `[B, 1, N*G, S + N*G]` over [context keys, block keys]."""
+        `visible` bool `[B, N*G or 1, S + N*G]` over [context keys, block keys]."""
         B, N = anchors.shape
         G = positions.shape[1] // N
         x = self.mask_embed.expand(B, N, G, -1).clone()
@@ -285,7 +286,7 @@ class Net(nn.Module):
         if self.config.input_norm:
             x = self.in_norm(x)
         for layer, kv in zip(self.layers, ctx_kv):
-            x, _ = layer(x, positions, mask, past=kv)
+            x, _ = layer(x, positions, visible, past=kv)
         return self.norm(x)
 
     def markov_row(self, prev: torch.Tensor) -> torch.Tensor:
@@ -327,9 +328,8 @@ class Net(nn.Module):
         ctx_ok = ctx_ok[:, :, None, :].expand(B, N, G, S).reshape(B, N * G, S)
         blk = torch.arange(N, device=dev).repeat_interleave(G)
         blk_ok = (blk[:, None] == blk[None, :]).expand(B, N * G, N * G)
-        mask = additive_mask(torch.cat([ctx_ok, blk_ok], -1), ctx.dtype)
         anchor_tok = tokens.gather(1, anchors)
-        h = self.block_hidden(anchor_tok, pos, kv, mask).view(B, N, G, -1)
+        h = self.block_hidden(anchor_tok, pos, kv, torch.cat([ctx_ok, blk_ok], -1)).view(B, N, G, -1)
         prev = tokens.gather(1, pos).view(B, N, G)  # teacher forcing: prev_i = token a+i
         tgt = batch.logits.gather(1, pos[..., None].expand(B, N * G, batch.logits.shape[-1]))
         nxt = torch.cat([tokens, tokens.new_full((B, 1), -1)], 1).gather(1, pos + 1).view(B, N, G)

@@ -171,13 +171,10 @@ class DSparkDrafter(HeadDrafter):
         B, dev = rows_t.shape[0], anchors.device
         G = max(gamma, net.config.block_size)
         kv = [(k[rows_t, :, :span], v[rows_t, :, :span]) for k, v in zip(self.k, self.v)]
-        dtype = net.mask_embed.dtype
         ok = torch.cat([net.context_visible(torch.arange(span, device=dev), lens),
-                        torch.ones(B, G, dtype=torch.bool, device=dev)], 1)  # [B, span + G]
-        mask = torch.zeros(B, 1, G, span + G, dtype=dtype, device=dev).masked_fill(~ok[:, None, None],
-                                                                                     torch.finfo(dtype).min)
+                        torch.ones(B, G, dtype=torch.bool, device=dev)], 1)  # [B, span + G]: every slot alike
         pos = lens[:, None] + torch.arange(G, device=dev)
-        h = net.block_hidden(anchors[:, None], pos, kv, mask)[:, :gamma]  # [B, gamma, d]
+        h = net.block_hidden(anchors[:, None], pos, kv, ok[:, None])[:, :gamma]  # [B, gamma, d]
         base = net.lm_head(h)
         if self.tree:
             self.last_confidence = None

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Block, RMSNorm, additive_mask, soft_ce, target_logits
+from .layers import Block, RMSNorm, soft_ce, target_logits
 from .registry import DraftConfig, TargetBatch
 
 
@@ -102,12 +102,13 @@ class Net(nn.Module):
         """Layer input from the next tokens `[B, T]` and a fused target feature or own hidden `[B, T, d]`."""
         return self.fc(torch.cat([self.emb_norm(self.embed(tokens)), self.feat_norm(feat)], -1))
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, past=None):
-        """Decoder blocks over `x [B, T, d]`; `past` per layer `(k, v) [B, H, S, D]` or None ->
-        (hidden `[B, T, d]`, new (k, v) per layer)."""
+    def run(self, x: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None, past=None):
+        """Decoder blocks over `x [B, T, d]` at `positions [B, T]`; `visible` bool `[B or 1, T, S + T]` over the
+        past keys then x's own (None: all); `past` per layer a `(k, v)` pair `[B, H, S, D]` or a `layers.KVRoom`,
+        or None -> (hidden `[B, T, d]`, new (k, v) per layer `[B, H, T, D]`)."""
         kvs = []
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, mask, None if past is None else past[i])
+            x, kv = layer(x, positions, visible, None if past is None else past[i])
             kvs.append(kv)
         return x, kvs
 
@@ -125,7 +126,7 @@ class Net(nn.Module):
         T = S - 1
         feats = torch.cat([batch.features[i][:, :-1] for i in cfg.feature_layers], -1)
         nxt = tokens[:, 1:]
-        dev, dt = feats.device, feats.dtype
+        dev = feats.device
         positions = torch.arange(T, device=dev).expand(B, T)
         t = torch.arange(T, device=dev)
         outs, past, feat = [], None, self.fused(feats)
@@ -134,8 +135,7 @@ class Net(nn.Module):
             # visibility of query t over keys [step 1 | step 2 | ... | step k], each T long
             blocks = [t[None, :] <= (t[:, None] - (k - 1))]
             blocks += [t[None, :] == (t[:, None] - (k - i)) for i in range(2, k + 1)]
-            mask = additive_mask(torch.cat(blocks, 1)[None].expand(B, T, k * T), dt)
-            h, kvs = self.run(x, positions, mask, past)
+            h, kvs = self.run(x, positions, torch.cat(blocks, 1)[None], past)
             past = kvs if past is None else [(torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2))
                                              for p, n in zip(past, kvs)]
             outs.append((self.lm_logits(h), t >= (k - 1)))

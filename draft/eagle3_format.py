@@ -86,9 +86,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * d, self.num_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
 
-    def forward(self, x, rope, mask, past):
-        """x `[B, T, 2d]`, rope (cos, sin) of the positions, mask additive `[B, 1, T, S + T]`, past (k, v)
-        `[B, Hkv, S, D]`, a list of such segments or None (`layers.attend`) -> (out `[B, T, d]`, (k, v) of x
+    def forward(self, x, rope, visible, past):
+        """x `[B, T, 2d]`, rope (cos, sin) of the positions, `visible` bool `[B or 1, T, S + T]` (None: all), past
+        None, (k, v) `[B, Hkv, S, D]` or a `layers.KVRoom` (`layers.attend`) -> (out `[B, T, d]`, (k, v) of x
         `[B, Hkv, T, D]`)."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         B, T, _ = x.shape
@@ -96,8 +96,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.num_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, *rope)
-        out = attend(q, k, v, past, mask, self.head_dim ** -0.5, rep=self.num_heads // self.num_kv,
-                     softmax_dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+        out = attend(q, k, v, past, visible, scale=self.head_dim ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), (k, v)
 
 
@@ -149,13 +148,13 @@ class Net(eagle.Net):
         its residual)."""
         return torch.cat([self.embed(tokens).to(feat.dtype), feat], -1)
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, past=None):
-        """`x [B, T, 2d]` from `inputs`, positions `[B, T]`, additive mask, `past` per layer (k, v) -> (out
-        `[B, T, d]`, new (k, v) per layer)."""
+    def run(self, x: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None, past=None):
+        """`x [B, T, 2d]` from `inputs`, positions `[B, T]`, bool `visible` (as `eagle.Net.run`), `past` per layer
+        (k, v), a `layers.KVRoom` or None -> (out `[B, T, d]`, new (k, v) per layer)."""
         layer = self.layers[0]
         e, h = x.chunk(2, -1)
         a, kv = layer.self_attn(torch.cat([layer.input_layernorm(e), layer.hidden_norm(h)], -1),
-                                self.rotary(h, positions), mask, None if past is None else past[0])
+                                self.rotary(h, positions), visible, None if past is None else past[0])
         h = h + a
         return h + layer.mlp(layer.post_attention_layernorm(h)), [kv]
 

@@ -2,7 +2,8 @@
 EAGLE-3 checkpoint: `draft/eagle3_format.py`) drafting a dynamic tree verified as a tree.
 
 Cache. Only committed positions (pairs of a target feature and the token after it) are ever kept in the
-drafter's KV cache. After a prefill `observe` runs the prompt's pairs, all rows in one forward; after a round
+drafter's KV cache. After a prefill `observe` runs the prompt's pairs, all rows together, `layers.QUERY_CHUNK`
+pairs per forward (each chunk over the keys of the chunks before it); after a round
 it queues the pairs whose next token is now committed (the previous root pair, then the accepted ones) on
 the device, and keeps each row's last committed feature (`root_f`) and cached length (`len_t`) there too.
 A draft runs each row's queue and its root pair (that feature and the anchor) in one forward: the queue's
@@ -30,7 +31,7 @@ from specdec.tensors import outside_inference
 from .base import BufferSpec, DraftBlock, grown_kv_specs, observed_counts, padded
 from .eagle import Net
 from .head import HeadDrafter, check_positive
-from .layers import additive_mask
+from .layers import QUERY_CHUNK, KVRoom
 from .registry import check_target
 from .tree import DynamicTree, log_scores
 
@@ -140,7 +141,8 @@ class EagleDrafter(HeadDrafter):
     @torch.no_grad()
     def observe(self, rows, tokens, hidden, features) -> None:
         """The pairs of every row whose next token is now committed. After a prefill (tokens = the prompt) the
-        pairs (f_i, x_i+1) of all but the last position run at once, all rows in one forward. After a round
+        pairs (f_i, x_i+1) of all but the last position run at once, all rows together, a chunk of pairs per
+        forward. After a round
         (tokens = the anchor and the accepted drafts) the previous root pair (its feature `root_f`, its token the
         anchor) and the accepted ones are queued on the device (`pend_f`, `pend_t`, `pend_n`): the next draft
         runs them with the new root pair in one forward. The last feature becomes the row's root."""
@@ -171,9 +173,14 @@ class EagleDrafter(HeadDrafter):
                 self._reserve_pending(self.target.num_verify_tokens, feat.shape[-1])
             if M > 1:
                 pos = i[None, :-1].expand(B, M - 1)
-                ok = i[None, :-1, None] >= i[None, None, :-1]  # [1, M - 1, M - 1]
-                _, kvs, _ = self._forward(rows_t, tok[:, 1:], feat[:, :-1], pos, ok.expand(B, -1, -1), 0)
-                self._write(rows_t, pos, kvs)
+                rooms = self._rooms(rows_t, 0, M - 1)
+                # a chunk of pairs at a time over the chunks before it: the visibility and the attention's work
+                # are one chunk's queries by all the keys so far, never (M - 1) x (M - 1)
+                for c0 in range(0, M - 1, QUERY_CHUNK):
+                    c1 = min(M - 1, c0 + QUERY_CHUNK)
+                    ok = i[c0:c1, None] >= i[None, :c1]  # [C, c1]
+                    self._forward(tok[:, c0 + 1:c1 + 1], feat[:, c0:c1], pos[:, c0:c1], ok[None], rooms, c0)
+                self._write(rows_t, pos, rooms)
             self.len_t[rows_t] = n - 1
             self.pend_n.index_fill_(0, rows_t, 0)  # (by value, as in `_draft`)
             for r, c in zip(rows, counts):
@@ -224,16 +231,24 @@ class EagleDrafter(HeadDrafter):
         self.pend_f, self.pend_t = f, t
 
     # ---- drafting ------------------------------------------------------------------------------------
-    def _forward(self, rows_t, tok, feat, positions, ok, span: int):
-        """The net over pairs `(feat [B, M, F], tok [B, M])` at `positions [B, M]` of rows `rows_t [B]`, with the
-        first `span` cached positions of each row then the M pairs as keys, visible as `ok [B, M, span + M]`
-        says. -> (hidden `[B, M, d]`, the pairs' K/V per layer `[B, H, M, D]`, the cached K/V read per layer
-        `[B, H, span, D]`)."""
+    def _rooms(self, rows_t, span: int, room: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer K/V buffers `[B, H, span + room, D]` of rows `rows_t [B]`, the first `span` positions their
+        cached K/V, the rest for the keys a forward adds (`layers.KVRoom`)."""
+        rooms = []
+        for ck, cv in self.cache:
+            k = ck.new_empty(rows_t.shape[0], ck.shape[1], span + room, ck.shape[3])
+            v = cv.new_empty(rows_t.shape[0], cv.shape[1], span + room, cv.shape[3])
+            if span:
+                k[:, :, :span], v[:, :, :span] = ck[rows_t, :, :span], cv[rows_t, :, :span]
+            rooms.append((k, v))
+        return rooms
+
+    def _forward(self, tok, feat, positions, visible, rooms, at: int):
+        """The net over pairs `(feat [B, M, F], tok [B, M])` at `positions [B, M]`, their K/V written into each
+        layer's room (`_rooms`) at `at .. at + M`; a pair sees the room's keys before `at` and the M pairs as
+        `visible [B or 1, M, at + M]` says. -> (hidden `[B, M, d]`, the pairs' K/V per layer `[B, H, M, D]`)."""
         net = self.net
-        past = [(k[rows_t, :, :span], v[rows_t, :, :span]) for k, v in self.cache]
-        h, kvs = net.run(net.inputs(tok, net.fused(feat)), positions, additive_mask(ok, self.dtype),
-                         [[c] for c in past])
-        return h, kvs, past
+        return net.run(net.inputs(tok, net.fused(feat)), positions, visible, [KVRoom(k, v, at) for k, v in rooms])
 
     def _write(self, rows_t, positions, kvs) -> None:
         """K/V per layer `[B, H, M, D]` into the cache at `positions [B, M]` of rows `rows_t`, one indexed copy
@@ -275,7 +290,7 @@ class EagleDrafter(HeadDrafter):
         """One forward over each row's queued pairs (the first `queued` of the queue, >= every row's count) and
         its root pair (`root_f`, anchor `[B]`), over the first `span` cached positions (>= every row's length);
         the queued pairs' K/V join the cache (committed pairs: kept whatever the round does), the root's stays
-        in the round's scratch; then the tree. `rows` (host) are the rows whose host counts it keeps in step;
+        in the round's scratch (`_rooms`); then the tree. `rows` (host) are the rows whose host counts it keeps in step;
         None with static shapes, where a CUDA graph replays this without its Python: only device work then,
         on buffers sized beforehand (`observe`), and the host counts are not kept."""
         dev = self.device
@@ -291,7 +306,11 @@ class EagleDrafter(HeadDrafter):
         ok = torch.cat([cached.expand(B, Q + 1, span), block.expand(B, Q + 1, Q + 1)], 2)
         if rows is not None:
             self._reserve(max(self.rows[r].length for r in rows) + Q)  # the queue lands at all Q places per row
-        h, kvs, past = self._forward(rows_t, tok, feat, positions, ok, span)
+        # one room per layer for the round: the cache read, the queue, the root, then the tree's nodes, `w` per
+        # depth past the first (w <= the tree's topk)
+        depth = max(1, min(self.depth, int(gamma)))
+        rooms = self._rooms(rows_t, span, Q + 1 + (depth - 1) * (self.topk if self.tree else 1))
+        h, kvs = self._forward(tok, feat, positions, ok, rooms, span)
         self._write(rows_t, positions[:, :Q], [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
         self.len_t[rows_t] = lens + qn
         # by value: a Python scalar assigned through a tensor index is a host tensor copied to the device, which a
@@ -301,21 +320,17 @@ class EagleDrafter(HeadDrafter):
             st = self.rows[r]
             st.length, st.pending = st.length + st.pending, 0
         seen = torch.cat([cached[:, 0], i[None, :Q] < qn[:, None]], 1)  # [B, span + Q]
-        # the cache read and the queue as one key segment per layer: one copy per round, not two products per depth
-        committed = [(torch.cat([ck, k[:, :, :Q]], 2), torch.cat([cv, v[:, :, :Q]], 2))
-                     for (ck, cv), (k, v) in zip(past, kvs)]
         root_h = h[:, Q]
-        return self._tree(root_h, self.net.lm_logits(root_h), committed, seen, lens + qn,
-                          [(k[:, :, Q:], v[:, :, Q:]) for k, v in kvs], gamma, sampling)
+        return self._tree(root_h, self.net.lm_logits(root_h), rooms, seen, lens + qn, depth, sampling)
 
-    def _tree(self, root_h, root_logits, committed, seen, root_pos, root_kv, gamma, sampling) -> DraftBlock:
-        """EAGLE-2's tree from the root step (`root_h [B, d]`, `root_logits [B, V]`) over the committed K/V, per
-        layer `(k, v) [B, H, S, D]` of which row b sees the keys `seen [B, S]` marks, and the root's K/V `root_kv`
-        per layer `[B, H, 1, D]` (at `root_pos [B]`), seen by every node."""
+    def _tree(self, root_h, root_logits, rooms, seen, root_pos, depth: int, sampling) -> DraftBlock:
+        """EAGLE-2's tree of `depth` levels from the root step (`root_h [B, d]`, `root_logits [B, V]`) over each
+        layer's room (`_rooms`: K/V `[B, H, L, D]`) whose first S keys are the committed ones, of which row b sees
+        those `seen [B, S]` marks, and whose key S is the root's (at `root_pos [B]`), seen by every node; the
+        nodes' K/V go after it, depth by depth."""
         net, dev = self.net, self.device
         B = root_h.shape[0]
         S0 = seen.shape[1]
-        depth = max(1, min(self.depth, int(gamma)))
         tree = DynamicTree(log_scores(root_logits, sampling), self.topk if self.tree else 1)
         w = tree.k  # nodes expanded per depth: the newest depth always holds at least k candidates
         exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
@@ -325,9 +340,6 @@ class EagleDrafter(HeadDrafter):
         own = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)  # each node sees itself
         # [B, w, depth - 1]: the nodes of depth d sit at root + d
         positions = (root_pos[:, None, None] + torch.arange(1, depth, device=dev)).expand(B, w, -1)
-        # per layer the nodes attend to two K/V segments (`layers.attend`): the committed one, never copied per
-        # depth, and the round's scratch (the root's K/V, then every expanded node's), grown by depth
-        scratch = list(root_kv)
         ok_fixed = torch.cat([seen, seen.new_ones(B, 1)], 1)[:, None].expand(B, w, S0 + 1)  # committed keys, the root
         for d in range(1, depth):
             sel, src, tok = tree.frontier()
@@ -342,9 +354,9 @@ class EagleDrafter(HeadDrafter):
             else:
                 anc = exp_anc[:, :w, :0]
             ok = torch.cat([ok_fixed, anc, own], 2)
-            h, kvs = net.run(net.inputs(tok, par_h), positions[..., d - 1], additive_mask(ok, self.dtype),
-                             [[c, s_] for c, s_ in zip(committed, scratch)])
-            scratch = [(torch.cat([sk, k_], 2), torch.cat([sv, v_], 2)) for (sk, sv), (k_, v_) in zip(scratch, kvs)]
+            # the nodes' K/V go into the rooms after the committed keys, the root and the nodes before them
+            h, _ = net.run(net.inputs(tok, par_h), positions[..., d - 1], ok,
+                           [KVRoom(k, v, S0 + 1 + n_exp) for k, v in rooms])
             exp_h = torch.cat([exp_h, h], 1)
             tree.grow(sel, log_scores(net.lm_logits(h), sampling))  # [B, w, V]
         return tree.block(self.num_nodes, tree=self.tree)

@@ -4,7 +4,7 @@ given context plus own keys, a SwiGLU MLP, a pre-norm block, and the distillatio
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -63,7 +63,8 @@ class DraftChain:
 
 def additive_mask(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool visibility `[..., T, S]` -> additive mask `[B, 1, T, S]` (0 where visible, the dtype's minimum
-    elsewhere)."""
+    elsewhere), for the attention that takes one (an MLA target's `latent_attention`); the drafters' own `attend`
+    takes the bool visibility itself."""
     mask = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(~ok, torch.finfo(dtype).min)
     return mask if mask.dim() == 4 else mask[:, None]
 
@@ -112,35 +113,55 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
     return x * cos + torch.cat([x[..., D // 2:], x[..., : D // 2]], dim=-1) * sin
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past, mask: torch.Tensor | None, scale: float, *,
-           rep: int = 1, softmax_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Softmax attention of queries `q [B, H, T, D]` over `past` then the new keys / values `k, v [B, Hkv, T, D]`.
+# Queries per attention call and per forward of a drafter's prefill. `attend` runs longer query runs this many at a
+# time, so the mask the kernel makes of a bool visibility (and any score tile it keeps) covers one chunk of queries,
+# never T x S; a drafter that observes a whole prompt runs its layers over this many positions at a time, the earlier
+# chunks' keys cached (a `KVRoom`), and builds the visibility of that chunk only.
+QUERY_CHUNK = 512
 
-    `past`: None, one `(k, v)` pair `[B, Hkv, S, D]` (joined with the new ones), or a list of pairs: segments in
-    key order, scored one by one and never concatenated, so a long cache is not copied at every call. Key heads
-    repeat `rep` times (GQA); `mask` additive `[B, 1, T, S + T]`; the softmax in `softmax_dtype` (None: q's).
+
+class KVRoom(NamedTuple):
+    """Key / value buffers `k, v [B, Hkv, L, D]` whose first `at` positions hold the keys attended so far: `attend`
+    writes a call's new keys at `at .. at + T` in place and reads `[:at + T]`, so keys that grow call by call (a
+    prompt's chunks, a draft tree's depths) are never copied or concatenated per call."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    at: int
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past, visible: torch.Tensor | None, *,
+           scale: float) -> torch.Tensor:
+    """Softmax attention of queries `q [B, H, T, D]` over `past`'s keys then the new keys / values
+    `k, v [B, Hkv, T, D]` (`Hkv` divides `H`: each key head serves `H / Hkv` query heads, GQA), through
+    `scaled_dot_product_attention`: no additive mask or score matrix is built here, and queries run `QUERY_CHUNK`
+    at a time.
+
+    `past`: None (the keys are `k, v` alone), a `(k, v)` pair `[B, Hkv, S, D]` (joined with the new ones), or a
+    `KVRoom` holding S = `at` keys (the new ones are written into it). `visible`: bool `[B or 1, T or 1, S + T]`
+    (or with a head axis, `[B or 1, 1, T or 1, S + T]`), true where a query sees a key; None: every key.
     -> `[B, H, T, D]`."""
-    if isinstance(past, list):
-        segs = [*past, (k, v)]
-    else:
-        segs = [(k, v) if past is None else (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))]
-    if rep > 1:
-        segs = [(a.repeat_interleave(rep, 1), b.repeat_interleave(rep, 1)) for a, b in segs]
-    scores = [q @ ks.transpose(-1, -2) for ks, _ in segs]
-    att = (scores[0] if len(scores) == 1 else torch.cat(scores, -1)) * scale
-    if mask is not None:
-        att = att + mask
-    p = att.softmax(-1, dtype=softmax_dtype)
-    out, at = None, 0
-    for _, vs in segs:
-        part = p[..., at:at + vs.shape[2]].to(vs.dtype) @ vs
-        out, at = part if out is None else out + part, at + vs.shape[2]
-    return out
+    if isinstance(past, KVRoom):
+        end = past.at + k.shape[2]
+        past.k[:, :, past.at:end] = k
+        past.v[:, :, past.at:end] = v
+        k, v = past.k[:, :, :end], past.v[:, :, :end]
+    elif past is not None:
+        k, v = torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)
+    mask = visible if visible is None or visible.dim() == 4 else visible[:, None]
+    gqa = q.shape[1] != k.shape[1]
+    T = q.shape[2]
+    outs = []
+    for t0 in range(0, max(T, 1), QUERY_CHUNK):
+        t1 = min(T, t0 + QUERY_CHUNK)
+        m = mask if mask is None or mask.shape[2] == 1 else mask[:, :, t0:t1]
+        outs.append(F.scaled_dot_product_attention(q[:, :, t0:t1], k, v, attn_mask=m, scale=scale, enable_gqa=gqa))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
 
 
 class Attention(nn.Module):
-    """Multi-head attention over `[context K/V (given), own K/V]` with an additive mask; returns its new K/V
-    so callers keep their own cache (or none)."""
+    """Multi-head attention over `[context K/V (given), own K/V]` with a bool visibility (`attend`); returns its
+    new K/V so callers keep their own cache (or none)."""
 
     def __init__(self, hidden: int, num_heads: int, head_dim: int, *, rope_theta: float = 10000.0):
         super().__init__()
@@ -158,14 +179,14 @@ class Attention(nn.Module):
         """K, V `[B, H, T, D]` of inputs x `[B, T, hidden]` at `positions [B, T]`."""
         return rotary(self.heads(self.k_proj(x)), positions, self.rope_theta), self.heads(self.v_proj(x))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-                past: tuple[torch.Tensor, torch.Tensor] | list | None = None):
-        """x `[B, T, hidden]`; mask additive `[B, 1, T, S_past + T]` (None: full); `past` one `(k, v)` pair
-        `[B, H, S, D]` or a list of them (segments in key order: scored apart and never concatenated, so a
-        long cache is not copied per call); -> (out, (k, v) of x)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None,
+                past: tuple[torch.Tensor, torch.Tensor] | KVRoom | None = None):
+        """x `[B, T, hidden]` at `positions [B, T]`; `visible` bool `[B or 1, T, S + T]` over the past keys then
+        x's own (None: all); `past` None, one `(k, v)` pair `[B, H, S, D]` or a `KVRoom` (see `attend`)
+        -> (out `[B, T, hidden]`, (k, v) of x `[B, H, T, D]`)."""
         q = rotary(self.heads(self.q_proj(x)), positions, self.rope_theta)
         k, v = self.kv(x, positions)
-        out = attend(q, k, v, past, mask, 1 / math.sqrt(self.head_dim))
+        out = attend(q, k, v, past, visible, scale=1 / math.sqrt(self.head_dim))
         B, H, T, D = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D)), (k, v)
 
@@ -191,8 +212,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(hidden, cfg.rms_norm_eps)
         self.mlp = MLP(hidden, cfg.intermediate_size)
 
-    def forward(self, x, positions, mask, past=None):
-        a, kv = self.attn(self.attn_norm(x), positions, mask, past)
+    def forward(self, x, positions, visible, past=None):
+        a, kv = self.attn(self.attn_norm(x), positions, visible, past)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), kv
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from specdec.hf_compat import rotary_tables
 
 from .base import DraftBlock, TargetAttention, attention_layers, latent_attention
-from .layers import MLP, DraftChain, RMSNorm, SharesTarget, additive_mask, soft_ce, target_logits
+from .layers import MLP, DraftChain, RMSNorm, SharesTarget, additive_mask, attend, soft_ce, target_logits
 from .registry import DraftConfig
 from .tree import DynamicTree, log_scores
 
@@ -90,14 +90,15 @@ def resolve_attn_layer(target, layer: int) -> int:
 
 @dataclass
 class KVContext:
-    """What the query-only attention reads: keys `[B, H, S, Dk]` and values `[B, H, S, Dv]` (query heads, GQA
-    already expanded), an additive mask `[B, 1, T, S]`, and the rotary (cos, sin) of the query positions.
-    An MLA target's context stays latent (keys and values None): `latent = (c [B, 1, S, r], k_rot [B, 1, S, dr],
-    kv_b_proj.weight)`, read by `specdec.adapters.latent_attention`, never expanded per head."""
+    """What the query-only attention reads: keys `[B, Hkv, S, Dk]` and values `[B, Hkv, S, Dv]` (the target's own
+    key heads, each serving `H / Hkv` query heads), which keys each query sees, `visible` bool `[B or 1, T or 1, S]`,
+    and the rotary (cos, sin) of the query positions. An MLA target's context stays latent (keys and values None):
+    `latent = (c [B, 1, S, r], k_rot [B, 1, S, dr], kv_b_proj.weight)`, read by `specdec.adapters.latent_attention`
+    (with `visible` made additive), never expanded per head."""
 
     keys: torch.Tensor | None
     values: torch.Tensor | None
-    mask: torch.Tensor
+    visible: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor] | None
     latent: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -123,11 +124,10 @@ class QueryOnlyAttention(nn.Module):
         if ctx.latent is not None:  # an MLA target: queries split as its keys are, [nope; rope]
             c, k_rot, kv_b = ctx.latent
             dr = k_rot.shape[-1]
-            out = latent_attention(q[..., :-dr], q[..., -dr:], c, k_rot, kv_b, ctx.mask, self.scale)
+            out = latent_attention(q[..., :-dr], q[..., -dr:], c, k_rot, kv_b, additive_mask(ctx.visible, q.dtype),
+                                   self.scale)
         else:
-            att = (q @ ctx.keys.transpose(-1, -2)) * self.scale + ctx.mask
-            att = att.softmax(-1, dtype=torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
-            out = (att.to(ctx.values.dtype) @ ctx.values).transpose(1, 2)  # [B, T, H, Dv]
+            out = attend(q, ctx.keys, ctx.values, None, ctx.visible, scale=self.scale).transpose(1, 2)  # [B, T, H, Dv]
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_dim))
 
 
@@ -209,21 +209,17 @@ class Net(SharesTarget):
         return target_logits(self.target_lm_head, x)
 
     def _context(self, a, b, visible: torch.Tensor, like: torch.Tensor, positions: torch.Tensor):
-        """KVContext in the net's dtype from the attention layer's stored pair `[B, h, S, d]`: keys and values with
-        one head per query head, or an MLA target's latents as they are; `visible [B or 1, T, S]` bool; rotary of
-        the query `positions [B, T]`."""
+        """KVContext in the net's dtype from the attention layer's stored pair `[B, h, S, d]`: keys and values as
+        the target's key heads hold them, or an MLA target's latents as they are; `visible [B or 1, T, S]` bool;
+        rotary of the query `positions [B, T]`."""
         dt = self.dtype
-        mask = additive_mask(visible, dt)  # [B or 1, 1, T, S]
         if self.mla:
             kv_b = self.target_attn.kv_b_proj.weight.detach()
-            return KVContext(None, None, mask, None, latent=(a.to(dt), b.to(dt), kv_b.to(dt)))
-        rep = self.config.num_heads // a.shape[1]
-        if rep > 1:
-            a, b = a.repeat_interleave(rep, dim=1), b.repeat_interleave(rep, dim=1)
+            return KVContext(None, None, visible, None, latent=(a.to(dt), b.to(dt), kv_b.to(dt)))
         rope = None
         if self.target_rotary is not None:
             rope = tuple(x.to(dt) for x in rotary_tables(self.target_rotary, like, positions))
-        return KVContext(a.to(dt), b.to(dt), mask, rope)
+        return KVContext(a.to(dt), b.to(dt), visible, rope)
 
     @torch.no_grad()
     def context_from_cache(self, kv, slots_t: torch.Tensor, span: int) -> KVContext:

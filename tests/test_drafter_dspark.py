@@ -472,9 +472,9 @@ def test_norms_are_present_and_used(setup):
     def hidden(net):
         ctx = net.context([feats[i] for i in net.config.feature_layers])
         kv = net.context_kv(ctx, torch.arange(S)[None])
-        mask = torch.zeros(B, 1, G, S + G, dtype=torch.float64)
+        visible = torch.ones(B, G, S + G, dtype=torch.bool)
         with torch.no_grad():
-            return net.block_hidden(torch.tensor([[5]]), S + torch.arange(G)[None], kv, mask)
+            return net.block_hidden(torch.tensor([[5]]), S + torch.arange(G)[None], kv, visible)
 
     for norms in (True, False):
         torch.manual_seed(2)

@@ -137,9 +137,9 @@ def test_loads_both_spellings_and_first_level_matches(target, ckpt):
         net = drafter.net
         feats = torch.cat([out.captured[i] for i in LAYERS], -1)
         T = feats.shape[1]
-        mask = torch.zeros(1, 1, T, T, dtype=torch.float64).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(),
-                                                                         torch.finfo(torch.float64).min)
-        h, _ = net.run(net.inputs(torch.tensor([PROMPT[1:] + [anchor]]), net.fused(feats)), torch.arange(T)[None], mask)
+        causal = torch.ones(1, T, T, dtype=torch.bool).tril()
+        h, _ = net.run(net.inputs(torch.tensor([PROMPT[1:] + [anchor]]), net.fused(feats)), torch.arange(T)[None],
+                       causal)
         mine = net.lm_logits(h)[0, -1]
     ref, t2d = reference_root_logits(target, ckpt, PROMPT, anchor)  # its float32 rotary frequencies stay float32
     assert torch.equal(torch.isfinite(mine), t2d)  # scores at the draft vocabulary's target ids only
