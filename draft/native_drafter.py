@@ -15,7 +15,7 @@ import torch
 
 from .base import BufferSpec, DraftBlock, kv_cache_specs
 from .head import HeadDrafter, check_positive
-from .layers import DraftChain
+from .layers import QUERY_CHUNK, DraftChain
 from .native import Net, decoder_stack
 from .registry import check_target
 
@@ -78,7 +78,8 @@ class NativeDrafter(HeadDrafter):
                 self.pending.setdefault(r, []).append(hs.detach())
 
     def _catch_up(self, rows, contexts, rows_t) -> torch.Tensor:
-        """Run the queued committed pairs of every row (the anchor's pair last) into the cache.
+        """Run the queued committed pairs of every row (the anchor's pair last) into the cache, `QUERY_CHUNK` pairs
+        per forward; a failure leaves the cache as it was and the pairs queued.
         -> (logits `[B, V]`, out `[B, d]`) of each row's anchor pair."""
         net, kv = self.net, self.kv
         hs, toks, counts = [], [], []
@@ -101,19 +102,36 @@ class NativeDrafter(HeadDrafter):
         for b in range(B):
             hpad[b, :counts[b]] = hs[b]
             tpad[b, :counts[b]] = toks[b].to(dev)
-        kv.begin(rows_t, M, host_slots=rows)  # a chain: pair i sees the committed pairs and pairs <= i
+        n = torch.tensor(counts, dtype=torch.long, device=dev)
+        last_at, ar = n - 1, torch.arange(B, device=dev)
+        logits = out = None
+        done = [0] * B  # pairs of each row in the cache so far
+        # a chunk of pairs per forward (a prompt's, after a prefill): its mask is the chunk's queries by the keys so
+        # far, never M x M; pair i sees the committed pairs and pairs <= i
         try:
-            logits, out = net.step(tpad, hpad, kv.positions(), kv.attention_mask(net.dtype), cache=kv)
+            for c0 in range(0, M, QUERY_CHUNK):
+                c1 = min(M, c0 + QUERY_CHUNK)
+                kv.begin(rows_t, c1 - c0, host_slots=rows)
+                lg, o = net.step(tpad[:, c0:c1], hpad[:, c0:c1], kv.positions(), kv.attention_mask(net.dtype),
+                                 cache=kv)
+                took = [min(max(c - c0, 0), c1 - c0) for c in counts]
+                kv.advance((n - c0).clamp(0, c1 - c0), host_counts=took)  # padding stays past the length
+                done = [a + b for a, b in zip(done, took)]
+                # each row's anchor pair (its last) from the chunk that holds it
+                j = (last_at - c0).clamp(0, c1 - c0 - 1)
+                here = ((last_at >= c0) & (last_at < c1))[:, None]
+                logits = lg[ar, j] if logits is None else torch.where(here, lg[ar, j], logits)
+                out = o[ar, j] if out is None else torch.where(here, o[ar, j], out)
         except BaseException:
             kv.abort()
+            if any(done):  # the chunks already run leave the cache too: the pairs stay queued
+                kv.lengths[rows_t] -= torch.tensor(done, dtype=torch.long, device=dev)
+                kv.advance_bound(rows, [-d for d in done])
             raise
-        n = torch.tensor(counts, dtype=torch.long, device=dev)
-        kv.advance(n, host_counts=counts)  # padding stays past the length
         for r, c in zip(rows, counts):
             self.length[r] += c
             self.pending[r] = []
-        last = torch.arange(B, device=dev), n - 1
-        return logits[last], out[last]
+        return logits, out
 
     @torch.no_grad()
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:

@@ -7,7 +7,7 @@
 2. A long prefill run as chunks of queries through a `KVRoom` equals one unchunked call, and no mask the kernel
    gets covers more than `QUERY_CHUNK` queries.
 3. The eagle drafter's `observe` of a prompt longer than one chunk leaves the same cache and state as observing
-   it in one forward, and then drafts the same tree.
+   it in one forward, and then drafts the same tree; the native drafter's chunked catch-up drafts the same.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from assertions import assert_close
-from tiny_models import tiny_model
+from tiny_models import generate_f64, save_with_mtp, tiny_model
 
+import specdec
 import specdec.draft.eagle_drafter as eagle_drafter
+import specdec.draft.native_drafter as native_drafter
 from specdec.draft.layers import QUERY_CHUNK, KVRoom, additive_mask, attend
 from specdec.draft.registry import build_drafter_net
 
@@ -204,3 +206,54 @@ def test_chunked_eagle_observe_equals_one_forward(monkeypatch):
             assert_close(v[b, :, :n - 1], v1[b, :, :n - 1], msg=f"layer {layer} row {b} values")
     assert torch.equal(block.tokens, one_block.tokens) and torch.equal(block.parent, one_block.parent)
 
+
+NATIVE_PROMPTS = [[3, 41, 17, 88, 9, 60, 23, 5, 40, 11, 12], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 50, 12, 13, 70, 71, 72, 4]]
+
+
+@pytest.fixture(scope="module")
+def native_model(tmp_path_factory):
+    return save_with_mtp(str(tmp_path_factory.mktemp("native")), "qwen3_next")
+
+
+def _native_drafts(model, chunk: int, monkeypatch, *, fail_at: int = 0):
+    """Greedy generation of `NATIVE_PROMPTS` with the native drafter catching up `chunk` pairs per forward, its
+    net's `fail_at`-th step raising (0: none). -> (sequences, every returned draft block's tokens)."""
+    monkeypatch.setattr(native_drafter, "QUERY_CHUNK", chunk)
+    engine = specdec.wrap(model, drafter="native", num_draft_tokens=3, max_batch_size=2)
+    net, seen, propose, calls = engine.drafter.net, [], engine.drafter.propose, [0]
+    step = net.step
+
+    def failing(*a, **k):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError("injected")
+        return step(*a, **k)
+
+    def recording(*a, **k):
+        block = propose(*a, **k)
+        seen.append(block.tokens.clone())
+        return block
+    net.step, engine.drafter.propose = failing, recording
+    out = generate_f64(engine, NATIVE_PROMPTS, max_new_tokens=8)
+    assert out.stats.drafter_failures == (1 if fail_at else 0)
+    return out.sequences, seen
+
+
+def test_chunked_native_catch_up_drafts_the_same(native_model, monkeypatch):
+    """The native drafter's first catch-up runs a prompt's pairs a chunk per forward (chunks of 4 here, two rows
+    of different lengths): the drafts of a greedy generation equal those of one forward, in float64."""
+    seq, chunked = _native_drafts(native_model, 4, monkeypatch)
+    seq1, whole = _native_drafts(native_model, 10 ** 9, monkeypatch)
+    assert torch.equal(seq, seq1)
+    assert len(chunked) == len(whole) and all(torch.equal(a, b) for a, b in zip(chunked, whole))
+
+
+def test_native_catch_up_failing_midway_leaves_the_cache_as_it_was(native_model, monkeypatch):
+    """A catch-up that fails in its second chunk takes the first chunk's pairs back out of the cache: they stay
+    queued, and every later draft equals that of a run whose catch-up failed before any chunk ran."""
+    with pytest.warns(RuntimeWarning, match="injected"):
+        seq, late = _native_drafts(native_model, 4, monkeypatch, fail_at=2)
+    with pytest.warns(RuntimeWarning, match="injected"):
+        seq1, first = _native_drafts(native_model, 4, monkeypatch, fail_at=1)
+    assert torch.equal(seq, seq1)
+    assert len(late) == len(first) and all(torch.equal(a, b) for a, b in zip(late, first))
