@@ -230,7 +230,7 @@ class Net(SharesTarget):
             raise RuntimeError(f"mtp: the target cache has no entries for layer {self.layer} yet")
         S = span
         lens = kv.lengths[slots_t]
-        a, b = (buf[slots_t, :, :S] for buf in kv.store[self.layer])
+        a, b = kv.read(self.layer, slots_t, S)  # [B, heads, S, dim] each, through the slots' pages
         visible = (torch.arange(S, device=lens.device)[None, :] < lens[:, None])[:, None]  # [B, 1, S]
         return self._context(a, b, visible, a, (lens - 1)[:, None])
 

@@ -15,6 +15,7 @@ from . import cpu_linear, memory
 from .adapters import HYBRID_FAMILIES
 from .config import SpecConfig
 from .graphs import RoundGraphs
+from .kv_cache import token_bytes
 from . import parallel
 from .parallel import Follower, TensorParallel
 from .prefix_cache import PrefixCache, budget_bytes, check_budget
@@ -82,6 +83,9 @@ class EngineParts:
                                   static=cfg.static_shapes,
                                   check_memory=lambda plan: self._check_memory(plan, verify_tokens), **tracked,
                                   **({} if self.tp is None else dict(tp=self.tp, replicate=replicate)))
+        if cfg.memory is not None and not isinstance(self.runner, HybridRunner):
+            raise ValueError(f"memory: needs a hybrid target; {type(model).__name__} runs through its own forward and "
+                             f"cache")
         if cfg.static_shapes and not isinstance(self.runner, HybridRunner):
             raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
                              f"forward, whose cache grows every round")
@@ -126,11 +130,39 @@ class EngineParts:
             return {"captured": 0, "eager": 0, "warm": 0}
         return self._graphs.counts()
 
+    def memory(self) -> dict:
+        """The bytes of the engine's buffers now: `parts` {part: bytes} (the memory plan's, the KV cache as the pages
+        held), `used` (every part), `shared` (KV pages held by more than one: none yet), `evictable` (the prefix
+        cache's entries), `free` (KV pages free, and what the prefix cache's budget has left), `budget` (their sum)."""
+        plan = self.memory_plan
+        parts = {} if plan is None else {k: v for k, v in plan.part_bytes().items() if k not in ("KV cache",
+                                                                                             "prefix cache")}
+        free = 0
+        if plan is not None and plan.parts.get("KV cache"):
+            kv, specs = self.runner.kv, plan.parts["KV cache"]
+            tables = sum(s.nbytes for s in specs.values() if len(s.shape) != 4)
+            parts["KV cache"] = tables
+            for dp, pages in kv.pages.items():  # each group's pages: its layers' bytes per page
+                page = kv.page_size * token_bytes({n: s for n, s in specs.items() if len(s.shape) == 4
+                                                   and (int(n.split(".")[1]) in kv.dp_layers) == dp})
+                parts["KV cache"] += (pages.num_pages - pages.num_free) * page
+                free += pages.num_free * page
+        evictable = 0 if self.prefix_cache is None else self.prefix_cache.bytes
+        if self.prefix_cache is not None:
+            parts["prefix cache"] = evictable
+            free += self.prefix_cache.budget - evictable
+        used = sum(parts.values())
+        return {"parts": parts, "used": used, "shared": 0, "evictable": evictable, "free": free,
+                "budget": used + free}
+
     @staticmethod
     def _tensor_parallel(group, model, cfg: SpecConfig) -> TensorParallel:
         """The process group checked, for a hybrid target (`specdec.parallel`)."""
         if model.config.model_type not in HYBRID_FAMILIES:
             raise ValueError(f"tp_group: needs a hybrid target; {type(model).__name__} runs through its own forward")
+        if cfg.memory is not None:
+            raise ValueError("tp_group: not with memory= yet (a data-parallel MLA layer's pages would need a share "
+                             "of the budget per rank)")
         if cfg.cuda_graph:
             raise ValueError("tp_group: not with cuda_graph (a round's fault vote reads back mid-round)")
         if cfg.prefix_cache and HYBRID_FAMILIES[model.config.model_type].latent_attention is not None:
@@ -165,18 +197,25 @@ class EngineParts:
 
     def _memory_options(self) -> dict:
         opts = {"max_batch_size": self.config.max_batch_size, "max_length": self.max_length}
+        if self.config.memory is not None:
+            opts["memory"] = self.config.memory
         return {**opts, "prefix_cache": self.config.prefix_cache} if self.config.prefix_cache else opts
 
-    def _check_memory(self, plan: memory.MemoryPlan, verify_tokens: int) -> None:
+    def _check_memory(self, plan: memory.MemoryPlan, verify_tokens: int) -> int | None:
         """The target runner's plan with the drafter's caches and the prefix cache's budget (kept as `memory_plan`)
-        against the free memory (`memory.check_fits`)."""
+        against the free memory (`memory.check_fits`). With `memory=`, -> the KV pages the budget leaves after
+        every other part (`memory.pages_within`), else None (pages for max_length in every slot)."""
         self.memory_plan = plan.copy().add("drafter caches", self.drafter.memory_specs(
             max_length=self.max_length, num_verify_tokens=verify_tokens, gamma=self.gamma,
             static=self.config.static_shapes), deferred=True)
         if self.config.prefix_cache:  # filled as requests finish, up to its budget
             self.memory_plan.add("prefix cache", {"prefix_cache.budget": BufferSpec(
                 "prefix_cache.budget", (budget_bytes(self.config.prefix_cache),), torch.uint8)}, deferred=True)
-        memory.check_fits(self.memory_plan, self._memory_options())
+        if self.config.memory is None:
+            memory.check_fits(self.memory_plan, self._memory_options())
+            return None
+        return memory.pages_within(self.memory_plan, self.config.memory, max_length=self.max_length + verify_tokens,
+                                   options=self._memory_options())
 
     # ---- generate ----------------------------------------------------------------------------------
     def _prompts(self, rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[int]]]:

@@ -45,6 +45,11 @@ class SpecConfig:
     the committed state of prompts and finished requests (recurrent state, KV entries, the drafter's target
     features) in a radix tree over token ids, and start a request whose prompt begins with a cached prefix from
     that state, prefilling only the rest (`specdec.prefix_cache`; hybrid targets).
+    memory: one byte budget for the engine's buffers, an int (bytes) or a float in (0, 1] (that share of the device's
+    free memory at `wrap`): the state pool and rings, the drafter's caches and the prefix cache's budget come out of
+    it, the KV pages get the rest. `max_length` is then a cap per request, not a reservation per lane: a request is
+    admitted when the pages of its worst case (prompt + max_new_tokens + a verify window) are free, and waits in
+    order otherwise (it never fails mid-generation). None (default): pages for `max_length` tokens in every slot.
     track_interval: with `prefix_cache`, the token interval at which a request's state is tracked, so that a
     finished request also leaves entries at its last two multiples of it.
     """
@@ -62,6 +67,7 @@ class SpecConfig:
     cpu_linear: str = "auto"
     prefix_cache: bool | int = False
     track_interval: int = 256
+    memory: int | float | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -91,6 +97,11 @@ class SpecConfig:
         pc = self.prefix_cache
         if not isinstance(pc, (bool, int)) or (not isinstance(pc, bool) and pc < 1):
             raise ValueError(f"prefix_cache: expected False, True or a byte budget (an int >= 1), got {pc!r}")
+        m = self.memory
+        if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float))
+                              or (isinstance(m, int) and m < 1) or (isinstance(m, float) and not 0 < m <= 1)):
+            raise ValueError(f"memory: expected None, a byte budget (an int >= 1) or a share of the free memory (a "
+                             f"float in (0, 1]), got {m!r}")
         if self.cuda_graph:
             if self.commit != "eager":
                 raise ValueError("cuda_graph: needs commit='eager' (lazy commit decides on the host when to fold)")

@@ -153,20 +153,35 @@ class SpecEngine(EngineParts):
         lanes = _Lanes(L, torch.full((L, W), self.pad_token_id, dtype=torch.long, device=dev), feat)
         self.slots = lanes.slot
         waiting = list(range(N - 1, -1, -1))  # requests not yet admitted, next one last
+        # a request's worst case in KV pages: its prompt, its new tokens and a verify window
+        worst = [p.numel() + max_new_tokens + self.target.num_verify_tokens for p in prompts]
+        free, active = list(range(L)), []  # lanes without a request; lanes whose request goes on
         try:
-            active = self._admit(lanes, list(range(L)), [waiting.pop() for _ in range(L)], prompts, hist,
-                                 out_tokens, sampling, gen, stats, max_new_tokens, eos_set, streamer)
-            while active:
+            while True:
+                ids, reqs = [], []  # admitted in order while lanes are free and their pages fit
+                while free and waiting and self.runner.fits([worst[r] for r in reqs] + [worst[waiting[-1]]]):
+                    ids.append(free.pop(0))
+                    reqs.append(waiting.pop())
+                if ids:
+                    going = self._admit(lanes, ids, reqs, prompts, hist, out_tokens, sampling, gen, stats,
+                                        max_new_tokens, eos_set, streamer)
+                    ended = [l for l in ids if l not in going]  # ended at their first token
+                    active = sorted(active + going)
+                    if ended:
+                        self._retire(lanes, ended, publish=True)
+                        free = sorted(free + ended)
+                        continue
+                if not active:
+                    if waiting:  # cannot happen: the page pool holds a request at max_length (`memory.pages_within`)
+                        raise RuntimeError(f"memory: request {waiting[-1]} ({worst[waiting[-1]]} tokens) does not fit "
+                                           f"the KV page pool even with nothing running")
+                    break
                 self._round(active, lanes, sampling, gen, stats, max_new_tokens, eos_set, streamer)
                 done = [l for l in active if self._done(lanes.out[l], max_new_tokens, eos_set)]
                 if done:
                     active = [l for l in active if l not in done]
                     self._retire(lanes, done, publish=True)
-                    refill = done[:len(waiting)]
-                    if refill:
-                        active = sorted(active + self._admit(
-                            lanes, refill, [waiting.pop() for _ in refill], prompts, hist, out_tokens, sampling,
-                            gen, stats, max_new_tokens, eos_set, streamer))
+                    free = sorted(free + done)
         except BaseException:  # anything (KeyboardInterrupt included) after slots were taken: drop the open
             self._abort(lanes.held())  # round everywhere; the finally clause returns the slots
             raise
@@ -200,6 +215,8 @@ class SpecEngine(EngineParts):
             lanes.slot[l], lanes.hist[l], lanes.out[l] = s, hist[r], out_tokens[r]
         ps = [prompts[r] for r in reqs]
         sizes = [p.numel() for p in ps]
+        # each request's KV pages for its worst case: no round of it takes pages (CUDA graphs replay none)
+        self.runner.reserve(slots, [n + max_new + self.target.num_verify_tokens for n in sizes])
         self.drafter.begin(ids, ps)
         t = time.perf_counter()
         capture = tuple(self.drafter.feature_layers)

@@ -50,6 +50,13 @@ class GenericRunner:
             self._cache[s], self._len[s] = None, 0
         return slots
 
+    def reserve(self, slots: list[int], tokens: list[int]) -> None:
+        """Nothing to reserve: each slot's cache is the model's own, which grows as its forward appends."""
+
+    def fits(self, tokens: list[int]) -> bool:
+        """Always: the model's own caches are not paged from a budget."""
+        return True
+
     def release(self, slots: list[int]) -> None:
         for s in slots:
             self._cache.pop(s, None)

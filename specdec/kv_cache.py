@@ -1,4 +1,5 @@
-"""KV cache of the full-attention layers: per-request buffers, rollback by length, tree masks."""
+"""KV cache of the full-attention layers: pages of `page_size` tokens from one pool, a block table per request slot,
+rollback by length, tree masks."""
 
 from __future__ import annotations
 
@@ -10,19 +11,40 @@ from specdec.replayssm.pool import allocate
 from specdec.tensors import index_tensor
 from specdec.verify.record import Acceptance
 
+PAGE_SIZE = 16  # tokens per page (vLLM's default block size)
 
-def kv_spec(layer_idx: int, index: int, num_slots: int, heads: int, max_length: int, dim: int,
-            dtype: torch.dtype) -> BufferSpec:
-    """Stored tensor `index` (0: K, 1: V, or MLA's latents) of one layer: `[N, heads, max_length, dim]`."""
-    return BufferSpec(f"kv.{layer_idx}.{index}", (num_slots, heads, max_length, dim), dtype)
+
+def num_pages_for(tokens: int, page_size: int = PAGE_SIZE) -> int:
+    return -(-tokens // page_size)
+
+
+def kv_spec(layer_idx: int, index: int, num_pages: int, heads: int, dim: int, dtype: torch.dtype, *,
+            page_size: int = PAGE_SIZE) -> BufferSpec:
+    """Stored tensor `index` (0: K, 1: V, or MLA's latents) of one layer: `[num_pages + 1, page_size, heads, dim]`
+    (the last page is the scratch page that unassigned table entries point at: written by padding rows, never read
+    unmasked)."""
+    return BufferSpec(f"kv.{layer_idx}.{index}", (num_pages + 1, page_size, heads, dim), dtype)
 
 
 def kv_specs(num_slots: int, max_length: int, layers: dict[int, list[tuple[int, int]]],
-             dtype: torch.dtype) -> dict[str, BufferSpec]:
-    """The buffers a `KVCache(num_slots, max_length)` allocates, for attention layers `{layer: [(heads, dim) per
-    stored tensor]}` whose tensors come in `dtype`."""
-    return {spec.name: spec for layer, dims in layers.items() for j, (heads, dim) in enumerate(dims)
-            for spec in [kv_spec(layer, j, num_slots, heads, max_length, dim, dtype)]}
+             dtype: torch.dtype, *, num_pages: int | None = None, page_size: int = PAGE_SIZE,
+             group: str = "") -> dict[str, BufferSpec]:
+    """The buffers a `KVCache(num_slots, max_length)` allocates for attention layers `{layer: [(heads, dim) per
+    stored tensor]}` whose tensors come in `dtype`: each layer's pages (`num_pages`, default a full `max_length` for
+    every request slot: the null slot, the last, takes none) and the block table `[num_slots, max_length / page_size]` of the group (`group`: "" for the layers
+    of every slot, "dp" for data-parallel layers, `KVCache.split_slots`)."""
+    pages = (num_slots - 1) * num_pages_for(max_length, page_size) if num_pages is None else num_pages
+    out = {spec.name: spec for layer, dims in layers.items() for j, (heads, dim) in enumerate(dims)
+           for spec in [kv_spec(layer, j, pages, heads, dim, dtype, page_size=page_size)]}
+    if layers:
+        name = f"kv.table{'.' + group if group else ''}"
+        out[name] = BufferSpec(name, (num_slots, num_pages_for(max_length, page_size)), torch.long)
+    return out
+
+
+def token_bytes(specs: dict[str, BufferSpec]) -> int:
+    """Bytes one token takes in the page pools among `specs` (`kv_specs`' pages; the block tables aside)."""
+    return sum(s.nbytes // (s.shape[0] * s.shape[1]) for s in specs.values() if len(s.shape) == 4)
 
 
 def owned_rows(num_slots: int, ranks: int) -> int:
@@ -31,23 +53,79 @@ def owned_rows(num_slots: int, ranks: int) -> int:
     return -(-(num_slots - 1) // ranks)
 
 
+class PageTable:
+    """The pages of one group of layers: a free list, each row's pages on the host, and the block table `[rows,
+    max_pages]` (long, on the device) that attention reads through; unassigned entries point at the scratch page
+    `num_pages`. A row takes pages as its tokens need them (`ensure`) and gives them back at `release`; a page
+    is free if and only if no row holds it."""
+
+    def __init__(self, rows: int, max_pages: int, num_pages: int, device: torch.device, name: str):
+        self.num_pages, self.table_name = num_pages, name
+        self.free = list(range(num_pages - 1, -1, -1))  # popped from the end: low ids first
+        self.held: list[list[int]] = [[] for _ in range(rows)]
+        self.table = allocate(BufferSpec(name, (rows, max_pages), torch.long), device, fill=num_pages)
+
+    def ensure(self, rows: list[int], tokens: list[int], page_size: int) -> None:
+        """Rows `rows` hold pages for `tokens[i]` tokens each: missing pages taken from the free list and written
+        into the table in one copy (none when every row has its pages). MemoryError when the pool runs out (nothing
+        taken then)."""
+        need = [(r, num_pages_for(t, page_size) - len(self.held[r])) for r, t in zip(rows, tokens)]
+        need = [(r, k) for r, k in need if k > 0]
+        if not need:
+            return
+        total = sum(k for _, k in need)
+        if total > len(self.free):
+            raise MemoryError(f"KV cache: {total} more pages of the pool are needed and {len(self.free)} are free")
+        rs, js, ps = [], [], []
+        for r, k in need:
+            for _ in range(k):
+                page = self.free.pop()
+                rs.append(r)
+                js.append(len(self.held[r]))
+                ps.append(page)
+                self.held[r].append(page)
+        dev = self.table.device
+        idx = torch.tensor([rs, js, ps], dtype=torch.long).to(dev)
+        self.table[idx[0], idx[1]] = idx[2]
+
+    def release(self, row: int) -> None:
+        """Row `row` gives its pages back; its table row points at the scratch page again."""
+        if self.held[row]:
+            self.free.extend(reversed(self.held[row]))
+            self.held[row] = []
+            self.table[row] = self.num_pages
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+
 class KVCache:
     """Quacks like a transformers `Cache` for the model's own attention modules (`update` returns the
-    full keys/values), but keeps one buffer per request slot: `[N, heads, max_length, dim]` per stored
-    tensor (K and V, or MLA's compressed latents), allocated at the first `update` of each layer.
+    full keys/values), over pages: each stored tensor (K and V, or MLA's compressed latents) of a layer is a pool
+    `[num_pages + 1, page_size, heads, dim]`, allocated at the layer's first `update`, and each request slot holds
+    pages through a block table (`PageTable`). A slot takes pages as its tokens need them (`reserve`, or at a round's
+    `begin`) and gives them back at `reset`.
 
-    A round writes its T new entries after each request's committed length; `commit` keeps the accepted
-    ones (compacting a tree's accepted path) by moving the length, so rollback costs nothing.
+    A round writes its T new entries after each request's committed length, into the slot's pages; `commit` keeps
+    the accepted ones (compacting a tree's accepted path inside the tail pages) by moving the length, so rollback
+    costs nothing. Attention reads a round's key span through the table (a gather of the slots' pages).
 
     Nothing here reads a value back to the host: the lengths live on the device, and `bound` keeps a host
     upper bound of each slot's length (exact when commits pass their host counts), which sizes the key span
     `S` of a round. Keys past a row's true length are masked, so a loose bound costs work, never correctness.
-    `static=True` fixes `S = max_length` (every round's shapes depend on B and T only, as CUDA graphs need).
+    `static=True` fixes `S = max_length` (every round's shapes depend on B and T only, as CUDA graphs need; the
+    pages a round writes must be reserved before it, so that `begin` copies nothing to the device).
+    `num_pages` (default: `max_length` for every request slot) sizes the pool.
     """
 
-    def __init__(self, num_slots: int, max_length: int, *, device: torch.device | str = "cpu", static: bool = False):
+    def __init__(self, num_slots: int, max_length: int, *, device: torch.device | str = "cpu", static: bool = False,
+                 page_size: int = PAGE_SIZE, num_pages: int | None = None):
         self.max_length = max_length
         self.static = static
+        self.page_size = page_size
+        self.max_pages = num_pages_for(max_length, page_size)
+        self.num_pages = (num_slots - 1) * self.max_pages if num_pages is None else num_pages  # null slot: none
         self.device = torch.device(device)
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.store: dict[int, list[torch.Tensor]] = {}
@@ -63,17 +141,21 @@ class KVCache:
         self.own: torch.Tensor | None = None  # [B_own] the round's rows whose slot this rank owns
         self.own_rows: torch.Tensor | None = None  # [B_own] their rows in a data-parallel layer's buffers
         self._index: dict = {}
+        self.pages = {False: PageTable(num_slots, self.max_pages, self.num_pages, self.device, "kv.table")}
 
-    def split_slots(self, layers, rank: int, ranks: int) -> None:
+    def split_slots(self, layers, rank: int, ranks: int, *, num_pages: int | None = None) -> None:
         """Keep `layers` for the request slots `s` with `s % ranks == rank` only (row `s // ranks`; the null slot,
         the last, for none): the attention of those layers runs data-parallel over the requests, each rank on the
-        rows it owns (a tensor-parallel MLA layer: its latent cache is every head's, so it is split by request)."""
+        rows it owns (a tensor-parallel MLA layer: its latent cache is every head's, so it is split by request).
+        Their pages come from a pool of their own (`num_pages`, default `max_length` for every owned row)."""
         self.dp_layers, self.rank, self.ranks = set(layers), rank, ranks
+        rows = owned_rows(self.lengths.shape[0], ranks)
+        self.pages[True] = PageTable(rows, self.max_pages, rows * self.max_pages if num_pages is None else num_pages,
+                                     self.device, "kv.table.dp")
 
     def rows(self, layer_idx: int) -> int:
-        """Buffer rows of a layer: one per slot, a data-parallel one's one per request slot this rank may own."""
-        n = self.lengths.shape[0]
-        return owned_rows(n, self.ranks) if layer_idx in self.dp_layers else n
+        """Table rows of a layer: one per slot, a data-parallel one's one per request slot this rank may own."""
+        return self.pages[layer_idx in self.dp_layers].table.shape[0]
 
     def _own(self, host_slots: list[int]) -> None:
         """The round's owned rows and their buffer rows (device tensors, kept per distinct list)."""
@@ -82,12 +164,49 @@ class KVCache:
         self.own = index_tensor(self._index, own, self.device)
         self.own_rows = index_tensor(self._index, [host_slots[b] // self.ranks for b in own], self.device)
 
+    # ---- pages -------------------------------------------------------------------------------------
+    def reserve(self, host_slots: list[int], tokens: list[int]) -> None:
+        """Slots `host_slots` hold pages for `tokens[i]` tokens each (their worst case: prompt, new tokens and a
+        verify window), so no round of theirs takes pages (static shapes and CUDA graphs need that). MemoryError
+        when the pool cannot give them (nothing taken then)."""
+        null = self.lengths.shape[0] - 1
+        pairs = [(s, t) for s, t in zip(host_slots, tokens) if s != null]
+        self.pages[False].ensure([s for s, _ in pairs], [t for _, t in pairs], self.page_size)
+        if True in self.pages:
+            own = [(s // self.ranks, t) for s, t in pairs if s % self.ranks == self.rank]
+            self.pages[True].ensure([r for r, _ in own], [t for _, t in own], self.page_size)
+
+    def write(self, slot: int, entries: dict[int, tuple[torch.Tensor, ...]], n: int) -> None:
+        """A fresh `slot` holds `n` committed tokens whose stored tensors are `entries {layer: ([heads, n, dim],
+        ...)}` (a prefix-cache entry's), written into its pages."""
+        self.reserve([slot], [n])
+        page, off = self._at(False, torch.tensor([slot], device=self.device), torch.arange(n, device=self.device)[None])
+        for layer, ts in entries.items():
+            for buf, t in zip(self.store[layer], ts):
+                buf[page[0], off[0]] = t.transpose(0, 1).to(buf.dtype)  # [n, h, d]
+        self.lengths[slot] = n
+        self.bound[slot] = n
+
+    def fits(self, tokens: list[int]) -> bool:
+        """Whether fresh slots of `tokens[i]` tokens each would find their pages free. The pool of every slot decides
+        (the same on every rank: a data-parallel group's pool, `split_slots`, holds `max_length` for each slot the
+        rank owns)."""
+        return sum(num_pages_for(t, self.page_size) for t in tokens) <= self.pages[False].num_free
+
+    def page_bytes(self) -> int:
+        """Bytes of one page across every allocated layer's stored tensors (0 before the first write)."""
+        return sum(buf[0].numel() * buf.element_size() for bufs in self.store.values() for buf in bufs)
+
     # ---- round -------------------------------------------------------------------------------------
     def begin(self, slots: torch.Tensor, num_tokens: int, tree: VerifyTree | None = None, *,
-              host_slots: list[int] | None = None) -> None:
-        """Open a round: `slots [B]` (and the same as a host list), T tokens (a chain, or the round's tree)."""
+              host_slots: list[int] | None = None, tokens: list[int] | None = None) -> None:
+        """Open a round: `slots [B]` (and the same as a host list), T tokens (a chain, or the round's tree).
+        `tokens`: the real tokens of each row where fewer than T (a right-padded prefill chunk): pages are taken for
+        those; the padding's entries land on the scratch page or past the row's length."""
         host_slots = slots.tolist() if host_slots is None else list(host_slots)
         need = self.check_room(host_slots, num_tokens)
+        real = [num_tokens] * len(host_slots) if tokens is None else tokens
+        self.reserve(host_slots, [self.bound[s] + n for s, n in zip(host_slots, real)])
         self.slots, self.host_slots, self.num_tokens, self.tree = slots, host_slots, num_tokens, tree
         self.span = self.max_length if self.static else need
         if self.dp_layers:
@@ -139,26 +258,44 @@ class KVCache:
         mask = torch.zeros(B, 1, T, S, dtype=dtype, device=self.device)
         return mask.masked_fill(~ok[:, None], torch.finfo(dtype).min)
 
+    # ---- page addressing ---------------------------------------------------------------------------
+    def _at(self, dp: bool, rows: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) of positions `pos [B, n]` of table rows `rows [B]`."""
+        table = self.pages[dp].table[rows]  # [B, max_pages]
+        return table.gather(1, (pos // self.page_size).clamp(max=self.max_pages - 1)), pos % self.page_size
+
+    def read(self, layer_idx: int, rows: torch.Tensor, span: int) -> list[torch.Tensor]:
+        """Positions `[0, span)` of table rows `rows [B]`, each stored tensor of the layer as `[B, heads, span,
+        dim]` (a gather of the rows' pages; a view of it)."""
+        n = num_pages_for(span, self.page_size)
+        pages = self.pages[layer_idx in self.dp_layers].table[rows, :n]  # [B, n]
+        out = []
+        for buf in self.store[layer_idx]:  # [P + 1, page, h, d] -> [B, n, page, h, d] -> [B, h, span, d]
+            x = buf[pages]
+            out.append(x.view(x.shape[0], n * self.page_size, *x.shape[3:])[:, :span].transpose(1, 2))
+        return out
+
     # ---- transformers Cache surface -----------------------------------------------------------------
     def update(self, *states: torch.Tensor, **kwargs):
         """`update(key [B, h, T, dk], value [B, h, T, dv], layer_idx, ...)` -> full `[B, h, S, d]` each."""
         layer_idx = states[2] if len(states) > 2 else kwargs["layer_idx"]
         new = states[:2]
+        dp = layer_idx in self.dp_layers
         if layer_idx not in self.store:  # normal tensors (`allocate`): kept across calls
-            self.store[layer_idx] = [allocate(kv_spec(layer_idx, j, self.rows(layer_idx), x.shape[1], self.max_length,
-                                                      x.shape[3], x.dtype), self.device) for j, x in enumerate(new)]
-        slots, rows, _ = self._rows(layer_idx in self.dp_layers)  # data-parallel: the owned rows' states come in
+            pool = self.pages[dp].num_pages
+            self.store[layer_idx] = [allocate(kv_spec(layer_idx, j, pool, x.shape[1], x.shape[3], x.dtype,
+                                                      page_size=self.page_size), self.device)
+                                     for j, x in enumerate(new)]
+        slots, rows, _ = self._rows(dp)  # data-parallel: the owned rows' states come in
         lens = self.lengths[slots]
-        S = self.span
         idx = lens[:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]
-        out = []
+        page, off = self._at(dp, rows, idx)
         for buf, x in zip(self.store[layer_idx], new):
-            buf[rows[:, None], :, idx] = x.transpose(1, 2).to(buf.dtype)  # [B, T, h, d] at (slot, pos)
-            out.append(buf[rows, :, :S])
-        return tuple(out)
+            buf[page, off] = x.transpose(1, 2).to(buf.dtype)  # [B, T, h, d] at (page, offset)
+        return tuple(self.read(layer_idx, rows, self.span))
 
     def _rows(self, dp: bool) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """The round's slots a layer's buffers hold `[B']`, their buffer rows and which round rows they are: every
+        """The round's slots a layer's buffers hold `[B']`, their table rows and which round rows they are: every
         row's, or (`dp`, a data-parallel layer) the owned ones."""
         return (self.slots[self.own], self.own_rows, self.own) if dp else (self.slots, self.slots, slice(None))
 
@@ -180,12 +317,11 @@ class KVCache:
                 lens = self.lengths[slots]
                 j = torch.arange(path.shape[1], device=self.device)
                 keep = (j[None, :] < kept[:, None])[..., None, None]  # [B, M, 1, 1]
-                src = (lens[:, None] + path.clamp(min=0)).clamp(max=self.max_length - 1)
-                dst = (lens[:, None] + j[None, :]).clamp(max=self.max_length - 1)
-                rows = rows[:, None]
-                for buf in (b for bufs in layers for b in bufs):  # [N, h, max_length, d]: indexed -> [B, M, h, d]
-                    new, old = buf[rows, :, src], buf[rows, :, dst]
-                    buf[rows, :, dst] = torch.where(keep, new, old)
+                src = self._at(dp, rows, (lens[:, None] + path.clamp(min=0)).clamp(max=self.max_length - 1))
+                dst = self._at(dp, rows, (lens[:, None] + j[None, :]).clamp(max=self.max_length - 1))
+                for buf in (b for bufs in layers for b in bufs):  # [P + 1, page, h, d]: indexed -> [B, M, h, d]
+                    new, old = buf[src], buf[dst]
+                    buf[dst] = torch.where(keep, new, old)
         self.advance(n, host_counts=host_counts)
 
     def advance(self, n: torch.Tensor, *, host_counts: list[int] | None = None) -> None:
@@ -199,5 +335,13 @@ class KVCache:
         self.slots = self.tree = self.own = self.own_rows = None
 
     def reset(self, slot: int) -> None:
+        """The slot holds no token and no page (a slot taken for a new request)."""
         self.lengths[slot] = 0
         self.bound[slot] = 0
+        self.release(slot)
+
+    def release(self, slot: int) -> None:
+        """The slot's pages go back to the pool (a request that ended); its length stays as it was committed."""
+        self.pages[False].release(slot)
+        if True in self.pages and slot % self.ranks == self.rank and slot != self.lengths.shape[0] - 1:
+            self.pages[True].release(slot // self.ranks)

@@ -101,6 +101,44 @@ def free_bytes(device: torch.device | str) -> int | None:
     return None
 
 
+def budget_bytes(option, device: torch.device | str) -> int:
+    """`SpecConfig.memory` as bytes: an int as it is; a float, that share of the free memory of `device`."""
+    if isinstance(option, float):
+        free = free_bytes(device)
+        if free is None:
+            raise ValueError(f"memory: a share of the free memory ({option}) needs to know it, and {device}'s is "
+                             f"unknown; give bytes")
+        return int(free * option)
+    return int(option)
+
+
+def pages_within(plan: MemoryPlan, option, *, max_length: int, options: dict) -> int:
+    """The KV pages the budget `option` (`budget_bytes`) leaves after every other buffer of `plan` (its KV pages
+    aside): InsufficientMemoryError when they cannot hold one request at `max_length` (a request's cap), or when
+    the budget exceeds the free memory."""
+    from .kv_cache import token_bytes
+    budget = budget_bytes(option, plan.device)
+    kv = plan.parts.get("KV cache", {})
+    pages = {n: s for n, s in kv.items() if len(s.shape) == 4}
+    page_size = next(iter(pages.values())).shape[1] if pages else 1
+    page = token_bytes(kv) * page_size
+    rest = plan.total - sum(s.nbytes for s in pages.values())
+    n = (budget - rest) // page - 1 if page else 0  # the scratch page aside
+    least = -(-max_length // page_size)
+    opts = ", ".join(f"{k}={v}" for k, v in options.items())
+    if page and n < least:
+        parts = ", ".join(f"{part} {format_bytes(b)}" for part, b in plan.part_bytes().items() if part != "KV cache")
+        raise InsufficientMemoryError(
+            f"memory: {format_bytes(budget)} leaves {format_bytes(max(budget - rest, 0))} for KV pages after {parts}, "
+            f"but one request at max_length ({max_length} tokens) needs {least} pages of {format_bytes(page)} "
+            f"({format_bytes(least * page)}); raise memory or lower max_length or max_batch_size ({opts})")
+    free = free_bytes(plan.device)
+    if free is not None and budget > free:
+        raise InsufficientMemoryError(f"memory: a budget of {format_bytes(budget)} exceeds the {format_bytes(free)} "
+                                      f"free on {plan.device} ({opts})")
+    return max(n, 0)
+
+
 def check_fits(plan: MemoryPlan, options: dict, *, what: str = "wrap") -> None:
     """`InsufficientMemoryError` when `plan` needs more than the free memory of its device, naming `options`
     (`{"max_batch_size": 8, "max_length": 4096}`), the bytes of each part and what is free."""

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .kv_cache import token_bytes
 from .memory import format_bytes
 from .tensors import outside_inference
 
@@ -200,7 +201,8 @@ def take(runner, slot: int, length: int, features: dict[str, torch.Tensor], *, c
     with outside_inference():  # kept across calls: normal tensors, as the pool's
         conv = (pool.conv[:, slot] if conv is None else conv).clone()
         ssm = (pool.ssm[:, slot] if ssm is None else ssm).clone()
-        kvs = {layer: tuple(buf[slot, :, :length].clone() for buf in bufs) for layer, bufs in kv.store.items()}
+        row = torch.tensor([slot], device=kv.device)
+        kvs = {layer: tuple(t[0].clone() for t in kv.read(layer, row, length)) for layer in kv.store}
         feats = {k: f[:length].clone() for k, f in features.items()}
     return Entry(length, conv, ssm, kvs, feats)
 
@@ -211,20 +213,15 @@ def restore(runner, entry: Entry, slot: int) -> None:
     pool.conv[:, slot] = entry.conv
     pool.ssm[:, slot] = entry.ssm
     pool.seq_len[slot] = n
-    for layer, ts in entry.kv.items():
-        for buf, t in zip(kv.store[layer], ts):
-            buf[slot, :, :n] = t
-    kv.lengths[slot] = n
-    kv.bound[slot] = n
+    kv.write(slot, {layer: ts for layer, ts in entry.kv.items()}, n)
 
 
 def entry_bytes(runner, tokens: int, feature_bytes_per_token: int) -> dict[str, int]:
-    """The bytes of an entry of `tokens` tokens, by part: recurrent state, KV (from the runner's memory plan, which
-    sizes KV buffers `[slots, heads, max_length, dim]`) and drafter features."""
+    """The bytes of an entry of `tokens` tokens, by part: recurrent state, KV (a token's bytes in the runner's KV
+    pages, from its memory plan) and drafter features."""
     pool = runner.state.pool
     state = (pool.conv[:, 0].numel() * pool.conv.element_size() + pool.ssm[:, 0].numel() * pool.ssm.element_size())
-    kv = sum(spec.shape[1] * spec.shape[3] * spec.dtype.itemsize
-             for spec in runner.memory.parts.get("KV cache", {}).values())
+    kv = token_bytes(runner.memory.parts.get("KV cache", {}))
     return {"recurrent state": state, "KV": kv * tokens, "drafter features": feature_bytes_per_token * tokens}
 
 

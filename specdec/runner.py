@@ -21,7 +21,7 @@ from specdec.tensors import index_tensor
 
 from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
 from .hf_compat import cache_arg, rotary_tables
-from .kv_cache import KVCache, kv_specs, owned_rows
+from .kv_cache import KVCache, kv_specs, num_pages_for, owned_rows
 from .memory import MemoryPlan
 from .prefill import _Chunk, _PrefillOps
 
@@ -179,13 +179,17 @@ class HybridRunner:
                           ssm_dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
                           act_dtype=self.dtype, track_interval=track_interval)
         self.memory = self._memory_plan(cfg, strategy, commit, max_length)
-        if check_memory is not None:
+        # the check may size the KV page pool from a byte budget (`SpecConfig.memory`): then the plan is made again
+        # with that many pages and checked as it will be allocated
+        pages = check_memory(self.memory) if check_memory is not None else None
+        if pages is not None:
+            self.memory = self._memory_plan(cfg, strategy, commit, max_length, num_pages=pages)
             check_memory(self.memory)
         self.state = make_strategy(cfg, strategy, commit=commit, device=self.device)
         if gate_in_kernel:
             for i, n in self.linear_index.items():
                 self.state.set_gate(n, *self.mixer.gate_params(self._mixers[i]))
-        self.kv = KVCache(cfg.num_slots, max_length, device=self.device, static=static)
+        self.kv = KVCache(cfg.num_slots, max_length, device=self.device, static=static, num_pages=pages)
         if self._dp:
             self.kv.split_slots(self._dp, tp.rank, tp.size)
         self.max_length, self.prefill_chunk = max_length, prefill_chunk
@@ -243,7 +247,8 @@ class HybridRunner:
                                      position_ids=positions[own], **{self._cache_args[i]: self.kv}, **kw)[0]
         return out
 
-    def _memory_plan(self, cfg: StateConfig, strategy: str, commit: str, max_length: int) -> MemoryPlan:
+    def _memory_plan(self, cfg: StateConfig, strategy: str, commit: str, max_length: int,
+                     num_pages: int | None = None) -> MemoryPlan:
         """The buffers this runner holds: its strategy's (`replayssm.plan.strategy_specs`, the pool apart) and
         the KV cache of every attention (each layer's at its first write), from the same specs they allocate."""
         # the backend the strategy's rounds will pick (`kernels.dispatch.uses_triton`: device and state dtype)
@@ -258,10 +263,15 @@ class HybridRunner:
         plan.add("snapshots" if strategy == "snapshot" else "rings",
                  {n: s for n, s in specs.items() if n not in pool and n not in DEFERRED_NAMES})
         plan.add("rings", {n: s for n, s in specs.items() if n in DEFERRED_NAMES}, deferred=True)
-        kv = kv_specs(cfg.num_slots, max_length, {i: d for i, d in layers.items() if i not in self._dp}, self.dtype)
+        kv = kv_specs(cfg.num_slots, max_length, {i: d for i, d in layers.items() if i not in self._dp}, self.dtype,
+                      num_pages=num_pages)
         if self._dp:  # a data-parallel layer keeps the rank's request slots only (`KVCache.split_slots`)
-            kv.update(kv_specs(owned_rows(cfg.num_slots, self.tp.size), max_length, {i: d for i, d in layers.items() if i in self._dp}, self.dtype))
-        plan.add("KV cache", kv, deferred=True)
+            rows = owned_rows(cfg.num_slots, self.tp.size)  # no null slot among them: max_length for each
+            kv.update(kv_specs(rows, max_length, {i: d for i, d in layers.items() if i in self._dp}, self.dtype,
+                               group="dp", num_pages=rows * num_pages_for(max_length)))
+        # the pages at each layer's first write, the block tables at build
+        plan.add("KV cache", {n: s for n, s in kv.items() if len(s.shape) == 4}, deferred=True)
+        plan.add("KV cache", {n: s for n, s in kv.items() if len(s.shape) != 4})
         return plan
 
     @property
@@ -284,6 +294,17 @@ class HybridRunner:
 
     def release(self, slots: list[int]) -> None:
         self.state.release(slots)
+        for s in slots:  # their KV pages back to the pool
+            self.kv.release(s)
+
+    def reserve(self, slots: list[int], tokens: list[int]) -> None:
+        """Fresh `slots` hold KV pages for `tokens[i]` tokens each, their worst case, before any round runs
+        (`KVCache.reserve`)."""
+        self.kv.reserve(slots, tokens)
+
+    def fits(self, tokens: list[int]) -> bool:
+        """Whether new requests of `tokens[i]` tokens each (their worst case) find their KV pages free."""
+        return self.kv.fits(tokens)
 
     def length(self, slot: int) -> int:
         return int(self.kv.lengths[slot])
@@ -391,7 +412,7 @@ class HybridRunner:
         if not prefill:  # one tree for the KV mask and every layer: what they derive from it is made once
             self.state._begin(slots_t, T, tree)
         try:
-            self.kv.begin(slots_t, T, tree, host_slots=list(slots))
+            self.kv.begin(slots_t, T, tree, host_slots=list(slots), tokens=None if chunk is None else chunk.counts)
             h = self.embed(ids)
             if self._embed_scale is not None:
                 h = h * self._embed_scale

@@ -97,8 +97,9 @@ def buffer_bytes(obj, seen: set | None = None) -> int:
 
 def allocation(eng) -> dict[str, int]:
     """Bytes of the target runner's state strategy (pool, rings, records) and KV cache, after a generate."""
+    kv_plan = sum(s.nbytes for s in eng.runner.memory.parts["KV cache"].values() if len(s.shape) == 4)  # pages
     return {"state": buffer_bytes(eng.runner.state), "kv": buffer_bytes(eng.runner.kv),
-            "pool": buffer_bytes(eng.runner.state.pool), "kv_plan": eng.runner.memory.part_bytes()["KV cache"]}
+            "pool": buffer_bytes(eng.runner.state.pool), "kv_plan": kv_plan, "max_pages": eng.runner.kv.max_pages}
 
 
 def scenarios(rank: int, world: int, path: str) -> dict:
@@ -308,15 +309,16 @@ def test_sampling_same_tokens_on_every_rank(ranks, drafter, seed):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_per_rank_allocation_is_half(ranks, single, family):
     """Recurrent state: exactly 1/2 on each rank. KV cache: exactly 1/2 where the attention splits K / V by head;
-    MLA (Kimi), whose latent cache every head reads, runs data-parallel over the requests: each rank keeps its half
-    of the 8 request slots (4 rows against the single process's 9, the null slot's included), at most 1/2. The
-    runner's memory plan names those bytes."""
+    MLA (Kimi), whose latent cache every head reads, runs data-parallel over the requests: each rank keeps pages for
+    its half of the 8 request slots (4 slots' pages against the single process's 8, each pool with its one scratch
+    page). The runner's memory plan names those bytes."""
     full = single[1][family]
     for r in (0, 1):
         got = ranks[r]["alloc"][family]
         assert 2 * got["state"] == full["state"] > 0
         if family == "kimi_linear":
-            assert 9 * got["kv"] == 4 * full["kv"] > 0
+            m = got["max_pages"]
+            assert (8 * m + 1) * got["kv"] == (4 * m + 1) * full["kv"] > 0
         else:
             assert 2 * got["kv"] == full["kv"] > 0
         assert got["kv_plan"] == got["kv"]

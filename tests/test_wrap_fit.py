@@ -65,9 +65,11 @@ def test_too_large_fails_before_allocating(kimi, option, text, monkeypatch, spy_
     assert isinstance(err.value, ValueError)
     msg = str(err.value)
     assert msg.startswith("max_batch_size, max_length: ") and text in msg
-    # one attention layer holding MLA latents (r = 16, rope 8) in fp32: [slots, 1, max_length + 8 verify, dim]
-    slots, length = option.get("max_batch_size", 8) + 1, option.get("max_length", 4096) + 8
-    kv = slots * length * (16 + 8) * 4
+    # one attention layer holding MLA latents (r = 16, rope 8) in fp32: pages of 16 tokens `[pages + 1, 16, 1, dim]`
+    # for max_length + 8 verify tokens in every request slot, and the block table `[slots + 1, pages per slot]`
+    slots, length = option.get("max_batch_size", 8), option.get("max_length", 4096) + 8
+    per_slot = -(-length // 16)
+    kv = (slots * per_slot + 1) * 16 * (16 + 8) * 4 + (slots + 1) * per_slot * 8
     assert f"KV cache {format_bytes(kv)}" in msg
     assert "state pool " in msg and "rings " in msg and "64.0 MiB is free on cpu" in msg
     assert not spy_strategy  # no pool, ring or snapshot buffer was built
@@ -115,17 +117,21 @@ def held(engine) -> dict[str, torch.Tensor]:
              "snapshot_intermediate_ssm": getattr(st, "states", None),
              "intermediate_conv_window": getattr(st, "conv_windows", None),
              **{name: getattr(rings, name.removeprefix("ring_")) for name in RING_NAMES if rings is not None},
-             **{f"kv.{layer}.{j}": t for layer, ts in kv.store.items() for j, t in enumerate(ts)}}
+             **{f"kv.{layer}.{j}": t for layer, ts in kv.store.items() for j, t in enumerate(ts)},
+             **{p.table_name: p.table for p in kv.pages.values()}}
     return {name: t for name, t in named.items() if t is not None}
 
 
 def storage_bytes(engine) -> int:
-    """Floating-point bytes reachable from the runner's state strategy (its pool, rings) and KV cache, each
-    storage once: what `held` maps must be all there is."""
+    """Floating-point bytes reachable from the runner's state strategy (its pool, rings) and KV cache (its pages, and
+    its block tables), each storage once: what `held` maps must be all there is."""
     seen, total = set(), 0
     st = engine.runner.state
     objs = [st, st.pool, *([st.rings] if hasattr(st, "rings") else [])]
-    values = [v for o in objs for v in vars(o).values()] + [t for ts in engine.runner.kv.store.values() for t in ts]
+    kv = engine.runner.kv
+    values = [v for o in objs for v in vars(o).values()] + [t for ts in kv.store.values() for t in ts]
+    tables = [p.table for p in kv.pages.values()]
+    total = sum(t.untyped_storage().nbytes() for t in tables)
     for v in values:
         for t in (v if isinstance(v, (tuple, list)) else [v]):
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.untyped_storage().data_ptr() not in seen:

@@ -1,0 +1,127 @@
+"""The paged KV cache alone (no model), against plain Python oracles.
+
+- `PageTable`: over random reservations and releases, a page is free if and only if no row holds it, no page is
+  held twice, the device table is each row's held pages (the scratch page elsewhere), and a reservation the pool
+  cannot give takes nothing.
+- `KVCache`: random rounds (chains and trees, random acceptance, slots in any order, some slots idle) write K/V
+  through the pages; after each commit every slot's committed keys and values, read through the table, are the
+  ones a dense per-slot list of the accepted tokens holds, and idle slots' contents are bitwise unchanged. A teeth
+  test points a slot's table at another slot's page and must fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.kernels.tree import VerifyTree
+from specdec.kv_cache import KVCache, PageTable
+from specdec.verify.record import Acceptance
+
+
+def check_table(pt: PageTable) -> None:
+    held = [p for row in pt.held for p in row]
+    assert len(held) == len(set(held)), "a page is held twice"
+    assert not set(held) & set(pt.free), "a held page is free"
+    assert sorted(held + pt.free) == list(range(pt.num_pages)), "a page is neither free nor held"
+    for r, row in enumerate(pt.held):
+        want = row + [pt.num_pages] * (pt.table.shape[1] - len(row))
+        assert pt.table[r].tolist() == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_pages=st.integers(1, 24), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 60)),
+                                                  max_size=30))
+def test_page_table_accounting(num_pages, ops):
+    pt = PageTable(4, 8, num_pages, torch.device("cpu"), "kv.table")
+    for take, row, tokens in ops:
+        if take:
+            before = ([list(r) for r in pt.held], list(pt.free), pt.table.clone())
+            need = max(0, -(-tokens // 8) - len(pt.held[row]))
+            if need > len(pt.free) or -(-tokens // 8) > 8:
+                with pytest.raises((MemoryError, RuntimeError, IndexError)):
+                    pt.ensure([row], [tokens], 8)
+                if need > len(pt.free):  # refused before anything was taken
+                    assert ([list(r) for r in pt.held], list(pt.free)) == before[:2]
+                    assert torch.equal(pt.table, before[2])
+                continue
+            pt.ensure([row], [tokens], 8)
+            assert len(pt.held[row]) * 8 >= tokens
+        else:
+            pt.release(row)
+            assert pt.held[row] == []
+        check_table(pt)
+
+
+def _oracle_read(kv: KVCache, layer: int, slot: int, n: int) -> list[torch.Tensor]:
+    return [t[0] for t in kv.read(layer, torch.tensor([slot]), n)]  # [h, n, d] each
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_rounds_through_pages_equal_a_dense_oracle(data):
+    num_slots, h, d, page = 5, 2, 3, 4
+    max_length = 40
+    kv = KVCache(num_slots, max_length, page_size=page, num_pages=num_slots * 10)
+    dense = {s: [] for s in range(num_slots - 1)}  # committed (k, v) per slot: [h, d] each
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2 ** 16), label="seed"))
+    for _ in range(data.draw(st.integers(1, 6), label="rounds")):
+        slots = data.draw(st.lists(st.integers(0, num_slots - 2), min_size=1, max_size=num_slots - 1, unique=True),
+                          label="slots")
+        T = data.draw(st.integers(1, 5), label="T")
+        if any(len(dense[s]) + T > max_length - 1 for s in slots):
+            break
+        tree = None
+        if data.draw(st.booleans(), label="tree") and T > 1:
+            parent = [-1] + [data.draw(st.integers(0, i - 1), label=f"parent{i}") for i in range(1, T)]
+            tree = VerifyTree(torch.tensor([parent] * len(slots)))
+        idle = {s: [t.clone() for t in _oracle_read(kv, 0, s, len(dense[s]))] for s in dense
+                if s not in slots and dense[s]}
+        kv.begin(torch.tensor(slots), T, tree, host_slots=slots)
+        k = torch.randn(len(slots), h, T, d, generator=g, dtype=torch.float64)
+        v = torch.randn(len(slots), h, T, d, generator=g, dtype=torch.float64)
+        kv.update(k, v, 0)
+        # accept a root-to-node path per row
+        paths = []
+        for b in range(len(slots)):
+            node = data.draw(st.integers(0, T - 1), label=f"leaf{b}")
+            path = []
+            while node >= 0:
+                path.append(node)
+                node = (tree.parent[b, node].item() if tree is not None else node - 1)
+            paths.append(path[::-1])
+        M = T
+        path_t = torch.tensor([p + [-1] * (M - len(p)) for p in paths])
+        acc = Acceptance.kept(path_t, torch.tensor([len(p) for p in paths]))
+        kv.commit(acc, host_counts=[len(p) for p in paths])
+        for b, s in enumerate(slots):
+            dense[s] += [(k[b, :, j], v[b, :, j]) for j in paths[b]]
+        for s, n in ((s, len(dense[s])) for s in dense):
+            if n == 0:
+                continue
+            got_k, got_v = _oracle_read(kv, 0, s, n)
+            assert torch.equal(got_k, torch.stack([x[0] for x in dense[s]], 1)), f"slot {s} keys"
+            assert torch.equal(got_v, torch.stack([x[1] for x in dense[s]], 1)), f"slot {s} values"
+            if s in idle:
+                assert all(torch.equal(a, b) for a, b in zip(_oracle_read(kv, 0, s, n), idle[s]))
+        assert kv.lengths[:num_slots - 1].tolist() == [len(dense[s]) for s in range(num_slots - 1)]
+    for s in dense:  # every page back to the pool
+        kv.reset(s)
+    check_table(kv.pages[False])
+    assert kv.pages[False].num_free == kv.num_pages
+
+
+def test_teeth_a_table_entry_pointing_at_another_slots_page_is_caught():
+    kv = KVCache(3, 16, page_size=4, num_pages=8)
+    for s, val in ((0, 1.0), (1, 2.0)):
+        kv.begin(torch.tensor([s]), 4, host_slots=[s])
+        x = torch.full((1, 1, 4, 2), val)
+        kv.update(x, x, 0)
+        kv.advance(torch.tensor([4]), host_counts=[4])
+    assert bool((_oracle_read(kv, 0, 0, 4)[0] == 1.0).all())
+    kv.pages[False].table[0, 0] = kv.pages[False].held[1][0]  # slot 0 reads slot 1's page
+    assert not bool((_oracle_read(kv, 0, 0, 4)[0] == 1.0).all())
+    with pytest.raises(AssertionError):
+        check_table(kv.pages[False])
