@@ -60,6 +60,25 @@ class GenerateOutput:
     finish_reasons: list[str]
 
 
+@dataclass
+class _Run:
+    """One `generate` call, as its admissions and rounds read it: how it decodes (`sampling`, `max_new` per request,
+    the stop ids `eos`), its sampling streams (`gen`: first tokens and acceptance; `draft_gen`: the drafter's, its
+    own under tensor parallelism), its counters and streamer, and its requests by index: prompts `[P]` on the
+    target's device, host histories (prompt, committed tokens, the anchor last) and new tokens."""
+
+    sampling: object
+    max_new: int
+    eos: set[int]
+    gen: torch.Generator | None
+    draft_gen: torch.Generator | None
+    stats: SpecStats
+    streamer: object
+    prompts: list[torch.Tensor]
+    hist: list[list[int]]
+    out: list[list[int]]
+
+
 class _Lanes:
     """The requests in flight of one `generate` call, one per lane (a lane is a drafter row, < max_batch_size):
     target slot (None: free) and the request's host lists (`hist`, `out`) per lane; device token buffer
@@ -113,12 +132,12 @@ class SpecEngine(EngineParts):
         own = getattr(self.model, "generation_config", None)
         merged = generation.merged_config(own, generation_config, kwargs)
         generation.warn_ignored(merged)
-        call = generation.read_prompts(input_ids, attention_mask, extras=extras, pad_token_id=merged.pad_token_id,
-                                       eos=generation.eos_ids(merged.eos_token_id))
-        settings = generation.resolve_settings(own, generation_config, kwargs, prompts=call,
+        given = generation.read_prompts(input_ids, attention_mask, extras=extras, pad_token_id=merged.pad_token_id,
+                                        eos=generation.eos_ids(merged.eos_token_id))
+        settings = generation.resolve_settings(own, generation_config, kwargs, prompts=given,
                                                max_length=self.max_length, fallback_pad=self.pad_token_id,
                                                config=merged)
-        prompts, host_prompts = self._prompts(call.rows)
+        prompts, host_prompts = self._prompts(given.rows)
         N = len(prompts)
         sampling, max_new_tokens, eos_set = settings.sampling, settings.max_new_tokens, settings.eos
         longest = max(p.numel() for p in prompts)
@@ -136,13 +155,14 @@ class SpecEngine(EngineParts):
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
         # with tp only rank 0 drafts: its drafter draws from a stream of its own, the acceptance from `gen` on every
         # rank alike
-        self._draft_gen = gen if self.tp is None or gen is None else \
+        draft_gen = gen if self.tp is None or gen is None else \
             torch.Generator(device=self.runner.device).manual_seed(seed + 1)
         stats = SpecStats()
         L = min(N, self.runner.num_free)
         dev = self.runner.device
         out_tokens: list[list[int]] = [[] for _ in range(N)]
         hist = [list(p) for p in host_prompts]  # host mirror of every request's tokens (prompt, committed, anchor)
+        run = _Run(sampling, max_new_tokens, eos_set, gen, draft_gen, stats, streamer, prompts, hist, out_tokens)
         # per lane: its target slot and its request's host lists; the device token buffer, lengths and anchors
         # are per lane too, and rounds update them without a host round trip
         W = longest + max_new_tokens + 1
@@ -163,8 +183,7 @@ class SpecEngine(EngineParts):
                     ids.append(free.pop(0))
                     reqs.append(waiting.pop())
                 if ids:
-                    going = self._admit(lanes, ids, reqs, prompts, hist, out_tokens, sampling, gen, stats,
-                                        max_new_tokens, eos_set, streamer)
+                    going = self._admit(lanes, ids, reqs, run)
                     ended = [l for l in ids if l not in going]  # ended at their first token
                     active = sorted(active + going)
                     if ended:
@@ -176,7 +195,7 @@ class SpecEngine(EngineParts):
                         raise RuntimeError(f"memory: request {waiting[-1]} ({worst[waiting[-1]]} tokens) does not fit "
                                            f"the KV page pool even with nothing running")
                     break
-                self._round(active, lanes, sampling, gen, stats, max_new_tokens, eos_set, streamer)
+                self._round(active, lanes, run)
                 done = [l for l in active if self._done(lanes.out[l], max_new_tokens, eos_set)]
                 if done:
                     active = [l for l in active if l not in done]
@@ -196,9 +215,9 @@ class SpecEngine(EngineParts):
         pad = settings.pad_token_id
         counts = [len(o) for o in out_tokens]
         with outside_inference():  # the caller's tensor: a normal one, as transformers' generate returns
-            if call.block is not None:  # the prompt block as given, then the new tokens (transformers' layout)
+            if given.block is not None:  # the prompt block as given, then the new tokens (transformers' layout)
                 new = torch.tensor([o + [pad] * (max(counts) - len(o)) for o in out_tokens], dtype=torch.long)
-                seqs = torch.cat([call.block.detach().cpu().long(), new], 1)
+                seqs = torch.cat([given.block.detach().cpu().long(), new], 1)
             else:  # prompts of different lengths: each followed by its new tokens, right-padded
                 rows_out = [p + o for p, o in zip(host_prompts, out_tokens)]
                 width = max(len(r) for r in rows_out)
@@ -206,25 +225,24 @@ class SpecEngine(EngineParts):
         reasons = ["stop" if o and o[-1] in eos_set else "length" for o in out_tokens]
         return GenerateOutput(seqs, stats, counts, reasons)
 
-    def _admit(self, lanes: "_Lanes", ids: list[int], reqs: list[int], prompts, hist, out_tokens, sampling, gen,
-               stats, max_new: int, eos_set: set, streamer) -> list[int]:
+    def _admit(self, lanes: "_Lanes", ids: list[int], reqs: list[int], run: "_Run") -> list[int]:
         """Start requests `reqs` in the free lanes `ids`: take slots, prefill the prompts together, draw each
         request's first token (one readback), tell the drafter; -> the lanes whose request goes on."""
         slots = self.runner.alloc(len(ids))
         for l, r, s in zip(ids, reqs, slots):
-            lanes.slot[l], lanes.hist[l], lanes.out[l] = s, hist[r], out_tokens[r]
-        ps = [prompts[r] for r in reqs]
+            lanes.slot[l], lanes.hist[l], lanes.out[l] = s, run.hist[r], run.out[r]
+        ps = [run.prompts[r] for r in reqs]
         sizes = [p.numel() for p in ps]
         # each request's KV pages for its worst case: no round of it takes pages (CUDA graphs replay none)
-        self.runner.reserve(slots, [n + max_new + self.target.num_verify_tokens for n in sizes])
+        self.runner.reserve(slots, [n + run.max_new + self.target.num_verify_tokens for n in sizes])
         self.drafter.begin(ids, ps)
         t = time.perf_counter()
         capture = tuple(self.drafter.feature_layers)
         lens = torch.tensor(sizes, dtype=torch.long, device=lanes.tok.device)
-        stats.prompt_tokens += sum(sizes)
+        run.stats.prompt_tokens += sum(sizes)
         cache = self.prefix_cache
         if cache is not None:  # each prompt from its deepest cached prefix
-            last, feats = prefix_cache.prefill(self, slots, ps, [hist[r] for r in reqs], capture, stats)
+            last, feats = prefix_cache.prefill(self, slots, ps, [run.hist[r] for r in reqs], capture, run.stats)
             self.drafter.observe(ids, Observed(ps, lens), Observed.rows_of(feats["hidden"], sizes, lens),
                                  {c: Observed.rows_of(feats[c], sizes, lens) for c in capture})
         elif hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
@@ -241,14 +259,14 @@ class SpecEngine(EngineParts):
                                      {c: [out.captured[c][0]] for c in capture})
             last = torch.stack(last)  # [k, V]
         finite = torch.isfinite(last).all(1)  # checked after the one readback (a draw from NaN would raise first)
-        first = sample_token(torch.where(finite[:, None], last, 0), sampling, gen)
+        first = sample_token(torch.where(finite[:, None], last, 0), run.sampling, run.gen)
         back = torch.cat([first[:, None], finite[:, None].long()], 1).tolist()
         for i, (_, ok) in enumerate(back):
             if not ok:
                 raise self._nonfinite(last[i], reqs[i], ps[i].numel() - 1)
-        stats.timings["prefill"] += time.perf_counter() - t
-        if streamer is not None:
-            streamer.put(ps[0].cpu())
+        run.stats.timings["prefill"] += time.perf_counter() - t
+        if run.streamer is not None:
+            run.streamer.put(ps[0].cpu())
         lane_t = self._index(ids)
         row = torch.full((len(ids), lanes.tok.shape[1]), self.pad_token_id, dtype=torch.long, device=lens.device)
         row[:, :max(sizes)] = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True, padding_value=self.pad_token_id)
@@ -258,9 +276,9 @@ class SpecEngine(EngineParts):
         lanes.anchors[lane_t] = first
         going = []
         for i, (l, r) in enumerate(zip(ids, reqs)):
-            if not self._emit(out_tokens[r], [back[i][0]], max_new, eos_set, streamer):
+            if not self._emit(run.out[r], [back[i][0]], run):
                 going.append(l)
-            hist[r].extend(out_tokens[r])
+            run.hist[r].extend(run.out[r])
         if cache is not None:  # each prompt's end: an entry, written after the first tokens went out
             for name, buf in lanes.feat.items():
                 buf[lane_t, :max(sizes)] = feats[name]
@@ -286,7 +304,7 @@ class SpecEngine(EngineParts):
         """`rows` as a device tensor, built once per distinct list (else a host-to-device copy per round)."""
         return index_tensor(self._row_index, rows, self.runner.device)
 
-    def _round(self, active, lanes: "_Lanes", sampling, gen, stats, max_new, eos_set, streamer):
+    def _round(self, active, lanes: "_Lanes", run: "_Run"):
         """One speculative round of the `active` lanes: draft, verify, accept, one readback, commit, observe.
 
         Host state per lane: `hist[b]` (prompt + committed tokens, the anchor last) and `out[b]`. Device state:
@@ -297,6 +315,7 @@ class SpecEngine(EngineParts):
         null slot, nothing drafted, nothing committed) and T fixed by gamma or the tree's node budget."""
         slots, hist, out_tokens, tok, lens, anchors = lanes.slot, lanes.hist, lanes.out, lanes.tok, lanes.lens, \
             lanes.anchors
+        sampling, stats, max_new = run.sampling, run.stats, run.max_new
         B = len(active)
         started = None if self.tp is None else self.tp.collectives
         idx = self._index(active)
@@ -313,7 +332,7 @@ class SpecEngine(EngineParts):
         else:
             lead = self.tp is None or self.tp.leads
             block = None if static_draft or not lead else \
-                self._propose(active, contexts, gamma, sampling, self._draft_gen, stats)
+                self._propose(active, contexts, gamma, run)
             if self.tp is not None:  # rank 0's checked block on every rank
                 block = self.tp.share_block(block, B, max(gamma, self.runner.num_verify_tokens - 1))
         stats.timings["draft"] += time.perf_counter() - t
@@ -322,12 +341,12 @@ class SpecEngine(EngineParts):
         step = self.round_step.inputs(host_slots, anchors[idx], block, sampling, gamma, rows=active)
         graphed = self.config.cuda_graph and not sampling.do_sample
         res = (self._graphs.verify(step, sampling) if graphed
-               else self.round_step.device_step(step, sampling, gen, stats))
+               else self.round_step.device_step(step, sampling, run.gen, stats))
         host = res.read(B)
         if not all(host.finite):
             raise self._nonfinite_round(res.logits[:B], active, contexts, res.parent)
         stats.record(host.num_drafts, host.num_accepted, host.reached)
-        self._cut_at_returned(res, host, [out_tokens[b] for b in active], max_new, eos_set)
+        self._cut_at_returned(res, host, [out_tokens[b] for b in active], run)
         (self._graphs.commit if graphed else self.round_step.commit_step)(res, host)
         stats.timings["verify"] += time.perf_counter() - t
         # the device copies follow without a host round trip: token buffer, lengths, anchors
@@ -358,7 +377,7 @@ class SpecEngine(EngineParts):
                 buf[idx[:, None], fpos] = torch.where(keep[..., None], src.to(buf.dtype), buf[idx[:, None], fpos])
         for i, b in enumerate(active):
             before = len(out_tokens[b])
-            self._emit(out_tokens[b], host.tokens[i], max_new, eos_set, streamer)
+            self._emit(out_tokens[b], host.tokens[i], run)
             hist[b].extend(out_tokens[b][before:])
         if self.prefix_cache is not None:  # the track boundaries this round passed
             prefix_cache.publish_boundaries(self, lanes, active, sizes)
@@ -366,12 +385,12 @@ class SpecEngine(EngineParts):
             stats.collectives.append(self.tp.collectives - started)
 
     # ---- failures ----------------------------------------------------------------------------------
-    def _propose(self, active, contexts, gamma, sampling, gen, stats) -> DraftBlock:
+    def _propose(self, active, contexts, gamma, run: "_Run") -> DraftBlock:
         """The drafter's block, checked; a drafter that raises (any Exception) or returns a malformed block
         costs speed, never correctness: plain decode this round (an empty block)."""
         B = len(active)
         try:
-            block = self.drafter.propose(active, contexts, gamma, sampling=sampling, generator=gen)
+            block = self.drafter.propose(active, contexts, gamma, sampling=run.sampling, generator=run.draft_gen)
             runner = self.runner
             return check_block(block, B, gamma, device=runner.device, vocab=self._vocab,
                                tree_budget=runner.num_verify_tokens if isinstance(runner, HybridRunner) else None,
@@ -384,7 +403,7 @@ class SpecEngine(EngineParts):
                 what += f"; its abort failed too ({type(e2).__name__}: {e2})"
             warnings.warn(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)} failed ({what}); "
                           f"plain decode for this round", RuntimeWarning, stacklevel=4)
-            stats.drafter_failures += 1
+            run.stats.drafter_failures += 1
             return DraftBlock.empty(B, self.runner.device)
 
     def _abort(self, rows: list[int]) -> None:
@@ -425,12 +444,12 @@ class SpecEngine(EngineParts):
             k += 1
         return k
 
-    def _cut_at_returned(self, res, host, outs: list[list[int]], max_new: int, eos_set: set) -> None:
+    def _cut_at_returned(self, res, host, outs: list[list[int]], run: "_Run") -> None:
         """Where EOS or max_new_tokens ends a row inside its accepted drafts, the round keeps only the tokens returned
         (the anchor and the drafts emitted): the committed state, and the prefix cache's end entry, are then at the
         returned tokens, which the caller's next turn starts with. The record is cut in place (a captured commit
         reads its buffers), with one small copy to the device on such a round only."""
-        caps = [min(n + 1, 1 + self._taken(o, toks, max_new, eos_set))
+        caps = [min(n + 1, 1 + self._taken(o, toks, run.max_new, run.eos))
                 for o, toks, n in zip(outs, host.tokens, host.num_accepted)]
         if all(c == n + 1 for c, n in zip(caps, host.num_accepted)):
             return
@@ -441,13 +460,13 @@ class SpecEngine(EngineParts):
                 host.num_accepted[i] = c - 1
                 host.tokens[i] = host.tokens[i][:c - 1]
 
-    def _emit(self, toks: list[int], new: list[int], max_new: int, eos_set: set, streamer) -> bool:
+    def _emit(self, toks: list[int], new: list[int], run: "_Run") -> bool:
         """Append `new`, cut at EOS / max_new_tokens; -> finished."""
-        kept = new[:self._taken(toks, new, max_new, eos_set)]
+        kept = new[:self._taken(toks, new, run.max_new, run.eos)]
         toks.extend(kept)
-        if streamer is not None and kept:
-            streamer.put(torch.tensor(kept))
-        return self._done(toks, max_new, eos_set)
+        if run.streamer is not None and kept:
+            run.streamer.put(torch.tensor(kept))
+        return self._done(toks, run.max_new, run.eos)
 
 
 def wrap(model, config: SpecConfig | None = None, **options) -> SpecEngine:
