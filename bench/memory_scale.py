@@ -4,12 +4,14 @@ budget, and the decode cost of reading KV through pages.
     python bench/memory_scale.py                                     # (a), (b), (c) on the embedded model
     python bench/memory_scale.py --parts c --json c.json             # (c) alone
     python bench/memory_scale.py --parts d                           # (d) on paper, no model
+    python bench/memory_scale.py --parts e                           # (e) the agent loop
     python bench/ab.py --old 19bfdf4 --rounds 3 --metric 'decode.*.ms_per_token' -- memory_scale.py --parts c
 
 (a) One conversation grows turn by turn (each turn resends the whole history plus a new message of
-    `--message-tokens`, as a chat client does) with `prefix_cache=True`; at each length of `--conv-lengths` the
-    cache's bytes, its entries, and the bytes of the distinct KV the conversation holds (tokens x a token's KV
-    bytes): the cache copies its prefix's KV into every entry, so its bytes grow as tokens x entries.
+    `--message-tokens`, as a chat client does) with a prefix cache; at each length of `--conv-lengths` the cache's
+    own bytes (state, features, partial pages), its entries, the KV pages they hold (shared, counted once) against
+    the distinct KV the conversation holds (tokens x a token's KV bytes), and what copying each entry's prefix would
+    take (tokens x entries).
 (b) `--requests` requests, `--long-share` of them `--long` tokens and the rest `--short`, `--max-new-tokens` each,
     under one budget of `--budget-mib`: with `memory=` (pages, a request admitted when its worst case fits) against
     a static reservation of `max_length` per lane in the same KV bytes (the lanes that fit). Requests running at
@@ -45,6 +47,9 @@ budget, and the decode cost of reading KV through pages.
     Bridge's model page (80B); shared/reference/hybrid-linear-kv-cache-and-replayssm.md for K3 (93 layers, 69 KDA
     + 24 MLA of 576 elements per token, 96 heads of 128, kernel 4, TP 8, the allocation log, the 16k-in / 3k-out
     example, 3-5 slots per request); sgl-project/sglang for the rule. The addresses are in the tables.
+(e) The agent loop: a conversation of `--agent-tokens` (17,500) in a `--agent-cache-mib` (64) prefix cache, edited
+    every `--agent-step` (2,000) tokens: the tokens each edit finds cached (the goal: at most one track interval
+    before the edit) and its output against an engine's without the cache.
 """
 
 from __future__ import annotations
@@ -103,15 +108,20 @@ def part_a(model, tokenizer, a) -> dict:
             res = engine.generate(torch.tensor(hist + msg), max_new_tokens=a.reply_tokens, eos_token_id=None)
             hist = res.sequences[0].tolist()
         d = engine.prefix_cache.describe()
+        entries = [e for _, e in engine.prefix_cache.entries()]
+        page = engine.runner.kv.page_size * per_token
         out.append(dict(tokens=len(hist), entries=d["entries"], cache_bytes=d["bytes"],
-                        distinct_kv_bytes=len(hist) * per_token, kv_copies=sum(
-                            e.length for _, e in engine.prefix_cache.entries()) * per_token))
+                        distinct_kv_bytes=len(hist) * per_token,
+                        entry_pages_bytes=len({p for e in entries for p in e.pages}) * page,
+                        copies_bytes=sum(e.length for e in entries) * per_token))
     print(f"(a) prefix cache against a conversation's length ({a.drafter}, messages of {a.message_tokens} tokens, "
-          f"replies of {a.reply_tokens})")
-    print(f"{'tokens':>7} {'entries':>8} {'cache MiB':>10} {'KV copies MiB':>14} {'distinct KV MiB':>16} {'ratio':>6}")
+          f"replies of {a.reply_tokens}); the entries share KV pages: their pages against the conversation's "
+          f"distinct KV and against a copy of each entry's prefix")
+    print(f"{'tokens':>7} {'entries':>8} {'cache MiB':>10} {'entry pages MiB':>16} {'distinct KV MiB':>16} "
+          f"{'copies would be MiB':>20}")
     for r in out:
-        print(f"{r['tokens']:>7} {r['entries']:>8} {r['cache_bytes'] / MiB:>10.1f} {r['kv_copies'] / MiB:>14.1f} "
-              f"{r['distinct_kv_bytes'] / MiB:>16.2f} {r['kv_copies'] / r['distinct_kv_bytes']:>6.1f}")
+        print(f"{r['tokens']:>7} {r['entries']:>8} {r['cache_bytes'] / MiB:>10.1f} {r['entry_pages_bytes'] / MiB:>16.2f} "
+              f"{r['distinct_kv_bytes'] / MiB:>16.2f} {r['copies_bytes'] / MiB:>20.1f}")
     return {"rows": out, "kv_bytes_per_token": per_token}
 
 
@@ -161,6 +171,37 @@ def part_b(model, tokenizer, a) -> dict:
     print(f"identical outputs: {identical}")
     return {"budget_bytes": budget, "kv_page_bytes": pages_bytes, "reservation_per_lane_bytes": per_lane,
             "sizes": sizes, "identical": identical, **res}
+
+
+def part_e(model, tokenizer, a) -> dict:
+    """(e) An agent loop: a conversation of `--agent-tokens` in a `--agent-cache-mib` prefix cache, then edited at
+    every `--agent-step` tokens (each edit a new request of the conversation cut there plus 3 tokens): the tokens each
+    edit finds cached, how far before the edit that is (at most one `track_interval`, 256, is the goal), and whether
+    its output equals an engine's without the cache."""
+    ids = text_ids(tokenizer, a.agent_tokens)
+    kw = dict(drafter=a.drafter, max_batch_size=1, max_length=a.agent_tokens + 512)
+    cached = specdec.wrap(model, prefix_cache=int(a.agent_cache_mib * MiB), **kw)
+    plain = specdec.wrap(model, **kw)
+    t0 = time.perf_counter()
+    cached.generate(torch.tensor(ids), max_new_tokens=8, eos_token_id=None)
+    built = time.perf_counter() - t0
+    rows = []
+    for edit in range(a.agent_step, a.agent_tokens, a.agent_step):
+        prompt = torch.tensor(ids[:edit] + [17, 18, 19])
+        got = cached.generate(prompt, max_new_tokens=8, eos_token_id=None)
+        want = plain.generate(prompt, max_new_tokens=8, eos_token_id=None)
+        rows.append(dict(edit=edit, cached_tokens=got.stats.cached_tokens, gap=edit - got.stats.cached_tokens,
+                         identical=torch.equal(got.sequences, want.sequences),
+                         cache_bytes=cached.prefix_cache.bytes))
+    mem = cached.memory()
+    print(f"(e) agent loop: {a.agent_tokens} tokens in a {a.agent_cache_mib:g} MiB prefix cache, edited every "
+          f"{a.agent_step} ({built:.1f} s to build)")
+    print(f"{'edit':>6} {'cached':>7} {'gap':>5} {'identical':>10} {'cache MiB':>10}")
+    for r in rows:
+        print(f"{r['edit']:>6} {r['cached_tokens']:>7} {r['gap']:>5} {str(r['identical']):>10} "
+              f"{r['cache_bytes'] / MiB:>10.1f}")
+    print(f"KV shared {mem['shared'] / MiB:.1f} MiB, evictable {mem['evictable'] / MiB:.1f} MiB")
+    return {"rows": rows, "memory": mem, "build_s": built}
 
 
 def part_c(model, tokenizer, a) -> dict:
@@ -465,18 +506,21 @@ def main(argv=None) -> dict:
     p.add_argument("--k3-cache-gib", type=float, default=None,
                    help="(d): assumption, the GiB one GPU has for K3's caches (its weights are not stated); "
                         "default: the bytes of the reference notes' K3 TP-8 allocation log")
+    p.add_argument("--agent-tokens", type=int, default=17500, help="(e): the conversation's tokens")
+    p.add_argument("--agent-step", type=int, default=2000, help="(e): an edit every this many tokens")
+    p.add_argument("--agent-cache-mib", type=float, default=64, help="(e): the prefix cache's budget")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     parts = common.split_list(a.parts)
-    if not parts or set(parts) - {"a", "b", "c", "d"}:
-        p.error(f"--parts: expected a comma list of a, b, c, d, got {a.parts!r}")
+    if not parts or set(parts) - {"a", "b", "c", "d", "e"}:
+        p.error(f"--parts: expected a comma list of a, b, c, d, e, got {a.parts!r}")
     if a.repeats < 3:
         p.error(f"--repeats: expected >= 3 (a median of at least 3), got {a.repeats}")
     if "d" in parts:
         check_paper_args(p, a)
     a.drafter = None if a.drafter == "none" else a.drafter
     result = {"machine": common.machine_info("cpu"), "threads": None, "args": vars(a)}
-    if set(parts) & {"a", "b", "c"}:
+    if set(parts) & {"a", "b", "c", "e"}:
         model_dir = common.input_args(p, a.model)
         warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -485,7 +529,8 @@ def main(argv=None) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         result["threads"] = timing.torch_threads(model, a.threads)
         print(f"memory_scale, {a.model}, threads {result['threads']}")
-        for part, fn, key in (("a", part_a, "conversation"), ("b", part_b, "workload"), ("c", part_c, "decode")):
+        for part, fn, key in (("a", part_a, "conversation"), ("b", part_b, "workload"), ("c", part_c, "decode"),
+                              ("e", part_e, "agent_loop")):
             if part in parts:
                 result[key] = fn(model, tokenizer, a)
     if "d" in parts:

@@ -132,12 +132,13 @@ class EngineParts:
 
     def memory(self) -> dict:
         """The bytes of the engine's buffers now: `parts` {part: bytes} (the memory plan's, the KV cache as the pages
-        held), `used` (every part), `shared` (KV pages held by more than one: none yet), `evictable` (the prefix
-        cache's entries), `free` (KV pages free, and what the prefix cache's budget has left), `budget` (their sum)."""
+        held), `used` (every part), `shared` (KV pages held more than once: by slots and prefix-cache entries),
+        `evictable` (the prefix cache's entries, and the KV pages only they hold), `free` (KV pages free, and what the
+        prefix cache's budget has left), `budget` (used + free)."""
         plan = self.memory_plan
         parts = {} if plan is None else {k: v for k, v in plan.part_bytes().items() if k not in ("KV cache",
                                                                                              "prefix cache")}
-        free = 0
+        free = shared = entry_pages = 0
         if plan is not None and plan.parts.get("KV cache"):
             kv, specs = self.runner.kv, plan.parts["KV cache"]
             tables = sum(s.nbytes for s in specs.values() if len(s.shape) != 4)
@@ -147,12 +148,16 @@ class EngineParts:
                                                    and (int(n.split(".")[1]) in kv.dp_layers) == dp})
                 parts["KV cache"] += (pages.num_pages - pages.num_free) * page
                 free += pages.num_free * page
-        evictable = 0 if self.prefix_cache is None else self.prefix_cache.bytes
+                shared += sum(1 for r in pages.refs if r > 1) * page
+                if not dp and self.prefix_cache is not None:  # pages no slot holds: the entries' alone
+                    by_slots = {p for row in pages.held for p in row}
+                    entry_pages += len({p for _, e in self.prefix_cache.entries() for p in e.pages} - by_slots) * page
+        evictable = entry_pages + (0 if self.prefix_cache is None else self.prefix_cache.bytes)
         if self.prefix_cache is not None:
-            parts["prefix cache"] = evictable
-            free += self.prefix_cache.budget - evictable
+            parts["prefix cache"] = self.prefix_cache.bytes
+            free += self.prefix_cache.budget - self.prefix_cache.bytes
         used = sum(parts.values())
-        return {"parts": parts, "used": used, "shared": 0, "evictable": evictable, "free": free,
+        return {"parts": parts, "used": used, "shared": shared, "evictable": evictable, "free": free,
                 "budget": used + free}
 
     @staticmethod

@@ -173,15 +173,18 @@ class SpecEngine(EngineParts):
         lanes = _Lanes(L, torch.full((L, W), self.pad_token_id, dtype=torch.long, device=dev), feat)
         self.slots = lanes.slot
         waiting = list(range(N - 1, -1, -1))  # requests not yet admitted, next one last
-        # a request's worst case in KV pages: its prompt, its new tokens and a verify window
+        # a request's worst case in KV tokens: its prompt, its new tokens and a verify window
         worst = [p.numel() + max_new_tokens + self.target.num_verify_tokens for p in prompts]
         free, active = list(range(L)), []  # lanes without a request; lanes whose request goes on
         try:
             while True:
                 ids, reqs = [], []  # admitted in order while lanes are free and their pages fit
-                while free and waiting and self.runner.fits([worst[r] for r in reqs] + [worst[waiting[-1]]]):
-                    ids.append(free.pop(0))
-                    reqs.append(waiting.pop())
+                while free and waiting:
+                    if self.runner.fits([self._fresh(worst[r], hist[r]) for r in reqs + [waiting[-1]]]):
+                        ids.append(free.pop(0))
+                        reqs.append(waiting.pop())
+                    elif self.prefix_cache is None or not self.prefix_cache.evict_one():  # entries hold pages too
+                        break
                 if ids:
                     going = self._admit(lanes, ids, reqs, run)
                     ended = [l for l in ids if l not in going]  # ended at their first token
@@ -233,8 +236,11 @@ class SpecEngine(EngineParts):
             lanes.slot[l], lanes.hist[l], lanes.out[l] = s, run.hist[r], run.out[r]
         ps = [run.prompts[r] for r in reqs]
         sizes = [p.numel() for p in ps]
-        # each request's KV pages for its worst case: no round of it takes pages (CUDA graphs replay none)
-        self.runner.reserve(slots, [n + run.max_new + self.target.num_verify_tokens for n in sizes])
+        # each request's KV pages for its worst case, reserved before its prefill (after the shared pages of its
+        # cached prefix): no round of it takes pages (CUDA graphs replay none)
+        worst = [n + run.max_new + self.target.num_verify_tokens for n in sizes]
+        if self.prefix_cache is None:
+            self.runner.reserve(slots, worst)
         self.drafter.begin(ids, ps)
         t = time.perf_counter()
         capture = tuple(self.drafter.feature_layers)
@@ -242,7 +248,8 @@ class SpecEngine(EngineParts):
         run.stats.prompt_tokens += sum(sizes)
         cache = self.prefix_cache
         if cache is not None:  # each prompt from its deepest cached prefix
-            last, feats = prefix_cache.prefill(self, slots, ps, [run.hist[r] for r in reqs], capture, run.stats)
+            last, feats = prefix_cache.prefill(self, slots, ps, [run.hist[r] for r in reqs], capture, run.stats,
+                                               worst)
             self.drafter.observe(ids, Observed(ps, lens), Observed.rows_of(feats["hidden"], sizes, lens),
                                  {c: Observed.rows_of(feats[c], sizes, lens) for c in capture})
         elif hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
@@ -299,6 +306,15 @@ class SpecEngine(EngineParts):
             finally:
                 for l in ids:
                     lanes.slot[l] = None
+
+    def _fresh(self, worst: int, tokens: list[int]) -> int:
+        """KV tokens a request of `worst` tokens takes in fresh pages: all of them, less the full pages it shares from
+        its deepest cached prefix (looked up without counting a hit)."""
+        if self.prefix_cache is None:
+            return worst
+        e = self.prefix_cache.match(tokens, len(tokens) - 1, touch=False)
+        page = self.runner.kv.page_size
+        return worst - (0 if e is None else e.length // page * page)
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         """`rows` as a device tensor, built once per distinct list (else a host-to-device copy per round)."""

@@ -54,15 +54,17 @@ def owned_rows(num_slots: int, ranks: int) -> int:
 
 
 class PageTable:
-    """The pages of one group of layers: a free list, each row's pages on the host, and the block table `[rows,
-    max_pages]` (long, on the device) that attention reads through; unassigned entries point at the scratch page
-    `num_pages`. A row takes pages as its tokens need them (`ensure`) and gives them back at `release`; a page
-    is free if and only if no row holds it."""
+    """The pages of one group of layers: a free list, each row's pages on the host, each page's holders (`refs`:
+    rows and prefix-cache entries), and the block table `[rows, max_pages]` (long, on the device) that attention
+    reads through; unassigned entries point at the scratch page `num_pages`. A row takes fresh pages as its tokens
+    need them (`ensure`), may start from pages it shares (`adopt`), and lets go at `release`; an entry holds pages
+    with `hold` / `drop`. A page is free if and only if nothing holds it."""
 
     def __init__(self, rows: int, max_pages: int, num_pages: int, device: torch.device, name: str):
         self.num_pages, self.table_name = num_pages, name
         self.free = list(range(num_pages - 1, -1, -1))  # popped from the end: low ids first
         self.held: list[list[int]] = [[] for _ in range(rows)]
+        self.refs = [0] * num_pages
         self.table = allocate(BufferSpec(name, (rows, max_pages), torch.long), device, fill=num_pages)
 
     def ensure(self, rows: list[int], tokens: list[int], page_size: int) -> None:
@@ -80,18 +82,45 @@ class PageTable:
         for r, k in need:
             for _ in range(k):
                 page = self.free.pop()
+                self.refs[page] = 1
                 rs.append(r)
                 js.append(len(self.held[r]))
                 ps.append(page)
                 self.held[r].append(page)
-        dev = self.table.device
-        idx = torch.tensor([rs, js, ps], dtype=torch.long).to(dev)
+        self._write(rs, js, ps)
+
+    def _write(self, rows: list[int], cols: list[int], pages: list[int]) -> None:
+        """Table entries `(rows[i], cols[i]) = pages[i]`, in one copy to the device."""
+        idx = torch.tensor([rows, cols, pages], dtype=torch.long).to(self.table.device)
         self.table[idx[0], idx[1]] = idx[2]
 
+    def adopt(self, row: int, pages: list[int]) -> None:
+        """Row `row` starts from the shared `pages` (its first ones): the fresh pages it held there go back."""
+        k = len(pages)
+        old = self.held[row][:k]
+        self.hold(pages)
+        self.held[row][:k] = list(pages)
+        self.drop(old)
+        if k:
+            self._write([row] * k, list(range(k)), list(pages))
+
+    def hold(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refs[p] += 1
+
+    def drop(self, pages: list[int]) -> None:
+        """Let go of `pages` once each; a page nothing holds any more is free."""
+        for p in reversed(pages):
+            if self.refs[p] <= 0:
+                raise RuntimeError(f"KV page {p} let go of more often than held")
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free.append(p)
+
     def release(self, row: int) -> None:
-        """Row `row` gives its pages back; its table row points at the scratch page again."""
+        """Row `row` lets go of its pages; its table row points at the scratch page again."""
         if self.held[row]:
-            self.free.extend(reversed(self.held[row]))
+            self.drop(self.held[row])
             self.held[row] = []
             self.table[row] = self.num_pages
 
@@ -176,14 +205,38 @@ class KVCache:
             own = [(s // self.ranks, t) for s, t in pairs if s % self.ranks == self.rank]
             self.pages[True].ensure([r for r, _ in own], [t for _, t in own], self.page_size)
 
-    def write(self, slot: int, entries: dict[int, tuple[torch.Tensor, ...]], n: int) -> None:
-        """A fresh `slot` holds `n` committed tokens whose stored tensors are `entries {layer: ([heads, n, dim],
-        ...)}` (a prefix-cache entry's), written into its pages."""
+    def share(self, slot: int, length: int) -> tuple[list[int], dict[int, tuple[torch.Tensor, ...]]]:
+        """The first `length` committed tokens of `slot` for a prefix-cache entry: its full pages below `length`,
+        held once more (the caller lets go with `drop`), and a copy of the rest, `{layer: ([n, heads, dim], ...)}`
+        (n < page_size; the slot goes on writing into that page)."""
+        if self.dp_layers:
+            raise RuntimeError("KV cache: data-parallel layers' pages are not shared")
+        table = self.pages[False]
+        k, n = length // self.page_size, length % self.page_size
+        full = table.held[slot][:k]
+        table.hold(full)
+        tail = {}
+        if n:
+            page = table.held[slot][k]
+            tail = {layer: tuple(buf[page, :n].clone() for buf in bufs) for layer, bufs in self.store.items()}
+        return full, tail
+
+    def drop(self, pages: list[int]) -> None:
+        """A prefix-cache entry lets go of `pages` (`share`)."""
+        self.pages[False].drop(pages)
+
+    def adopt(self, slot: int, pages: list[int], tail: dict[int, tuple[torch.Tensor, ...]], n: int) -> None:
+        """A fresh `slot` holds the `n` committed tokens of a prefix-cache entry: its full `pages`, shared (the slot
+        writes only past `n`, in pages of its own), and the `tail` tokens, copied into the slot's next page."""
+        table = self.pages[False]
+        table.adopt(slot, pages)
         self.reserve([slot], [n])
-        page, off = self._at(False, torch.tensor([slot], device=self.device), torch.arange(n, device=self.device)[None])
-        for layer, ts in entries.items():
-            for buf, t in zip(self.store[layer], ts):
-                buf[page[0], off[0]] = t.transpose(0, 1).to(buf.dtype)  # [n, h, d]
+        start = len(pages) * self.page_size
+        if n > start:
+            page = table.held[slot][len(pages)]
+            for layer, ts in tail.items():
+                for buf, t in zip(self.store[layer], ts):
+                    buf[page, :n - start] = t.to(buf.dtype)
         self.lengths[slot] = n
         self.bound[slot] = n
 

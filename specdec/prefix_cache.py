@@ -5,8 +5,10 @@ tokens pass (a prompt's prefill runs in segments that end there; a round that pa
 copy of it, `replayssm.pool`), each prompt's end, and each finished request's committed end. An entry is the
 committed state of that prefix, copied out of the slot:
 - every recurrent layer's conv window `[Lyr, C, Kc-1]` and state `[Lyr, H, K, V]`;
-- every attention layer's KV entries `[heads, n, dim]` (copies, not shared pages: a slot's KV buffer is rewritten
-  past its committed length by every round, and a copy keeps an entry valid whatever the slot does next);
+- every attention layer's KV: the full pages of its prefix, shared with the slot it was taken from and every slot
+  restored from it (refcounts in the pool, `kv_cache.PageTable`), and a copy of the tokens past the last full page
+  (a slot writes only past its committed length, so shared pages are never written: the page a slot goes on
+  writing into is its own);
 - the target features the drafter observes over the prefix (`hidden` and its `feature_layers`, `[n, d]`): drafters
   with their own caches (eagle, mtp, dspark, native) rebuild them from these, as from a prefill, instead of the
   cache keeping entries per drafter kind; the features are the target's, so they serve any drafter.
@@ -34,21 +36,40 @@ DEFAULT_BUDGET = 1 << 30  # `prefix_cache=True`
 
 @dataclass(eq=False)
 class Entry:
-    """The committed state of one prefix of `length` tokens (see the module docstring); `nbytes` counted from the
-    tensors."""
+    """The committed state of one prefix of `length` tokens (see the module docstring): recurrent state, the KV
+    pages it shares (`pages`, the full pages of its prefix, held in `owner`'s pool until `free`) and the rest of its
+    KV copied (`tail {layer: ([n, heads, dim], ...)}`, n < a page), and the drafter's features. `nbytes` counts the
+    tensors it owns (the pages are the pool's)."""
 
     length: int
     conv: torch.Tensor
     ssm: torch.Tensor
-    kv: dict[int, tuple[torch.Tensor, ...]]
+    pages: list[int]
+    tail: dict[int, tuple[torch.Tensor, ...]]
     features: dict[str, torch.Tensor]
+    owner: object = None  # the KVCache whose pages it holds
     nbytes: int = 0
     used: int = 0  # LRU clock at the last hit or write
     pins: int = 0  # admissions restoring it right now: not evictable
 
     def __post_init__(self):
-        tensors = [self.conv, self.ssm, *(t for ts in self.kv.values() for t in ts), *self.features.values()]
+        tensors = [self.conv, self.ssm, *(t for ts in self.tail.values() for t in ts), *self.features.values()]
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The prefix's stored tensors of `layer`, `[heads, length, dim]` each: its pages, then its tail."""
+        store = self.owner.store[layer]
+        out = []
+        for j, buf in enumerate(store):
+            parts = [buf[self.pages].flatten(0, 1)] + ([self.tail[layer][j]] if self.tail else [])
+            out.append(torch.cat(parts, 0).transpose(0, 1))
+        return tuple(out)
+
+    def free(self) -> None:
+        """Let go of the pages (the entry is gone from the cache)."""
+        if self.owner is not None and self.pages:
+            self.owner.drop(self.pages)
+        self.pages = []
 
 
 class _Node:
@@ -58,6 +79,17 @@ class _Node:
         self.edge, self.parent = edge, parent
         self.children: dict[int, _Node] = {}
         self.entry: Entry | None = None
+
+
+def _below(node: _Node) -> bool:
+    """Some entry sits below `node`."""
+    stack = list(node.children.values())
+    while stack:
+        n = stack.pop()
+        if n.entry is not None:
+            return True
+        stack.extend(n.children.values())
+    return False
 
 
 class PrefixCache:
@@ -73,10 +105,12 @@ class PrefixCache:
         self.stats = dict.fromkeys(("lookups", "hits", "cached_tokens", "inserted", "evicted", "skipped"), 0)
 
     # ---- lookup ------------------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], limit: int) -> Entry | None:
+    def match(self, tokens: Sequence[int], limit: int, *, touch: bool = True) -> Entry | None:
         """The deepest entry whose prefix starts `tokens` and holds at most `limit` tokens (a request keeps at
-        least one prompt token to prefill: its logits give the first new token)."""
-        self.stats["lookups"] += 1
+        least one prompt token to prefill: its logits give the first new token). `touch=False`: a look that
+        neither counts nor refreshes the entry (admission sizing a request's pages)."""
+        if touch:
+            self.stats["lookups"] += 1
         node, i, best = self.root, 0, None
         while i < len(tokens):
             child = node.children.get(tokens[i])
@@ -85,7 +119,7 @@ class PrefixCache:
             node, i = child, i + len(child.edge)
             if node.entry is not None:
                 best = node.entry
-        if best is not None:
+        if best is not None and touch:
             self.clock += 1
             best.used = self.clock
             self.stats["hits"] += 1
@@ -117,6 +151,7 @@ class PrefixCache:
         entry = make()
         if entry.nbytes > self.budget or not self._evict(self.budget - entry.nbytes):
             self.stats["skipped"] += 1
+            entry.free()
             return None
         node = self._node(tokens)  # after the eviction, which may prune the branch it sits on
         entry.used = self.clock
@@ -165,11 +200,26 @@ class PrefixCache:
         for node, e in victims:
             if self.bytes <= room:
                 break
-            node.entry = None
-            self.bytes -= e.nbytes
-            self.stats["evicted"] += 1
-            self._prune(node)
+            self._drop(node)
         return self.bytes <= room
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used unpinned entry with no entry below it, for KV pages: a deeper entry holds
+        every page of the shallower ones on its path, so only a leaf's eviction frees pages (those past the entry
+        above it). False when there is none."""
+        victims = [ne for ne in self.entries() if ne[1].pins == 0 and not _below(ne[0])]
+        if not victims:
+            return False
+        self._drop(min(victims, key=lambda ne: ne[1].used)[0])
+        return True
+
+    def _drop(self, node: _Node) -> None:
+        e = node.entry
+        node.entry = None
+        self.bytes -= e.nbytes
+        self.stats["evicted"] += 1
+        e.free()
+        self._prune(node)
 
     def _prune(self, node: _Node) -> None:
         """Remove `node` and its ancestors while they hold no entry and no child."""
@@ -194,26 +244,27 @@ class PrefixCache:
 
 # ---- the runner's side: take an entry out of a slot, put one into a slot ------------------------------------
 def take(runner, slot: int, length: int, features: dict[str, torch.Tensor], *, conv=None, ssm=None) -> Entry:
-    """A copy of `slot`'s committed state after `length` tokens: its pool state (or `conv [Lyr, C, Kc-1]`, `ssm
-    [Lyr, H, K, V]`: a track copy of an earlier boundary), its KV entries `[:length]` and `features[name][:length]`.
-    The slot's pending records (lazy commit) must be folded first."""
+    """`slot`'s committed state after `length` tokens: a copy of its pool state (or `conv [Lyr, C, Kc-1]`, `ssm
+    [Lyr, H, K, V]`: a track copy of an earlier boundary), its KV below `length` (the full pages shared,
+    `KVCache.share`, the rest copied) and a copy of `features[name][:length]`. The slot's pending records (lazy
+    commit) must be folded first."""
     pool, kv = runner.state.pool, runner.kv
     with outside_inference():  # kept across calls: normal tensors, as the pool's
         conv = (pool.conv[:, slot] if conv is None else conv).clone()
         ssm = (pool.ssm[:, slot] if ssm is None else ssm).clone()
-        row = torch.tensor([slot], device=kv.device)
-        kvs = {layer: tuple(t[0].clone() for t in kv.read(layer, row, length)) for layer in kv.store}
         feats = {k: f[:length].clone() for k, f in features.items()}
-    return Entry(length, conv, ssm, kvs, feats)
+        pages, tail = kv.share(slot, length)
+    return Entry(length, conv, ssm, pages, tail, feats, owner=kv)
 
 
 def restore(runner, entry: Entry, slot: int) -> None:
-    """Copy `entry` into the fresh `slot`: state, conv window, KV entries, lengths (the entry is read only)."""
+    """`entry` into the fresh `slot`: state and conv window copied, its KV pages shared and its tail copied
+    (`KVCache.adopt`), lengths (the entry is read only; the slot writes only past its length)."""
     pool, kv, n = runner.state.pool, runner.kv, entry.length
     pool.conv[:, slot] = entry.conv
     pool.ssm[:, slot] = entry.ssm
     pool.seq_len[slot] = n
-    kv.write(slot, {layer: ts for layer, ts in entry.kv.items()}, n)
+    kv.adopt(slot, entry.pages, entry.tail, n)
 
 
 def entry_bytes(runner, tokens: int, feature_bytes_per_token: int) -> dict[str, int]:
@@ -243,18 +294,21 @@ def check_budget(option, runner, feature_bytes_per_token: int) -> int:
 
 
 # ---- the engine's side: admission, rounds and retirement of `SpecEngine.generate` with a cache ---------------------
-def prefill(engine, slots: list[int], prompts: list[torch.Tensor], hosts: list[list[int]], capture: tuple, stats):
+def prefill(engine, slots: list[int], prompts: list[torch.Tensor], hosts: list[list[int]], capture: tuple, stats,
+            worst: list[int]):
     """Start the prompts `[P_b]` (`hosts`: the same as lists) in their fresh `slots`: each from its deepest cached
-    prefix (at most P - 1 tokens, one is left for the first token's logits), the rest prefilled in segments that end
-    at the multiples of `track_interval` (each boundary an entry) and at the prompt's end. -> (logits at each
-    prompt's last token `[k, V]`, the features the drafter observes over each whole prompt `{name: [k, P, d]}`: the
-    cached prefix's from its entry, zeros where the drafter observes none)."""
+    prefix (at most P - 1 tokens, one is left for the first token's logits; its KV pages shared), then the pages of
+    each request's `worst` case reserved, the rest prefilled in segments that end at the multiples of
+    `track_interval` (each boundary an entry) and at the prompt's end. -> (logits at each prompt's last token
+    `[k, V]`, the features the drafter observes over each whole prompt `{name: [k, P, d]}`: the cached prefix's from
+    its entry, zeros where the drafter observes none)."""
     cache, runner, iv = engine.prefix_cache, engine.runner, engine.config.track_interval
     hits = [cache.match(h, len(h) - 1) for h in hosts]
     with cache.pinned(hits):
         for s, e in zip(slots, hits):
             if e is not None:
                 restore(runner, e, s)
+    runner.reserve(slots, worst)
     pos = [0 if e is None else e.length for e in hits]
     sizes = [len(h) for h in hosts]
     stats.cached_tokens += sum(pos)

@@ -17,8 +17,9 @@ def test_tiny_settings(tmp_path):
     assert "paper" not in res  # (d) only when asked
     rows = res["conversation"]["rows"]
     assert [r["tokens"] >= t for r, t in zip(rows, (96, 192))] == [True, True]
-    for r in rows:  # every entry copies its prefix's KV: at least the distinct KV
-        assert r["kv_copies"] >= r["distinct_kv_bytes"] > 0 and r["entries"] >= 2
+    for r in rows:  # the entries' pages are the conversation's KV, counted once (up to a page of each's own)
+        assert r["distinct_kv_bytes"] >= r["entry_pages_bytes"] > 0 and r["entries"] >= 2
+        assert r["copies_bytes"] > r["entry_pages_bytes"]
     w = res["workload"]
     assert w["identical"] is True and w["sizes"].count(4096) == 2
     assert w["paged"]["most_at_once"] > w["static"]["most_at_once"] == w["static"]["lanes"], w
@@ -81,3 +82,13 @@ def test_paper_part_d(tmp_path):
     k3 = models["kimi-k3"]
     assert k3["specdec"] >= k3["specdec_kv_every_gpu"] >= k3["sglang"]["tuned"]["3"]
     assert paper["sources"]["Kimi-K3"] and paper["sources"]["SGLang"] and paper["assumptions"]
+
+
+def test_agent_loop_at_small_settings(tmp_path):
+    res = load_bench("memory_scale").main([
+        "--parts", "e", "--agent-tokens", "900", "--agent-step", "300", "--agent-cache-mib", "16",
+        "--json", str(tmp_path / "e.json")])
+    rows = res["agent_loop"]["rows"]
+    assert [r["edit"] for r in rows] == [300, 600]
+    for r in rows:  # each edit from the boundary (every 256 tokens) before it, with the output of no cache
+        assert r["identical"] is True and 0 <= r["gap"] <= 256, r

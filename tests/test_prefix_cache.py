@@ -157,7 +157,7 @@ def _gen_eos(eng, prompt, gen):
 
 
 def _entry(n: int, nbytes_each: int = 8) -> Entry:
-    return Entry(n, torch.zeros(nbytes_each // 8, dtype=torch.float64), torch.zeros(0), {}, {})
+    return Entry(n, torch.zeros(nbytes_each // 8, dtype=torch.float64), torch.zeros(0), [], {}, {})
 
 
 def test_eviction_is_least_recently_used_and_never_touches_a_pinned_entry():
@@ -177,7 +177,24 @@ def test_eviction_is_least_recently_used_and_never_touches_a_pinned_entry():
 
 
 def _tensors(e: Entry) -> list[torch.Tensor]:
-    return [e.conv, e.ssm, *(x for ts in e.kv.values() for x in ts), *e.features.values()]
+    """The entry's tensors, its KV read through its shared pages (a write into one of them shows here)."""
+    kv = [x for layer in (e.owner.store if e.owner is not None else {}) for x in e.kv(layer)]
+    return [e.conv, e.ssm, *kv, *e.features.values()]
+
+
+def check_page_holders(eng) -> None:
+    """Each KV page's refcount is the slots holding it plus the cache's entries holding it; free if and only if
+    nothing holds it (an independent count over the slots' and the entries' page lists)."""
+    table = eng.runner.kv.pages[False]
+    count = [0] * table.num_pages
+    for row in table.held:
+        for p in row:
+            count[p] += 1
+    for _, e in eng.prefix_cache.entries():
+        for p in e.pages:
+            count[p] += 1
+    assert table.refs == count, "a page's refcount is not its holders"
+    assert sorted(table.free) == [p for p, c in enumerate(count) if c == 0], "free is not 'held by nothing'"
 
 
 def _snapshot(cache: PrefixCache) -> dict:
@@ -214,6 +231,7 @@ def test_random_conversations_budgets_and_interleaving(data):
         got = generate_f64(eng, prompts, max_new_tokens=6, **kw).sequences
         assert torch.equal(got, want)
         _unchanged(eng.prefix_cache, seen)
+        check_page_holders(eng)
         seen.update({k: v for k, v in _snapshot(eng.prefix_cache).items() if k not in seen})
         assert pool.num_free == pool.cfg.max_requests, "a slot leaked"
         assert eng.prefix_cache.bytes <= budget
@@ -303,7 +321,8 @@ def test_an_entry_at_every_boundary_holds_the_state_of_its_prefix(mode):
             fresh.prefill(s, torch.tensor(_key(node)))
         pool = fresh.state.pool
         assert max_rel_err(e.ssm, pool.ssm[:, s]) < 1e-10 and max_rel_err(e.conv, pool.conv[:, s]) < 1e-10, n
-        for layer, ts in e.kv.items():
+        for layer in e.owner.store:
+            ts = e.kv(layer)
             held = fresh.kv.read(layer, torch.tensor([s]), n)
             assert all(max_rel_err(t, x[0]) < 1e-10 for t, x in zip(ts, held)), n
         fresh.release([s])
@@ -316,3 +335,52 @@ def test_a_budget_past_the_free_memory_is_refused_at_wrap():
                              r"needs .*\(.*, prefix cache 909\.5 TiB\), but only .* is free "
                              r".*lower .* or prefix_cache"):
         specdec.wrap(target("kimi_linear"), prefix_cache=10**15)
+
+
+def test_an_entry_shares_its_full_pages_and_copies_the_rest():
+    """A 37-token prompt's entry holds its two full KV pages (shared with the slot it came from) and a copy of the
+    last 5 tokens; a slot restored from it shares the two pages and writes the 5 into a page of its own; the KV it
+    reads is the entry's; evicting every entry frees every page."""
+    from specdec import prefix_cache as pc
+    eng = engine("qwen3_next", "ngram", MODES[0], prefix_cache=True, track_interval=64)
+    prompt = list(range(5, 5 + 37))
+    generate_f64(eng, [prompt], max_new_tokens=4)
+    e = next(e for _, e in eng.prefix_cache.entries() if e.length == 37)
+    page = eng.runner.kv.page_size
+    assert len(e.pages) == 37 // page and all(t.shape[0] == 37 % page for ts in e.tail.values() for t in ts)
+    mem = eng.memory()
+    assert mem["shared"] > 0 and mem["evictable"] > eng.prefix_cache.bytes
+    r, table = eng.runner, eng.runner.kv.pages[False]
+    s = r.alloc(1)[0]
+    r.reserve([s], [60])
+    with torch_fallbacks(), float64_everywhere():
+        pc.restore(r, e, s)
+    assert table.held[s][:len(e.pages)] == e.pages and table.held[s][len(e.pages)] not in e.pages
+    assert all(table.refs[p] >= 2 for p in e.pages)
+    for layer in r.kv.store:
+        got = r.kv.read(layer, torch.tensor([s]), 37)
+        assert all(torch.equal(a[0], b) for a, b in zip(got, e.kv(layer)))
+    r.release([s])
+    check_page_holders(eng)
+    while eng.prefix_cache.evict_one():
+        pass
+    assert table.num_free == table.num_pages and eng.memory()["shared"] == 0
+
+
+def test_agent_loop_edits_find_the_boundary_before_them():
+    """An agent loop at small scale: a 700-token conversation, then the conversation edited at 100, 200, ... 600
+    tokens, each a new request: each starts from the boundary at most one track interval before its edit (the
+    entries share their KV pages, so the cache holds them all and a request's pages evict only what they need), with
+    the output of an engine without the cache."""
+    kw = dict(drafter="ngram", max_batch_size=1, max_length=800, num_draft_tokens=3)  # pages for one request
+    plain = specdec.wrap(target("qwen3_next"), **kw)
+    eng = specdec.wrap(target("qwen3_next"), prefix_cache=True, track_interval=16, **kw)
+    g = torch.Generator().manual_seed(3)
+    conv = torch.randint(3, 90, (700,), generator=g).tolist()
+    generate_f64(eng, [conv], max_new_tokens=4)
+    for edit in range(100, 700, 100):
+        prompt = conv[:edit] + [7, 8, 9]
+        got = generate_f64(eng, [prompt], max_new_tokens=NEW)
+        assert edit - 16 <= got.stats.cached_tokens <= edit, (edit, got.stats.cached_tokens)
+        assert torch.equal(got.sequences, generate_f64(plain, [prompt], max_new_tokens=NEW).sequences)
+        check_page_holders(eng)
