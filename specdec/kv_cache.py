@@ -134,7 +134,8 @@ class KVCache:
     full keys/values), over pages: each stored tensor (K and V, or MLA's compressed latents) of a layer is a pool
     `[num_pages + 1, page_size, heads, dim]`, allocated at the layer's first `update`, and each request slot holds
     pages through a block table (`PageTable`). A slot takes pages as its tokens need them (`reserve`, or at a round's
-    `begin`) and gives them back at `reset`.
+    `begin`) and lets go of them at `release`; a prefix-cache entry may hold a slot's full pages on (`share`), and a
+    fresh slot may start from them (`adopt`).
 
     A round writes its T new entries after each request's committed length, into the slot's pages; `commit` keeps
     the accepted ones (compacting a tree's accepted path inside the tail pages) by moving the length, so rollback
