@@ -70,6 +70,7 @@ import torch  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec import timing  # noqa: E402
+from specdec.kv_cache import page_specs  # noqa: E402
 
 MiB = 1 << 20
 
@@ -135,12 +136,12 @@ def part_b(model, tokenizer, a) -> dict:
     paged = specdec.wrap(model, drafter=a.drafter, max_batch_size=a.requests, max_length=cap, memory=budget)
     plan = paged.memory_plan
     kv = plan.parts["KV cache"]
-    pages_bytes = sum(s.nbytes for s in kv.values() if len(s.shape) == 4)
+    pages_bytes = sum(s.nbytes for s in page_specs(kv).values())
     per_lane = None
     lanes = 0
     for lanes_try in range(a.requests, 0, -1):  # the most lanes whose static reservation fits the same bytes
         probe = specdec.wrap(model, drafter=a.drafter, max_batch_size=lanes_try, max_length=cap, cpu_linear="aten")
-        held = sum(s.nbytes for s in probe.memory_plan.parts["KV cache"].values() if len(s.shape) == 4)
+        held = sum(s.nbytes for s in page_specs(probe.memory_plan.parts["KV cache"]).values())
         other = probe.memory_plan.total - held
         if held + other <= budget:
             lanes, per_lane = lanes_try, held / lanes_try

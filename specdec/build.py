@@ -11,11 +11,11 @@ import torch
 from specdec.draft import Drafter, TargetView, make_drafter
 from specdec.replayssm.plan import BufferSpec
 
-from . import cpu_linear, memory
+from . import cpu_linear, generation, memory
 from .adapters import HYBRID_FAMILIES
 from .config import SpecConfig
 from .graphs import RoundGraphs
-from .kv_cache import token_bytes
+from .kv_cache import page_specs
 from . import parallel
 from .parallel import Follower, TensorParallel
 from .prefix_cache import PrefixCache, budget_bytes, check_budget
@@ -141,11 +141,9 @@ class EngineParts:
         free = shared = entry_pages = 0
         if plan is not None and plan.parts.get("KV cache"):
             kv, specs = self.runner.kv, plan.parts["KV cache"]
-            tables = sum(s.nbytes for s in specs.values() if len(s.shape) != 4)
-            parts["KV cache"] = tables
-            for dp, pages in kv.pages.items():  # each group's pages: its layers' bytes per page
-                page = kv.page_size * token_bytes({n: s for n, s in specs.items() if len(s.shape) == 4
-                                                   and (int(n.split(".")[1]) in kv.dp_layers) == dp})
+            parts["KV cache"] = sum(s.nbytes for n, s in specs.items() if n not in page_specs(specs))  # tables
+            for dp, page in kv.page_bytes(specs).items():
+                pages = kv.pages[dp]
                 parts["KV cache"] += (pages.num_pages - pages.num_free) * page
                 free += pages.num_free * page
                 shared += sum(1 for r in pages.refs if r > 1) * page
@@ -223,16 +221,19 @@ class EngineParts:
                                    options=self._memory_options())
 
     # ---- generate ----------------------------------------------------------------------------------
-    def _prompts(self, rows: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[int]]]:
-        """The call's prompt rows (`[P_b]` integer tensors, `specdec.generation.read_prompts`) checked against the
-        vocabulary: `[P_b]` long tensors on the target's device, and the same as host lists."""
+    def _prompts(self, input_ids, attention_mask, *, extras: dict, pad_token_id: int | None, eos: set[int]
+                 ) -> tuple[generation.Prompts, list[torch.Tensor], list[list[int]]]:
+        """The caller's prompts (`generation.read_prompts`: shapes, masks, dtypes) checked against the vocabulary:
+        -> (what was given, each prompt `[P_b]` long on the target's device, the same as host lists)."""
+        given = generation.read_prompts(input_ids, attention_mask, extras=extras, pad_token_id=pad_token_id, eos=eos)
+        rows = given.rows
         emb = self.model.get_input_embeddings()
         vocab = getattr(emb, "num_embeddings", None) or self.runner.vocab_size
         for i, p in enumerate(rows):
             if bool(((p < 0) | (p >= vocab)).any()):  # else the embedding fails after slots are taken
                 raise ValueError(f"input_ids: prompt {i} has token ids outside [0, {vocab}): "
                                  f"min {int(p.min())}, max {int(p.max())}")
-        return [p.to(self.runner.device, torch.long) for p in rows], [p.tolist() for p in rows]
+        return given, [p.to(self.runner.device, torch.long) for p in rows], [p.tolist() for p in rows]
 
     @property
     def _vocab(self) -> tuple[int, int]:

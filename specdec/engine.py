@@ -77,6 +77,7 @@ class _Run:
     prompts: list[torch.Tensor]
     hist: list[list[int]]
     out: list[list[int]]
+    worst: list[int]  # each request's worst case in KV tokens: prompt, new tokens and a verify window
 
 
 class _Lanes:
@@ -132,12 +133,11 @@ class SpecEngine(EngineParts):
         own = getattr(self.model, "generation_config", None)
         merged = generation.merged_config(own, generation_config, kwargs)
         generation.warn_ignored(merged)
-        given = generation.read_prompts(input_ids, attention_mask, extras=extras, pad_token_id=merged.pad_token_id,
-                                        eos=generation.eos_ids(merged.eos_token_id))
-        settings = generation.resolve_settings(own, generation_config, kwargs, prompts=given,
-                                               max_length=self.max_length, fallback_pad=self.pad_token_id,
-                                               config=merged)
-        prompts, host_prompts = self._prompts(given.rows)
+        eos = generation.eos_ids(merged.eos_token_id)
+        given, prompts, host_prompts = self._prompts(input_ids, attention_mask, extras=extras,
+                                                     pad_token_id=merged.pad_token_id, eos=eos)
+        settings = generation.resolve_settings(merged, own, generation_config, kwargs, eos=eos, prompts=given,
+                                               max_length=self.max_length, fallback_pad=self.pad_token_id)
         N = len(prompts)
         sampling, max_new_tokens, eos_set = settings.sampling, settings.max_new_tokens, settings.eos
         longest = max(p.numel() for p in prompts)
@@ -162,7 +162,9 @@ class SpecEngine(EngineParts):
         dev = self.runner.device
         out_tokens: list[list[int]] = [[] for _ in range(N)]
         hist = [list(p) for p in host_prompts]  # host mirror of every request's tokens (prompt, committed, anchor)
-        run = _Run(sampling, max_new_tokens, eos_set, gen, draft_gen, stats, streamer, prompts, hist, out_tokens)
+        worst = [p.numel() + max_new_tokens + self.target.num_verify_tokens for p in prompts]
+        run = _Run(sampling, max_new_tokens, eos_set, gen, draft_gen, stats, streamer, prompts, hist, out_tokens,
+                   worst)
         # per lane: its target slot and its request's host lists; the device token buffer, lengths and anchors
         # are per lane too, and rounds update them without a host round trip
         W = longest + max_new_tokens + 1
@@ -173,12 +175,11 @@ class SpecEngine(EngineParts):
         lanes = _Lanes(L, torch.full((L, W), self.pad_token_id, dtype=torch.long, device=dev), feat)
         self.slots = lanes.slot
         waiting = list(range(N - 1, -1, -1))  # requests not yet admitted, next one last
-        # a request's worst case in KV tokens: its prompt, its new tokens and a verify window
-        worst = [p.numel() + max_new_tokens + self.target.num_verify_tokens for p in prompts]
         free, active = list(range(L)), []  # lanes without a request; lanes whose request goes on
         try:
             while True:
                 ids, reqs = [], []  # admitted in order while lanes are free and their pages fit
+                # (each check sizes every chosen request again: an eviction may take the prefix one would share)
                 while free and waiting:
                     if self.runner.fits([self._fresh(worst[r], hist[r]) for r in reqs + [waiting[-1]]]):
                         ids.append(free.pop(0))
@@ -238,7 +239,7 @@ class SpecEngine(EngineParts):
         sizes = [p.numel() for p in ps]
         # each request's KV pages for its worst case, reserved before its prefill (after the shared pages of its
         # cached prefix): no round of it takes pages (CUDA graphs replay none)
-        worst = [n + run.max_new + self.target.num_verify_tokens for n in sizes]
+        worst = [run.worst[r] for r in reqs]
         if self.prefix_cache is None:
             self.runner.reserve(slots, worst)
         self.drafter.begin(ids, ps)
@@ -455,26 +456,29 @@ class SpecEngine(EngineParts):
     @staticmethod
     def _taken(toks: list[int], new: list[int], max_new: int, eos_set: set) -> int:
         """How many of `new` follow `toks` in the output: up to an eos id (included) or max_new_tokens."""
+        if SpecEngine._done(toks, max_new, eos_set):
+            return 0
         k = 0
-        while k < len(new) and not SpecEngine._done(toks + new[:k], max_new, eos_set):
+        for x in new[:max_new - len(toks)]:  # no copy of the history per token: the rounds' hot path
             k += 1
+            if x in eos_set:
+                break
         return k
 
     def _cut_at_returned(self, res, host, outs: list[list[int]], run: "_Run") -> None:
         """Where EOS or max_new_tokens ends a row inside its accepted drafts, the round keeps only the tokens returned
         (the anchor and the drafts emitted): the committed state, and the prefix cache's end entry, are then at the
         returned tokens, which the caller's next turn starts with. The record is cut in place (a captured commit
-        reads its buffers), with one small copy to the device on such a round only."""
+        reads its buffers), by scalar writes on such a round only (no copy from the host)."""
         caps = [min(n + 1, 1 + self._taken(o, toks, run.max_new, run.eos))
                 for o, toks, n in zip(outs, host.tokens, host.num_accepted)]
-        if all(c == n + 1 for c, n in zip(caps, host.num_accepted)):
+        cut = {i: c for i, (c, n) in enumerate(zip(caps, host.num_accepted)) if c < n + 1}
+        if not cut:
             return
-        B = len(caps)
-        res.acceptance.cut_(torch.tensor(caps, dtype=torch.long, device=res.acceptance.num_kept.device), B)
-        for i, (c, n) in enumerate(zip(caps, list(host.num_accepted))):
-            if c < n + 1:
-                host.num_accepted[i] = c - 1
-                host.tokens[i] = host.tokens[i][:c - 1]
+        res.acceptance.cut_(cut)
+        for i, c in cut.items():
+            host.num_accepted[i] = c - 1
+            host.tokens[i] = host.tokens[i][:c - 1]
 
     def _emit(self, toks: list[int], new: list[int], run: "_Run") -> bool:
         """Append `new`, cut at EOS / max_new_tokens; -> finished."""

@@ -166,15 +166,13 @@ def _mask(block: torch.Tensor, attention_mask, pad_token_id, eos: set[int]) -> t
             raise ValueError("attention_mask: expected 0 / 1 (or bool) values")
         return mask.to(torch.bool).cpu()
     batched = block.shape[0] > 1
-    if pad_token_id is None:
-        if not eos:
-            return torch.ones(block.shape, dtype=torch.bool)
-        if batched:
-            _logger().warning(
-                "The attention mask and the pad token id were not set, with a batched input. As a consequence, you may "
-                "observe unexpected behavior. Please pass your input's `attention_mask` to obtain reliable results.")
-        pad_token_id = next(iter(eos))  # transformers pads with an eos id then, and cannot infer the mask
-    if pad_token_id in eos:
+    if pad_token_id is None and not eos:
+        return torch.ones(block.shape, dtype=torch.bool)
+    if pad_token_id is None and batched:  # transformers then pads with an eos id, and cannot infer the mask
+        _logger().warning(
+            "The attention mask and the pad token id were not set, with a batched input. As a consequence, you may "
+            "observe unexpected behavior. Please pass your input's `attention_mask` to obtain reliable results.")
+    if pad_token_id is None or pad_token_id in eos:
         if batched:
             _logger().warning_once(
                 "The attention mask is not set with a batched input, and cannot be inferred from input because pad "
@@ -232,21 +230,19 @@ def _length(sources, *, base: int, room: int) -> int:
     return max(1, min(DEFAULT_MAX_NEW_TOKENS, room))
 
 
-def resolve_settings(model_config, generation_config, kwargs: dict, *, prompts: Prompts, max_length: int,
-                     fallback_pad: int, config=None) -> Settings:
-    """How a call decodes `prompts`. `kwargs`: the call's generation keywords; `config`: their merge
-    (`merged_config`); `max_length`: the engine's cap on prompt + new tokens (a length from the model's config or
-    the default is cut to it; one the caller set is checked by the engine); `fallback_pad`: the pad id when no
-    config names one nor an eos. transformers' `max_length` counts from the prompt block (`P`; for a list of
-    prompts of different lengths, from the longest)."""
-    cfg = config if config is not None else merged_config(model_config, generation_config, kwargs)
+def resolve_settings(cfg, model_config, generation_config, kwargs: dict, *, eos: set[int], prompts: Prompts,
+                     max_length: int, fallback_pad: int) -> Settings:
+    """How a call decodes `prompts`. `cfg`: the merged config (`merged_config`) of the model's `model_config`, the
+    call's `generation_config` and generation keywords `kwargs`; `eos`: its stop ids (`eos_ids`); `max_length`: the
+    engine's cap on prompt + new tokens (a length from the model's config or the default is cut to it; one the caller
+    set is checked by the engine); `fallback_pad`: the pad id when no config names one nor an eos. transformers'
+    `max_length` counts from the prompt block (`P`; for a list of prompts of different lengths, from the longest)."""
     longest = max(p.numel() for p in prompts.rows)
     base = longest if prompts.block is None else prompts.block.shape[1]
     own = [(c.max_new_tokens, c.max_length, False) for c in (generation_config,) if c is not None]
     model = [(c.max_new_tokens, c.max_length, True) for c in (model_config,) if c is not None]
     call = [(kwargs.get("max_new_tokens"), None, False), (None, kwargs.get("max_length"), False)]
     new = _length(call + own + model, base=base, room=max_length - longest)
-    eos = eos_ids(cfg.eos_token_id)
     pad = cfg.pad_token_id
     if pad is None:  # transformers pads with the first eos id
         pad = next(iter(_eos_list(cfg.eos_token_id)), fallback_pad)

@@ -42,9 +42,15 @@ def kv_specs(num_slots: int, max_length: int, layers: dict[int, list[tuple[int, 
     return out
 
 
+def page_specs(specs: dict[str, BufferSpec], layers=None) -> dict[str, BufferSpec]:
+    """The page pools among `kv_specs`' `specs` (the block tables aside); `layers`: only those layers' pools."""
+    return {n: s for n, s in specs.items() if len(s.shape) == 4
+            and (layers is None or int(n.split(".")[1]) in layers)}
+
+
 def token_bytes(specs: dict[str, BufferSpec]) -> int:
-    """Bytes one token takes in the page pools among `specs` (`kv_specs`' pages; the block tables aside)."""
-    return sum(s.nbytes // (s.shape[0] * s.shape[1]) for s in specs.values() if len(s.shape) == 4)
+    """Bytes one token takes in the page pools among `specs` (`page_specs`)."""
+    return sum(s.nbytes // (s.shape[0] * s.shape[1]) for s in page_specs(specs).values())
 
 
 def owned_rows(num_slots: int, ranks: int) -> int:
@@ -171,6 +177,7 @@ class KVCache:
         self.own: torch.Tensor | None = None  # [B_own] the round's rows whose slot this rank owns
         self.own_rows: torch.Tensor | None = None  # [B_own] their rows in a data-parallel layer's buffers
         self._index: dict = {}
+        self._addr: dict = {}  # per round and group: (page, offset) of the new tokens, the pages of the key span
         self.pages = {False: PageTable(num_slots, self.max_pages, self.num_pages, self.device, "kv.table")}
 
     def split_slots(self, layers, rank: int, ranks: int, *, num_pages: int | None = None) -> None:
@@ -247,9 +254,13 @@ class KVCache:
         rank owns)."""
         return sum(num_pages_for(t, self.page_size) for t in tokens) <= self.pages[False].num_free
 
-    def page_bytes(self) -> int:
-        """Bytes of one page across every allocated layer's stored tensors (0 before the first write)."""
-        return sum(buf[0].numel() * buf.element_size() for bufs in self.store.values() for buf in bufs)
+    def page_bytes(self, specs: dict[str, BufferSpec]) -> dict[bool, int]:
+        """Bytes of one page of each group (`pages`: every layer's; the data-parallel ones'), from the memory plan's
+        `kv_specs` (the pools are allocated at each layer's first write)."""
+        pools = page_specs(specs)
+        dp = {int(n.split(".")[1]) for n in pools} & self.dp_layers
+        return {g: self.page_size * token_bytes({n: s for n, s in pools.items()
+                                                 if (int(n.split(".")[1]) in dp) == g}) for g in self.pages}
 
     # ---- round -------------------------------------------------------------------------------------
     def begin(self, slots: torch.Tensor, num_tokens: int, tree: VerifyTree | None = None, *,
@@ -262,6 +273,7 @@ class KVCache:
         real = [num_tokens] * len(host_slots) if tokens is None else tokens
         self.reserve(host_slots, [self.bound[s] + n for s, n in zip(host_slots, real)])
         self.slots, self.host_slots, self.num_tokens, self.tree = slots, host_slots, num_tokens, tree
+        self._addr = {}
         self.span = self.max_length if self.static else need
         if self.dp_layers:
             self._own(host_slots)
@@ -318,11 +330,14 @@ class KVCache:
         table = self.pages[dp].table[rows]  # [B, max_pages]
         return table.gather(1, (pos // self.page_size).clamp(max=self.max_pages - 1)), pos % self.page_size
 
-    def read(self, layer_idx: int, rows: torch.Tensor, span: int) -> list[torch.Tensor]:
+    def read(self, layer_idx: int, rows: torch.Tensor, span: int, *, pages: torch.Tensor | None = None
+             ) -> list[torch.Tensor]:
         """Positions `[0, span)` of table rows `rows [B]`, each stored tensor of the layer as `[B, heads, span,
-        dim]` (a gather of the rows' pages; a view of it)."""
+        dim]` (a gather of the rows' pages; a view of it). `pages`: the rows' table entries over the span, when the
+        caller has them."""
         n = num_pages_for(span, self.page_size)
-        pages = self.pages[layer_idx in self.dp_layers].table[rows, :n]  # [B, n]
+        if pages is None:
+            pages = self.pages[layer_idx in self.dp_layers].table[rows, :n]  # [B, n]
         out = []
         for buf in self.store[layer_idx]:  # [P + 1, page, h, d] -> [B, n, page, h, d] -> [B, h, span, d]
             x = buf[pages]
@@ -341,12 +356,14 @@ class KVCache:
                                                       page_size=self.page_size), self.device)
                                      for j, x in enumerate(new)]
         slots, rows, _ = self._rows(dp)  # data-parallel: the owned rows' states come in
-        lens = self.lengths[slots]
-        idx = lens[:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]
-        page, off = self._at(dp, rows, idx)
+        if dp not in self._addr:  # once a round for every layer of the group
+            idx = self.lengths[slots][:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]
+            span = self.pages[dp].table[rows, :num_pages_for(self.span, self.page_size)]
+            self._addr[dp] = (*self._at(dp, rows, idx), span)
+        page, off, span = self._addr[dp]
         for buf, x in zip(self.store[layer_idx], new):
             buf[page, off] = x.transpose(1, 2).to(buf.dtype)  # [B, T, h, d] at (page, offset)
-        return tuple(self.read(layer_idx, rows, self.span))
+        return tuple(self.read(layer_idx, rows, self.span, pages=span))
 
     def _rows(self, dp: bool) -> tuple[torch.Tensor, torch.Tensor, object]:
         """The round's slots a layer's buffers hold `[B']`, their table rows and which round rows they are: every
@@ -387,6 +404,7 @@ class KVCache:
 
     def abort(self) -> None:
         self.slots = self.tree = self.own = self.own_rows = None
+        self._addr = {}
 
     def reset(self, slot: int) -> None:
         """The slot holds no token and no page (a slot taken for a new request)."""

@@ -116,10 +116,10 @@ def pages_within(plan: MemoryPlan, option, *, max_length: int, options: dict) ->
     """The KV pages the budget `option` (`budget_bytes`) leaves after every other buffer of `plan` (its KV pages
     aside): InsufficientMemoryError when they cannot hold one request at `max_length` (a request's cap), or when
     the budget exceeds the free memory."""
-    from .kv_cache import token_bytes
+    from .kv_cache import page_specs, token_bytes
     budget = budget_bytes(option, plan.device)
     kv = plan.parts.get("KV cache", {})
-    pages = {n: s for n, s in kv.items() if len(s.shape) == 4}
+    pages = page_specs(kv)
     page_size = next(iter(pages.values())).shape[1] if pages else 1
     page = token_bytes(kv) * page_size
     rest = plan.total - sum(s.nbytes for s in pages.values())

@@ -81,17 +81,6 @@ class _Node:
         self.entry: Entry | None = None
 
 
-def _below(node: _Node) -> bool:
-    """Some entry sits below `node`."""
-    stack = list(node.children.values())
-    while stack:
-        n = stack.pop()
-        if n.entry is not None:
-            return True
-        stack.extend(n.children.values())
-    return False
-
-
 class PrefixCache:
     """Radix tree of `Entry`s over token ids, within `budget` bytes (LRU eviction of unpinned entries)."""
 
@@ -144,8 +133,8 @@ class PrefixCache:
         after evicting least recently used entries down to the budget. None when it alone exceeds the budget."""
         tokens = tuple(tokens)
         self.clock += 1
-        held = self._find(tokens)
-        if held is not None:
+        held = self.match(tokens, len(tokens), touch=False)
+        if held is not None and held.length == len(tokens):  # an entry at exactly these tokens
             held.used = self.clock
             return held
         entry = make()
@@ -159,16 +148,6 @@ class PrefixCache:
         self.bytes += entry.nbytes
         self.stats["inserted"] += 1
         return entry
-
-    def _find(self, tokens: tuple[int, ...]) -> Entry | None:
-        """The entry stored at exactly `tokens`, if any (nothing is made or split)."""
-        node, i = self.root, 0
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None or tokens[i:i + len(child.edge)] != child.edge:
-                return None
-            node, i = child, i + len(child.edge)
-        return node.entry
 
     def _node(self, tokens: tuple[int, ...]) -> _Node:
         """The node at the end of `tokens`, made (splitting an edge where `tokens` ends or turns inside it)."""
@@ -207,7 +186,7 @@ class PrefixCache:
         """Drop the least recently used unpinned entry with no entry below it, for KV pages: a deeper entry holds
         every page of the shallower ones on its path, so only a leaf's eviction frees pages (those past the entry
         above it). False when there is none."""
-        victims = [ne for ne in self.entries() if ne[1].pins == 0 and not _below(ne[0])]
+        victims = [ne for ne in self._leaves() if ne[1].pins == 0]
         if not victims:
             return False
         self._drop(min(victims, key=lambda ne: ne[1].used)[0])
@@ -236,6 +215,22 @@ class PrefixCache:
             if node.entry is not None:
                 out.append((node, node.entry))
             stack.extend(node.children.values())
+        return out
+
+    def _leaves(self) -> list[tuple[_Node, Entry]]:
+        """Every (node, entry) with no entry below it, in one walk (children after their parent, then backwards)."""
+        order, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(node.children.values())
+        below: dict[int, bool] = {}  # id(node) -> an entry at or below it
+        out = []
+        for node in reversed(order):
+            deeper = any(below[id(c)] for c in node.children.values())
+            if node.entry is not None and not deeper:
+                out.append((node, node.entry))
+            below[id(node)] = deeper or node.entry is not None
         return out
 
     def describe(self) -> dict:

@@ -21,7 +21,7 @@ from specdec.tensors import index_tensor
 
 from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
 from .hf_compat import cache_arg, rotary_tables
-from .kv_cache import KVCache, kv_specs, num_pages_for, owned_rows
+from .kv_cache import KVCache, kv_specs, num_pages_for, owned_rows, page_specs
 from .memory import MemoryPlan
 from .prefill import _Chunk, _PrefillOps
 
@@ -270,8 +270,9 @@ class HybridRunner:
             kv.update(kv_specs(rows, max_length, {i: d for i, d in layers.items() if i in self._dp}, self.dtype,
                                group="dp", num_pages=rows * num_pages_for(max_length)))
         # the pages at each layer's first write, the block tables at build
-        plan.add("KV cache", {n: s for n, s in kv.items() if len(s.shape) == 4}, deferred=True)
-        plan.add("KV cache", {n: s for n, s in kv.items() if len(s.shape) != 4})
+        pools = page_specs(kv)
+        plan.add("KV cache", pools, deferred=True)
+        plan.add("KV cache", {n: s for n, s in kv.items() if n not in pools})
         return plan
 
     @property

@@ -64,7 +64,7 @@ def test_admission_waits_for_pages():
     plan = probe.memory_plan
     kv = plan.parts["KV cache"]
     page = probe.runner.kv.page_size * specdec.kv_cache.token_bytes(kv)
-    rest = plan.total - sum(s.nbytes for s in kv.values() if len(s.shape) == 4)
+    rest = plan.total - sum(s.nbytes for s in specdec.kv_cache.page_specs(kv).values())
     worst = 20 + 12 + probe.target.num_verify_tokens  # prompt + new tokens + a verify window
     pages = max(2 * -(-worst // probe.runner.kv.page_size), -(-probe.runner.kv.max_length // 16))
     engine = specdec.wrap(target, memory=rest + (pages + 1) * page, **kw)

@@ -40,6 +40,7 @@ from tp_harness import spawn
 
 import specdec
 from specdec.parallel import PeerFailure
+from specdec.kv_cache import page_specs
 
 FAMILIES = ("kimi_linear", "qwen3_next", "nemotron_h")
 MODES = (("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager"))
@@ -97,7 +98,7 @@ def buffer_bytes(obj, seen: set | None = None) -> int:
 
 def allocation(eng) -> dict[str, int]:
     """Bytes of the target runner's state strategy (pool, rings, records) and KV cache, after a generate."""
-    kv_plan = sum(s.nbytes for s in eng.runner.memory.parts["KV cache"].values() if len(s.shape) == 4)  # pages
+    kv_plan = sum(s.nbytes for s in page_specs(eng.runner.memory.parts["KV cache"]).values())
     return {"state": buffer_bytes(eng.runner.state), "kv": buffer_bytes(eng.runner.kv),
             "pool": buffer_bytes(eng.runner.state.pool), "kv_plan": kv_plan, "max_pages": eng.runner.kv.max_pages}
 

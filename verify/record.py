@@ -65,15 +65,14 @@ class Acceptance:
         path = torch.as_tensor(path, dtype=torch.long)
         return cls.kept(path, (path >= 0).sum(1))
 
-    def cut_(self, kept: Tensor, B: int) -> None:
-        """In place (the buffers a captured commit reads): the first B rows keep at most `kept [B]` tokens (the
-        anchor and `kept - 1` drafts; a row keeps at least its anchor). `tokens` and `bonus` are left as they are: a
-        cut row's request ends in this round."""
-        n = torch.minimum(self.num_kept[:B], kept.clamp(min=1))
-        self.num_kept[:B] = n
-        self.num_accepted[:B] = n - 1
-        j = torch.arange(self.path.shape[1], device=self.path.device)
-        self.path[:B] = torch.where(j[None] < n[:, None], self.path[:B], -1)
+    def cut_(self, kept: dict[int, int]) -> None:
+        """In place (the buffers a captured commit reads): row b keeps `kept[b]` tokens (the anchor and `kept[b] - 1`
+        drafts; at least 1, fewer than it keeps now), written as Python scalars (no copy from the host). `tokens` and
+        `bonus` are left as they are: a cut row's request ends in this round."""
+        for b, n in kept.items():
+            self.num_kept[b] = n
+            self.num_accepted[b] = n - 1
+            self.path[b, n:] = -1
 
     def masked(self, real: Tensor | None) -> "Acceptance":
         """The record with the rows where `real [B]` is False keeping nothing (padding rows); `real` None: as is."""
