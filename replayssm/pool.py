@@ -92,6 +92,10 @@ class SlotPool:
         self.ssm[:, slot] = ssm.to(self.ssm.dtype)
         self.seq_len[slot] = seq_len
 
+    def advance(self, slots: torch.Tensor, n: torch.Tensor) -> None:
+        """A prefill chunk folded `n [B]` more tokens into the checkpoints of the distinct `slots [B]`."""
+        self.seq_len[slots] += n
+
     def check_slots(self, slots: torch.Tensor, *, arg: str = "slots") -> None:
         """Every entry is -1, the null slot, or an allocated slot; allocated slots appear once."""
         if slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):

@@ -18,7 +18,7 @@ from .graphs import RoundGraphs
 from .kv_cache import page_specs
 from . import parallel
 from .parallel import Follower, TensorParallel
-from .prefix_cache import PrefixCache, budget_bytes, check_budget
+from .prefix_cache import CachedSlots, PrefixCache, budget_bytes, check_budget
 from .round import RoundStep
 from .runner import HybridRunner, index_tensor, make_runner
 
@@ -69,7 +69,11 @@ class EngineParts:
         verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))
         self.memory_plan: memory.MemoryPlan | None = None  # the buffers by part (None: a runner with no plan)
         # the hybrid runner calls `_check_memory` with its plan before it allocates its pool, rings and KV cache
-        tracked = dict(track_interval=cfg.track_interval) if cfg.prefix_cache else {}
+        # with a prefix cache: the track interval, and the target features a drafter with its own caches observes,
+        # paged with the KV (an entry shares them as its KV pages)
+        self.feature_names = (("hidden", *self.drafter.feature_layers)
+                              if cfg.prefix_cache and self.drafter.observes_features else ())
+        tracked = dict(track_interval=cfg.track_interval, features=self.feature_names) if cfg.prefix_cache else {}
         if cfg.prefix_cache and 2 * cfg.track_interval < self.gamma + 1:
             raise ValueError(f"track_interval: {cfg.track_interval} with num_draft_tokens {self.gamma}: a round keeps up "
                              f"to {self.gamma + 1} tokens and a slot holds the state of its last two boundaries "
@@ -95,23 +99,21 @@ class EngineParts:
         # the round's device step (inputs, draft step, verify + accept, commit), called by `_round` and the graphs
         self.round_step = RoundStep(self.runner, self.drafter, cfg, self.buckets, self._index)
         self._graphs = RoundGraphs(self) if cfg.cuda_graph else None
-        self.slots: list = []  # target slot of each lane (a drafter row) of the running generate call
+        self.lane_slots: list = []  # target slot of each lane (a drafter row) of the running generate call
         runner = self.runner
         self.target = TargetView(model=target, kv=getattr(runner, "kv", None),
                                  supports_tree=isinstance(runner, HybridRunner),
                                  num_verify_tokens=getattr(runner, "num_verify_tokens", self.gamma + 1),
                                  gamma=self.gamma, max_length=self.max_length,
-                                 slots=lambda rows: [self.slots[r] for r in rows],
+                                 slots=lambda rows: [self.lane_slots[r] for r in rows],
                                  index=lambda values: index_tensor(self._draft_index, values, runner.device))
         self._draft_index: dict[tuple[int, ...], torch.Tensor] = {}
         self.drafter.bind(self.target)
-        # the target features a drafter with its own caches observes: kept per lane, and in prefix cache entries
-        self.feature_names = (("hidden", *self.drafter.feature_layers) if self.drafter.observes_features else ())
-        self.prefix_cache = None
-        if cfg.prefix_cache:
-            d = self.runner.hidden_size
-            per_token = len(self.feature_names) * d * self.runner.dtype.itemsize
-            self.prefix_cache = PrefixCache(check_budget(cfg.prefix_cache, self.runner, per_token))
+        self.prefix_cache = self._cached = None
+        if cfg.prefix_cache:  # the tree, and its side toward the runner's slots
+            self.prefix_cache = PrefixCache(check_budget(cfg.prefix_cache, self.runner))
+            self._cached = CachedSlots(self.prefix_cache, self.runner.slots, self.runner.prefill_batch,
+                                       cfg.track_interval, self.runner.features)
         gen = getattr(model, "generation_config", None)
         self.eos_token_id = getattr(gen, "eos_token_id", None)
         pad = getattr(gen, "pad_token_id", None)

@@ -13,7 +13,7 @@ from specdec.draft.base import check_block
 from specdec.tensors import outside_inference
 from specdec.verify import sample_token
 
-from . import cpu_linear, generation, prefix_cache
+from . import cpu_linear, generation
 from .build import EngineParts
 from .config import SpecConfig
 from .runner import HybridRunner, index_tensor
@@ -83,17 +83,15 @@ class _Run:
 class _Lanes:
     """The requests in flight of one `generate` call, one per lane (a lane is a drafter row, < max_batch_size):
     target slot (None: free) and the request's host lists (`hist`, `out`) per lane; device token buffer
-    `tok [L, W]`, lengths `lens [L]` and anchors `anchors [L]`; with a prefix cache and a drafter that observes
-    features, the target's features at every committed position, `feat[name] [L, W, d]`."""
+    `tok [L, W]`, lengths `lens [L]` and anchors `anchors [L]`."""
 
-    def __init__(self, L: int, tok: torch.Tensor, feat: dict[str, torch.Tensor] | None = None):
+    def __init__(self, L: int, tok: torch.Tensor):
         self.slot: list = [None] * L
         self.hist: list = [None] * L
         self.out: list = [None] * L
         self.tok = tok
         self.lens = torch.zeros(L, dtype=torch.long, device=tok.device)
         self.anchors = torch.zeros(L, dtype=torch.long, device=tok.device)
-        self.feat = feat or {}
 
     def held(self) -> list[int]:
         return [l for l, s in enumerate(self.slot) if s is not None]
@@ -168,12 +166,8 @@ class SpecEngine(EngineParts):
         # per lane: its target slot and its request's host lists; the device token buffer, lengths and anchors
         # are per lane too, and rounds update them without a host round trip
         W = longest + max_new_tokens + 1
-        feat = None
-        if self.prefix_cache is not None:
-            feat = {name: torch.zeros(L, W, self.runner.hidden_size, dtype=self.runner.dtype, device=dev)
-                    for name in self.feature_names}
-        lanes = _Lanes(L, torch.full((L, W), self.pad_token_id, dtype=torch.long, device=dev), feat)
-        self.slots = lanes.slot
+        lanes = _Lanes(L, torch.full((L, W), self.pad_token_id, dtype=torch.long, device=dev))
+        self.lane_slots = lanes.slot
         waiting = list(range(N - 1, -1, -1))  # requests not yet admitted, next one last
         free, active = list(range(L)), []  # lanes without a request; lanes whose request goes on
         try:
@@ -209,7 +203,7 @@ class SpecEngine(EngineParts):
             self._abort(lanes.held())  # round everywhere; the finally clause returns the slots
             raise
         finally:
-            self.slots = []
+            self.lane_slots = []
             try:
                 self._retire(lanes, lanes.held())
             finally:
@@ -247,10 +241,12 @@ class SpecEngine(EngineParts):
         capture = tuple(self.drafter.feature_layers)
         lens = torch.tensor(sizes, dtype=torch.long, device=lanes.tok.device)
         run.stats.prompt_tokens += sum(sizes)
-        cache = self.prefix_cache
-        if cache is not None:  # each prompt from its deepest cached prefix
-            last, feats = prefix_cache.prefill(self, slots, ps, [run.hist[r] for r in reqs], capture, run.stats,
-                                               worst)
+        cached = self._cached
+        if cached is not None:  # each prompt from its deepest cached prefix
+            last, feats, hit = cached.start(slots, ps, [run.hist[r] for r in reqs], worst, capture)
+            run.stats.cached_tokens += hit
+            if "hidden" not in feats:  # a drafter that observes no features: zeros, as no memory
+                feats["hidden"] = last.new_zeros(()).expand(len(ids), max(sizes), self.runner.hidden_size)
             self.drafter.observe(ids, Observed(ps, lens), Observed.rows_of(feats["hidden"], sizes, lens),
                                  {c: Observed.rows_of(feats[c], sizes, lens) for c in capture})
         elif hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
@@ -287,18 +283,18 @@ class SpecEngine(EngineParts):
             if not self._emit(run.out[r], [back[i][0]], run):
                 going.append(l)
             run.hist[r].extend(run.out[r])
-        if cache is not None:  # each prompt's end: an entry, written after the first tokens went out
-            for name, buf in lanes.feat.items():
-                buf[lane_t, :max(sizes)] = feats[name]
-            prefix_cache.publish_prompts(self, lanes, ids, sizes)
+        if cached is not None:  # each prompt's end: an entry, written after the first tokens went out
+            for l, P in zip(ids, sizes):
+                cached.publish(lanes.hist[l][:P], lanes.slot[l])
         return going
 
     def _retire(self, lanes: "_Lanes", ids: list[int], *, publish: bool = False) -> None:
         """Requests of lanes `ids` ended (or the call failed): with `publish` (finished requests) their state goes
         to the prefix cache; then the drafter and the runner let go of them."""
-        if publish and self.prefix_cache is not None:
+        if publish and self._cached is not None:  # at the returned tokens: a round commits nothing past them
             for l in ids:
-                prefix_cache.publish_end(self, lanes, l)
+                s = lanes.slot[l]
+                self._cached.publish(lanes.hist[l][:self.runner.length(s)], s)
         try:
             self.drafter.release(ids)
         finally:
@@ -387,17 +383,16 @@ class SpecEngine(EngineParts):
         sizes = host.num_kept
         self.drafter.observe(active, Observed.rows_of(kept_ids, sizes, kept), Observed.rows_of(kept_h, sizes, kept),
                              {l: Observed.rows_of(f, sizes, kept) for l, f in kept_f.items()})
-        if lanes.feat:  # the kept positions' features (the anchor's at lens - 1), for the prefix cache
-            fpos = (base[:, None] - 1 + j[None]).clamp(max=tok.shape[1] - 1)
-            for name, buf in lanes.feat.items():
-                src = kept_h if name == "hidden" else kept_f[name]
-                buf[idx[:, None], fpos] = torch.where(keep[..., None], src.to(buf.dtype), buf[idx[:, None], fpos])
         for i, b in enumerate(active):
             before = len(out_tokens[b])
             self._emit(out_tokens[b], host.tokens[i], run)
             hist[b].extend(out_tokens[b][before:])
-        if self.prefix_cache is not None:  # the track boundaries this round passed
-            prefix_cache.publish_boundaries(self, lanes, active, sizes)
+        if self._cached is not None:  # the track boundaries this round passed
+            for b, n in zip(active, sizes):
+                s = slots[b]
+                after = self.runner.length(s)
+                for t in self._cached.boundaries(after - n, after):
+                    self._cached.publish(hist[b][:t], s, t)
         if started is not None:
             stats.collectives.append(self.tp.collectives - started)
 

@@ -104,7 +104,7 @@ class RoundGraphs:
             entry.commit.replay()
             rows = self._slots
             kept = host.num_kept
-            eng.runner.kv.advance_bound(rows, kept + [0] * (len(rows) - len(kept)))
+            eng.runner.slots.committed(rows, kept + [0] * (len(rows) - len(kept)))
             return
         graph = torch.cuda.CUDAGraph()
         try:  # runs the commit's host bookkeeping once, for this round; the replay below does the device work

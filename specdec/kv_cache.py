@@ -26,13 +26,13 @@ def kv_spec(layer_idx: int, index: int, num_pages: int, heads: int, dim: int, dt
     return BufferSpec(f"kv.{layer_idx}.{index}", (num_pages + 1, page_size, heads, dim), dtype)
 
 
-def kv_specs(num_slots: int, max_length: int, layers: dict[int, list[tuple[int, int]]],
-             dtype: torch.dtype, *, num_pages: int | None = None, page_size: int = PAGE_SIZE,
-             group: str = "") -> dict[str, BufferSpec]:
+def kv_specs(num_slots: int, max_length: int, layers: dict, dtype: torch.dtype, *, num_pages: int | None = None,
+             page_size: int = PAGE_SIZE, group: str = "") -> dict[str, BufferSpec]:
     """The buffers a `KVCache(num_slots, max_length)` allocates for attention layers `{layer: [(heads, dim) per
-    stored tensor]}` whose tensors come in `dtype`: each layer's pages (`num_pages`, default a full `max_length` for
-    every request slot: the null slot, the last, takes none) and the block table `[num_slots, max_length / page_size]` of the group (`group`: "" for the layers
-    of every slot, "dp" for data-parallel layers, `KVCache.split_slots`)."""
+    stored tensor]}` (and token features, `{feature_key(name): [(1, width)]}`) whose tensors come in `dtype`: each
+    one's pages (`num_pages`, default a full `max_length` for every request slot: the null slot, the last, takes
+    none) and the block table `[num_slots, max_length / page_size]` of the group (`group`: "" for the layers of every
+    slot, "dp" for data-parallel layers, `KVCache.split_slots`)."""
     pages = (num_slots - 1) * num_pages_for(max_length, page_size) if num_pages is None else num_pages
     out = {spec.name: spec for layer, dims in layers.items() for j, (heads, dim) in enumerate(dims)
            for spec in [kv_spec(layer, j, pages, heads, dim, dtype, page_size=page_size)]}
@@ -42,10 +42,21 @@ def kv_specs(num_slots: int, max_length: int, layers: dict[int, list[tuple[int, 
     return out
 
 
-def page_specs(specs: dict[str, BufferSpec], layers=None) -> dict[str, BufferSpec]:
-    """The page pools among `kv_specs`' `specs` (the block tables aside); `layers`: only those layers' pools."""
-    return {n: s for n, s in specs.items() if len(s.shape) == 4
-            and (layers is None or int(n.split(".")[1]) in layers)}
+def feature_key(name) -> str:
+    """The store key of a token feature (`"hidden"`, or a layer index whose output is captured): what a drafter
+    observes at each committed position, kept in pages beside the KV (`KVCache(features=...)`)."""
+    return f"feature.{name}"
+
+
+def spec_key(name: str):
+    """The store key of a pool among `kv_specs`: `kv.<key>.<j>` -> an attention layer's index, or a feature's key."""
+    key = name[len("kv."):].rsplit(".", 1)[0]
+    return int(key) if key.isdigit() else key
+
+
+def page_specs(specs: dict[str, BufferSpec]) -> dict[str, BufferSpec]:
+    """The page pools among `kv_specs`' `specs` (the block tables aside)."""
+    return {n: s for n, s in specs.items() if len(s.shape) == 4}
 
 
 def token_bytes(specs: dict[str, BufferSpec]) -> int:
@@ -258,9 +269,8 @@ class KVCache:
         """Bytes of one page of each group (`pages`: every layer's; the data-parallel ones'), from the memory plan's
         `kv_specs` (the pools are allocated at each layer's first write)."""
         pools = page_specs(specs)
-        dp = {int(n.split(".")[1]) for n in pools} & self.dp_layers
         return {g: self.page_size * token_bytes({n: s for n, s in pools.items()
-                                                 if (int(n.split(".")[1]) in dp) == g}) for g in self.pages}
+                                                 if (spec_key(n) in self.dp_layers) == g}) for g in self.pages}
 
     # ---- round -------------------------------------------------------------------------------------
     def begin(self, slots: torch.Tensor, num_tokens: int, tree: VerifyTree | None = None, *,
@@ -355,15 +365,31 @@ class KVCache:
             self.store[layer_idx] = [allocate(kv_spec(layer_idx, j, pool, x.shape[1], x.shape[3], x.dtype,
                                                       page_size=self.page_size), self.device)
                                      for j, x in enumerate(new)]
-        slots, rows, _ = self._rows(dp)  # data-parallel: the owned rows' states come in
-        if dp not in self._addr:  # once a round for every layer of the group
+        page, off, span = self._address(dp)
+        for buf, x in zip(self.store[layer_idx], new):
+            buf[page, off] = x.transpose(1, 2).to(buf.dtype)  # [B, T, h, d] at (page, offset)
+        return tuple(self.read(layer_idx, self._rows(dp)[1], self.span, pages=span))
+
+    def write(self, key: str, x: torch.Tensor) -> None:
+        """A token feature (`feature_key`) of the open round's T tokens, `x [B, T, d]`, into the slots' pages at the
+        positions their KV takes: kept by `commit` as the KV is (a tree's accepted path compacted), so a slot's
+        pages hold the feature of every committed position, and a prefix-cache entry shares them with its KV."""
+        if key not in self.store:
+            self.store[key] = [allocate(kv_spec(key, 0, self.pages[False].num_pages, 1, x.shape[-1], x.dtype,
+                                                page_size=self.page_size), self.device)]
+        page, off, _ = self._address(False)
+        buf = self.store[key][0]
+        buf[page, off] = x[:, :, None].to(buf.dtype)  # [B, T, 1, d] at (page, offset)
+
+    def _address(self, dp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(page, offset) of the round's new tokens `[B', T]` each, and the pages of the key span `[B', n]`, in the
+        group's table (`dp`: the data-parallel layers', the owned rows only): once a round for every layer."""
+        if dp not in self._addr:
+            slots, rows, _ = self._rows(dp)
             idx = self.lengths[slots][:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]
             span = self.pages[dp].table[rows, :num_pages_for(self.span, self.page_size)]
             self._addr[dp] = (*self._at(dp, rows, idx), span)
-        page, off, span = self._addr[dp]
-        for buf, x in zip(self.store[layer_idx], new):
-            buf[page, off] = x.transpose(1, 2).to(buf.dtype)  # [B, T, h, d] at (page, offset)
-        return tuple(self.read(layer_idx, rows, self.span, pages=span))
+        return self._addr[dp]
 
     def _rows(self, dp: bool) -> tuple[torch.Tensor, torch.Tensor, object]:
         """The round's slots a layer's buffers hold `[B']`, their table rows and which round rows they are: every

@@ -2,74 +2,37 @@
 
 A radix tree over token ids holds entries at boundaries: every multiple of `track_interval` a request's committed
 tokens pass (a prompt's prefill runs in segments that end there; a round that passes one publishes the pool's track
-copy of it, `replayssm.pool`), each prompt's end, and each finished request's committed end. An entry is the
-committed state of that prefix, copied out of the slot:
-- every recurrent layer's conv window `[Lyr, C, Kc-1]` and state `[Lyr, H, K, V]`;
-- every attention layer's KV: the full pages of its prefix, shared with the slot it was taken from and every slot
-  restored from it (refcounts in the pool, `kv_cache.PageTable`), and a copy of the tokens past the last full page
-  (a slot writes only past its committed length, so shared pages are never written: the page a slot goes on
-  writing into is its own);
-- the target features the drafter observes over the prefix (`hidden` and its `feature_layers`, `[n, d]`): drafters
-  with their own caches (eagle, mtp, dspark, native) rebuild them from these, as from a prefill, instead of the
-  cache keeping entries per drafter kind; the features are the target's, so they serve any drafter.
+copy of it, `replayssm.pool`), each prompt's end, and each finished request's committed end. An entry
+(`slots.Entry`, taken by `Slots.snapshot`) is the committed state of that prefix:
+- every recurrent layer's conv window `[Lyr, C, Kc-1]` and state `[Lyr, H, K, V]`, copied out of the slot;
+- the KV pages of its prefix, which hold every attention layer's KV and the target features the drafter observes
+  at each position (`hidden` and its `feature_layers`): the full pages shared with the slot it was taken from and
+  every slot restored from it (refcounts in the pool, `kv_cache.PageTable`), and a copy of the tokens past the last
+  full page (a slot writes only past its committed length, so shared pages are never written: the page a slot goes
+  on writing into is its own). Drafters with their own caches (eagle, mtp, dspark, native) rebuild them from the
+  features, as from a prefill; the features are the target's, so they serve any drafter.
 
 Only committed state enters (after a prefill, or at the end of a request, with lazy records folded first), never a
-verify-time or tree-node state; an aborted request publishes nothing. Entries are immutable: a request copies an
+verify-time or tree-node state; an aborted request publishes nothing. Entries are immutable: a request restores an
 entry into its slot and never writes into it. Within a byte budget the least recently used entries go first;
 entries pinned by an admission in progress are never evicted.
+
+`PrefixCache` is the tree alone; `CachedSlots` is its side toward a target's `Slots`: admission from the deepest
+entry, and the entries a slot publishes.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from .kv_cache import token_bytes
 from .memory import format_bytes
-from .tensors import outside_inference
+from .slots import Entry, Slots
 
 DEFAULT_BUDGET = 1 << 30  # `prefix_cache=True`
-
-
-@dataclass(eq=False)
-class Entry:
-    """The committed state of one prefix of `length` tokens (see the module docstring): recurrent state, the KV
-    pages it shares (`pages`, the full pages of its prefix, held in `owner`'s pool until `free`) and the rest of its
-    KV copied (`tail {layer: ([n, heads, dim], ...)}`, n < a page), and the drafter's features. `nbytes` counts the
-    tensors it owns (the pages are the pool's)."""
-
-    length: int
-    conv: torch.Tensor
-    ssm: torch.Tensor
-    pages: list[int]
-    tail: dict[int, tuple[torch.Tensor, ...]]
-    features: dict[str, torch.Tensor]
-    owner: object = None  # the KVCache whose pages it holds
-    nbytes: int = 0
-    used: int = 0  # LRU clock at the last hit or write
-    pins: int = 0  # admissions restoring it right now: not evictable
-
-    def __post_init__(self):
-        tensors = [self.conv, self.ssm, *(t for ts in self.tail.values() for t in ts), *self.features.values()]
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
-
-    def kv(self, layer: int) -> tuple[torch.Tensor, ...]:
-        """The prefix's stored tensors of `layer`, `[heads, length, dim]` each: its pages, then its tail."""
-        store = self.owner.store[layer]
-        out = []
-        for j, buf in enumerate(store):
-            parts = [buf[self.pages].flatten(0, 1)] + ([self.tail[layer][j]] if self.tail else [])
-            out.append(torch.cat(parts, 0).transpose(0, 1))
-        return tuple(out)
-
-    def free(self) -> None:
-        """Let go of the pages (the entry is gone from the cache)."""
-        if self.owner is not None and self.pages:
-            self.owner.drop(self.pages)
-        self.pages = []
 
 
 class _Node:
@@ -237,38 +200,13 @@ class PrefixCache:
         return dict(entries=len(self.entries()), bytes=self.bytes, budget=self.budget, **self.stats)
 
 
-# ---- the runner's side: take an entry out of a slot, put one into a slot ------------------------------------
-def take(runner, slot: int, length: int, features: dict[str, torch.Tensor], *, conv=None, ssm=None) -> Entry:
-    """`slot`'s committed state after `length` tokens: a copy of its pool state (or `conv [Lyr, C, Kc-1]`, `ssm
-    [Lyr, H, K, V]`: a track copy of an earlier boundary), its KV below `length` (the full pages shared,
-    `KVCache.share`, the rest copied) and a copy of `features[name][:length]`. The slot's pending records (lazy
-    commit) must be folded first."""
-    pool, kv = runner.state.pool, runner.kv
-    with outside_inference():  # kept across calls: normal tensors, as the pool's
-        conv = (pool.conv[:, slot] if conv is None else conv).clone()
-        ssm = (pool.ssm[:, slot] if ssm is None else ssm).clone()
-        feats = {k: f[:length].clone() for k, f in features.items()}
-        pages, tail = kv.share(slot, length)
-    return Entry(length, conv, ssm, pages, tail, feats, owner=kv)
-
-
-def restore(runner, entry: Entry, slot: int) -> None:
-    """`entry` into the fresh `slot`: state and conv window copied, its KV pages shared and its tail copied
-    (`KVCache.adopt`), lengths (the entry is read only; the slot writes only past its length)."""
-    pool, kv, n = runner.state.pool, runner.kv, entry.length
-    pool.conv[:, slot] = entry.conv
-    pool.ssm[:, slot] = entry.ssm
-    pool.seq_len[slot] = n
-    kv.adopt(slot, entry.pages, entry.tail, n)
-
-
-def entry_bytes(runner, tokens: int, feature_bytes_per_token: int) -> dict[str, int]:
-    """The bytes of an entry of `tokens` tokens, by part: recurrent state, KV (a token's bytes in the runner's KV
-    pages, from its memory plan) and drafter features."""
+def entry_bytes(runner, tokens: int) -> dict[str, int]:
+    """The bytes of an entry of `tokens` tokens, by part: recurrent state, and the KV pages' bytes of its tokens (a
+    token's bytes in the runner's pages, every attention layer's KV and every paged feature, from its memory plan)."""
     pool = runner.state.pool
     state = (pool.conv[:, 0].numel() * pool.conv.element_size() + pool.ssm[:, 0].numel() * pool.ssm.element_size())
     kv = token_bytes(runner.memory.parts.get("KV cache", {}))
-    return {"recurrent state": state, "KV": kv * tokens, "drafter features": feature_bytes_per_token * tokens}
+    return {"recurrent state": state, "KV pages": kv * tokens}
 
 
 def budget_bytes(option) -> int:
@@ -276,10 +214,10 @@ def budget_bytes(option) -> int:
     return DEFAULT_BUDGET if option is True else int(option)
 
 
-def check_budget(option, runner, feature_bytes_per_token: int) -> int:
+def check_budget(option, runner) -> int:
     """`prefix_cache=` as bytes (`budget_bytes`); a budget below one entry of one token is a ValueError."""
     budget = budget_bytes(option)
-    parts = entry_bytes(runner, 1, feature_bytes_per_token)
+    parts = entry_bytes(runner, 1)
     least = sum(parts.values())
     if budget < least:
         detail = ", ".join(f"{k} {format_bytes(v)}" for k, v in parts.items() if v)
@@ -288,82 +226,61 @@ def check_budget(option, runner, feature_bytes_per_token: int) -> int:
     return budget
 
 
-# ---- the engine's side: admission, rounds and retirement of `SpecEngine.generate` with a cache ---------------------
-def prefill(engine, slots: list[int], prompts: list[torch.Tensor], hosts: list[list[int]], capture: tuple, stats,
-            worst: list[int]):
-    """Start the prompts `[P_b]` (`hosts`: the same as lists) in their fresh `slots`: each from its deepest cached
-    prefix (at most P - 1 tokens, one is left for the first token's logits; its KV pages shared), then the pages of
-    each request's `worst` case reserved, the rest prefilled in segments that end at the multiples of
-    `track_interval` (each boundary an entry) and at the prompt's end. -> (logits at each prompt's last token
-    `[k, V]`, the features the drafter observes over each whole prompt `{name: [k, P, d]}`: the cached prefix's from
-    its entry, zeros where the drafter observes none)."""
-    cache, runner, iv = engine.prefix_cache, engine.runner, engine.config.track_interval
-    hits = [cache.match(h, len(h) - 1) for h in hosts]
-    with cache.pinned(hits):
-        for s, e in zip(slots, hits):
-            if e is not None:
-                restore(runner, e, s)
-    runner.reserve(slots, worst)
-    pos = [0 if e is None else e.length for e in hits]
-    sizes = [len(h) for h in hosts]
-    stats.cached_tokens += sum(pos)
-    ends = [list(range((c // iv + 1) * iv, P, iv)) + [P] for c, P in zip(pos, sizes)]  # each segment's end
-    feats, last = None, [None] * len(slots)
-    for step in range(max(len(x) for x in ends)):
-        rows = [b for b in range(len(slots)) if step < len(ends[b])]
-        seg = [prompts[b][pos[b]:ends[b][step]] for b in rows]
-        out = runner.prefill_batch([slots[b] for b in rows], seg, capture=capture, last_logits=True)
-        got = {"hidden": out.hidden, **out.captured}
-        if feats is None:
-            feats = {k: x.new_zeros(len(slots), max(sizes), x.shape[-1]) for k, x in got.items()}
-            for b, e in enumerate(hits):
-                for k in feats:
-                    if e is not None and k in e.features:
-                        feats[k][b, :e.length] = e.features[k]
-        for i, b in enumerate(rows):
-            n = len(seg[i])
-            for k, x in got.items():
-                feats[k][b, pos[b]:pos[b] + n] = x[i, :n]
-            pos[b] += n
-            if step == len(ends[b]) - 1:
-                last[b] = out.logits[i, 0]
-            else:  # a track boundary inside the prompt: the slot holds its state now
-                names = engine.feature_names
-                cache.insert(hosts[b][:pos[b]], lambda b=b, t=pos[b]: take(
-                    runner, slots[b], t, {k: feats[k][b] for k in names}))
-    return torch.stack(last), feats
+class CachedSlots:
+    """The prefix cache toward a target's slots: a new request starts from its prompt's deepest entry (`start`), and
+    a slot publishes entries (`publish`) at its prompt's end, at the track boundaries its rounds pass
+    (`boundaries`) and at its request's end. Takes plain data: slots, token lists, lengths.
 
+    `prefill(slots, prompts, capture=, last_logits=True)`: the runner's batched prefill (`HybridRunner.
+    prefill_batch`); `features`: the `kv_cache.feature_key`s of what the drafter observes (paged with the KV)."""
 
-def publish_prompts(engine, lanes, ids: list[int], sizes: list[int]) -> None:
-    """Each new request's prompt end as an entry (its state, KV and features as the prefill left them)."""
-    for l, P in zip(ids, sizes):
-        engine.prefix_cache.insert(lanes.hist[l][:P], lambda l=l, P=P: take(
-            engine.runner, lanes.slot[l], P, {k: buf[l] for k, buf in lanes.feat.items()}))
+    def __init__(self, cache: PrefixCache, slots: Slots, prefill: Callable, track_interval: int,
+                 features: dict):
+        self.cache, self.slots, self.prefill, self.interval = cache, slots, prefill, track_interval
+        self.features = features  # observed name -> its key in the KV pages
 
+    def start(self, slots: list[int], prompts: list[torch.Tensor], hosts: list[list[int]], worst: list[int],
+              capture: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        """Start the prompts `[P_b]` (`hosts`: the same as lists) in their fresh `slots`: each from its deepest
+        cached prefix (at most P - 1 tokens: one is left for the first token's logits), then the pages of each
+        request's `worst` case reserved, the rest prefilled in segments that end at the multiples of
+        `track_interval` (each boundary an entry) and at the prompt's end. -> (logits at each prompt's last token
+        `[k, V]`, the features the drafter observes over each whole prompt `{name: [k, P, d]}` read back from the
+        slots' pages (the cached prefix's with them), the prompt tokens served from the cache)."""
+        cache, iv = self.cache, self.interval
+        hits = [cache.match(h, len(h) - 1) for h in hosts]
+        with cache.pinned(hits):
+            for s, e in zip(slots, hits):
+                if e is not None:
+                    self.slots.restore(e, s)
+        self.slots.reserve(slots, worst)
+        pos = [0 if e is None else e.length for e in hits]
+        cached = sum(pos)
+        sizes = [len(h) for h in hosts]
+        ends = [list(range((c // iv + 1) * iv, P, iv)) + [P] for c, P in zip(pos, sizes)]  # each segment's end
+        last = [None] * len(slots)
+        for step in range(max(len(x) for x in ends)):
+            rows = [b for b in range(len(slots)) if step < len(ends[b])]
+            seg = [prompts[b][pos[b]:ends[b][step]] for b in rows]
+            out = self.prefill([slots[b] for b in rows], seg, capture=capture, last_logits=True)
+            for i, b in enumerate(rows):
+                pos[b] += len(seg[i])
+                if step == len(ends[b]) - 1:
+                    last[b] = out.logits[i, 0]
+                else:  # a track boundary inside the prompt: the slot holds its state now
+                    self.publish(hosts[b][:pos[b]], slots[b])
+        slots_t = torch.tensor(slots, dtype=torch.long, device=last[0].device)
+        feats = {name: self.slots.read(key, slots_t, max(sizes)) for name, key in self.features.items()}
+        return torch.stack(last), feats, cached
 
-def publish_boundaries(engine, lanes, active: list[int], kept: list[int]) -> None:
-    """After a round that kept `kept[i]` tokens of lane `active[i]`: an entry at each multiple of `track_interval`
-    the round passed, from the pool's track copy of it (ping-pong: the last two boundaries are kept, which is every
-    boundary a round passes since `wrap` requires 2 * track_interval >= num_draft_tokens + 1)."""
-    runner, iv, pool = engine.runner, engine.config.track_interval, engine.runner.state.pool
-    for l, n in zip(active, kept):
-        s = lanes.slot[l]
-        after = runner.kv.bound[s]  # exact: every commit passes its host counts
-        for t in range(max((after - n) // iv + 1, after // iv - 1) * iv, after + 1, iv):
-            if t <= 0:
-                continue
-            par = (t // iv) % 2
-            engine.prefix_cache.insert(lanes.hist[l][:t], lambda t=t, par=par, l=l, s=s: take(
-                runner, s, t, {k: buf[l] for k, buf in lanes.feat.items()}, conv=pool.track_conv[:, s, par],
-                ssm=pool.track_ssm[:, s, par]))
+    def boundaries(self, before: int, after: int) -> list[int]:
+        """The multiples of `track_interval` a round passed going from `before` to `after` committed tokens, whose
+        state the slot holds (its last two: every one a round passes, since `wrap` requires 2 * track_interval >=
+        num_draft_tokens + 1)."""
+        iv = self.interval
+        return [t for t in range(max(before // iv + 1, after // iv - 1) * iv, after + 1, iv) if t > 0]
 
-
-def publish_end(engine, lanes, l: int) -> None:
-    """A finished request's committed end as an entry (lazy records folded first): its returned tokens, or all but the
-    last one (a round commits nothing past what it returns: `SpecEngine._cut_at_returned`), so the next turn of a
-    conversation, which starts with them, finds it."""
-    runner, s = engine.runner, lanes.slot[l]
-    runner.state.flush([s])
-    c = runner.kv.bound[s]
-    engine.prefix_cache.insert(lanes.hist[l][:c], lambda: take(runner, s, c, {k: buf[l] for k, buf in
-                                                                                    lanes.feat.items()}))
+    def publish(self, tokens: list[int], slot: int, boundary: int | None = None) -> None:
+        """An entry of `tokens`, the tokens `slot` committed: at its committed length (`boundary` None: tokens are
+        all of them), or at `boundary`, a track boundary its last round passed (tokens its first `boundary`)."""
+        self.cache.insert(tokens, lambda: self.slots.snapshot(slot, boundary, interval=self.interval))

@@ -148,7 +148,7 @@ class RoundStep:
         G = self.runner.num_verify_tokens - 1 if tree else gamma  # the round's gamma: its bucket's entry
         ids = torch.full((Bk, 1 + G), 0, dtype=torch.long, device=dev)
         ids[:B, 0] = anchors
-        host = host_slots + [self.runner.state.pool.null_slot] * (Bk - B)
+        host = host_slots + [self.runner.slots.null_slot] * (Bk - B)
         # padding nodes: parent -1 and never a child of anything, so never accepted
         step = RoundInputs(ids, torch.zeros(Bk, dtype=torch.long, device=dev),
                            torch.full((Bk, 1 + G), -1, dtype=torch.long, device=dev) if tree else None, host, B,

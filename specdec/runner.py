@@ -21,9 +21,10 @@ from specdec.tensors import index_tensor
 
 from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
 from .hf_compat import cache_arg, rotary_tables
-from .kv_cache import KVCache, kv_specs, num_pages_for, owned_rows, page_specs
+from .kv_cache import KVCache, feature_key, kv_specs, num_pages_for, owned_rows, page_specs
 from .memory import MemoryPlan
 from .prefill import _Chunk, _PrefillOps
+from .slots import Slots
 
 
 @dataclass
@@ -127,9 +128,11 @@ class HybridRunner:
     def __init__(self, model, *, strategy: str = "replay", commit: str = "eager", max_batch_size: int = 8,
                  max_length: int = 4096, num_verify_tokens: int = 8, track_interval: int | None = None,
                  prefill_chunk: int = 512, static: bool = False, check_memory=None,
-                 tp: parallel.TensorParallel | None = None, replicate=()):
+                 tp: parallel.TensorParallel | None = None, replicate=(), features=()):
         """`check_memory`: called with the runner's `MemoryPlan` before any of its buffers is allocated (raising
-        there stops the build). `tp`: run this rank's share of a tensor-parallel target (`specdec.parallel`): the
+        there stops the build). `features`: what a drafter observes at each position ("hidden", the final normed
+        hidden state, and layer indices: those layers' outputs), kept in every slot's KV pages at each committed
+        position (`KVCache.write`, for the prefix cache). `tp`: run this rank's share of a tensor-parallel target (`specdec.parallel`): the
         runner splits the model's modules in place, so `model` is the engine's `parallel.private_copy`; the
         attentions of the layers in `replicate` stay whole (a drafter reads their KV cache)."""
         family = model.config.model_type
@@ -140,6 +143,8 @@ class HybridRunner:
             raise ValueError(f"tp_group: no tensor-parallel layout for model_type {family!r}; those with one: "
                              f"{sorted(parallel.FAMILIES)}")
         self.model, self.mixer = model, spec.mixer
+        self.features = {name: feature_key(name) for name in features}
+        self._feature_layers = {n for n in features if n != "hidden"}
         base = model.model
         # bailing_hybrid appends its MTP layers to `layers`: the decoder is the first num_hidden_layers
         self.base, self.layers = base, list(base.layers)[:model.config.num_hidden_layers]
@@ -192,6 +197,7 @@ class HybridRunner:
         self.kv = KVCache(cfg.num_slots, max_length, device=self.device, static=static, num_pages=pages)
         if self._dp:
             self.kv.split_slots(self._dp, tp.rank, tp.size)
+        self.slots = Slots(self.state, self.kv)  # the one writer of every slot's state
         self.max_length, self.prefill_chunk = max_length, prefill_chunk
         self.num_verify_tokens = num_verify_tokens
         self._slot_tensors: dict[tuple[int, ...], torch.Tensor] = {}
@@ -263,8 +269,9 @@ class HybridRunner:
         plan.add("snapshots" if strategy == "snapshot" else "rings",
                  {n: s for n, s in specs.items() if n not in pool and n not in DEFERRED_NAMES})
         plan.add("rings", {n: s for n, s in specs.items() if n in DEFERRED_NAMES}, deferred=True)
-        kv = kv_specs(cfg.num_slots, max_length, {i: d for i, d in layers.items() if i not in self._dp}, self.dtype,
-                      num_pages=num_pages)
+        paged = {i: d for i, d in layers.items() if i not in self._dp}
+        paged.update({key: [(1, self.model.config.get_text_config().hidden_size)] for key in self.features.values()})
+        kv = kv_specs(cfg.num_slots, max_length, paged, self.dtype, num_pages=num_pages)
         if self._dp:  # a data-parallel layer keeps the rank's request slots only (`KVCache.split_slots`)
             rows = owned_rows(cfg.num_slots, self.tp.size)  # no null slot among them: max_length for each
             kv.update(kv_specs(rows, max_length, {i: d for i, d in layers.items() if i in self._dp}, self.dtype,
@@ -283,32 +290,25 @@ class HybridRunner:
         return dict(self._attn)
 
     # ---- requests ----------------------------------------------------------------------------------
+    # the request surface every runner has (`GenericRunner` too); here each is the slots' own (`Slots`)
     @property
     def num_free(self) -> int:
-        return self.state.pool.num_free
+        return self.slots.num_free
 
     def alloc(self, n: int) -> list[int]:
-        slots = self.state.pool.alloc(n)
-        for s in slots:
-            self.kv.reset(s)
-        return slots
+        return self.slots.alloc(n)
 
     def release(self, slots: list[int]) -> None:
-        self.state.release(slots)
-        for s in slots:  # their KV pages back to the pool
-            self.kv.release(s)
+        self.slots.release(slots)
 
     def reserve(self, slots: list[int], tokens: list[int]) -> None:
-        """Fresh `slots` hold KV pages for `tokens[i]` tokens each, their worst case, before any round runs
-        (`KVCache.reserve`)."""
-        self.kv.reserve(slots, tokens)
+        self.slots.reserve(slots, tokens)
 
     def fits(self, tokens: list[int]) -> bool:
-        """Whether new requests of `tokens[i]` tokens each (their worst case) find their KV pages free."""
-        return self.kv.fits(tokens)
+        return self.slots.fits(tokens)
 
     def length(self, slot: int) -> int:
-        return int(self.kv.lengths[slot])
+        return self.slots.length(slot)
 
     @torch.no_grad()
     def prefill(self, slot: int, ids: torch.Tensor, *, capture=()) -> RunnerOutput:
@@ -391,12 +391,10 @@ class HybridRunner:
             else:
                 host_counts = [int(x) for x in acc]
                 acc = Acceptance.prefix(host_counts, self.kv.num_tokens, self.device)
-        self.state._commit(acc)
-        self.kv.commit(acc, host_counts=host_counts)
+        self.slots.commit(acc, host_counts=host_counts)
 
     def abort(self) -> None:
-        self.state.abort()
-        self.kv.abort()
+        self.slots.abort()
 
     # ---- forward -----------------------------------------------------------------------------------
     def slots_tensor(self, slots: list[int]) -> torch.Tensor:
@@ -410,10 +408,11 @@ class HybridRunner:
         B, T = ids.shape
         if self.tp is not None:
             self.tp.pending = self._reduces
-        if not prefill:  # one tree for the KV mask and every layer: what they derive from it is made once
-            self.state._begin(slots_t, T, tree)
+        # one tree for the KV mask and every layer: what they derive from it is made once
+        self.slots.open(slots_t, T, tree, host_slots=list(slots), prefill=prefill,
+                        tokens=None if chunk is None else chunk.counts)
+        keep = set(capture) | self._feature_layers  # the layers whose outputs are returned or paged
         try:
-            self.kv.begin(slots_t, T, tree, host_slots=list(slots), tokens=None if chunk is None else chunk.counts)
             h = self.embed(ids)
             if self._embed_scale is not None:
                 h = h * self._embed_scale
@@ -466,9 +465,12 @@ class HybridRunner:
                     x = self._reduce(x, "mlp", i)
                     x = post_mlp(x) if post_mlp is not None else x
                     h = residual + (x if scale is None else x * scale)
-                if i in capture:
+                if i in keep:
                     captured[i] = h
             hidden = self.final_norm(h)
+            for name, key in self.features.items():  # at the round's positions, kept (or not) with its KV
+                self.kv.write(key, hidden if name == "hidden" else captured[name])
+            captured = {i: captured[i] for i in capture}
             if chunk is not None and chunk.last_logits:  # [B, 1, vocab] at each row's last real token
                 logits = self.model.lm_head(hidden[torch.arange(B, device=self.device), chunk.n - 1][:, None])
             else:
@@ -495,8 +497,7 @@ class HybridRunner:
                 raise
         if prefill:  # with `chunk`, keys past a row's real tokens stay beyond its length: never visible
             n, counts = (torch.full((B,), T, device=self.device), [T] * B) if chunk is None else (chunk.n, chunk.counts)
-            self.kv.advance(n, host_counts=counts)
-            self.state.pool.seq_len[slots_t] += n
+            self.slots.advance(slots_t, n, counts)
         return RunnerOutput(logits, hidden, captured)
 
 

@@ -277,7 +277,7 @@ def test_tree_rounds_commit_plain_decode_state(setup, strategy, commit):
         state = engine.runner.state
         ssm, conv = state.committed_ssm(), state.pool.conv
         for r in rows:
-            s = engine.slots[r]
+            s = engine.lane_slots[r]
             snaps.append((list(rec.observed[r]), ssm[:, s].clone(), conv[:, s].clone(), int(state.committed_len(
                 torch.tensor([s]))[0])))
 

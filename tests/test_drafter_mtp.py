@@ -262,7 +262,7 @@ def test_save_load_round_trip(targets, trained):
     mine = mtp.make_drafter(net, gamma=4, topk=1)
     mine.bind(engine.target)
     slots = engine.runner.alloc(2)
-    engine.slots = slots
+    engine.lane_slots = slots
     try:
         contexts = []
         for b, (s, p) in enumerate(zip(slots, PROMPTS)):

@@ -124,7 +124,7 @@ def test_loads_both_spellings_and_first_level_matches(target, ckpt):
     with torch_fallbacks(), float64_everywhere():
         anchor = int(target(prompt[None]).logits[0, -1].argmax())
         slots = engine.runner.alloc(1)
-        engine.slots = slots
+        engine.lane_slots = slots
         try:
             out = engine.runner.prefill(slots[0], prompt, capture=tuple(LAYERS))
             drafter.begin([0], [prompt])

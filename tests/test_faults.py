@@ -458,7 +458,7 @@ def test_nonfinite_logits(target, prompts, fresh_after, mode, sample):
         slots = r.kv.slots.tolist()
         i, t = rng.randrange(logits.shape[0]), rng.randrange(logits.shape[1])
         logits[i, t, rng.randrange(logits.shape[2])] = rng.choice([math.nan, math.inf, -math.inf])
-        seen["row"] = engine.slots.index(slots[i])
+        seen["row"] = engine.lane_slots.index(slots[i])
         seen["position"] = int(r.kv.lengths[slots[i]]) + t  # a chain: depth t after the anchor
         seen["slots"] = slots
         seen["state"] = _committed(engine, slots)

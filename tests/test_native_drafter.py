@@ -154,7 +154,7 @@ def test_first_drafts_match_recomputation(saved, family):
         hidden = model.model(prompt[None]).last_hidden_state[0]  # the target's final normed hidden states
         anchor = int(model(prompt[None]).logits[0, -1].argmax())
         slots = engine.runner.alloc(1)
-        engine.slots = slots
+        engine.lane_slots = slots
         try:
             out = engine.runner.prefill(slots[0], prompt)
             ctx = torch.tensor(PROMPT + [anchor])

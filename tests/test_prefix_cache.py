@@ -19,6 +19,7 @@ from tiny_models import float64_everywhere, generate_f64, greedy_reference, tiny
 
 import specdec
 import test_generic_families as generic
+from specdec.kv_cache import feature_key
 from specdec.prefix_cache import PrefixCache, Entry
 from specdec.runner import HybridRunner
 
@@ -157,7 +158,7 @@ def _gen_eos(eng, prompt, gen):
 
 
 def _entry(n: int, nbytes_each: int = 8) -> Entry:
-    return Entry(n, torch.zeros(nbytes_each // 8, dtype=torch.float64), torch.zeros(0), [], {}, {})
+    return Entry(n, torch.zeros(nbytes_each // 8, dtype=torch.float64), torch.zeros(0), [], {})
 
 
 def test_eviction_is_least_recently_used_and_never_touches_a_pinned_entry():
@@ -177,9 +178,10 @@ def test_eviction_is_least_recently_used_and_never_touches_a_pinned_entry():
 
 
 def _tensors(e: Entry) -> list[torch.Tensor]:
-    """The entry's tensors, its KV read through its shared pages (a write into one of them shows here)."""
-    kv = [x for layer in (e.owner.store if e.owner is not None else {}) for x in e.kv(layer)]
-    return [e.conv, e.ssm, *kv, *e.features.values()]
+    """The entry's tensors, its KV and features read through its shared pages (a write into one of them shows
+    here)."""
+    kv = [x for key in (e.owner.store if e.owner is not None else {}) for x in e.read(key)]
+    return [e.conv, e.ssm, *kv]
 
 
 def check_page_holders(eng) -> None:
@@ -318,13 +320,15 @@ def test_an_entry_at_every_boundary_holds_the_state_of_its_prefix(mode):
     for n, (node, e) in sorted(entries.items()):
         s = fresh.alloc(1)[0]
         with torch_fallbacks(), float64_everywhere():
-            fresh.prefill(s, torch.tensor(_key(node)))
+            out = fresh.prefill(s, torch.tensor(_key(node)), capture=eng.drafter.feature_layers)
         pool = fresh.state.pool
         assert max_rel_err(e.ssm, pool.ssm[:, s]) < 1e-10 and max_rel_err(e.conv, pool.conv[:, s]) < 1e-10, n
-        for layer in e.owner.store:
-            ts = e.kv(layer)
-            held = fresh.kv.read(layer, torch.tensor([s]), n)
-            assert all(max_rel_err(t, x[0]) < 1e-10 for t, x in zip(ts, held)), n
+        features = {feature_key("hidden"): out.hidden[0], **{feature_key(i): x[0] for i, x in out.captured.items()}}
+        assert set(features) | set(fresh.kv.store) == set(e.owner.store)  # every KV layer and observed feature
+        for key in e.owner.store:
+            ts = e.read(key)
+            held = fresh.kv.read(key, torch.tensor([s]), n) if key in fresh.kv.store else [features[key][None, None]]
+            assert all(max_rel_err(t, x[0]) < 1e-10 for t, x in zip(ts, held)), (n, key)
         fresh.release([s])
 
 
@@ -341,7 +345,6 @@ def test_an_entry_shares_its_full_pages_and_copies_the_rest():
     """A 37-token prompt's entry holds its two full KV pages (shared with the slot it came from) and a copy of the
     last 5 tokens; a slot restored from it shares the two pages and writes the 5 into a page of its own; the KV it
     reads is the entry's; evicting every entry frees every page."""
-    from specdec import prefix_cache as pc
     eng = engine("qwen3_next", "ngram", MODES[0], prefix_cache=True, track_interval=64)
     prompt = list(range(5, 5 + 37))
     generate_f64(eng, [prompt], max_new_tokens=4)
@@ -354,12 +357,12 @@ def test_an_entry_shares_its_full_pages_and_copies_the_rest():
     s = r.alloc(1)[0]
     r.reserve([s], [60])
     with torch_fallbacks(), float64_everywhere():
-        pc.restore(r, e, s)
+        r.slots.restore(e, s)
     assert table.held[s][:len(e.pages)] == e.pages and table.held[s][len(e.pages)] not in e.pages
     assert all(table.refs[p] >= 2 for p in e.pages)
     for layer in r.kv.store:
         got = r.kv.read(layer, torch.tensor([s]), 37)
-        assert all(torch.equal(a[0], b) for a, b in zip(got, e.kv(layer)))
+        assert all(torch.equal(a[0], b) for a, b in zip(got, e.read(layer)))
     r.release([s])
     check_page_holders(eng)
     while eng.prefix_cache.evict_one():

@@ -14,7 +14,7 @@ from specdec.prefix_cache import Entry, PrefixCache
 
 
 def _entry(n: int, nbytes: int) -> Entry:
-    return Entry(n, torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(0), [], {}, {})
+    return Entry(n, torch.zeros(nbytes, dtype=torch.uint8), torch.zeros(0), [], {})
 
 
 def _key(node) -> tuple[int, ...]:
