@@ -97,7 +97,9 @@ class Config(DraftConfig):
     attends to every committed position, as 0 does here): a block attends to the last W committed positions only, in
     training and drafting alike (a sliding window, as Mistral's attention). Trained on windows of S tokens, a drafter
     never sees a context key more than S - block_size positions back; on longer prompts such keys only dilute its
-    attention, so W = S - block_size keeps drafting within what training covered.
+    attention, so W = S - block_size keeps drafting within what training covered. At run time the drafter then keeps
+    and reads only a ring of the last W positions (and a verify window) per request (`dspark_drafter.DSparkDrafter`),
+    so a round's cost and the cache's memory do not grow with the context.
     """
 
     kind: str = "dspark"

@@ -23,12 +23,19 @@ from .tree import DynamicTree, log_scores
 
 
 class DSparkDrafter(HeadDrafter):
-    """Drafts DSpark blocks. The context cache (each layer's K, V of the target features at every committed
-    position) is one buffer per layer, `[max_batch_size, H, cap, D]`, a row per request row, filled by
+    """Drafts DSpark blocks. The context cache (each layer's K, V of the target features at the committed
+    positions) is one buffer per layer, `[max_batch_size, H, cap, D]`, a row per request row, filled by
     `observe` for all rows at once; lengths are kept on the host (`length`) and, for the static draft step, read
-    from the target's committed lengths, which they equal. With static shapes the cache holds the target's whole
-    `max_length` from the first `observe` on, and `draft_step` drafts over all of it (masked per row), so the
-    engine runs drafting inside the round's device step (and a CUDA graph captures it with the verify)."""
+    from the target's committed lengths, which they equal.
+
+    A row holds position p at slot `p % cap`. Without a context window (`context_window` 0) the cache grows to hold
+    every position (it never wraps); with static shapes it holds the target's whole `max_length` from the first
+    `observe` on. With a window W a block reads only the last W positions, so the cache is a ring of at most
+    `W + num_verify_tokens` slots (`_ring`): the window, and room to drop one round's observed positions again
+    (`propose`). Drafting reads the first `span` slots (all of them once a row wraps) and masks each by the position
+    it holds, so a round's cost is bounded by the ring, not the context. `draft_step` drafts over the whole cache
+    (masked per row), so the engine runs drafting inside the round's device step (and a CUDA graph captures it with
+    the verify)."""
 
     name = "dspark"
     static_draft = True
@@ -41,7 +48,8 @@ class DSparkDrafter(HeadDrafter):
             raise ValueError(f"confidence_threshold: expected a number in [0, 1] (0 never truncates), got "
                              f"{confidence_threshold!r}")
         check_positive("max_batch_size", max_batch_size)
-        self.net = net.eval()  # gamma is only checked: each round drafts propose's gamma
+        self.net = net.eval()  # each round drafts propose's gamma; this one sizes the ring of an unbound drafter
+        self.gamma = gamma
         self.max_batch_size = max_batch_size
         self._tree_options(gamma, topk, num_nodes)
         if confidence_threshold > 0 and self.topk > 1:
@@ -57,9 +65,27 @@ class DSparkDrafter(HeadDrafter):
 
     def memory_specs(self, *, max_length: int, num_verify_tokens: int, gamma: int,
                      static: bool) -> dict[str, BufferSpec]:
-        """The context cache: each layer's K/V over the target's window (see `grown_kv_specs`)."""
-        return grown_kv_specs("dspark", [b.attn for b in self.net.layers], self.max_batch_size,
-                              max_length + num_verify_tokens, self.net.mask_embed.dtype, static=static)
+        """The context cache: each layer's K/V over the target's window (see `grown_kv_specs`), or with a context
+        window over the ring (`_ring`), which the cache reaches and never outgrows with either shapes."""
+        attns, dtype = [b.attn for b in self.net.layers], self.net.mask_embed.dtype
+        window = max_length + num_verify_tokens
+        ring = self._ring(num_verify_tokens)
+        if ring is not None:
+            return grown_kv_specs("dspark", attns, self.max_batch_size, min(ring, window), dtype, static=True)
+        return grown_kv_specs("dspark", attns, self.max_batch_size, window, dtype, static=static)
+
+    def _ring(self, num_verify_tokens: int | None = None) -> int | None:
+        """Slots per row of a windowed cache: the window W and one verify window (`num_verify_tokens`: the bound
+        target's, else this drafter's own), the positions a round may observe and `propose` drop again; None
+        without a window (the cache holds every position)."""
+        W = self.net.config.context_window
+        if not W:
+            return None
+        if num_verify_tokens is None:
+            target = getattr(self, "target", None)
+            num_verify_tokens = (target.num_verify_tokens if target is not None
+                                 else self.max_verify_tokens(self.gamma))
+        return W + num_verify_tokens
 
     def begin(self, rows, prompts):
         self._check_begin(rows)
@@ -75,15 +101,22 @@ class DSparkDrafter(HeadDrafter):
             self.length.pop(r, None)
 
     def _reserve(self, need: int, like: list[torch.Tensor]) -> None:
-        """Room for `need` positions per row (the buffers shaped after `like`'s K per layer `[B, H, n, D]`); with
-        static shapes the whole target `max_length` (plus a verify window) at once, so the span never changes."""
+        """Room for positions `0 .. need - 1` per row (the buffers shaped after `like`'s K per layer `[B, H, n, D]`),
+        never more than the ring (`_ring`), where later positions wrap; with static shapes the whole target
+        `max_length` (plus a verify window), or the ring, at once, so the span never changes. A cache grows only
+        before it wraps (its rows hold every position at its own index), so the slots it keeps stay valid."""
         cap = self.k[0].shape[2] if self.k else 0
+        ring = self._ring()
+        if ring is not None:
+            need = min(need, ring)
         if need <= cap:
             return
         if self._static_shapes():
             new = max(need, self.target.max_length + self.target.num_verify_tokens)
         else:
             new = max(need, 2 * cap, 64)
+        if ring is not None:
+            new = min(new, ring)
         for buf in (self.k, self.v):
             for j, x in enumerate(like):
                 with outside_inference():
@@ -98,14 +131,16 @@ class DSparkDrafter(HeadDrafter):
     @torch.no_grad()
     def observe(self, rows, tokens, hidden, features):
         """Every row's new committed positions in one pass: their features padded to the longest, one context
-        projection and one indexed write per layer (a row's padding lands past its length: never read)."""
+        projection and one indexed write per layer (a row's padding is not written). With a context window only
+        each row's last ring's worth of new positions are projected and written: the earlier ones would be
+        overwritten before any block reads them."""
         net = self.net
         counts = [int(t.shape[0]) for t in tokens]
         M = max(counts, default=0)
         if M == 0:
             return
         dtype = net.mask_embed.dtype
-        feats = [padded(features[l]).to(dtype) for l in self.feature_layers]  # per layer [B, M, d]
+        feats = [padded(features[l]) for l in self.feature_layers]  # per layer [B, M, d]
         dev = feats[0].device
         starts = [self.length.setdefault(r, 0) for r in rows]
         if self.len_t is None:  # rows observed without `begin`: they start at 0
@@ -114,14 +149,25 @@ class DSparkDrafter(HeadDrafter):
         rows_t = self._index(list(rows), dev)
         # the starts from the device lengths (`begin` zeroes them), the counts from the engine: no host copy
         start_t = self.len_t[rows_t]
-        pos = start_t[:, None] + torch.arange(M, device=dev)  # [B, M]
-        kv = net.context_kv(net.context(feats), pos)  # per layer [B, H, M, D]
+        count_t = observed_counts(tokens, dev)
+        ring = self._ring()
+        if ring is not None and M > ring:  # each row's last `ring` columns (its count's end), fewer for short rows
+            cols = count_t[:, None] - ring + torch.arange(ring, device=dev)  # [B, ring]
+            at_col = cols.clamp(min=0)[..., None]
+            feats = [f.gather(1, at_col.expand(-1, -1, f.shape[-1])) for f in feats]
+        else:
+            cols = torch.arange(M, device=dev).expand(rows_t.shape[0], M)  # [B, M]
+        keep = (cols >= 0) & (cols < count_t[:, None])  # [B, n]: the row's own new positions
+        pos = start_t[:, None] + cols  # [B, n]
+        kv = net.context_kv(net.context([f.to(dtype) for f in feats]), pos)  # per layer [B, H, n, D]
         self._reserve(max(starts) + M, [k for k, _ in kv])
-        at = (rows_t[:, None], slice(None), pos)
+        # n <= cap here (`_reserve`), so a row's n slots are distinct: the masked write touches each once
+        at = (rows_t[:, None], slice(None), pos % self.k[0].shape[2])
+        keep = keep[..., None, None]
         for ck, cv, (k, v) in zip(self.k, self.v, kv):
-            ck[at] = k.transpose(1, 2)
-            cv[at] = v.transpose(1, 2)
-        self.len_t[rows_t] = start_t + observed_counts(tokens, dev)
+            ck[at] = torch.where(keep, k.transpose(1, 2), ck[at])
+            cv[at] = torch.where(keep, v.transpose(1, 2), cv[at])
+        self.len_t[rows_t] = start_t + count_t
         for r, n in zip(rows, counts):
             self.length[r] += n
 
@@ -139,6 +185,7 @@ class DSparkDrafter(HeadDrafter):
                 raise ValueError(f"dspark: no target features observed for row {r}")
             want = ctx.shape[0] - 1  # every committed position; the last context token is the anchor
             if have > want:  # positions observed past the context: dropped (their cache entries are overwritten)
+                self._check_drop(r, have, want)
                 self.length[r] = have = want
                 dropped = True
             if have != want:
@@ -148,7 +195,17 @@ class DSparkDrafter(HeadDrafter):
         rows_t = self._index(list(rows), dev)
         if dropped:  # the device lengths follow (one copy, on this path only)
             self.len_t[rows_t] = torch.tensor(lengths, dtype=torch.long, device=dev)
-        return self._draft(rows_t, self.len_t[rows_t], anchors, gamma, max(lengths), sampling, generator)
+        # slots past the longest row's length hold nothing yet (a row wraps only past the whole cache)
+        span = min(max(lengths), self.k[0].shape[2])
+        return self._draft(rows_t, self.len_t[rows_t], anchors, gamma, span, sampling, generator)
+
+    def _check_drop(self, row: int, have: int, want: int) -> None:
+        """A row cut back from `have` to `want` positions still holds the window before `want`: a ring keeps the
+        last `cap` positions observed, `cap - W` more than a block reads."""
+        W, cap = self.net.config.context_window, self.k[0].shape[2]
+        if W and have > cap and have - want > cap - W:
+            raise ValueError(f"dspark: row {row} drops {have - want} observed positions, more than its context "
+                             f"cache keeps beyond the window ({cap - W})")
 
     @torch.no_grad()
     def draft_step(self, rows, rows_t, slots_t, anchors, gamma, *, sampling=None, generator=None) -> DraftBlock:
@@ -166,13 +223,17 @@ class DSparkDrafter(HeadDrafter):
 
     def _draft(self, rows_t, lens, anchors, gamma, span, sampling, generator) -> DraftBlock:
         """The block after `anchors [B]` of rows `rows_t [B]` whose contexts hold `lens [B]` positions, reading the
-        first `span` (>= every length) positions of the cache."""
+        first `span` slots of the cache (every slot that holds one of the rows' positions: all of them once a
+        row wraps), each visible as the position it holds is (`Net.context_visible`)."""
         net = self.net
         B, dev = rows_t.shape[0], anchors.device
         G = max(gamma, net.config.block_size)
+        cap = self.k[0].shape[2]
         kv = [(k[rows_t, :, :span], v[rows_t, :, :span]) for k, v in zip(self.k, self.v)]
-        ok = torch.cat([net.context_visible(torch.arange(span, device=dev), lens),
-                        torch.ones(B, G, dtype=torch.bool, device=dev)], 1)  # [B, span + G]: every slot alike
+        last = lens[:, None] - 1
+        held = last - (last - torch.arange(span, device=dev)) % cap  # [B, span]: the latest position at each slot
+        ctx_ok = (held >= 0) & net.context_visible(held, lens)  # negative: a slot no position reached yet
+        ok = torch.cat([ctx_ok, torch.ones(B, G, dtype=torch.bool, device=dev)], 1)  # [B, span + G]: every slot alike
         pos = lens[:, None] + torch.arange(G, device=dev)
         h = net.block_hidden(anchors[:, None], pos, kv, ok[:, None])[:, :gamma]  # [B, gamma, d]
         base = net.lm_head(h)
