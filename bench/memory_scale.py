@@ -98,7 +98,7 @@ def rows_per_round(engine) -> list[int]:
 def part_a(model, tokenizer, a) -> dict:
     lengths = [int(x) for x in common.split_list(a.conv_lengths)]
     engine = specdec.wrap(model, drafter=a.drafter, max_batch_size=1, max_length=max(lengths) + 1024,
-                          prefix_cache=4 << 30)  # no eviction up to 32k tokens
+                          prefix_cache=4 << 30, states_per_path=a.states_per_path)  # no eviction up to 32k tokens
     from specdec.kv_cache import token_bytes
     per_token = token_bytes(engine.memory_plan.parts["KV cache"])
     hist, out, offset = [], [], 0
@@ -181,7 +181,7 @@ def part_e(model, tokenizer, a) -> dict:
     its output equals an engine's without the cache."""
     ids = text_ids(tokenizer, a.agent_tokens)
     kw = dict(drafter=a.drafter, max_batch_size=1, max_length=a.agent_tokens + 512)
-    cached = specdec.wrap(model, prefix_cache=int(a.agent_cache_mib * MiB), **kw)
+    cached = specdec.wrap(model, prefix_cache=int(a.agent_cache_mib * MiB), states_per_path=a.states_per_path, **kw)
     plain = specdec.wrap(model, **kw)
     t0 = time.perf_counter()
     cached.generate(torch.tensor(ids), max_new_tokens=8, eos_token_id=None)
@@ -195,8 +195,8 @@ def part_e(model, tokenizer, a) -> dict:
                          identical=torch.equal(got.sequences, want.sequences),
                          cache_bytes=cached.prefix_cache.bytes))
     mem = cached.memory()
-    print(f"(e) agent loop: {a.agent_tokens} tokens in a {a.agent_cache_mib:g} MiB prefix cache, edited every "
-          f"{a.agent_step} ({built:.1f} s to build)")
+    print(f"(e) agent loop: {a.agent_tokens} tokens in a {a.agent_cache_mib:g} MiB prefix cache (states_per_path "
+          f"{a.states_per_path}), edited every {a.agent_step} ({built:.1f} s to build)")
     print(f"{'edit':>6} {'cached':>7} {'gap':>5} {'identical':>10} {'cache MiB':>10}")
     for r in rows:
         print(f"{r['edit']:>6} {r['cached_tokens']:>7} {r['gap']:>5} {str(r['identical']):>10} "
@@ -510,6 +510,8 @@ def main(argv=None) -> dict:
     p.add_argument("--agent-tokens", type=int, default=17500, help="(e): the conversation's tokens")
     p.add_argument("--agent-step", type=int, default=2000, help="(e): an edit every this many tokens")
     p.add_argument("--agent-cache-mib", type=float, default=64, help="(e): the prefix cache's budget")
+    p.add_argument("--states-per-path", type=int, default=None,
+                   help="(a) and (e): the prefix cache's cap on entries per path (SpecConfig.states_per_path)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     parts = common.split_list(a.parts)

@@ -111,7 +111,7 @@ class EngineParts:
         self.drafter.bind(self.target)
         self.prefix_cache = self._cached = None
         if cfg.prefix_cache:  # the tree, and its side toward the runner's slots
-            self.prefix_cache = PrefixCache(check_budget(cfg.prefix_cache, self.runner))
+            self.prefix_cache = PrefixCache(check_budget(cfg.prefix_cache, self.runner), cfg.states_per_path)
             self._cached = CachedSlots(self.prefix_cache, self.runner.slots, self.runner.prefill_batch,
                                        cfg.track_interval, self.runner.features)
         gen = getattr(model, "generation_config", None)

@@ -52,6 +52,11 @@ class SpecConfig:
     order otherwise (it never fails mid-generation). None (default): pages for `max_length` tokens in every slot.
     track_interval: with `prefix_cache`, the token interval at which a request's state is tracked, so that a
     finished request also leaves entries at its last two multiples of it.
+    states_per_path: with `prefix_cache`, the most entries one path from the tree's root keeps (None, the default: no
+    cap; SGLang's `--mamba-max-states-per-path`). Past it the path is thinned evenly: the entry whose loss leaves the
+    shortest gap between its neighbours goes (its KV pages stay with the deeper entries), never a fork, a pinned
+    entry or the newest, so a long conversation keeps recurrent states at spread-out points of its history, not only
+    near its end.
     """
 
     drafter: object = "ngram"
@@ -67,6 +72,7 @@ class SpecConfig:
     cpu_linear: str = "auto"
     prefix_cache: bool | int = False
     track_interval: int = 256
+    states_per_path: int | None = None
     memory: int | float | None = None
 
     def __post_init__(self) -> None:
@@ -94,6 +100,9 @@ class SpecConfig:
         if not isinstance(self.track_interval, int) or isinstance(self.track_interval, bool) \
                 or self.track_interval < 1:
             raise ValueError(f"track_interval: expected an int >= 1, got {self.track_interval!r}")
+        k = self.states_per_path
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 2):
+            raise ValueError(f"states_per_path: expected None (no cap) or an int >= 2, got {k!r}")
         pc = self.prefix_cache
         if not isinstance(pc, (bool, int)) or (not isinstance(pc, bool) and pc < 1):
             raise ValueError(f"prefix_cache: expected False, True or a byte budget (an int >= 1), got {pc!r}")

@@ -45,16 +45,19 @@ class _Node:
 
 
 class PrefixCache:
-    """Radix tree of `Entry`s over token ids, within `budget` bytes (LRU eviction of unpinned entries)."""
+    """Radix tree of `Entry`s over token ids, within `budget` bytes (LRU eviction of unpinned entries), at most
+    `per_path` entries on one path from the root (None: no cap; `SpecConfig.states_per_path`: thinned evenly)."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, per_path: int | None = None):
         self.budget = int(budget)
+        self.per_path = per_path
         self.root = _Node((), None)
         self.bytes = 0
         self.clock = 0
         # over the cache's life: lookups, hits (a lookup that found an entry), cached_tokens (prompt tokens served
         # from entries), inserted, evicted, skipped (an entry larger than the whole budget)
-        self.stats = dict.fromkeys(("lookups", "hits", "cached_tokens", "inserted", "evicted", "skipped"), 0)
+        # thinned: entries dropped for the per-path cap
+        self.stats = dict.fromkeys(("lookups", "hits", "cached_tokens", "inserted", "evicted", "skipped", "thinned"), 0)
 
     # ---- lookup ------------------------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], limit: int, *, touch: bool = True) -> Entry | None:
@@ -110,7 +113,31 @@ class PrefixCache:
         node.entry = entry
         self.bytes += entry.nbytes
         self.stats["inserted"] += 1
+        if self.per_path is not None:
+            self._thin(node)
         return entry
+
+    def _thin(self, node: _Node) -> None:
+        """While the path from the root to `node` holds more than `per_path` entries, drop the one whose loss leaves
+        the shortest gap between the entries (or the root) beside it; forks (a node with several children: other
+        paths go through it), pinned entries and `node`'s own are kept, so the cap is soft where only those are
+        left."""
+        path = []
+        n = node
+        while n is not self.root:
+            if n.entry is not None:
+                path.append(n)
+            n = n.parent
+        path.reverse()  # root first
+        while len(path) > self.per_path:
+            lengths = [0] + [p.entry.length for p in path]
+            gaps = [(lengths[i + 2] - lengths[i], i) for i in range(len(path) - 1)
+                    if len(path[i].children) < 2 and path[i].entry.pins == 0]
+            if not gaps:
+                return
+            _, i = min(gaps)
+            self.stats["thinned"] += 1
+            self._drop(path.pop(i), count=False)
 
     def _node(self, tokens: tuple[int, ...]) -> _Node:
         """The node at the end of `tokens`, made (splitting an edge where `tokens` ends or turns inside it)."""
@@ -155,11 +182,12 @@ class PrefixCache:
         self._drop(min(victims, key=lambda ne: ne[1].used)[0])
         return True
 
-    def _drop(self, node: _Node) -> None:
+    def _drop(self, node: _Node, *, count: bool = True) -> None:
         e = node.entry
         node.entry = None
         self.bytes -= e.nbytes
-        self.stats["evicted"] += 1
+        if count:
+            self.stats["evicted"] += 1
         e.free()
         self._prune(node)
 

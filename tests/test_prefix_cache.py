@@ -92,6 +92,24 @@ def test_greedy_equals_no_cache(family, drafter, mode):
         assert seq[len(prompt):] == greedy_reference(target(family), prompt, NEW)[len(prompt):]
 
 
+def test_a_path_cap_keeps_the_output_and_thins_the_entries():
+    """With at most 2 entries per path the conversation's outputs are those of no cache, and the cache thinned
+    entries (every page still held by exactly its holders)."""
+    plain = engine("qwen3_next", "eagle", MODES[0])
+    capped = engine("qwen3_next", "eagle", MODES[0], prefix_cache=True, track_interval=INTERVAL, states_per_path=2)
+    want, _ = run_conversation(plain, 0)
+    got, cached = run_conversation(capped, 0)
+    assert got == want and cached[0] == 0 and sum(cached) > 0
+    assert capped.prefix_cache.stats["thinned"] > 0
+    check_page_holders(capped)
+
+
+@pytest.mark.parametrize("bad", [1, 0, True, 2.0, "4"])
+def test_a_bad_states_per_path_is_refused(bad):
+    with pytest.raises(ValueError, match=r"states_per_path: expected None \(no cap\) or an int >= 2, got"):
+        specdec.SpecConfig(states_per_path=bad)
+
+
 def test_sampling_with_a_seed_equals_no_cache():
     plain = engine("kimi_linear", "eagle", MODES[0])
     cached_eng = engine("kimi_linear", "eagle", MODES[0], prefix_cache=True, track_interval=INTERVAL)
