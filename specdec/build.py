@@ -3,7 +3,9 @@ device step and CUDA graphs, the drafter's view of the target, and the checks of
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from dataclasses import fields
 
 import torch
@@ -99,7 +101,15 @@ class EngineParts:
         # the round's device step (inputs, draft step, verify + accept, commit), called by `_round` and the graphs
         self.round_step = RoundStep(self.runner, self.drafter, cfg, self.buckets, self._index)
         self._graphs = RoundGraphs(self) if cfg.cuda_graph else None
-        self.lane_slots: list = []  # target slot of each lane (a drafter row) of the running generate call
+        self.lane_slots: list = []  # target slot of each lane (a drafter row)
+        # the request loop (`SpecEngine.step`): lanes (made at the first step), the queue, one step at a time
+        self._lanes = None
+        self._waiting: collections.deque = collections.deque()
+        self._queue_lock = threading.Condition()  # the queue's; the background loop waits on it for work
+        self._step_lock = threading.RLock()
+        self._stepping = threading.local()  # this thread is inside a step
+        self._thread: threading.Thread | None = None
+        self._halt = False
         runner = self.runner
         self.target = TargetView(model=target, kv=getattr(runner, "kv", None),
                                  supports_tree=isinstance(runner, HybridRunner),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from specdec.verify import sample_token
 from . import cpu_linear, generation
 from .build import EngineParts
 from .config import SpecConfig
+from .requests import Request
 from .runner import HybridRunner, index_tensor
 from .stats import SpecStats
 
@@ -60,35 +63,14 @@ class GenerateOutput:
     finish_reasons: list[str]
 
 
-@dataclass
-class _Run:
-    """One `generate` call, as its admissions and rounds read it: how it decodes (`sampling`, `max_new` per request,
-    the stop ids `eos`), its sampling streams (`gen`: first tokens and acceptance; `draft_gen`: the drafter's, its
-    own under tensor parallelism), its counters and streamer, and its requests by index: prompts `[P]` on the
-    target's device, host histories (prompt, committed tokens, the anchor last) and new tokens."""
-
-    sampling: object
-    max_new: int
-    eos: set[int]
-    gen: torch.Generator | None
-    draft_gen: torch.Generator | None
-    stats: SpecStats
-    streamer: object
-    prompts: list[torch.Tensor]
-    hist: list[list[int]]
-    out: list[list[int]]
-    worst: list[int]  # each request's worst case in KV tokens: prompt, new tokens and a verify window
-
-
 class _Lanes:
-    """The requests in flight of one `generate` call, one per lane (a lane is a drafter row, < max_batch_size):
-    target slot (None: free) and the request's host lists (`hist`, `out`) per lane; device token buffer
-    `tok [L, W]`, lengths `lens [L]` and anchors `anchors [L]`."""
+    """The engine's lanes (a lane is a drafter row, < max_batch_size): per lane its request (None: free) and that
+    request's target slot; device token buffer `tok [L, W]` (W = max_length + 1), lengths `lens [L]` and anchors
+    `anchors [L]`, which rounds update without a host round trip."""
 
     def __init__(self, L: int, tok: torch.Tensor):
+        self.req: list[Request | None] = [None] * L
         self.slot: list = [None] * L
-        self.hist: list = [None] * L
-        self.out: list = [None] * L
         self.tok = tok
         self.lens = torch.zeros(L, dtype=torch.long, device=tok.device)
         self.anchors = torch.zeros(L, dtype=torch.long, device=tok.device)
@@ -96,11 +78,17 @@ class _Lanes:
     def held(self) -> list[int]:
         return [l for l, s in enumerate(self.slot) if s is not None]
 
+    def free(self) -> list[int]:
+        return [l for l, r in enumerate(self.req) if r is None]
+
 
 class SpecEngine(EngineParts):
-    """Lossless speculative decoding for one target model (see `specdec.wrap`): the request loop of `generate`.
-    What an engine is built from (checks, drafter, target runner, memory plan, round step) is `EngineParts`."""
+    """Lossless speculative decoding for one target model (see `specdec.wrap`): the request loop. Requests come from
+    `submit` (online: tokens as they are committed, `Request.cancel`) or `generate` (transformers' call, submit +
+    step until done); `step` runs one round of the loop; `start` / `stop` run it in a background thread. What an
+    engine is built from (checks, drafter, target runner, memory plan, round step) is `EngineParts`."""
 
+    # ---- requests in -----------------------------------------------------------------------------------------
     @torch.inference_mode()
     @cpu_linear.engaged()
     def generate(self, input_ids=None, generation_config=None, *, attention_mask=None, seed: int | None = None,
@@ -116,9 +104,11 @@ class SpecEngine(EngineParts):
         (`specdec.generation.resolve_settings`). seed: the sampling stream's seed. streamer: a transformers streamer
         (one prompt), fed as tokens are committed.
 
-        Any number of prompts: at most `max_batch_size` run at once (the lanes), the rest wait in order and
-        take a lane as soon as one is free (continuous batching: a finished request's lane is refilled before
-        the next round, so the batch stays full while requests wait). Output rows follow the input order.
+        Any number of prompts: they join the engine's queue in order (`submit`), at most `max_batch_size` run at
+        once (the lanes), the rest wait and take a lane as soon as one is free (continuous batching: a finished
+        request's lane is refilled before the next round). The call steps the request loop until its requests end
+        (with `start`, the background loop does). A request that fails raises its error here, and the call's other
+        requests are withdrawn. Output rows follow the input order.
 
         Runs under `torch.inference_mode` (no autograd bookkeeping per op); what the engine keeps across calls stays
         normal tensors, so its runner and drafter can be driven outside it, and `sequences` is a normal tensor. Runs
@@ -126,6 +116,49 @@ class SpecEngine(EngineParts):
         their first use in each call, so weights updated between calls (however: an optimizer step, a write through
         `.data`) are the ones used."""
         t0 = time.perf_counter()
+        given, settings, reqs = self._requests(input_ids, attention_mask, generation_config, seed, streamer, kwargs)
+        stats = reqs[0].stats
+        try:
+            self._enqueue(reqs)
+            self._drive(reqs)
+        finally:
+            try:
+                self._withdraw(reqs)
+            finally:
+                if streamer is not None:
+                    streamer.end()
+        stats.timings["total"] = time.perf_counter() - t0
+        pad = settings.pad_token_id
+        out_tokens = [r.out for r in reqs]
+        counts = [len(o) for o in out_tokens]
+        with outside_inference():  # the caller's tensor: a normal one, as transformers' generate returns
+            if given.block is not None:  # the prompt block as given, then the new tokens (transformers' layout)
+                new = torch.tensor([o + [pad] * (max(counts) - len(o)) for o in out_tokens], dtype=torch.long)
+                seqs = torch.cat([given.block.detach().cpu().long(), new], 1)
+            else:  # prompts of different lengths: each followed by its new tokens, right-padded
+                rows_out = [r.hist[:r.prompt.numel()] + r.out for r in reqs]
+                width = max(len(r) for r in rows_out)
+                seqs = torch.tensor([r + [pad] * (width - len(r)) for r in rows_out], dtype=torch.long)
+        return GenerateOutput(seqs, stats, counts, [r.finish_reason for r in reqs])
+
+    @torch.inference_mode()
+    def submit(self, prompt, generation_config=None, *, seed: int | None = None, **kwargs) -> Request:
+        """Queue one prompt (a `[P]` tensor or a list of ints) and return its `Request` at once: its tokens arrive as
+        they are committed (iterate it, `async for` it, or `result()`), `cancel()` ends it at the next round
+        boundary. The keywords are `generate`'s (its config merged the same way); `seed` gives it a sampling stream
+        of its own (requests without one share the engine's). The request runs when the loop steps: `step()`, or
+        the background loop of `start()`."""
+        if self.tp is not None:
+            raise ValueError("submit: not with tp_group (every rank must run the same requests in the same rounds; "
+                             "call generate on every rank)")
+        _, _, reqs = self._requests(prompt, None, generation_config, seed, None, kwargs, one=True)
+        self._enqueue(reqs)
+        return reqs[0]
+
+    def _requests(self, input_ids, attention_mask, generation_config, seed, streamer, kwargs: dict, *,
+                  one: bool = False) -> tuple[generation.Prompts, generation.Settings, list[Request]]:
+        """A call's prompts and settings read and checked (`specdec.generation`), as requests sharing one counter
+        set and one sampling stream (`seed`); `one`: exactly one prompt."""
         extras = {k: kwargs.pop(k) for k in generation.TOKENIZER_EXTRAS if k in kwargs}
         generation.check_call(generation_config, kwargs)
         own = getattr(self.model, "generation_config", None)
@@ -134,18 +167,20 @@ class SpecEngine(EngineParts):
         eos = generation.eos_ids(merged.eos_token_id)
         given, prompts, host_prompts = self._prompts(input_ids, attention_mask, extras=extras,
                                                      pad_token_id=merged.pad_token_id, eos=eos)
+        if one and len(prompts) != 1:
+            raise ValueError(f"prompt: expected one prompt (a 1-D tensor or a list of ints), got {len(prompts)}")
         settings = generation.resolve_settings(merged, own, generation_config, kwargs, eos=eos, prompts=given,
                                                max_length=self.max_length, fallback_pad=self.pad_token_id)
-        N = len(prompts)
-        sampling, max_new_tokens, eos_set = settings.sampling, settings.max_new_tokens, settings.eos
+        sampling, max_new_tokens = settings.sampling, settings.max_new_tokens
         longest = max(p.numel() for p in prompts)
         if longest + max_new_tokens > self.max_length:
             raise ValueError(f"max_new_tokens: prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
                              f"max_length {self.max_length}")
-        if self.runner.num_free < 1:
-            raise ValueError("max_batch_size: no free slot (every one is held by a running generate call)")
-        if streamer is not None and N != 1:
+        if streamer is not None and len(prompts) != 1:
             raise ValueError("streamer: streaming supports a single prompt")
+        if getattr(self._stepping, "on", False):
+            raise RuntimeError("generate: called from inside a step of this engine (a streamer or drafter calling "
+                               "back): the request loop runs one step at a time")
         gen = None
         if self.tp is not None and sampling.do_sample:  # one sampling stream on every rank
             seed = self.tp.agree_seed(seed)
@@ -156,95 +191,211 @@ class SpecEngine(EngineParts):
         draft_gen = gen if self.tp is None or gen is None else \
             torch.Generator(device=self.runner.device).manual_seed(seed + 1)
         stats = SpecStats()
-        L = min(N, self.runner.num_free)
-        dev = self.runner.device
-        out_tokens: list[list[int]] = [[] for _ in range(N)]
-        hist = [list(p) for p in host_prompts]  # host mirror of every request's tokens (prompt, committed, anchor)
-        worst = [p.numel() + max_new_tokens + self.target.num_verify_tokens for p in prompts]
-        run = _Run(sampling, max_new_tokens, eos_set, gen, draft_gen, stats, streamer, prompts, hist, out_tokens,
-                   worst)
-        # per lane: its target slot and its request's host lists; the device token buffer, lengths and anchors
-        # are per lane too, and rounds update them without a host round trip
-        W = longest + max_new_tokens + 1
-        lanes = _Lanes(L, torch.full((L, W), self.pad_token_id, dtype=torch.long, device=dev))
-        self.lane_slots = lanes.slot
-        waiting = list(range(N - 1, -1, -1))  # requests not yet admitted, next one last
-        free, active = list(range(L)), []  # lanes without a request; lanes whose request goes on
-        try:
-            while True:
-                ids, reqs = [], []  # admitted in order while lanes are free and their pages fit
-                # (each check sizes every chosen request again: an eviction may take the prefix one would share)
-                while free and waiting:
-                    if self.runner.fits([self._fresh(worst[r], hist[r]) for r in reqs + [waiting[-1]]]):
-                        ids.append(free.pop(0))
-                        reqs.append(waiting.pop())
-                    elif self.prefix_cache is None or not self.prefix_cache.evict_one():  # entries hold pages too
-                        break
-                if ids:
-                    going = self._admit(lanes, ids, reqs, run)
-                    ended = [l for l in ids if l not in going]  # ended at their first token
-                    active = sorted(active + going)
-                    if ended:
-                        self._retire(lanes, ended, publish=True)
-                        free = sorted(free + ended)
-                        continue
-                if not active:
-                    if waiting:  # cannot happen: the page pool holds a request at max_length (`memory.pages_within`)
-                        raise RuntimeError(f"memory: request {waiting[-1]} ({worst[waiting[-1]]} tokens) does not fit "
-                                           f"the KV page pool even with nothing running")
-                    break
-                self._round(active, lanes, run)
-                done = [l for l in active if self._done(lanes.out[l], max_new_tokens, eos_set)]
-                if done:
-                    active = [l for l in active if l not in done]
-                    self._retire(lanes, done, publish=True)
-                    free = sorted(free + done)
-        except BaseException:  # anything (KeyboardInterrupt included) after slots were taken: drop the open
-            self._abort(lanes.held())  # round everywhere; the finally clause returns the slots
-            raise
-        finally:
-            self.lane_slots = []
-            try:
-                self._retire(lanes, lanes.held())
-            finally:
-                if streamer is not None:
-                    streamer.end()
-        stats.timings["total"] = time.perf_counter() - t0
-        pad = settings.pad_token_id
-        counts = [len(o) for o in out_tokens]
-        with outside_inference():  # the caller's tensor: a normal one, as transformers' generate returns
-            if given.block is not None:  # the prompt block as given, then the new tokens (transformers' layout)
-                new = torch.tensor([o + [pad] * (max(counts) - len(o)) for o in out_tokens], dtype=torch.long)
-                seqs = torch.cat([given.block.detach().cpu().long(), new], 1)
-            else:  # prompts of different lengths: each followed by its new tokens, right-padded
-                rows_out = [p + o for p, o in zip(host_prompts, out_tokens)]
-                width = max(len(r) for r in rows_out)
-                seqs = torch.tensor([r + [pad] * (width - len(r)) for r in rows_out], dtype=torch.long)
-        reasons = ["stop" if o and o[-1] in eos_set else "length" for o in out_tokens]
-        return GenerateOutput(seqs, stats, counts, reasons)
+        verify = self.target.num_verify_tokens
+        reqs = [Request(p, list(h), max_new_tokens, settings.eos, sampling, gen, draft_gen, stats,
+                        streamer, index=i, worst=p.numel() + max_new_tokens + verify)
+                for i, (p, h) in enumerate(zip(prompts, host_prompts))]
+        return given, settings, reqs
 
-    def _admit(self, lanes: "_Lanes", ids: list[int], reqs: list[int], run: "_Run") -> list[int]:
+    def _enqueue(self, reqs: list[Request]) -> None:
+        with self._queue_lock:
+            self._waiting.extend(reqs)
+            self._queue_lock.notify_all()
+
+    def _drive(self, reqs: list[Request]) -> None:
+        """Until `reqs` end: step the loop here (or, while the background loop runs, wait for it); the first failed
+        request's error is raised at once."""
+        while not all(r.done for r in reqs):
+            if self._thread is not None:
+                for r in reqs:
+                    r._ended.wait()
+            else:
+                self.step()
+            err = next((r.error for r in reqs if r.error is not None), None)
+            if err is not None:
+                raise err
+
+    def _withdraw(self, reqs: list[Request]) -> None:
+        """`reqs` that have not ended leave the loop now: out of the queue, or retired from their lanes (publishing
+        nothing); a round in flight is not theirs (steps hold the step lock)."""
+        if all(r.done for r in reqs):
+            return
+        with self._step_lock:
+            gone = {id(r) for r in reqs if not r.done}
+            with self._queue_lock:
+                self._waiting = collections.deque(r for r in self._waiting if id(r) not in gone)
+            lanes = self._lanes
+            held = [] if lanes is None else [l for l, r in enumerate(lanes.req) if r is not None and id(r) in gone]
+            try:
+                if held:
+                    self._retire(held, publish=False, status="cancelled")
+            finally:
+                for r in reqs:
+                    if not r.done:
+                        r._end("cancelled")
+
+    # ---- the request loop -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One step of the request loop: cancelled requests leave (their lanes and slots freed; what they committed
+        stays, and is cached), waiting requests are admitted in order while lanes are free and their worst case's
+        KV pages fit, then one round runs per group of running requests that decode alike (`Request.key`), and
+        finished requests leave. An exception in an admission or a round fails only the requests it carried (with
+        it; nothing of that round is committed), and the engine goes on; an interrupt (a BaseException that is not an
+        Exception) fails them too and propagates. -> whether requests remain (running or waiting)."""
+        with self._step_lock:
+            self._stepping.on = True
+            try:
+                with cpu_linear.engaged():
+                    self._step()
+            finally:
+                self._stepping.on = False
+            with self._queue_lock:
+                return bool(self._waiting) or any(r is not None for r in self._lanes.req)
+
+    def _step(self) -> None:
+        lanes = self._lanes_ready()
+        self.lane_slots = lanes.slot  # the drafters' view of the lanes' slots (`TargetView.slots`)
+        cancelled = [l for l, r in enumerate(lanes.req) if r is not None and r._cancel]
+        if cancelled:
+            self._retire(cancelled, publish=True, status="cancelled")
+        self._admit_waiting(lanes)
+        running = [l for l, r in enumerate(lanes.req) if r is not None]
+        groups: dict[tuple, list[int]] = {}
+        for l in running:
+            groups.setdefault(lanes.req[l].key, []).append(l)
+        for active in groups.values():
+            try:
+                self._round(active, lanes)
+                done = [l for l in active if self._done(lanes.req[l])]
+                if done:
+                    self._retire(done, publish=True)
+            except BaseException as e:
+                self._fail(active, e)
+                if not isinstance(e, Exception):
+                    raise
+
+    def _admit_waiting(self, lanes: "_Lanes") -> None:
+        """Admit waiting requests in order while a lane is free and their worst cases' pages fit (each check sizes
+        every chosen request again: an eviction may take the prefix one would share); those that end at their first
+        token leave at once and their lanes are refilled."""
+        while True:
+            free = lanes.free()
+            ids, reqs = [], []
+            with self._queue_lock:
+                pending = [r for r in self._waiting if not r._cancel]
+                for r in self._waiting:
+                    if r._cancel:
+                        r._end("cancelled")
+                self._waiting = collections.deque(pending)
+            while free and pending:
+                if self.runner.fits([self._fresh(r.worst, r.hist) for r in reqs + [pending[0]]]):
+                    ids.append(free.pop(0))
+                    reqs.append(pending.pop(0))
+                elif self.prefix_cache is None or not self.prefix_cache.evict_one():  # entries hold pages too
+                    break
+            if not ids:
+                if pending and not any(r is not None for r in lanes.req):
+                    # cannot happen: the page pool holds a request at max_length (`memory.pages_within`)
+                    raise RuntimeError(f"memory: a request of {pending[0].worst} tokens does not fit the KV page "
+                                       f"pool even with nothing running")
+                return
+            with self._queue_lock:
+                taken = {id(r) for r in reqs}
+                self._waiting = collections.deque(r for r in self._waiting if id(r) not in taken)
+            try:
+                going = self._admit(lanes, ids, reqs)
+            except BaseException as e:
+                self._fail([l for l in ids if lanes.req[l] is not None], e, reqs=reqs)
+                if not isinstance(e, Exception):
+                    raise
+                continue
+            ended = [l for l in ids if l not in going]  # ended at their first token
+            if not ended:
+                return
+            self._retire(ended, publish=True)
+
+    def _fail(self, ids: list[int], error: BaseException, *, reqs: list[Request] = ()) -> None:
+        """An admission or a round of lanes `ids` raised: drop what is open, let go of their slots (publishing
+        nothing) and end their requests (and `reqs`, requests of an admission not yet in a lane) with `error`."""
+        lanes = self._lanes
+        hit = [lanes.req[l] for l in ids if lanes.req[l] is not None]
+        try:
+            self._abort(ids)
+        finally:
+            try:
+                self._retire([l for l in ids if lanes.slot[l] is not None or lanes.req[l] is not None],
+                             publish=False, status=None)
+            finally:
+                for r in {id(r): r for r in [*hit, *reqs]}.values():
+                    if not r.done:
+                        r._end("failed", error)
+
+    def _lanes_ready(self) -> "_Lanes":
+        if self._lanes is None:
+            L, dev = self.config.max_batch_size, self.runner.device
+            with outside_inference():  # kept across calls
+                tok = torch.full((L, self.max_length + 1), self.pad_token_id, dtype=torch.long, device=dev)
+                self._lanes = _Lanes(L, tok)
+        return self._lanes
+
+    def start(self) -> None:
+        """Run the request loop in a background thread (it steps while requests wait or run, and sleeps otherwise):
+        `submit` from anywhere, and `generate` waits for it. `stop()` ends it."""
+        if self.tp is not None:
+            raise ValueError("start: not with tp_group (every rank must run the same requests in the same rounds)")
+        if self._thread is not None:
+            return
+        self._halt = False
+        self._thread = threading.Thread(target=self._serve, name="specdec-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the background loop after its current step (requests still queued or running stay; `step` or
+        `start` goes on with them)."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._queue_lock:
+            self._halt = True
+            self._queue_lock.notify_all()
+        thread.join()
+        self._thread = None
+
+    @torch.inference_mode()
+    def _serve(self) -> None:
+        with cpu_linear.engaged():  # one block for the loop's life: its weights are not updated meanwhile
+            while True:
+                with self._queue_lock:
+                    while not self._halt and not self._waiting and not (
+                            self._lanes is not None and any(r is not None for r in self._lanes.req)):
+                        self._queue_lock.wait()
+                    if self._halt:
+                        return
+                self.step()
+
+    # ---- admission and retirement ------------------------------------------------------------------------------
+    def _admit(self, lanes: "_Lanes", ids: list[int], reqs: list[Request]) -> list[int]:
         """Start requests `reqs` in the free lanes `ids`: take slots, prefill the prompts together, draw each
         request's first token (one readback), tell the drafter; -> the lanes whose request goes on."""
         slots = self.runner.alloc(len(ids))
         for l, r, s in zip(ids, reqs, slots):
-            lanes.slot[l], lanes.hist[l], lanes.out[l] = s, run.hist[r], run.out[r]
-        ps = [run.prompts[r] for r in reqs]
+            lanes.slot[l], lanes.req[l] = s, r
+            r.status = "running"
+        ps = [r.prompt for r in reqs]
         sizes = [p.numel() for p in ps]
         # each request's KV pages for its worst case, reserved before its prefill (after the shared pages of its
         # cached prefix): no round of it takes pages (CUDA graphs replay none)
-        worst = [run.worst[r] for r in reqs]
+        worst = [r.worst for r in reqs]
         if self.prefix_cache is None:
             self.runner.reserve(slots, worst)
         self.drafter.begin(ids, ps)
         t = time.perf_counter()
         capture = tuple(self.drafter.feature_layers)
         lens = torch.tensor(sizes, dtype=torch.long, device=lanes.tok.device)
-        run.stats.prompt_tokens += sum(sizes)
         cached = self._cached
         if cached is not None:  # each prompt from its deepest cached prefix
-            last, feats, hit = cached.start(slots, ps, [run.hist[r] for r in reqs], worst, capture)
-            run.stats.cached_tokens += hit
+            last, feats, hits = cached.start(slots, ps, [r.hist for r in reqs], worst, capture)
             if "hidden" not in feats:  # a drafter that observes no features: zeros, as no memory
                 feats["hidden"] = last.new_zeros(()).expand(len(ids), max(sizes), self.runner.hidden_size)
             self.drafter.observe(ids, Observed(ps, lens), Observed.rows_of(feats["hidden"], sizes, lens),
@@ -263,14 +414,30 @@ class SpecEngine(EngineParts):
                                      {c: [out.captured[c][0]] for c in capture})
             last = torch.stack(last)  # [k, V]
         finite = torch.isfinite(last).all(1)  # checked after the one readback (a draw from NaN would raise first)
-        first = sample_token(torch.where(finite[:, None], last, 0), run.sampling, run.gen)
+        safe = torch.where(finite[:, None], last, 0)
+        first = torch.empty(len(ids), dtype=torch.long, device=last.device)
+        by_key: dict[tuple, list[int]] = {}
+        for i, r in enumerate(reqs):
+            by_key.setdefault(r.key, []).append(i)
+        for rows in by_key.values():  # one draw per way of decoding (a generate call's requests: one)
+            r = reqs[rows[0]]
+            rows_t = self._index(rows)
+            first[rows_t] = sample_token(safe[rows_t], r.sampling, r.gen)
         back = torch.cat([first[:, None], finite[:, None].long()], 1).tolist()
         for i, (_, ok) in enumerate(back):
             if not ok:
-                raise self._nonfinite(last[i], reqs[i], ps[i].numel() - 1)
-        run.stats.timings["prefill"] += time.perf_counter() - t
-        if run.streamer is not None:
-            run.streamer.put(ps[0].cpu())
+                raise self._nonfinite(last[i], reqs[i].index, ps[i].numel() - 1)
+        spent = time.perf_counter() - t
+        for st in {id(r.stats): r.stats for r in reqs}.values():
+            st.timings["prefill"] += spent
+        for r in reqs:
+            r.stats.prompt_tokens += r.prompt.numel()
+        if cached is not None:
+            for r, n in zip(reqs, hits):
+                r.stats.cached_tokens += n
+        for r in reqs:
+            if r.streamer is not None:
+                r.streamer.put(r.prompt.cpu())
         lane_t = self._index(ids)
         row = torch.full((len(ids), lanes.tok.shape[1]), self.pad_token_id, dtype=torch.long, device=lens.device)
         row[:, :max(sizes)] = torch.nn.utils.rnn.pad_sequence(ps, batch_first=True, padding_value=self.pad_token_id)
@@ -280,29 +447,41 @@ class SpecEngine(EngineParts):
         lanes.anchors[lane_t] = first
         going = []
         for i, (l, r) in enumerate(zip(ids, reqs)):
-            if not self._emit(run.out[r], [back[i][0]], run):
+            self._emit(r, [back[i][0]])
+            if not self._done(r):
                 going.append(l)
-            run.hist[r].extend(run.out[r])
+            r.hist.extend(r.out)
         if cached is not None:  # each prompt's end: an entry, written after the first tokens went out
             for l, P in zip(ids, sizes):
-                cached.publish(lanes.hist[l][:P], lanes.slot[l])
+                cached.publish(lanes.req[l].hist[:P], lanes.slot[l])
         return going
 
-    def _retire(self, lanes: "_Lanes", ids: list[int], *, publish: bool = False) -> None:
-        """Requests of lanes `ids` ended (or the call failed): with `publish` (finished requests) their state goes
-        to the prefix cache; then the drafter and the runner let go of them."""
-        if publish and self._cached is not None:  # at the returned tokens: a round commits nothing past them
-            for l in ids:
-                s = lanes.slot[l]
-                self._cached.publish(lanes.hist[l][:self.runner.length(s)], s)
+    def _retire(self, ids: list[int], *, publish: bool = False, status: str | None = "finished") -> None:
+        """Requests of lanes `ids` leave: with `publish` (they ended, or were cancelled) their state goes to the
+        prefix cache; then the drafter and the runner let go of them, and each request that has not ended ends with
+        `status` (None: the caller ends them)."""
+        lanes = self._lanes
+        reqs = [lanes.req[l] for l in ids]
         try:
-            self.drafter.release(ids)
-        finally:
-            try:
-                self.runner.release([lanes.slot[l] for l in ids])
-            finally:
+            if publish and self._cached is not None:  # at the returned tokens: a round commits nothing past them
                 for l in ids:
-                    lanes.slot[l] = None
+                    s = lanes.slot[l]
+                    self._cached.publish(lanes.req[l].hist[:self.runner.length(s)], s)
+            try:
+                self.drafter.release(ids)
+            finally:
+                held = [lanes.slot[l] for l in ids if lanes.slot[l] is not None]
+                try:
+                    if held:
+                        self.runner.release(held)
+                finally:
+                    for l in ids:
+                        lanes.slot[l] = None
+                        lanes.req[l] = None
+        finally:
+            for r in reqs:
+                if r is not None and not r.done and status is not None:
+                    r._end(status)
 
     def _fresh(self, worst: int, tokens: list[int]) -> int:
         """KV tokens a request of `worst` tokens takes in fresh pages: all of them, less the full pages it shares from
@@ -317,51 +496,60 @@ class SpecEngine(EngineParts):
         """`rows` as a device tensor, built once per distinct list (else a host-to-device copy per round)."""
         return index_tensor(self._row_index, rows, self.runner.device)
 
-    def _round(self, active, lanes: "_Lanes", run: "_Run"):
-        """One speculative round of the `active` lanes: draft, verify, accept, one readback, commit, observe.
+    def _round(self, active, lanes: "_Lanes"):
+        """One speculative round of the `active` lanes, whose requests decode alike (`Request.key`): draft, verify,
+        accept, one readback, commit, observe.
 
-        Host state per lane: `hist[b]` (prompt + committed tokens, the anchor last) and `out[b]`. Device state:
+        Host state per lane: its request's `hist` (prompt + committed tokens, the anchor last) and `out`. Device state:
         the token buffer `tok [L, W]` with lengths `lens [L]`, and `anchors [L]`. The drafter's block is
         checked with one host read; everything the host needs of the round (accepted counts, new tokens,
         path, finiteness of the logits) comes back in one more; nothing else in here reads back.
         With static shapes the verify step sees `[Bk, T]` for the batch bucket Bk >= B (rows past B: the
         null slot, nothing drafted, nothing committed) and T fixed by gamma or the tree's node budget."""
-        slots, hist, out_tokens, tok, lens, anchors = lanes.slot, lanes.hist, lanes.out, lanes.tok, lanes.lens, \
-            lanes.anchors
-        sampling, stats, max_new = run.sampling, run.stats, run.max_new
+        slots, tok, lens, anchors = lanes.slot, lanes.tok, lanes.lens, lanes.anchors
+        reqs = [lanes.req[b] for b in active]
+        lead = reqs[0]  # how the group decodes: its sampling rule and streams
+        sampling = lead.sampling
+        sinks = list({id(r.stats): r.stats for r in reqs}.values())  # the counters the group records into
         B = len(active)
         started = None if self.tp is None else self.tp.collectives
         idx = self._index(active)
-        contexts = Contexts([tok[b, :len(hist[b])] for b in active], [hist[b] for b in active])
+        contexts = Contexts([tok[b, :len(r.hist)] for b, r in zip(active, reqs)], [r.hist for r in reqs])
         static = self.config.static_shapes
         gamma = self.config.gamma_for(self.round_step.bucket(B) if static else B)
         if not static:
-            gamma = min(gamma, max(max_new - len(out_tokens[b]) for b in active))
+            gamma = min(gamma, max(r.max_new - len(r.out) for r in reqs))
         # a drafter with a static draft step drafts inside the device step (with the verify, in one CUDA graph)
         static_draft = static and getattr(self.drafter, "static_draft", False) and self.tp is None
         t = time.perf_counter()
         if gamma == 0:  # plain decoding: nothing to draft, and no block to check (its check reads back)
             block = DraftBlock.empty(B, self.runner.device)
         else:
-            lead = self.tp is None or self.tp.leads
-            block = None if static_draft or not lead else \
-                self._propose(active, contexts, gamma, run)
+            leads = self.tp is None or self.tp.leads
+            block = None if static_draft or not leads else \
+                self._propose(active, contexts, gamma, lead)
             if self.tp is not None:  # rank 0's checked block on every rank
                 block = self.tp.share_block(block, B, max(gamma, self.runner.num_verify_tokens - 1))
-        stats.timings["draft"] += time.perf_counter() - t
+        spent = time.perf_counter() - t
+        for st in sinks:
+            st.timings["draft"] += spent
         t = time.perf_counter()
         host_slots = [slots[b] for b in active]
         step = self.round_step.inputs(host_slots, anchors[idx], block, sampling, gamma, rows=active)
         graphed = self.config.cuda_graph and not sampling.do_sample
         res = (self._graphs.verify(step, sampling) if graphed
-               else self.round_step.device_step(step, sampling, run.gen, stats))
+               else self.round_step.device_step(step, sampling, lead.gen, lead.stats))
         host = res.read(B)
         if not all(host.finite):
             raise self._nonfinite_round(res.logits[:B], active, contexts, res.parent)
-        stats.record(host.num_drafts, host.num_accepted, host.reached)
-        self._cut_at_returned(res, host, [out_tokens[b] for b in active], run)
+        for st in sinks:
+            rows = [i for i, r in enumerate(reqs) if r.stats is st]
+            st.record(*([v[i] for i in rows] for v in (host.num_drafts, host.num_accepted, host.reached)))
+        self._cut_at_returned(res, host, reqs)
         (self._graphs.commit if graphed else self.round_step.commit_step)(res, host)
-        stats.timings["verify"] += time.perf_counter() - t
+        spent = time.perf_counter() - t
+        for st in sinks:
+            st.timings["verify"] += spent
         # the device copies follow without a host round trip: token buffer, lengths, anchors
         acc = res.acceptance
         n, path, new = acc.num_accepted[:B], acc.path[:B], acc.tokens[:B]
@@ -383,26 +571,27 @@ class SpecEngine(EngineParts):
         sizes = host.num_kept
         self.drafter.observe(active, Observed.rows_of(kept_ids, sizes, kept), Observed.rows_of(kept_h, sizes, kept),
                              {l: Observed.rows_of(f, sizes, kept) for l, f in kept_f.items()})
-        for i, b in enumerate(active):
-            before = len(out_tokens[b])
-            self._emit(out_tokens[b], host.tokens[i], run)
-            hist[b].extend(out_tokens[b][before:])
+        for r, toks in zip(reqs, host.tokens):
+            before = len(r.out)
+            self._emit(r, toks)
+            r.hist.extend(r.out[before:])
         if self._cached is not None:  # the track boundaries this round passed
-            for b, n in zip(active, sizes):
+            for b, r, n in zip(active, reqs, sizes):
                 s = slots[b]
                 after = self.runner.length(s)
                 for t in self._cached.boundaries(after - n, after):
-                    self._cached.publish(hist[b][:t], s, t)
+                    self._cached.publish(r.hist[:t], s, t)
         if started is not None:
-            stats.collectives.append(self.tp.collectives - started)
+            for st in sinks:
+                st.collectives.append(self.tp.collectives - started)
 
     # ---- failures ----------------------------------------------------------------------------------
-    def _propose(self, active, contexts, gamma, run: "_Run") -> DraftBlock:
+    def _propose(self, active, contexts, gamma, lead: Request) -> DraftBlock:
         """The drafter's block, checked; a drafter that raises (any Exception) or returns a malformed block
         costs speed, never correctness: plain decode this round (an empty block)."""
         B = len(active)
         try:
-            block = self.drafter.propose(active, contexts, gamma, sampling=run.sampling, generator=run.draft_gen)
+            block = self.drafter.propose(active, contexts, gamma, sampling=lead.sampling, generator=lead.draft_gen)
             runner = self.runner
             return check_block(block, B, gamma, device=runner.device, vocab=self._vocab,
                                tree_budget=runner.num_verify_tokens if isinstance(runner, HybridRunner) else None,
@@ -415,7 +604,7 @@ class SpecEngine(EngineParts):
                 what += f"; its abort failed too ({type(e2).__name__}: {e2})"
             warnings.warn(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)} failed ({what}); "
                           f"plain decode for this round", RuntimeWarning, stacklevel=4)
-            run.stats.drafter_failures += 1
+            lead.stats.drafter_failures += 1
             return DraftBlock.empty(B, self.runner.device)
 
     def _abort(self, rows: list[int]) -> None:
@@ -445,28 +634,27 @@ class SpecEngine(EngineParts):
         return self._nonfinite(logits[i, t], active[i], pos, f"verify window token {t} of {logits.shape[1]}")
 
     @staticmethod
-    def _done(toks: list[int], max_new: int, eos_set: set) -> bool:
-        return len(toks) >= max_new or (bool(toks) and toks[-1] in eos_set)
+    def _done(r: Request) -> bool:
+        return len(r.out) >= r.max_new or (bool(r.out) and r.out[-1] in r.eos)
 
     @staticmethod
-    def _taken(toks: list[int], new: list[int], max_new: int, eos_set: set) -> int:
-        """How many of `new` follow `toks` in the output: up to an eos id (included) or max_new_tokens."""
-        if SpecEngine._done(toks, max_new, eos_set):
+    def _taken(r: Request, new: list[int]) -> int:
+        """How many of `new` follow `r`'s output: up to an eos id (included) or max_new_tokens."""
+        if SpecEngine._done(r):
             return 0
         k = 0
-        for x in new[:max_new - len(toks)]:  # no copy of the history per token: the rounds' hot path
+        for x in new[:r.max_new - len(r.out)]:  # no copy of the history per token: the rounds' hot path
             k += 1
-            if x in eos_set:
+            if x in r.eos:
                 break
         return k
 
-    def _cut_at_returned(self, res, host, outs: list[list[int]], run: "_Run") -> None:
+    def _cut_at_returned(self, res, host, reqs: list[Request]) -> None:
         """Where EOS or max_new_tokens ends a row inside its accepted drafts, the round keeps only the tokens returned
         (the anchor and the drafts emitted): the committed state, and the prefix cache's end entry, are then at the
         returned tokens, which the caller's next turn starts with. The record is cut in place (a captured commit
         reads its buffers), by scalar writes on such a round only (no copy from the host)."""
-        caps = [min(n + 1, 1 + self._taken(o, toks, run.max_new, run.eos))
-                for o, toks, n in zip(outs, host.tokens, host.num_accepted)]
+        caps = [min(n + 1, 1 + self._taken(r, toks)) for r, toks, n in zip(reqs, host.tokens, host.num_accepted)]
         cut = {i: c for i, (c, n) in enumerate(zip(caps, host.num_accepted)) if c < n + 1}
         if not cut:
             return
@@ -475,13 +663,11 @@ class SpecEngine(EngineParts):
             host.num_accepted[i] = c - 1
             host.tokens[i] = host.tokens[i][:c - 1]
 
-    def _emit(self, toks: list[int], new: list[int], run: "_Run") -> bool:
-        """Append `new`, cut at EOS / max_new_tokens; -> finished."""
-        kept = new[:self._taken(toks, new, run.max_new, run.eos)]
-        toks.extend(kept)
-        if run.streamer is not None and kept:
-            run.streamer.put(torch.tensor(kept))
-        return self._done(toks, run.max_new, run.eos)
+    def _emit(self, r: Request, new: list[int]) -> None:
+        """Append `new` to `r`'s output, cut at EOS / max_new_tokens (its streams fed)."""
+        kept = new[:self._taken(r, new)]
+        if kept:
+            r._emit(kept)
 
 
 def wrap(model, config: SpecConfig | None = None, **options) -> SpecEngine:

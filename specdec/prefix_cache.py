@@ -268,13 +268,13 @@ class CachedSlots:
         self.features = features  # observed name -> its key in the KV pages
 
     def start(self, slots: list[int], prompts: list[torch.Tensor], hosts: list[list[int]], worst: list[int],
-              capture: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+              capture: tuple) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
         """Start the prompts `[P_b]` (`hosts`: the same as lists) in their fresh `slots`: each from its deepest
         cached prefix (at most P - 1 tokens: one is left for the first token's logits), then the pages of each
         request's `worst` case reserved, the rest prefilled in segments that end at the multiples of
         `track_interval` (each boundary an entry) and at the prompt's end. -> (logits at each prompt's last token
         `[k, V]`, the features the drafter observes over each whole prompt `{name: [k, P, d]}` read back from the
-        slots' pages (the cached prefix's with them), the prompt tokens served from the cache)."""
+        slots' pages (the cached prefix's with them), each prompt's tokens served from the cache)."""
         cache, iv = self.cache, self.interval
         hits = [cache.match(h, len(h) - 1) for h in hosts]
         with cache.pinned(hits):
@@ -283,7 +283,7 @@ class CachedSlots:
                     self.slots.restore(e, s)
         self.slots.reserve(slots, worst)
         pos = [0 if e is None else e.length for e in hits]
-        cached = sum(pos)
+        cached = list(pos)
         sizes = [len(h) for h in hosts]
         ends = [list(range((c // iv + 1) * iv, P, iv)) + [P] for c, P in zip(pos, sizes)]  # each segment's end
         last = [None] * len(slots)

@@ -66,7 +66,7 @@ def test_static_steps_are_capture_safe(embedded, draft, requests):
     rounds = dict.fromkeys(STEPS, 0)
     done = engine._done
     # a bucket's first round runs eagerly, its second is captured, later ones replay the capture: two rounds
-    engine._done = lambda toks, max_new, eos: rounds["_commit_step"] >= ROUNDS or done(toks, max_new, eos)
+    engine._done = lambda request: rounds["_commit_step"] >= ROUNDS or done(request)
     for step in STEPS:
         inner = getattr(engine.round_step, step[1:])
 
