@@ -142,18 +142,32 @@ class SpecEngine(EngineParts):
         return GenerateOutput(seqs, stats, counts, [r.finish_reason for r in reqs])
 
     @torch.inference_mode()
-    def submit(self, prompt, generation_config=None, *, seed: int | None = None, **kwargs) -> Request:
+    def submit(self, prompt, generation_config=None, *, seed: int | None = None, stats: SpecStats | None = None,
+               **kwargs) -> Request:
         """Queue one prompt (a `[P]` tensor or a list of ints) and return its `Request` at once: its tokens arrive as
         they are committed (iterate it, `async for` it, or `result()`), `cancel()` ends it at the next round
         boundary. The keywords are `generate`'s (its config merged the same way); `seed` gives it a sampling stream
-        of its own (requests without one share the engine's). The request runs when the loop steps: `step()`, or
-        the background loop of `start()`."""
+        of its own (requests without one share the engine's); `stats`: the counters it records into (a server's,
+        shared by its requests; default its own). The request runs when the loop steps: `step()`, or the
+        background loop of `start()`."""
         if self.tp is not None:
             raise ValueError("submit: not with tp_group (every rank must run the same requests in the same rounds; "
                              "call generate on every rank)")
         _, _, reqs = self._requests(prompt, None, generation_config, seed, None, kwargs, one=True)
+        if stats is not None:
+            reqs[0].stats = stats
         self._enqueue(reqs)
         return reqs[0]
+
+    @property
+    def num_running(self) -> int:
+        """Requests in a lane now."""
+        return 0 if self._lanes is None else sum(r is not None for r in self._lanes.req)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a lane."""
+        return len(self._waiting)
 
     def _requests(self, input_ids, attention_mask, generation_config, seed, streamer, kwargs: dict, *,
                   one: bool = False) -> tuple[generation.Prompts, generation.Settings, list[Request]]:

@@ -13,10 +13,10 @@ import argparse
 import sys
 from types import ModuleType
 
-from . import demo, draft_data, draft_train, generate, memory, native_export, train_embedded
+from . import demo, draft_data, draft_train, generate, memory, native_export, serve, train_embedded
 
 # the order `specdec --help` lists them in: use, inspect, then the training pipeline in the order it runs
-COMMANDS: list[ModuleType] = [demo, generate, memory, train_embedded, draft_data, draft_train, native_export]
+COMMANDS: list[ModuleType] = [demo, generate, serve, memory, train_embedded, draft_data, draft_train, native_export]
 
 
 class _Formatter(argparse.HelpFormatter):
