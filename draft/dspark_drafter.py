@@ -140,8 +140,7 @@ class DSparkDrafter(HeadDrafter):
         if M == 0:
             return
         dtype = net.mask_embed.dtype
-        feats = [padded(features[l]) for l in self.feature_layers]  # per layer [B, M, d]
-        dev = feats[0].device
+        dev = features[self.feature_layers[0]][0].device
         starts = [self.length.setdefault(r, 0) for r in rows]
         if self.len_t is None:  # rows observed without `begin`: they start at 0
             with outside_inference():
@@ -151,13 +150,15 @@ class DSparkDrafter(HeadDrafter):
         start_t = self.len_t[rows_t]
         count_t = observed_counts(tokens, dev)
         ring = self._ring()
-        if ring is not None and M > ring:  # each row's last `ring` columns (its count's end), fewer for short rows
-            cols = count_t[:, None] - ring + torch.arange(ring, device=dev)  # [B, ring]
-            at_col = cols.clamp(min=0)[..., None]
-            feats = [f.gather(1, at_col.expand(-1, -1, f.shape[-1])) for f in feats]
+        if ring is not None and M > ring:  # each row's last `ring` new positions (all of a shorter row's), from 0
+            feats = [padded([x[-ring:] for x in features[l]]) for l in self.feature_layers]  # per layer [B, ring, d]
+            n_t = count_t.clamp(max=ring)
+            j = torch.arange(ring, device=dev)
+            cols, keep = (count_t - n_t)[:, None] + j, j < n_t[:, None]  # [B, ring]: their columns, which are new
         else:
+            feats = [padded(features[l]) for l in self.feature_layers]  # per layer [B, M, d]
             cols = torch.arange(M, device=dev).expand(rows_t.shape[0], M)  # [B, M]
-        keep = (cols >= 0) & (cols < count_t[:, None])  # [B, n]: the row's own new positions
+            keep = cols < count_t[:, None]  # a row's padding is not written
         pos = start_t[:, None] + cols  # [B, n]
         kv = net.context_kv(net.context([f.to(dtype) for f in feats]), pos)  # per layer [B, H, n, D]
         self._reserve(max(starts) + M, [k for k, _ in kv])
