@@ -95,12 +95,18 @@ class Request:
 
     async def __aiter__(self):
         """The same as an async iterator (each wait runs in a worker thread: the event loop is never blocked)."""
+        async for tokens in self.rounds():
+            for x in tokens:
+                yield x
+
+    async def rounds(self):
+        """Async iterator of its new tokens as each round commits them: a list per round (a server sends one chunk
+        per round); a failed request raises its error at the end."""
         while True:
             item = await asyncio.to_thread(self._events.get)
             if item is _END:
                 break
-            for x in item:
-                yield x
+            yield item
         if self.error is not None:
             raise self.error
 

@@ -254,8 +254,8 @@ def create_app(engine, tokenizer, *, model_name: str):
         if not body.get("stream"):
             tokens = []
             try:
-                async for t in req:
-                    tokens.append(t)
+                async for got in req.rounds():
+                    tokens += got
                     if stops and _stop_cut(server.text(tokens), stops) is not None:
                         req.cancel()
                         break
@@ -277,8 +277,8 @@ def create_app(engine, tokenizer, *, model_name: str):
                             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                          "finish_reason": None}]}
                     yield f"data: {json.dumps(head)}\n\n"
-                async for t in req:
-                    tokens.append(t)
+                async for got in req.rounds():
+                    tokens += got
                     text = server.text(tokens)
                     cut = _stop_cut(text, stops)
                     ready = cut if cut is not None else max(len(text) - hold, sent)
