@@ -238,7 +238,9 @@ def latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor,
     `[W_UK (dn rows); W_UV (dv rows)]` over the latent r),
         score(t, s) = (q_nope W_UK) . c_s + q_rot . k_rot_s,    out(t) = (sum_s p_ts c_s) W_UV^T,
     the attention of the expanded keys `[W_UK c; k_rot]` and values `W_UV c` with the sums associated differently.
-    Softmax in fp32, cast back, as transformers' eager attention. The same ops for every B and T.
+    Softmax in fp32, cast back, as transformers' eager attention. The same ops for every B and T. The scores
+    `[B, H T, S]` are made in one GEMM pass (the rope part's product as its accumulator, both scaled in its
+    epilogue) and masked in place: a decode step at a long context reads them as few times as it can.
 
     Args:
         q_nope `[B, H, T, dn]`, q_rot `[B, H, T, dr]`: queries;  c `[B, 1, S, r]`, k_rot `[B, 1, S, dr]`: the
@@ -255,10 +257,10 @@ def latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor,
     q_lat = torch.bmm(_packed(q_nope, (1, 0, 2, 3), (H, B * T, dn)), w[:, :dn])    # [H, B T, r]
     q_lat = _packed(q_lat.view(H, B, T, r), (1, 0, 2, 3), (B, H * T, r))
     q_rot = _packed(q_rot, (0, 1, 2, 3), (B, H * T, dr))
-    scores = (torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_rot, k_rot.transpose(1, 2))) * scale
-    scores = scores.view(B, H, T, -1)
-    if mask is not None:
-        scores = scores + mask
+    scores = torch.baddbmm(torch.bmm(q_rot, k_rot.transpose(1, 2)), q_lat, c.transpose(1, 2), beta=scale,
+                           alpha=scale).view(B, H, T, -1)                       # scale (rot + lat)
+    if mask is not None:  # in place where the sum keeps the scores' dtype: no second [B, H, T, S] buffer
+        scores = scores.add_(mask) if mask.dtype == scores.dtype else scores + mask
     p = scores.softmax(-1, dtype=torch.float32).to(q_nope.dtype).view(B, H * T, -1)
     o_lat = _packed(torch.bmm(p, c).view(B, H, T, r), (1, 0, 2, 3), (H, B * T, r))
     out = torch.bmm(o_lat, w[:, dn:].transpose(1, 2))                             # [H, B T, dv]

@@ -135,3 +135,41 @@ def test_kimi_attention_reads_latents_like_the_module():
         assert runner._attn[attn_layers[0]] is mod
     finally:
         mod.kv_b_proj.bias = None
+
+
+def test_kimi_latent_decode_step_like_the_module():
+    """A plain decode step (T = 1) of `KimiLatentAttention` over contexts of different lengths (keys past the shorter
+    row's length masked), and one row alone with no mask (every key visible): the module's own forward on the same
+    cache contents (float64). A mask of another dtype is added out of place, with the same result."""
+    from specdec.adapters import KimiLatentAttention
+    from specdec.hf_compat import cache_arg
+    from specdec.kv_cache import KVCache
+
+    model = tiny_model("kimi_linear", seed=2)
+    attn_layers = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
+    mod = model.model.layers[attn_layers[0]].self_attn
+    gen = torch.Generator().manual_seed(4)
+    d = model.config.hidden_size
+    context, x = (torch.randn(2, T, d, generator=gen, dtype=torch.float64) for T in (40, 1))
+    outs = []
+    for attn in (mod, KimiLatentAttention(mod)):
+        kv = KVCache(3, 64)
+        cache = {cache_arg(attn): kv}
+        kv.begin(torch.tensor([2, 0]), 40)
+        attn(hidden_states=context, attention_mask=kv.attention_mask(torch.float64), **cache)
+        kv.advance(torch.tensor([40, 23]))  # row 1 keeps 23 of them: its keys 23..39 are masked below
+        kv.begin(torch.tensor([2, 0]), 1)
+        mask = kv.attention_mask(torch.float64)
+        both = attn(hidden_states=x, attention_mask=mask, **cache)[0]
+        other = attn(hidden_states=x, attention_mask=mask.float(), **cache)[0]
+        unmasked = attn(hidden_states=x, attention_mask=None, **cache)[0]
+        kv.abort()
+        kv.begin(torch.tensor([2]), 1)
+        alone = attn(hidden_states=x[:1], attention_mask=None, **cache)[0]
+        kv.abort()
+        outs.append((both, other, alone, unmasked))
+    (ref_both, _, ref_alone, _), (both, other, alone, unmasked) = outs
+    assert max_rel_err(both, ref_both) < 1e-12 and max_rel_err(alone, ref_alone) < 1e-12
+    assert max_rel_err(other, both) < 1e-12
+    # the mask is read: without it row 1 also attends to its stale keys past its length; row 0 sees every key anyway
+    assert max_rel_err(unmasked[1], both[1]) > 1e-3 and max_rel_err(unmasked[0], both[0]) < 1e-12
