@@ -8,7 +8,7 @@ import os
 from .generate import DRAFTERS, argument_message, load_model
 
 NAME = "serve"
-HELP = "serve a local model over OpenAI's HTTP API with speculative decoding"
+HELP = "an OpenAI-compatible server over a local model"
 DESCRIPTION = ("Load a local save_pretrained directory (model and tokenizer) and serve /v1/completions, "
                "/v1/chat/completions, /v1/models, /health and /metrics (FastAPI + uvicorn: pip install "
                "'specdec[serve]'). Concurrent requests are batched in the engine's rounds; the prefix cache is on, "
