@@ -5,14 +5,15 @@
     python bench/ab.py --old HEAD~1 --rounds 1 --metric 'drafters.*.*.*' -- drafter_observe.py --tokens 4096
 
 The target prefills a prompt of `--tokens` seeded random token ids once per length (its captured features are what
-the drafter observes; observe's cost does not depend on the text). Then each repeat gives the drafter a fresh
-request row (`begin`), times its `observe` of the whole prompt, as the engine calls it after a prefill, and lets
-the row go (`release`). Peak memory: the process's resident set, sampled by a thread while `observe` runs, less
-its size just before: what `observe` itself held at its peak. For that, glibc's malloc serves every block of 64 KiB
-or more from its own mapping (`mallopt(M_MMAP_THRESHOLD)`), so a tensor freed before `observe` leaves no resident
-memory for it to reuse unseen (each such block then costs its page faults, in the times too; `--malloc-default`
-leaves malloc as it is: the times as an engine sees them, the memory a lower bound). Medians over `--repeats`, one
-torch thread unless `--threads` says otherwise.
+the drafter observes; observe's cost does not depend on the text), timed once: a drafter's catch-up (a request
+restored from the prefix cache observes its whole prompt) is reported as a fraction of that prefill. Then each
+repeat gives the drafter a fresh request row (`begin`), times its `observe` of the whole prompt, as the engine calls
+it after a prefill, and lets the row go (`release`). Peak memory: the process's resident set, sampled by a thread
+while `observe` runs, less its size just before: what `observe` itself held at its peak. For that, glibc's malloc
+serves every block of 64 KiB or more from its own mapping (`mallopt(M_MMAP_THRESHOLD)`), so a tensor freed before
+`observe` leaves no resident memory for it to reuse unseen (each such block then costs its page faults, in the times
+too; `--malloc-default` leaves malloc as it is: the times as an engine sees them, the memory a lower bound). Medians
+over `--repeats`, one torch thread unless `--threads` says otherwise.
 """
 
 from __future__ import annotations
@@ -83,12 +84,16 @@ class PeakRSS:
 
 
 def measure(engine, ids: torch.Tensor, repeats: int) -> dict:
-    """Median and every repeat of observe's milliseconds and peak growth (MiB) over the prompt `ids [n]`."""
+    """Median and every repeat of observe's milliseconds and peak growth (MiB) over the prompt `ids [n]`; the
+    target's prefill of it (once: `prefill_ms`), and observe's median as a fraction of that (`of_prefill`)."""
     drafter, runner = engine.drafter, engine.runner
     layers = tuple(drafter.feature_layers)
     slot = runner.alloc(1)[0]
     try:
+        t = time.perf_counter()
         out = runner.prefill(slot, ids, capture=layers)
+        common.sync(ids.device)
+        prefill_ms = (time.perf_counter() - t) * 1e3
     finally:
         runner.release([slot])
     hidden, feats = [out.hidden[0]], {i: [out.captured[i][0]] for i in layers}
@@ -104,8 +109,9 @@ def measure(engine, ids: torch.Tensor, repeats: int) -> dict:
         finally:
             drafter.release([0])
         mib.append(peak.grown / 2 ** 20)
-    return {"ms": statistics.median(ms), "peak_mib": statistics.median(mib), "peak_mib_max": max(mib),
-            "ms_all": ms, "peak_mib_all": mib}
+    med = statistics.median(ms)
+    return {"ms": med, "peak_mib": statistics.median(mib), "peak_mib_max": max(mib), "ms_all": ms,
+            "peak_mib_all": mib, "prefill_ms": prefill_ms, "of_prefill": med / prefill_ms}
 
 
 def main(argv=None) -> dict:
@@ -153,7 +159,8 @@ def main(argv=None) -> dict:
             for n in lengths:
                 ids = torch.randint(3, vocab, (n,), generator=gen)
                 rows[str(n)] = r = measure(engine, ids, a.repeats)
-                print(f"{name:8s} {n:6d} tokens: observe {r['ms']:9.1f} ms, peak +{r['peak_mib']:8.1f} MiB "
+                print(f"{name:8s} {n:6d} tokens: observe {r['ms']:9.1f} ms ({100 * r['of_prefill']:.1f}% of the "
+                      f"target's prefill, {r['prefill_ms']:.0f} ms), peak +{r['peak_mib']:8.1f} MiB "
                       f"(largest +{r['peak_mib_max']:.1f})", flush=True)
             del engine
     if a.json:

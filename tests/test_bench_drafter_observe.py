@@ -18,3 +18,4 @@ def test_tiny_prompts(tmp_path):
         for r in rows.values():
             assert len(r["ms_all"]) == len(r["peak_mib_all"]) == 2 and min(r["ms_all"]) > 0
             assert r["peak_mib_max"] == max(r["peak_mib_all"]) and min(r["peak_mib_all"]) >= 0
+            assert r["prefill_ms"] > 0 and r["of_prefill"] == r["ms"] / r["prefill_ms"]
