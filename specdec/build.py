@@ -110,6 +110,11 @@ class EngineParts:
         self._stepping = threading.local()  # this thread is inside a step
         self._thread: threading.Thread | None = None
         self._halt = False
+        # tensor parallel serving: submissions wait in the inbox until rank 0's loop sends them to every rank, and a
+        # cancellation counts once it was sent (`SpecEngine.follow`)
+        self._inbox: list = []
+        self._uids = 0
+        self._cancelled: set[int] = set()
         runner = self.runner
         self.target = TargetView(model=target, kv=getattr(runner, "kv", None),
                                  supports_tree=isinstance(runner, HybridRunner),

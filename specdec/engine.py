@@ -63,6 +63,9 @@ class GenerateOutput:
     finish_reasons: list[str]
 
 
+HEARTBEAT = 10.0  # seconds: the longest a tensor-parallel serving loop waits without a step
+
+
 class _Lanes:
     """The engine's lanes (a lane is a drafter row, < max_batch_size): per lane its request (None: free) and that
     request's target slot; device token buffer `tok [L, W]` (W = max_length + 1), lengths `lens [L]` and anchors
@@ -150,14 +153,54 @@ class SpecEngine(EngineParts):
         of its own (requests without one share the engine's); `stats`: the counters it records into (a server's,
         shared by its requests; default its own). The request runs when the loop steps: `step()`, or the
         background loop of `start()`."""
-        if self.tp is not None:
-            raise ValueError("submit: not with tp_group (every rank must run the same requests in the same rounds; "
-                             "call generate on every rank)")
-        _, _, reqs = self._requests(prompt, None, generation_config, seed, None, kwargs, one=True)
+        served = self.tp is not None and self.tp.leads and self._thread is not None
+        if self.tp is not None and not served:
+            raise ValueError("submit: with tp_group, on rank 0 while its loop serves (`start`, with `follow` on the "
+                             "other ranks): every rank must run the same requests in the same rounds")
+        if generation_config is not None and self.tp is not None:
+            raise ValueError("generation_config: not with tp_group (the keywords travel to the other ranks)")
+        _, _, reqs = self._requests(prompt, None, generation_config, seed, None, dict(kwargs), one=True, agree=False)
+        if served and seed is None and reqs[0].sampling.do_sample:  # drawn here, sent with the request
+            seed = int(torch.randint(0, 2 ** 62, (1,)))
+            _, _, reqs = self._requests(prompt, None, None, seed, None, dict(kwargs), one=True, agree=False)
+        spec = (list(prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt), dict(kwargs), seed)
+        r = reqs[0]
+        r.spec = spec
         if stats is not None:
-            reqs[0].stats = stats
-        self._enqueue(reqs)
-        return reqs[0]
+            r.stats = stats
+        if served:  # to every rank at the loop's next step
+            with self._queue_lock:
+                self._inbox.append(r)
+                self._queue_lock.notify_all()
+        else:
+            self._enqueue(reqs)
+        return r
+
+    def _leaving(self, r: Request) -> bool:
+        """Whether `r` was cancelled: at once, or (tensor parallel) once rank 0's loop sent the cancellation."""
+        return r._cancel if self.tp is None else r.uid in self._cancelled
+
+    def follow(self) -> None:
+        """Tensor parallel serving, on every rank but 0: run the request loop that rank 0's background loop
+        (`start`) leads, step for step: before each step rank 0 sends its new requests and cancellations, which
+        this rank submits and applies as rank 0 did. Returns when rank 0's loop stops."""
+        if self.tp is None or self.tp.leads:
+            raise ValueError("follow: on the ranks of a tp_group other than rank 0 (rank 0 serves with start)")
+        with torch.inference_mode(), cpu_linear.engaged():
+            while not self._apply(self.tp.broadcast_object(None)):
+                self.step()
+
+    def _apply(self, message) -> bool:
+        """A step's message from rank 0: (halt, [(uid, prompt ids, keywords, seed)], cancelled uids) -> halt."""
+        halt, new, cancelled = message
+        for uid, prompt, kw, seed in new:
+            if self.tp.leads:
+                continue  # rank 0 queued its own requests
+            _, _, reqs = self._requests(prompt, None, None, seed, None, dict(kw), one=True, agree=False)
+            reqs[0].uid = uid
+            self._enqueue(reqs)
+        self._cancelled.update(cancelled)
+        return halt
 
     @property
     def num_running(self) -> int:
@@ -170,9 +213,11 @@ class SpecEngine(EngineParts):
         return len(self._waiting)
 
     def _requests(self, input_ids, attention_mask, generation_config, seed, streamer, kwargs: dict, *,
-                  one: bool = False) -> tuple[generation.Prompts, generation.Settings, list[Request]]:
+                  one: bool = False, agree: bool = True) -> tuple[generation.Prompts, generation.Settings,
+                                                                  list[Request]]:
         """A call's prompts and settings read and checked (`specdec.generation`), as requests sharing one counter
-        set and one sampling stream (`seed`); `one`: exactly one prompt."""
+        set and one sampling stream (`seed`); `one`: exactly one prompt; `agree`: under tensor parallelism, the
+        ranks agree on a seed here (a collective: `generate` on every rank), else the caller gives it."""
         extras = {k: kwargs.pop(k) for k in generation.TOKENIZER_EXTRAS if k in kwargs}
         generation.check_call(generation_config, kwargs)
         own = getattr(self.model, "generation_config", None)
@@ -195,8 +240,10 @@ class SpecEngine(EngineParts):
         if getattr(self._stepping, "on", False):
             raise RuntimeError("generate: called from inside a step of this engine (a streamer or drafter calling "
                                "back): the request loop runs one step at a time")
+        if self.tp is not None and agree and self._thread is not None:
+            raise RuntimeError("generate: not while this rank's loop serves (tensor parallel: submit on rank 0)")
         gen = None
-        if self.tp is not None and sampling.do_sample:  # one sampling stream on every rank
+        if self.tp is not None and sampling.do_sample and agree:  # one sampling stream on every rank
             seed = self.tp.agree_seed(seed)
         if seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
@@ -206,9 +253,11 @@ class SpecEngine(EngineParts):
             torch.Generator(device=self.runner.device).manual_seed(seed + 1)
         stats = SpecStats()
         verify = self.target.num_verify_tokens
-        reqs = [Request(p, list(h), max_new_tokens, settings.eos, sampling, gen, draft_gen, stats,
-                        streamer, index=i, worst=p.numel() + max_new_tokens + verify)
-                for i, (p, h) in enumerate(zip(prompts, host_prompts))]
+        reqs = []
+        for i, (p, h) in enumerate(zip(prompts, host_prompts)):
+            self._uids += 1
+            reqs.append(Request(p, list(h), max_new_tokens, settings.eos, sampling, gen, draft_gen, stats, streamer,
+                                index=i, worst=p.numel() + max_new_tokens + verify, uid=self._uids))
         return given, settings, reqs
 
     def _enqueue(self, reqs: list[Request]) -> None:
@@ -270,7 +319,7 @@ class SpecEngine(EngineParts):
     def _step(self) -> None:
         lanes = self._lanes_ready()
         self.lane_slots = lanes.slot  # the drafters' view of the lanes' slots (`TargetView.slots`)
-        cancelled = [l for l, r in enumerate(lanes.req) if r is not None and r._cancel]
+        cancelled = [l for l, r in enumerate(lanes.req) if r is not None and self._leaving(r)]
         if cancelled:
             self._retire(cancelled, publish=True, status="cancelled")
         self._admit_waiting(lanes)
@@ -297,9 +346,9 @@ class SpecEngine(EngineParts):
             free = lanes.free()
             ids, reqs = [], []
             with self._queue_lock:
-                pending = [r for r in self._waiting if not r._cancel]
+                pending = [r for r in self._waiting if not self._leaving(r)]
                 for r in self._waiting:
-                    if r._cancel:
+                    if self._leaving(r):
                         r._end("cancelled")
                 self._waiting = collections.deque(pending)
             while free and pending:
@@ -355,9 +404,10 @@ class SpecEngine(EngineParts):
 
     def start(self) -> None:
         """Run the request loop in a background thread (it steps while requests wait or run, and sleeps otherwise):
-        `submit` from anywhere, and `generate` waits for it. `stop()` ends it."""
-        if self.tp is not None:
-            raise ValueError("start: not with tp_group (every rank must run the same requests in the same rounds)")
+        `submit` from anywhere, and `generate` waits for it. `stop()` ends it. With tp_group: on rank 0, while
+        every other rank runs `follow` (each step's new requests and cancellations are sent to them first)."""
+        if self.tp is not None and not self.tp.leads:
+            raise ValueError("start: with tp_group, on rank 0 (the other ranks follow its loop: `follow`)")
         if self._thread is not None:
             return
         self._halt = False
@@ -381,11 +431,20 @@ class SpecEngine(EngineParts):
         with cpu_linear.engaged():  # one block for the loop's life: its weights are not updated meanwhile
             while True:
                 with self._queue_lock:
-                    while not self._halt and not self._waiting and not (
+                    # tensor parallel: a step at least every HEARTBEAT seconds keeps the followers' collective waiting
+                    while not self._halt and not self._waiting and not self._inbox and not (
                             self._lanes is not None and any(r is not None for r in self._lanes.req)):
-                        self._queue_lock.wait()
-                    if self._halt:
-                        return
+                        if not self._queue_lock.wait(None if self.tp is None else HEARTBEAT):
+                            break
+                    halt, new, self._inbox = self._halt, self._inbox, []
+                if self.tp is not None:  # this step's requests and cancellations to every rank, then the step
+                    gone = [r.uid for r in (*self._waiting, *(self._lanes.req if self._lanes else ()))
+                            if r is not None and r._cancel and r.uid not in self._cancelled]
+                    self._apply(self.tp.broadcast_object(
+                        (halt, [(r.uid, *r.spec) for r in new], gone)))
+                    self._enqueue(new)
+                if halt:
+                    return
                 self.step()
 
     # ---- admission and retirement ------------------------------------------------------------------------------

@@ -304,6 +304,15 @@ class TensorParallel:
         self.collectives += 1
         return t
 
+    def broadcast_object(self, obj):
+        """Rank 0's picklable `obj` on every rank (the others pass None): what a served request loop applies before
+        each step (`SpecEngine.follow`)."""
+        box = [obj]
+        dist.broadcast_object_list(box, self.src, group=self.group,
+                                   device=self.device if self.device.type == "cuda" else None)
+        self.collectives += 1
+        return box[0]
+
     def agree_seed(self, seed: int | None) -> int:
         """`seed`, or a seed drawn on rank 0 for every rank (one sampling stream)."""
         if seed is not None:

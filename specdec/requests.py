@@ -43,6 +43,8 @@ class Request:
     streamer: object = None
     index: int = 0
     worst: int = 0
+    uid: int = 0  # its number in the engine's request loop (tensor parallel: the same on every rank)
+    spec: tuple = ()  # (prompt ids, keywords, seed) as submitted: what a tensor-parallel follower submits again
     out: list[int] = field(default_factory=list)
     status: str = "waiting"  # waiting, running, finished, cancelled, failed
     error: BaseException | None = None
@@ -52,9 +54,12 @@ class Request:
 
     @property
     def key(self) -> tuple:
-        """Requests that decode alike (one sampling rule, one stream): one round serves them together."""
+        """Requests that decode alike (one sampling rule, one stream): one round serves them together (greedy
+        requests draw nothing: all of them)."""
         s = self.sampling
-        return s.do_sample, s.temperature, s.top_k, s.top_p, id(self.gen), id(self.draft_gen)
+        if not s.do_sample:
+            return (False,)
+        return True, s.temperature, s.top_k, s.top_p, id(self.gen), id(self.draft_gen)
 
     @property
     def done(self) -> bool:

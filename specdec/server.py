@@ -104,7 +104,7 @@ class Server:
                 raise _BadRequest("messages: expected a non-empty list of {role, content} with string content",
                                   "messages")
             if not getattr(self.tokenizer, "chat_template", None):
-                raise _BadRequest(f"This model's tokenizer has no chat template: use /v1/completions with a prompt",
+                raise _BadRequest("This model's tokenizer has no chat template: use /v1/completions with a prompt",
                                   "messages")
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids

@@ -187,7 +187,7 @@ def test_a_dropped_stream_frees_its_lane(server):
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     resp = conn.getresponse()
-    got = [resp.fp.readline().decode() for _ in range(3)]
+    got = [resp.readline().decode() for _ in range(3)]
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
     assert any(line.startswith("data: ") for line in got)
@@ -290,3 +290,58 @@ def test_a_failing_drafter_costs_only_speed(model_dir):
                 r = client(url).completions.create(model="tiny", prompt=p, max_tokens=NEW, temperature=0)
                 assert r.choices[0].text == text_of(model_dir, greedy(model_dir, tok(p).input_ids))
         assert _metric(url, "specdec_drafter_failures_total") >= 2
+
+
+def test_tensor_parallel_serving_under_torchrun(model_dir):
+    """`torchrun --nproc-per-node 2 -m specdec serve --tp 2`: rank 0 serves HTTP, rank 1 follows its loop step for
+    step; four concurrent clients get transformers' greedy output, a sampled request with a seed answers, and a
+    dropped stream is cancelled on both ranks (the next requests are served)."""
+    path, _, tok = model_dir
+    port = _port()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-port", str(_port()), "-m", "specdec", "serve", "--model", str(path),
+                             "--tp", "2", "--port", str(port), "--dtype", "float64", "--max-batch-size", "4",
+                             "--max-length", "160", "--served-model-name", "tiny"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, proc)
+        outs = {}
+
+        def one(i):
+            outs[i] = client(url).completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=NEW,
+                                                     temperature=0).choices[0].text
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, p in enumerate(PROMPTS):
+            assert outs[i] == text_of(model_dir, greedy(model_dir, tok(p).input_ids)), i
+        sampled = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0.9,
+                                                 seed=7)
+        assert sampled.usage.completion_tokens >= 1
+        host = url.removeprefix("http://").split(":")[0]
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 140,
+                                                            "temperature": 0, "stream": True}),
+                     {"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.readline().decode().startswith("data: ")
+        conn.sock.close()
+        conn.close()
+        t0 = time.time()
+        while _metric(url, "specdec_requests_cancelled_total") < 1 and time.time() - t0 < 60:
+            time.sleep(0.1)
+        assert _metric(url, "specdec_requests_cancelled_total") == 1
+        again = client(url).completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=NEW, temperature=0)
+        assert again.choices[0].text == outs[2]
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

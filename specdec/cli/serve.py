@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .generate import DRAFTERS, argument_message, load_model
+from .generate import DRAFTERS, argument_message, load_model, tensor_parallel
 
 NAME = "serve"
 HELP = "an OpenAI-compatible server over a local model"
@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=7, help="draft tokens per round (gamma)")
     p.add_argument("--prefix-cache-mib", type=float, default=1024,
                    help="the prefix cache's budget in MiB (0: no prefix cache)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: run under torchrun --nproc-per-node N (rank 0 serves HTTP, every rank "
+                        "runs the same rounds)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level")
 
 
@@ -45,9 +48,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"argument {flag}: expected >= 1, got {value}")
     if not 0 < args.port < 65536:
         parser.error(f"argument --port: expected 1-65535, got {args.port}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.tp < 1 or (args.tp > 1 and world != args.tp):
+        parser.error(f"argument --tp: {args.tp} ranks need as many processes, launched by torchrun "
+                     f"(torchrun --nproc-per-node {args.tp} -m specdec serve ...); WORLD_SIZE is {world}")
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as e:
         parser.error(f"serve needs FastAPI and uvicorn ({e.name} is missing): pip install 'specdec[serve]'")
     import warnings
@@ -55,13 +62,29 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
     from transformers.utils import logging as hf_logging
 
-    import specdec
-    from specdec.server import create_app
-
     hf_logging.disable_progress_bar()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("argument --device: CUDA is not available")
-    model, tokenizer = load_model(args.model, "--model", getattr(torch, args.dtype), args.device, parser,
+    group, device = tensor_parallel(args)
+    ok = False
+    try:
+        code = _serve(args, parser, group, device)
+        ok = True
+        return code
+    finally:
+        if group is not None:
+            from specdec.parallel import close_group
+            close_group(ok)
+
+
+def _serve(args, parser, group, device) -> int:
+    import torch
+    import uvicorn
+
+    import specdec
+    from specdec.server import create_app
+
+    model, tokenizer = load_model(args.model, "--model", getattr(torch, args.dtype), device, parser,
                                   tokenizer=True)
     options = dict(drafter=None if args.drafter == "none" else args.drafter, max_batch_size=args.max_batch_size,
                    num_draft_tokens=args.num_draft_tokens)
@@ -69,14 +92,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         options["max_length"] = args.max_length
     if args.prefix_cache_mib > 0:
         options["prefix_cache"] = int(args.prefix_cache_mib * (1 << 20))
+    if group is not None:
+        options["tp_group"] = group
     try:
         engine = specdec.wrap(model, **options)
     except ValueError as exc:
-        if "prefix_cache: needs a hybrid target" in str(exc):  # a generic model serves without the cache
+        if "prefix_cache" in str(exc) and "prefix_cache" in options:  # a target the cache cannot serve: without it
             options.pop("prefix_cache")
             engine = specdec.wrap(model, **options)
         else:
             parser.error(argument_message(str(exc)))
+    if group is not None and torch.distributed.get_rank() != 0:
+        engine.follow()  # rank 0's loop leads, step for step, until it stops
+        return 0
     name = args.served_model_name or args.model
     app = create_app(engine, tokenizer, model_name=name)
     print(f"[specdec] serving {name} on http://{args.host}:{args.port}/v1 (drafter {args.drafter})", flush=True)
