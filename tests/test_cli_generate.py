@@ -77,8 +77,18 @@ def test_stream_prints_text_and_stats(saved):
     assert proc.returncode == 0, proc.stderr
     assert tokenizer.decode(prompt_ids + oracle, skip_special_tokens=True) in proc.stdout
     assert f"{NEW} new tokens in" in proc.stdout and "tokens/s" in proc.stdout
-    for word in ("rounds", "tau", "alpha", "acceptance per draft position"):
+    for word in ("rounds", "tau", "alpha", "acceptance per draft position", "first token after"):
         assert word in proc.stdout
+
+
+def test_plain_decoding_with_drafter_none(saved):
+    """`--drafter none` (the Python API's None): plain decoding through the same runner, transformers' tokens."""
+    path, _, _, oracle = saved
+    proc = run_cli("--model", path, "--prompt", PROMPT, "--max-new-tokens", NEW, "--drafter", "none",
+                   "--threads", 1, "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["tokens"] == oracle and out["stats"]["proposed"] == 0 and out["stats"]["tau"] == 1
 
 
 @pytest.mark.parametrize("args, flag", [
@@ -96,6 +106,7 @@ def test_stream_prints_text_and_stats(saved):
     (["--model", "{model}", "--prompt", "x", "--temperature", "0.5"], "--temperature"),
     (["--model", "{model}", "--prompt", "x", "--do-sample", "--top-p", "0"], "--top-p"),
     (["--model", "{model}", "--prompt", "x", "--dtype", "float16"], "--dtype"),
+    (["--model", "{model}", "--prompt", "x", "--threads", "0"], "--threads"),
     (["--model", "{model}", "--prompt", ""], "--prompt"),
 ])
 def test_bad_arguments_exit_2(saved, tmp_path, args, flag):

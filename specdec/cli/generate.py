@@ -22,8 +22,8 @@ def _check_generate_args(args: argparse.Namespace, parser: argparse.ArgumentPars
             parser.error(f"argument {flag}: no such directory: {value}")
     if args.drafter is None:
         args.drafter = "model" if args.draft_model is not None else "ngram"
-    if args.drafter not in DRAFTERS and not os.path.isdir(args.drafter):
-        parser.error(f"argument --drafter: expected {', '.join(DRAFTERS)} or a drafter directory, got "
+    if args.drafter not in (*DRAFTERS, "none") and not os.path.isdir(args.drafter):
+        parser.error(f"argument --drafter: expected {', '.join(DRAFTERS)}, none or a drafter directory, got "
                      f"{args.drafter!r} (not a directory)")
     if args.drafter == "model" and args.draft_model is None:
         parser.error("argument --draft-model: required with --drafter model")
@@ -51,6 +51,8 @@ def _check_generate_args(args: argparse.Namespace, parser: argparse.ArgumentPars
             parser.error("argument --device: CUDA is not available")
     if args.tp < 1:
         parser.error(f"argument --tp: expected >= 1, got {args.tp}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"argument --threads: expected >= 1, got {args.threads}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp > 1 and world != args.tp:
         parser.error(f"argument --tp: {args.tp} ranks need as many processes, launched by torchrun "
@@ -86,7 +88,8 @@ def load_model(path: str, flag: str, dtype, device: str, parser: argparse.Argume
 def _format_stats(stats: dict) -> str:
     per_pos = " ".join(f"{a:.2f}" for a in stats["per_position"]) or "-"
     return (f"[specdec] {stats['new_tokens']} new tokens in {stats['timings']['total']:.2f} s "
-            f"({stats['tokens_per_s']:.1f} tokens/s), {stats['rounds']} rounds\n"
+            f"({stats['tokens_per_s']:.1f} tokens/s), {stats['rounds']} rounds; first token after "
+            f"{stats['timings']['prefill']:.2f} s\n"
             f"[specdec] tau {stats['tau']:.2f} tokens/round, alpha {stats['alpha']:.3f} "
             f"({stats['accepted']}/{stats['proposed']} drafts accepted)\n"
             f"[specdec] acceptance per draft position: {per_pos}")
@@ -100,6 +103,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     group, device = tensor_parallel(args)
     ok = False
@@ -127,7 +132,8 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, dtype, 
     input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids[0]
     if input_ids.numel() == 0:
         parser.error("argument --prompt: the prompt tokenizes to no tokens")
-    options = {"drafter": args.drafter, "num_draft_tokens": args.num_draft_tokens, "strategy": args.strategy,
+    options = {"drafter": None if args.drafter == "none" else args.drafter, "num_draft_tokens": args.num_draft_tokens,
+               "strategy": args.strategy,
                "commit": args.commit, "draft_model": draft_model}
     if group is not None:
         options["tp_group"] = group
@@ -181,8 +187,9 @@ def argument_message(message: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="DIR", help="save_pretrained directory: model and tokenizer")
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--drafter", default=None, metavar="{ngram,model,native,DIR}",
-                   help="ngram: prompt lookup (default); model: a draft model (--draft-model); native: the MTP "
+    p.add_argument("--drafter", default=None, metavar="{ngram,model,native,none,DIR}",
+                   help="ngram: prompt lookup (default); none: plain decoding; model: a draft model (--draft-model); "
+                        "native: the MTP "
                         "layers of the model's own checkpoint; DIR: a trained drafter (eagle, mtp or dspark, as "
                         "python -m specdec draft-train saves it) or an EAGLE-3 checkpoint (SpecForge / SGLang)")
     p.add_argument("--draft-model", metavar="DIR", default=None,
@@ -201,6 +208,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
                    help="model dtype")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks: run under torchrun --nproc-per-node N (each rank holds 1/N of the "
                         "heads; rank 0 prints)")
