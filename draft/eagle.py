@@ -102,6 +102,20 @@ class Net(nn.Module):
         """Layer input from the next tokens `[B, T]` and a fused target feature or own hidden `[B, T, d]`."""
         return self.fc(torch.cat([self.emb_norm(self.embed(tokens)), self.feat_norm(feat)], -1))
 
+    @property
+    def caches_from_inputs(self) -> bool:
+        """Whether `input_kv` gives all the K/V the drafter caches: one layer (EAGLE-3's), whose K/V at a position are
+        a function of that position's input alone (a second layer's would need the first's attention output), run
+        by this class's `run` (a subclass with layers of its own, e.g. `eagle3_format.Net`, is False unless it
+        overrides this and `input_kv`)."""
+        return len(self.layers) == 1 and type(self).run is Net.run
+
+    def input_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first layer's K, V `[B, H, T, D]` of its input `x [B, T, d]` (`inputs`) at `positions [B, T]`: the
+        ops `run` makes them with, without the layer's attention or MLP."""
+        layer = self.layers[0]
+        return layer.attn.kv(layer.attn_norm(x), positions)
+
     def run(self, x: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None, past=None):
         """Decoder blocks over `x [B, T, d]` at `positions [B, T]`; `visible` bool `[B or 1, T, S + T]` over the
         past keys then x's own (None: all); `past` per layer a `(k, v)` pair `[B, H, S, D]` or a `layers.KVRoom`,

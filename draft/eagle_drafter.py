@@ -3,7 +3,8 @@ EAGLE-3 checkpoint: `draft/eagle3_format.py`) drafting a dynamic tree verified a
 
 Cache. Only committed positions (pairs of a target feature and the token after it) are ever kept in the
 drafter's KV cache. After a prefill `observe` runs the prompt's pairs, all rows together, `layers.QUERY_CHUNK`
-pairs per forward (each chunk over the keys of the chunks before it); after a round
+pairs per forward (each chunk over the keys of the chunks before it; a one-layer net, EAGLE-3's, makes their K/V
+alone, `_catch_up`); after a round
 it queues the pairs whose next token is now committed (the previous root pair, then the accepted ones) on
 the device, and keeps each row's last committed feature (`root_f`) and cached length (`len_t`) there too.
 A draft runs each row's queue and its root pair (that feature and the anchor) in one forward: the queue's
@@ -142,7 +143,7 @@ class EagleDrafter(HeadDrafter):
     def observe(self, rows, tokens, hidden, features) -> None:
         """The pairs of every row whose next token is now committed. After a prefill (tokens = the prompt) the
         pairs (f_i, x_i+1) of all but the last position run at once, all rows together, a chunk of pairs per
-        forward. After a round
+        forward (a one-layer net: their K/V only, `_catch_up`). After a round
         (tokens = the anchor and the accepted drafts) the previous root pair (its feature `root_f`, its token the
         anchor) and the accepted ones are queued on the device (`pend_f`, `pend_t`, `pend_n`): the next draft
         runs them with the new root pair in one forward. The last feature becomes the row's root."""
@@ -171,7 +172,9 @@ class EagleDrafter(HeadDrafter):
             self._reserve(self.target.max_length + self.target.num_verify_tokens if static else M - 1)
             if static:
                 self._reserve_pending(self.target.num_verify_tokens, feat.shape[-1])
-            if M > 1:
+            if M > 1 and self.net.caches_from_inputs:
+                self._catch_up(rows_t, tok, feat)
+            elif M > 1:
                 pos = i[None, :-1].expand(B, M - 1)
                 rooms = self._rooms(rows_t, 0, M - 1)
                 # a chunk of pairs at a time over the chunks before it: the visibility and the attention's work
@@ -199,6 +202,23 @@ class EagleDrafter(HeadDrafter):
         self.root_f[rows_t] = feat[torch.arange(B, device=dev), n - 1]
         for r in rows:
             self.rows[r].rooted = True
+
+    def _catch_up(self, rows_t, tok, feat) -> None:
+        """The cache of a fresh observe of a one-layer net (`Net.caches_from_inputs`): K/V of the pairs
+        (feat `[B, M, F]` at i, tok `[B, M]` at i + 1), i < M - 1, written at positions i of rows `rows_t [B]`, a
+        chunk of pairs at a time. Only the cache outlives an observe (a draft runs the root pair itself, from
+        `root_f`, and never reads a committed pair's hidden output), and a position's K/V come from its own input
+        alone, so no attention or MLP runs: linear in M where the full forward's attention is quadratic. The ops
+        and chunks are those of the full forward's K/V, so the cache is the same."""
+        net = self.net
+        ck, cv = self.cache[0]
+        M = tok.shape[1]
+        pos = torch.arange(M - 1, device=self.device)[None].expand(tok.shape[0], M - 1)
+        for c0 in range(0, M - 1, QUERY_CHUNK):
+            c1 = min(M - 1, c0 + QUERY_CHUNK)
+            k, v = net.input_kv(net.inputs(tok[:, c0 + 1:c1 + 1], net.fused(feat[:, c0:c1])), pos[:, c0:c1])
+            ck[rows_t, :, c0:c1] = k
+            cv[rows_t, :, c0:c1] = v
 
     def _reserve(self, need: int) -> None:
         """Cache room for `need` positions per row."""
