@@ -232,8 +232,34 @@ def _packed(x: torch.Tensor, perm: tuple, shape: tuple) -> torch.Tensor:
     return x.permute(perm).clone(memory_format=torch.contiguous_format).view(shape)
 
 
+# On a CPU, `latent_attention` over more queries than a round has (a prefill chunk) runs them in parts whose scores
+# `[B, H T', S]` hold about SCORE_ELEMENTS: malloc reuses a freed buffer of that size, where one of a whole chunk's
+# scores (hundreds of MiB at a long context) is mapped afresh and faulted in page by page each time.
+SCORE_ELEMENTS = 1 << 21
+PART_QUERIES = 16  # the fewest queries of a part (each part reads every cached latent once more)
+ROUND_TOKENS = 64  # at most this many queries: never in parts (a round's ops stay the same whatever S is)
+
+
 def latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, k_rot: torch.Tensor,
-                     kv_b: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                     kv_b: torch.Tensor, mask: torch.Tensor | None, scale: float, *,
+                     score_elements: int | None = None) -> torch.Tensor:
+    """MLA attention over cached latents (`_latent_attention`); on a CPU with T > ROUND_TOKENS (a prefill chunk),
+    the queries in parts of `score_elements` (default SCORE_ELEMENTS) // (B H S) at a time, at least PART_QUERIES,
+    each query's output its own either way.
+
+    Args: as `_latent_attention`'s.  Returns: `[B, T, H dv]`.
+    """
+    B, H, T, _ = q_nope.shape
+    step = max(PART_QUERIES, (score_elements or SCORE_ELEMENTS) // (B * H * c.shape[2]))
+    if c.device.type != "cpu" or T <= ROUND_TOKENS or step >= T:
+        return _latent_attention(q_nope, q_rot, c, k_rot, kv_b, mask, scale)
+    part = (lambda t: mask) if mask is None or mask.shape[-2] == 1 else (lambda t: mask[..., t:t + step, :])
+    return torch.cat([_latent_attention(q_nope[:, :, t:t + step], q_rot[:, :, t:t + step], c, k_rot, kv_b, part(t),
+                                        scale) for t in range(0, T, step)], 1)
+
+
+def _latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, k_rot: torch.Tensor,
+                      kv_b: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """MLA attention over cached latents, never expanding them: with `kv_b` (`kv_b_proj.weight`, rows per head
     `[W_UK (dn rows); W_UV (dv rows)]` over the latent r),
         score(t, s) = (q_nope W_UK) . c_s + q_rot . k_rot_s,    out(t) = (sum_s p_ts c_s) W_UV^T,

@@ -173,3 +173,36 @@ def test_kimi_latent_decode_step_like_the_module():
     assert max_rel_err(other, both) < 1e-12
     # the mask is read: without it row 1 also attends to its stale keys past its length; row 0 sees every key anyway
     assert max_rel_err(unmasked[1], both[1]) > 1e-3 and max_rel_err(unmasked[0], both[0]) < 1e-12
+
+
+def test_kimi_latent_prefill_chunk_in_parts_like_the_module(monkeypatch):
+    """A prefill-sized chunk (T > ROUND_TOKENS) after a context, rows of different lengths: on a CPU its queries run
+    in parts of at most SCORE_ELEMENTS scores (here made small: parts of PART_QUERIES), and the output equals the
+    module's own forward on the same cache contents (float64), whole."""
+    from specdec import adapters
+    from specdec.adapters import KimiLatentAttention
+    from specdec.hf_compat import cache_arg
+    from specdec.kv_cache import KVCache
+
+    model = tiny_model("kimi_linear", seed=2)
+    attn_layers = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
+    mod = model.model.layers[attn_layers[0]].self_attn
+    gen = torch.Generator().manual_seed(5)
+    d, T = model.config.hidden_size, adapters.ROUND_TOKENS + 2 * adapters.PART_QUERIES + 3
+    context, x = (torch.randn(2, n, d, generator=gen, dtype=torch.float64) for n in (10, T))
+    monkeypatch.setattr(adapters, "SCORE_ELEMENTS", 1)  # every part its fewest queries
+    parts, inner = [], adapters._latent_attention
+    monkeypatch.setattr(adapters, "_latent_attention", lambda q, *a: parts.append(q.shape[2]) or inner(q, *a))
+    outs = []
+    for attn in (mod, KimiLatentAttention(mod)):
+        kv = KVCache(3, 128)
+        cache = {cache_arg(attn): kv}
+        kv.begin(torch.tensor([2, 0]), 10)
+        attn(hidden_states=context, attention_mask=kv.attention_mask(torch.float64), **cache)
+        kv.advance(torch.tensor([10, 7]))
+        kv.begin(torch.tensor([2, 0]), T)  # a prefill chunk: causal over its own tokens
+        parts.clear()
+        outs.append(attn(hidden_states=x, attention_mask=kv.attention_mask(torch.float64), **cache)[0])
+        kv.abort()
+    assert parts == [adapters.PART_QUERIES] * (T // adapters.PART_QUERIES) + [T % adapters.PART_QUERIES]
+    assert max_rel_err(outs[1], outs[0]) < 1e-12
