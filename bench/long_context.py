@@ -4,19 +4,22 @@ context length, for plain decoding and every drafter.
     python bench/long_context.py --json bench/results/long_context_cpu.json --plot bench/results/long_context_cpu.png
     python bench/long_context.py --clock cpu --json lc.json --plot lc.png   # a shared machine: CPU times shown
     python bench/long_context.py --contexts 1024,16384 --drafters none,dspark --repeats 5
+    python bench/long_context.py --contexts 1024,4096,16384 --prompts code-2,code-7,code-12   # a steadier tau
     python bench/long_context.py --contexts 65536 --drafters none,dspark --long-from 0
 
 Contexts (`--contexts`, tokens): the embedded model's held-out standard-library sources (`train_embedded.corpus`'s
-held-out files: never trained on, real code), concatenated in name order, followed by one held-out benchmark prompt
-(`--prompt`, an id of the model's prompts.jsonl: the lines before a `def`, whose continuation the model writes).
-The context is the last `n` tokens of that text, so it always ends with the prompt. The prompt's own source file is
-left out of the filler: no drafter finds its continuation verbatim earlier in the context. Real held-out code
-gives tau as drafters meet it (random ids would give none), without the copy-from-context that a repeated
-prompt would hand to prompt lookup.
+held-out files: never trained on, real code), concatenated in name order, followed by a held-out benchmark prompt
+(an id of the model's prompts.jsonl: the lines before a `def`, whose continuation the model writes). A context is
+the last `n` tokens of that text, so it ends with the prompt; the prompt's own source file is left out of the
+filler, so no drafter finds its continuation verbatim earlier in the context. Real held-out code gives tau as
+drafters meet it (random ids would give none), without the copy-from-context a repeated prompt would hand to prompt
+lookup. tau depends on the text the model writes: `--prompts` takes several ids, each context then measured once
+ending with each prompt, pooled (more prompts: a steadier tau, a prefill each).
 
 For each context and drafter (`--drafters`; `none` is plain decoding, `drafter=None`): an engine of one lane whose
 `max_length` is the context + `--new-tokens` + a verify window, one short untimed generate (a warm-up), then
-`--repeats` greedy generates of the whole context, `--new-tokens` each (no early stop), each from a fresh prefill.
+`--repeats` rounds of greedy generates of the whole context per prompt, `--new-tokens` each (no early stop), each
+from a fresh prefill; a repeat pools its prompts (times, tokens and rounds summed; time to first token their mean).
 A streamer notes the wall clock and the process's CPU time (`time.process_time`: user + system, every thread of
 the process) at every token the engine emits:
     - time to first token (`ttft_s`, `ttft_cpu_s`): from the call to the first new token: the fresh prefill of the
@@ -24,17 +27,18 @@ the process) at every token the engine emits:
     - decode (`ms_per_token`, `cpu_ms_per_token`): from the first new token to the last, over the tokens in between:
       the rounds alone (draft, verify, accept, commit, the drafter's observe, bookkeeping), no prefill in it (the
       clock excludes the prefill, where a prefix cache would add its own work to every round);
-    - `tau`: tokens per round (`stats.tau`); per round `round_ms` / `round_cpu_ms` (decode time / rounds), and by the
-      engine's own timers (wall clock, `stats.timings` over `stats.rounds`) `draft_ms` and `verify_ms` (verify with
-      accept and commit), `rest_ms` = round_ms - draft - verify (the drafter's observe, bookkeeping) and
-      `draft_share` = draft / (draft + verify);
+    - `tau`: tokens per round (`stats.tokens / stats.rounds`); per round `round_ms` / `round_cpu_ms` (decode time
+      / rounds), and by the engine's own timers (wall clock, `stats.timings` over `stats.rounds`) `draft_ms` and
+      `verify_ms` (verify with accept and commit), `rest_ms` = round_ms - draft - verify (the drafter's observe,
+      bookkeeping) and `draft_share` = draft / (draft + verify);
     - against plain decoding at the same context: `speedup` (`speedup_cpu`) = plain ms/token / this ms/token,
       `round_vs_plain_step` (`_cpu`) = round ms / plain ms per token.
 With one torch thread the CPU time is the work itself: on a machine whose cores other processes share it leaves out
 the time spent waiting for a core, which the wall clock counts (`--clock` picks which the table and the plot show;
 the JSON holds both). Figures are medians over the repeats (`*_all`: every repeat); `spread` (`cpu_spread`) is
-(p90 - p10) / median of ms/token. `tokens`: the new tokens of the first repeat; `identical` says every repeat gave
-them and `identical_to_plain` that they equal plain decoding's at that context (greedy is lossless: they must).
+(p90 - p10) / median of ms/token. `tokens`: the new tokens of the first repeat, per prompt; `identical` says every
+repeat gave them and `identical_to_plain` that they equal plain decoding's at that context (greedy is lossless:
+they must).
 
 Contexts of `--long-from` tokens and more run only the drafters of `--long-drafters` (default 65536 and up: plain
 and dspark, the best drafter of drafters/best.txt); `--long-from 0` runs every drafter everywhere.
@@ -134,32 +138,39 @@ class Clock:
         pass
 
 
-def measure(engine, ids: torch.Tensor, new_tokens: int, repeats: int) -> dict:
+def measure(engine, contexts: dict[str, torch.Tensor], new_tokens: int, repeats: int) -> dict:
     """Every repeat's time to first token, decode ms per token, tau and per-round parts, on the wall clock and in CPU
-    time (see the module's docstring), for one greedy generate of `ids [n]`, `new_tokens` new tokens, each from a
-    fresh prefill; medians beside them."""
+    time (see the module's docstring), over one greedy generate of each context `{prompt id: ids [n]}`,
+    `new_tokens` new tokens each, each from a fresh prefill; a repeat pools its contexts (times and tokens summed,
+    time to first token their mean); medians over the repeats beside them."""
     rows = []
-    tokens = None
+    tokens: dict[str, list[int]] = {}
     identical = True
     for _ in range(repeats):
-        clock = Clock()
-        t0, c0 = time.perf_counter(), time.process_time()
-        res = engine.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, do_sample=False, streamer=clock)
-        out = res.sequences[0, ids.numel():].tolist()
-        if tokens is None:
-            tokens = out
-        identical &= out == tokens
-        st, t = res.stats, res.stats.timings
-        # [0]: the prompt, put after the prefill; [1]: the first new token; [-1]: the last round's tokens
-        decode, decode_cpu = clock.wall[-1] - clock.wall[1], clock.cpu[-1] - clock.cpu[1]
-        rounds, steps = max(st.rounds, 1), max(len(out) - 1, 1)
-        round_ms = decode / rounds * 1e3
-        rows.append(dict(ttft_s=clock.wall[1] - t0, ttft_cpu_s=clock.cpu[1] - c0, ms_per_token=decode / steps * 1e3,
-                         cpu_ms_per_token=decode_cpu / steps * 1e3, tau=st.tau, rounds=st.rounds, round_ms=round_ms,
-                         round_cpu_ms=decode_cpu / rounds * 1e3, draft_ms=t["draft"] / rounds * 1e3,
-                         verify_ms=t["verify"] / rounds * 1e3,
-                         rest_ms=round_ms - (t["draft"] + t["verify"]) / rounds * 1e3,
-                         draft_share=t["draft"] / (t["draft"] + t["verify"]) if t["draft"] + t["verify"] else 0.0))
+        tot = dict.fromkeys(("ttft", "ttft_cpu", "decode", "decode_cpu", "steps", "rounds", "tokens", "draft",
+                             "verify"), 0.0)
+        for pid, ids in contexts.items():
+            clock = Clock()
+            t0, c0 = time.perf_counter(), time.process_time()
+            res = engine.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, do_sample=False, streamer=clock)
+            out = res.sequences[0, ids.numel():].tolist()
+            identical &= tokens.setdefault(pid, out) == out
+            st = res.stats
+            # [0]: the prompt, put after the prefill; [1]: the first new token; [-1]: the last round's tokens
+            for k, v in (("ttft", clock.wall[1] - t0), ("ttft_cpu", clock.cpu[1] - c0),
+                         ("decode", clock.wall[-1] - clock.wall[1]), ("decode_cpu", clock.cpu[-1] - clock.cpu[1]),
+                         ("steps", len(out) - 1), ("rounds", st.rounds), ("tokens", st.tokens),
+                         ("draft", st.timings["draft"]), ("verify", st.timings["verify"])):
+                tot[k] += v
+        rounds, steps, n = max(tot["rounds"], 1), max(tot["steps"], 1), len(contexts)
+        round_ms = tot["decode"] / rounds * 1e3
+        d_v = tot["draft"] + tot["verify"]
+        rows.append(dict(ttft_s=tot["ttft"] / n, ttft_cpu_s=tot["ttft_cpu"] / n,
+                         ms_per_token=tot["decode"] / steps * 1e3, cpu_ms_per_token=tot["decode_cpu"] / steps * 1e3,
+                         tau=tot["tokens"] / rounds, rounds=int(tot["rounds"]), round_ms=round_ms,
+                         round_cpu_ms=tot["decode_cpu"] / rounds * 1e3, draft_ms=tot["draft"] / rounds * 1e3,
+                         verify_ms=tot["verify"] / rounds * 1e3, rest_ms=round_ms - d_v / rounds * 1e3,
+                         draft_share=tot["draft"] / d_v if d_v else 0.0))
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     every = {f"{k}_all": [r[k] for r in rows] for k in ("ms_per_token", "cpu_ms_per_token", "ttft_s", "ttft_cpu_s",
                                                           "tau")}
@@ -167,14 +178,16 @@ def measure(engine, ids: torch.Tensor, new_tokens: int, repeats: int) -> dict:
                 cpu_spread=common.spread(every["cpu_ms_per_token_all"]), tokens=tokens, identical=identical)
 
 
-def run_one(model, drafter: str | None, ids: torch.Tensor, a) -> dict:
-    """One engine (one lane, max_length the context + new tokens + a verify window) for `drafter`, warmed up once,
-    then `measure`d."""
-    engine = specdec.wrap(model, drafter=drafter, max_batch_size=1, max_length=ids.numel() + a.new_tokens + 64)
+def run_one(model, drafter: str | None, contexts: dict[str, torch.Tensor], a) -> dict:
+    """One engine (one lane, max_length the longest context + new tokens + a verify window) for `drafter`, warmed up
+    once, then `measure`d over `contexts` `{prompt id: ids [n]}`."""
+    longest = max(ids.numel() for ids in contexts.values())
+    engine = specdec.wrap(model, drafter=drafter, max_batch_size=1, max_length=longest + a.new_tokens + 64)
     try:
+        ids = next(iter(contexts.values()))
         engine.generate(ids[-min(ids.numel(), 64):], max_new_tokens=min(8, a.new_tokens), eos_token_id=None,
                         do_sample=False)  # warm-up: lazily built buffers and kernels
-        return measure(engine, ids, a.new_tokens, a.repeats)
+        return measure(engine, contexts, a.new_tokens, a.repeats)
     finally:
         del engine
 
@@ -201,20 +214,21 @@ CLOCK_KEYS = {"wall": dict(ttft="ttft_s", ms="ms_per_token", spread="spread", sp
 
 
 def table(result: dict, clock: str) -> str:
-    """The measured rows, their times on `clock` ("wall" or "cpu"); draft and verify are the engine's own (wall)
-    timers either way."""
+    """The measured rows, their times on `clock` ("wall" or "cpu"). The drafter's part of a round is the engine's
+    own timers' (wall clock) draft / (draft + verify); their milliseconds are shown on the wall clock only."""
     k = CLOCK_KEYS[clock]
+    wall = clock == "wall"
     head = (f"{'context':>8} {'drafter':8s} {'TTFT s':>8} {'ms/token':>9} {'spread':>7} {'speedup':>8} {'tau':>6} "
-            f"{'round ms':>9} {'draft':>7} {'verify':>7} {'draft/(d+v)':>11} {'identical':>9}")
-    lines = [f"times: {'CPU time of the process' if clock == 'cpu' else 'wall clock'}; draft and verify per round: "
-             f"the engine's timers (wall clock)", head]
+            f"{'round ms':>9} " + (f"{'draft':>7} {'verify':>7} " if wall else "") +
+            f"{'draft/(d+v)':>11} {'identical':>9}")
+    lines = [f"times: {'wall clock' if wall else 'CPU time of the process'}", head]
     for c, ctx in result["contexts"].items():
         for name, r in ctx["drafters"].items():
             sp = "" if r[k["speedup"]] is None else f"{r[k['speedup']]:.2f}x"
             same = "" if r["identical_to_plain"] is None else str(r["identical_to_plain"] and r["identical"])
+            parts = f"{r['draft_ms']:7.2f} {r['verify_ms']:7.2f} " if wall else ""
             lines.append(f"{c:>8} {name:8s} {r[k['ttft']]:8.2f} {r[k['ms']]:9.2f} {r[k['spread']]:7.2f} {sp:>8} "
-                         f"{r['tau']:6.2f} {r[k['round']]:9.2f} {r['draft_ms']:7.2f} {r['verify_ms']:7.2f} "
-                         f"{r['draft_share']:11.2f} {same:>9}")
+                         f"{r['tau']:6.2f} {r[k['round']]:9.2f} {parts}{r['draft_share']:11.2f} {same:>9}")
     return "\n".join(lines)
 
 
@@ -264,7 +278,8 @@ def main(argv=None) -> dict:
     p.add_argument("--long-drafters", default="none,dspark")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompt", default="code-2", help="the held-out prompt that ends every context (an id)")
+    p.add_argument("--prompts", default="code-2", help="held-out prompts (ids, comma list): each context is measured "
+                                                       "once ending with each")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="the times the table and the plot show (the JSON holds both)")
@@ -302,9 +317,11 @@ def main(argv=None) -> dict:
         else:
             args[name] = path
     try:
-        prompt = find_prompt(model_dir, a.prompt)
+        prompts = [find_prompt(model_dir, pid) for pid in dict.fromkeys(common.split_list(a.prompts))]
     except ValueError as e:
-        p.error(f"--prompt: {e}")
+        p.error(f"--prompts: {e}")
+    if not prompts:
+        p.error("--prompts: expected at least one id")
 
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -315,15 +332,18 @@ def main(argv=None) -> dict:
     threads = timing.torch_threads(model, a.threads)
     result = {"machine": common.machine_info("cpu"), "threads": threads, "args": vars(a), "model": str(model_dir),
               "model_name": a.model, "new_tokens": a.new_tokens, "repeats": a.repeats,
-              "prompt": {k: prompt.get(k) for k in ("id", "kind", "source")}, "skipped": skipped, "contexts": {}}
-    print(f"long_context, {a.model}, threads {threads}, {a.new_tokens} new tokens, median of {a.repeats}, "
-          f"contexts ending with prompt {prompt['id']} ({prompt.get('source')})", flush=True)
+              "prompts": [{k: pr.get(k) for k in ("id", "kind", "source")} for pr in prompts], "skipped": skipped,
+              "contexts": {}}
+    ends = ", ".join(f"{pr['id']} ({pr.get('source')})" for pr in prompts)
+    print(f"long_context, {a.model}, threads {threads}, {a.new_tokens} new tokens, median of {a.repeats}, contexts "
+          f"ending with the prompts {ends}", flush=True)
     for why in skipped.values():
         print(f"skipped: {why}")
     for c in contexts:
-        ids, files = context_ids(tokenizer, c, prompt)
-        ctx = result["contexts"][str(c)] = {"ids_sha256": ids_hash(ids), "files": files, "drafters": {}}
-        ids_t = torch.tensor(ids)
+        built = {pr["id"]: context_ids(tokenizer, c, pr) for pr in prompts}
+        ctx = result["contexts"][str(c)] = {"prompts": {pid: {"ids_sha256": ids_hash(ids), "files": files}
+                                                        for pid, (ids, files) in built.items()}, "drafters": {}}
+        ids_t = {pid: torch.tensor(ids) for pid, (ids, _) in built.items()}
         for name, arg in args.items():
             if c >= a.long_from and name not in long_names:
                 continue

@@ -1,6 +1,6 @@
-"""`bench/long_context.py` on the embedded model at tiny contexts: every context and drafter measured, the JSON what
-`main` returns, each drafter's greedy tokens equal to plain decoding's and to transformers' own generate, and the
-context the held-out prompt's tokens at its end."""
+"""`bench/long_context.py` on the embedded model at tiny contexts and two prompts: every context and drafter measured,
+the JSON what `main` returns, each drafter's greedy tokens equal to plain decoding's and to transformers' own generate,
+and each context its prompt's tokens at its end."""
 
 import importlib.util
 import json
@@ -24,7 +24,8 @@ def test_tiny_contexts(tmp_path):
     bench = load_bench("long_context")
     out = tmp_path / "lc.json"
     args = ["--contexts", "512,64", "--drafters", "none,ngram,dspark", "--long-from", "512", "--long-drafters",
-            "none,dspark", "--new-tokens", str(NEW), "--repeats", "1", "--clock", "cpu", "--json", str(out)]
+            "none,dspark", "--new-tokens", str(NEW), "--repeats", "1", "--prompts", "code-2,code-7", "--clock", "cpu",
+            "--json", str(out)]
     if importlib.util.find_spec("matplotlib") is not None:
         args += ["--plot", str(tmp_path / "lc.png")]
     threads = torch.get_num_threads()
@@ -33,7 +34,8 @@ def test_tiny_contexts(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert json.loads(out.read_text()) == json.loads(json.dumps(res))
-    assert res["threads"] == 1 and res["skipped"] == {} and res["prompt"]["id"] == "code-2"
+    assert res["threads"] == 1 and res["skipped"] == {}
+    assert [pr["id"] for pr in res["prompts"]] == ["code-2", "code-7"]
     assert list(res["contexts"]) == ["64", "512"]
     # 512 tokens is at --long-from: only the long drafters run there
     assert list(res["contexts"]["64"]["drafters"]) == ["none", "ngram", "dspark"]
@@ -41,30 +43,34 @@ def test_tiny_contexts(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(res["model"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(res["model"])
-    prompt = bench.find_prompt(bench.common.resolve_model_dir("embedded"), "code-2")
-    tail = tokenizer(prompt["prompt"])["input_ids"]
+    prompts = [bench.find_prompt(bench.common.resolve_model_dir("embedded"), pid) for pid in ("code-2", "code-7")]
     for c, ctx in res["contexts"].items():
-        ids, files = bench.context_ids(tokenizer, int(c), prompt)
-        assert len(ids) == int(c) and bench.ids_hash(ids) == ctx["ids_sha256"] and files == ctx["files"]
-        assert ids[-min(len(tail), len(ids)):] == tail[-len(ids):]  # the context ends with the prompt
-        assert prompt["source"] not in files
-        assert bool(files) == (int(c) > len(tail))  # held-out files before the prompt where it is shorter
-        # transformers' own greedy decode of the same context, outside specdec
-        ref = transformers_generate(model, torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW)
-        expected = ref[0, len(ids):].tolist()
+        expected = {}
+        for prompt in prompts:
+            tail = tokenizer(prompt["prompt"])["input_ids"]
+            ids, files = bench.context_ids(tokenizer, int(c), prompt)
+            rec = ctx["prompts"][prompt["id"]]
+            assert len(ids) == int(c) and bench.ids_hash(ids) == rec["ids_sha256"] and files == rec["files"]
+            assert ids[-min(len(tail), len(ids)):] == tail[-len(ids):]  # the context ends with the prompt
+            assert prompt["source"] not in files
+            assert bool(files) == (int(c) > len(tail))  # held-out files before the prompt where it is shorter
+            # transformers' own greedy decode of the same context, outside specdec
+            ref = transformers_generate(model, torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW)
+            expected[prompt["id"]] = ref[0, len(ids):].tolist()
         for name, r in ctx["drafters"].items():
             assert set(r) == ROW_KEYS, name
             assert r["tokens"] == expected, (c, name)
             assert r["identical"] is True and r["identical_to_plain"] is True
             assert r["ttft_s"] > 0 and r["ms_per_token"] > 0 and r["round_ms"] > 0
-            assert 1 <= r["rounds"] <= NEW - 1 and r["tau"] >= 1
-            # the rounds between the first token and the last: ms/token x tokens = round ms x rounds
+            assert len(prompts) <= r["rounds"] <= len(prompts) * (NEW - 1) and r["tau"] >= 1
+            # the rounds between each first token and last, pooled: ms/token x tokens = round ms x rounds
             for ms, rnd in (("ms_per_token", "round_ms"), ("cpu_ms_per_token", "round_cpu_ms")):
-                assert abs(r[ms] * (NEW - 1) - r[rnd] * r["rounds"]) <= 1e-6 * r[rnd] * NEW
+                assert abs(r[ms] * len(prompts) * (NEW - 1) - r[rnd] * r["rounds"]) <= 1e-6 * r[rnd] * r["rounds"]
             assert r["ttft_cpu_s"] > 0 and r["cpu_ms_per_token"] > 0
             assert 0 <= r["draft_share"] <= 1 and r["verify_ms"] > 0
             assert len(r["ms_per_token_all"]) == len(r["ttft_s_all"]) == 1
         plain = ctx["drafters"]["none"]
-        assert plain["tau"] == 1 and plain["rounds"] == NEW - 1 and plain["speedup"] == plain["speedup_cpu"] == 1
+        assert plain["tau"] == 1 and plain["rounds"] == len(prompts) * (NEW - 1)
+        assert plain["speedup"] == plain["speedup_cpu"] == 1
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "lc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
