@@ -379,3 +379,20 @@ def test_strategy_specs_buffers():
                                                                              "gate_dt_bias"}
     specs = buffer_specs(cfg)
     assert all(spec == specs[name] for name, spec in strategy_specs(cfg).items())
+
+
+def test_the_model_option_reads_the_shapes_the_engine_allocates(capsys):
+    """`specdec memory --model specdec/embedded --json`: the pool's conv windows and states are those of the engine
+    `wrap` builds on the loaded model (its memory plan, max_batch_size 8: 9 slots)."""
+    import specdec
+    from transformers import AutoModelForCausalLM
+    root = Path(__file__).resolve().parents[1] / "specdec" / "embedded"
+    code = main(["memory", "--model", str(root), "--act-dtype", "float32", "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert code == 0
+    engine = specdec.wrap(AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32), drafter=None)
+    pool = engine.memory_plan.parts["state pool"]
+    assert plan["conv_state"] == pool["conv_state"].nbytes and plan["ssm_state"] == pool["ssm_state"].nbytes
+    assert plan["config"]["num_layers"] == len(engine.runner.linear_index)
+    code = main(["memory", "--model", str(root), "--layers", "3"])
+    assert code == 2 and "--layers: read from --model" in capsys.readouterr().err

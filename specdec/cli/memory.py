@@ -8,13 +8,57 @@ import json
 NAME = "memory"
 HELP = "print the memory plan of the state buffers"
 DESCRIPTION = ("Shape, dtype and size (GiB) of every state buffer, in the style of SGLang's allocation "
-               "log, and the full-snapshot scheme vs ReplaySSM for the same settings (chain and trees).")
+               "log, and the full-snapshot scheme vs ReplaySSM for the same settings (chain and trees). "
+               "--model DIR reads the shapes from a hybrid model's config (no weights are loaded); otherwise "
+               "--layers, --slots and --heads give them.")
+
+
+def model_shapes(path: str, parser: argparse.ArgumentParser) -> dict:
+    """The linear-attention shapes of the hybrid model whose config is in `path`: its modules built on the meta
+    device (no memory, no weights) and read through the family's adapter, as the runner reads them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.adapters import HYBRID_FAMILIES, layer_kind
+    from specdec.runner import _layer_plan
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0]
+        parser.error(f"argument --model: cannot read a config in {path}: {type(exc).__name__}: {first}")
+    family = config.model_type
+    if family not in HYBRID_FAMILIES:
+        parser.error(f"argument --model: no hybrid adapter for model_type {family!r} (known: "
+                     f"{', '.join(sorted(HYBRID_FAMILIES))})")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    spec = HYBRID_FAMILIES[family]
+    n = config.num_hidden_layers
+    layers = list(model.model.layers)[:n]
+    kinds = [layer_kind(t) for t in config.layer_types[:n]]
+    mixers = _layer_plan(family, spec, layers, kinds)[3]
+    dims = spec.mixer.dims(mixers[min(mixers)])
+    return dict(layers=len(mixers), heads=dims["num_heads"], k=dims["head_k_dim"], v=dims["head_v_dim"],
+                conv_kernel=dims["conv_kernel"], conv_dim=dims["conv_dim"], gate=spec.mixer.gate,
+                rule=getattr(spec.mixer, "rule", "delta"), family=family)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from specdec.replayssm.config import StateConfig, check_ring_len, next_pow2, resolve_dtype
     from specdec.replayssm.plan import format_plan, plan_json
 
+    shapes = None
+    if args.model is not None:
+        for flag, value in (("--layers", args.layers), ("--heads", args.heads)):
+            if value is not None:
+                parser.error(f"argument {flag}: read from --model; give one or the other")
+        shapes = model_shapes(args.model, parser)
+        args.layers, args.heads, args.head_dim = shapes["layers"], shapes["heads"], shapes["k"]
+        args.conv_kernel, args.gate, args.rule = shapes["conv_kernel"], shapes["gate"], shapes["rule"]
+        args.slots = 9 if args.slots is None else args.slots  # wrap's max_batch_size 8, and the null slot
+    for flag, value in (("--layers", args.layers), ("--slots", args.slots), ("--heads", args.heads)):
+        if value is None:
+            parser.error(f"argument {flag}: required without --model")
     for flag, value, low in (("--layers", args.layers, 1), ("--slots", args.slots, 2), ("--heads", args.heads, 1),
                              ("--tp", args.tp, 1), ("--head-dim", args.head_dim, 1),
                              ("--conv-kernel", args.conv_kernel, 2)):
@@ -40,7 +84,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"argument {exc}")
 
     heads = args.heads // args.tp
-    if args.rule == "mamba2":
+    if shapes is not None:  # the model's own: its conv spans every head's channels, split by tp as its heads are
+        k, v = shapes["k"], shapes["v"]
+        conv_dim = shapes["conv_dim"] // args.tp
+    elif args.rule == "mamba2":
         if args.state_dim is None or args.state_dim < 1:
             parser.error(f"argument --state-dim: the mamba2 rule needs N >= 1, got {args.state_dim}")
         if args.groups < 1 or args.groups % args.tp or heads % max(args.groups // args.tp, 1):
@@ -71,9 +118,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, required=True, help="linear-attention layers")
-    p.add_argument("--slots", type=int, required=True, help="pool slots, including the null slot")
-    p.add_argument("--heads", type=int, required=True, help="linear-attention heads (all ranks)")
+    p.add_argument("--model", default=None, metavar="DIR",
+                   help="a hybrid model's directory: layers, heads, head dims, conv and gate from its config")
+    p.add_argument("--layers", type=int, default=None, help="linear-attention layers (without --model)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="pool slots, including the null slot (with --model: 9, wrap's 8 requests and the null slot)")
+    p.add_argument("--heads", type=int, default=None, help="linear-attention heads, all ranks (without --model)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks; heads per rank = heads / tp")
     p.add_argument("--head-dim", type=int, default=128, help="K = V (mamba2: P, the head dim)")
     p.add_argument("--conv-kernel", type=int, default=4, help="short-conv kernel width (window = kernel - 1)")
