@@ -480,7 +480,8 @@ def make_strategy(cfg: StateConfig, strategy: str = "replay", *, commit: str = "
     if strategy == "replay":
         return ReplayStrategy(cfg, commit=commit, device=device, pool=pool)
     if strategy == "snapshot":
-        if commit not in ("eager", "lazy"):
-            raise ValueError(f"commit: expected 'eager' or 'lazy', got {commit!r}")
+        if commit != "eager":
+            raise ValueError(f"commit: strategy 'snapshot' commits eagerly (a state per verify token, copied); "
+                             f"expected 'eager', got {commit!r}")
         return SnapshotStrategy(cfg, device=device, pool=pool)
     raise ValueError(f"strategy: expected 'replay' or 'snapshot', got {strategy!r}")

@@ -80,6 +80,9 @@ class SpecConfig:
             raise ValueError(f"strategy: expected one of {STRATEGIES}, got {self.strategy!r}")
         if self.commit not in COMMITS:
             raise ValueError(f"commit: expected one of {COMMITS}, got {self.commit!r}")
+        if self.strategy == "snapshot" and self.commit == "lazy":
+            raise ValueError("commit: 'lazy' leaves ReplaySSM's records pending; strategy='snapshot' keeps a state per "
+                             "verify token and commits by copy, so it takes commit='eager' only")
         cpu_linear.check_mode(self.cpu_linear)
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens: expected an int >= 1, got {self.num_draft_tokens!r} (plain decoding: "

@@ -72,8 +72,7 @@ def test_trained_drafter_directory_equals_transformers_greedy():
 
 def test_stream_prints_text_and_stats(saved):
     path, tokenizer, prompt_ids, oracle = saved
-    proc = run_cli("--model", path, "--prompt", PROMPT, "--max-new-tokens", NEW, "--strategy", "snapshot",
-                   "--commit", "lazy")
+    proc = run_cli("--model", path, "--prompt", PROMPT, "--max-new-tokens", NEW, "--strategy", "snapshot")
     assert proc.returncode == 0, proc.stderr
     assert tokenizer.decode(prompt_ids + oracle, skip_special_tokens=True) in proc.stdout
     assert f"{NEW} new tokens in" in proc.stdout and "tokens/s" in proc.stdout
@@ -107,6 +106,7 @@ def test_plain_decoding_with_drafter_none(saved):
     (["--model", "{model}", "--prompt", "x", "--do-sample", "--top-p", "0"], "--top-p"),
     (["--model", "{model}", "--prompt", "x", "--dtype", "float16"], "--dtype"),
     (["--model", "{model}", "--prompt", "x", "--threads", "0"], "--threads"),
+    (["--model", "{model}", "--prompt", "x", "--strategy", "snapshot", "--commit", "lazy"], "--commit"),
     (["--model", "{model}", "--prompt", ""], "--prompt"),
 ])
 def test_bad_arguments_exit_2(saved, tmp_path, args, flag):

@@ -119,3 +119,14 @@ def test_unknown_strategy_and_commit_mode():
         make_strategy(cfg, "full")
     with pytest.raises(ValueError, match=r"commit: expected 'eager' or 'lazy', got 'later'"):
         make_strategy(cfg, "replay", commit="later")
+
+
+def test_snapshot_with_lazy_commit_is_refused():
+    """A full-snapshot strategy has no pending records to fold later: lazy commit is one error, at wrap and below."""
+    import specdec
+    from specdec.replayssm import StateConfig, make_strategy
+    with pytest.raises(ValueError, match="commit: 'lazy' leaves ReplaySSM's records pending; strategy='snapshot'"):
+        specdec.SpecConfig(strategy="snapshot", commit="lazy")
+    cfg = StateConfig(num_layers=1, num_heads=1, head_k_dim=4, head_v_dim=4, max_requests=1)
+    with pytest.raises(ValueError, match="commit: strategy 'snapshot' commits eagerly"):
+        make_strategy(cfg, "snapshot", commit="lazy")
