@@ -188,10 +188,9 @@ class SpecEngine(RequestLoop):
             seed = self.tp.agree_seed(seed)
         if seed is not None:
             gen = torch.Generator(device=self.runner.device).manual_seed(seed)
-        # with tp only rank 0 drafts: its drafter draws from a stream of its own, the acceptance from `gen` on every
-        # rank alike
-        draft_gen = gen if self.tp is None or gen is None else \
-            torch.Generator(device=self.runner.device).manual_seed(seed + 1)
+        # the drafter draws from a stream of its own (under tp only rank 0 drafts), the acceptance from `gen` on every
+        # rank alike: one seed, one output, at every tp size
+        draft_gen = None if gen is None else torch.Generator(device=self.runner.device).manual_seed(seed + 1)
         stats = SpecStats()
         verify = self.target.num_verify_tokens
         reqs = []

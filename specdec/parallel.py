@@ -103,7 +103,10 @@ MLP = Layout(  # as transformers' tp_plans: gate / up colwise, down rowwise; eac
     tuple(s for pre in ("", "shared_expert.", "shared_experts.")
           for s in _rows(f"{pre}gate_proj", f"{pre}up_proj") + (Split(f"{pre}down_proj.weight", 1),))
     + (Split("experts.gate_up_proj", 1, lambda m: [m.experts.gate_up_proj.shape[1] // 2] * 2),
-       Split("experts.down_proj", 2)),
+       Split("experts.down_proj", 2),
+       # Granite-4.0-H's shared MLP: one input projection over [gate | up], chunked in two by its forward
+       Split("input_linear.weight", 0, lambda m: [m.input_linear.out_features // 2] * 2),
+       Split("output_linear.weight", 1)),
     divide=("experts.intermediate_dim",))
 # the mixer classes with a layout (subclasses share their base's: Nemotron-H's and Granite's Mamba2 mixers; Bailing's
 # KDA, Falcon-H1's and Zamba2's mixers change what feeds or gates the heads and have none yet)

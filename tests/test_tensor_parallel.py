@@ -123,6 +123,9 @@ def scenarios(rank: int, world: int, path: str) -> dict:
         e = eng if drafter == "eagle" else engine("qwen3_next", tp_group=group)
         for seed in (7, None):
             res["sample"][drafter, seed] = generate(e, do_sample=True, temperature=1.5, seed=seed)[0]
+    res["seeded"] = seeded(group)
+    res["mamba2_hybrids"] = {name: generate(specdec.wrap(model, drafter="ngram", max_length=64, tp_group=group))[0]
+                             for name, model in MAMBA2_HYBRIDS().items()}
     # collectives per round at several batch sizes
     eng = engine("qwen3_next", tp_group=group)
     for B in BATCHES:
@@ -296,6 +299,38 @@ def test_drafts_were_accepted(ranks):
     assert all(accepted[f, s, c, "model"] >= NEW for f in FAMILIES for s, c in MODES), accepted
     for drafter in ("ngram", "eagle", "mtp"):
         assert any(accepted[f, s, c, drafter] > 0 for f in FAMILIES for s, c in MODES), accepted
+
+
+def MAMBA2_HYBRIDS() -> dict:
+    """Granite-4.0-H with its MoE beside the shared MLP and without it, and Bamba."""
+    return {"granitemoehybrid": generic.tiny("granitemoehybrid"),
+            "granitemoehybrid dense": generic.build("granitemoehybrid", num_local_experts=0),
+            "bamba": generic.tiny("bamba")}
+
+
+def test_mamba2_hybrids_greedy_under_tp(ranks):
+    """Granite-4.0-H (MoE and dense: its shared MLP splits as transformers' plan splits an MLP) and Bamba at tp = 2:
+    the same tokens on both ranks, transformers' greedy generate."""
+    got0, got1 = ranks[0]["mamba2_hybrids"], ranks[1]["mamba2_hybrids"]
+    assert got0 == got1
+    for name, model in MAMBA2_HYBRIDS().items():
+        for b, p in enumerate(PROMPTS):
+            ref = greedy_reference(model, p, NEW)
+            assert got0[name][b][:len(ref)] == ref, (name, b)
+
+
+def seeded(group=None) -> dict:
+    """Sampled output with seed 7 per drafter kind (mtp and the draft model sample their drafts too)."""
+    kw = {} if group is None else dict(tp_group=group)
+    return {d: generate(engine("qwen3_next", drafter=d, **kw), do_sample=True, temperature=1.5, seed=7)[0]
+            for d in DRAFTERS}
+
+
+def test_one_seed_samples_the_same_tokens_at_every_tp_size(ranks):
+    """A seed fixes the output whatever the tensor-parallel size: the acceptance draws from its stream on every
+    rank, the drafter (rank 0's alone under tp) from a stream of its own, seeded from it, in one process too."""
+    single = seeded()
+    assert ranks[0]["seeded"] == ranks[1]["seeded"] == single
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "eagle"])
