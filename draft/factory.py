@@ -85,5 +85,8 @@ def make_drafter(drafter, target_model, *, gamma: int, max_batch_size: int, max_
         net = load_drafter(os.fspath(drafter), target_model)
         return drafter_module(net.config.kind).make_drafter(net, gamma=gamma, max_batch_size=max_batch_size,
                                                             **drafter_kwargs)
+    if isinstance(drafter, os.PathLike) or (isinstance(drafter, str) and (os.sep in drafter or drafter.startswith("."))):
+        raise ValueError(f"drafter: no such directory: {os.fspath(drafter)!r} (a trained drafter directory was "
+                         f"expected there)")
     raise ValueError(f"drafter: expected None (plain decoding), 'ngram', 'model', 'native', one of {sorted(KINDS)}, "
                      f"a trained drafter directory or a Drafter instance, got {drafter!r}")

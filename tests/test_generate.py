@@ -10,8 +10,8 @@ leaves every slot as it was; a drafter that fails mid-generation costs a plain d
 from __future__ import annotations
 
 import itertools
-
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -496,6 +496,12 @@ def test_kind_without_weights_is_refused_at_wrap(models, kind, monkeypatch):
         with pytest.raises(ValueError, match="^untrained: "):
             specdec.wrap(target, **kw)
     assert built == [], f"built before the error: {built}"
+
+
+@pytest.mark.parametrize("path", ["./no/such/drafter", "drafters/missing", pathlib.Path("no-such-dir")])
+def test_a_drafter_path_that_does_not_exist_says_so(models, path):
+    with pytest.raises(ValueError, match=r"^drafter: no such directory: '.*' \(a trained drafter directory"):
+        specdec.wrap(models.target("qwen3_next"), drafter=path)
 
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle", "dspark"])
