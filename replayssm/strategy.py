@@ -336,7 +336,7 @@ class ReplayStrategy(StateStrategy):
     verify is the fold's own step (`common.delta_step`), so the state it computes is the one the fold would
     rebuild, bit for bit; it keeps that state and the conv window (`step_ssm`, `step_conv_window` of the memory
     plan) and commit copies them, as the snapshot strategy does. On a CPU that halves the state work of a plain
-    step and drops the fold's ops (about 8% of a plain decode of the embedded model). The Triton backend folds.
+    step and drops the fold's ops. The Triton backend folds.
     """
 
     name = "replay"

@@ -55,8 +55,8 @@ def conv_taps(cols: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """
     # every product in one op, then the adds left to right (not torch's `sum`, whose order over the taps depends on
     # the shapes); Kc ops, not 2 Kc - 1
-    # More than one row: contiguous taps let the product run whole vectors (~6x faster at 218 rows); one row reads
-    # the strided view faster than it copies it.
+    # More than one row: contiguous taps let the product run whole vectors; one row reads the strided view faster
+    # than it copies it.
     w = weight.to(cols.dtype).t()  # [Kc, C]
     if cols.numel() > w.numel():
         w = w.contiguous()

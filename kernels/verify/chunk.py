@@ -16,8 +16,8 @@ ancestors (a chain: tokens 1..t) and `G_t` = the log-decays summed over `path(t)
 each node's output and state are those of its own root-to-node chain: the causal mask of the chunk is the
 ancestor mask (`VerifyTree.ancestors`), a chain's is the lower triangle. One triangular solve and a few masked
 matmuls, batched over requests and heads, with the decays factored per channel (`chunk_step`); heads whose gates
-are too strong for fp32 factors take fp64 ones, as the chunked prefill does (`chunk.strong_replaced`). (The
-embedded model's KDA gates reach -47 per token: about 4% of its verify calls on code prompts have such a head.)
+are too strong for fp32 factors take fp64 ones, as the chunked prefill does (`chunk.strong_replaced`): trained
+KDA gates can be strong enough that some verify calls have such a head.
 
 Exactness (docs/EXACTNESS.md). The committed state never comes from here: the exact fold replays the records, which are
 the inputs (rawk, rawv, g, beta: copied bit for bit), step by step, so a committed state is still the one plain
