@@ -430,10 +430,3 @@ class Net(nn.Module):
         return {"loss": float(terms["total"]), "per_position": per_position, "tau": tau,
                 **{name: float(v) for name, v in terms.items() if name != "total"}}
 
-
-def __getattr__(name: str):
-    """`DSparkDrafter` and `make_drafter`, the drafter's, are found here too (their former home)."""
-    if name in ("DSparkDrafter", "make_drafter"):
-        from . import dspark_drafter
-        return getattr(dspark_drafter, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

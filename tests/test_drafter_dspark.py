@@ -26,7 +26,7 @@ from assertions import chi2_critical, chi2_gof, count_samples
 from tiny_models import exact_joint, float64_everywhere, generate_f64, greedy_reference, tiny_model, torch_fallbacks
 
 import specdec
-from specdec.draft import dspark
+from specdec.draft import dspark, dspark_drafter
 from specdec.draft.registry import build_drafter_net, load_drafter, save_drafter
 from specdec.cli.draft_train import train
 from specdec.verify import SamplingParams
@@ -299,9 +299,9 @@ def test_training_improves_and_round_trips(setup, family):
     # save / load: the loaded drafter proposes exactly what the trained one does
     target = setup.target(family)
     loaded = specdec.wrap(target, drafter=path, num_draft_tokens=GAMMA, max_batch_size=2, topk=1).drafter
-    assert isinstance(loaded, dspark.DSparkDrafter) and loaded.net is not net
+    assert isinstance(loaded, dspark_drafter.DSparkDrafter) and loaded.net is not net
     assert loaded.net.target_embed is target.get_input_embeddings()  # shared, not copied
-    fresh = dspark.make_drafter(net, gamma=GAMMA, topk=1)  # chains: their probs and confidences compared too
+    fresh = dspark_drafter.make_drafter(net, gamma=GAMMA, topk=1)  # chains: their probs and confidences compared too
     files = set(os.listdir(path))
     assert files == {"config.json", "model.safetensors"}
     from safetensors.torch import load_file
@@ -361,7 +361,7 @@ def test_bad_options_raise(setup):
     net = build_drafter_net("dspark", target)
     for gamma in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="gamma"):
-            dspark.make_drafter(net, gamma=gamma)
+            dspark_drafter.make_drafter(net, gamma=gamma)
     for thr in (-0.1, 1.5, "high"):
         with pytest.raises(ValueError, match="confidence_threshold"):
             specdec.wrap(target, drafter="dspark", untrained=True, confidence_threshold=thr)
@@ -614,7 +614,7 @@ def test_drafts_equal_the_training_blocks(setup, window):
         return torch.stack(out, 1)  # [N, G]
 
     def drafted(net, a):
-        drafter = dspark.make_drafter(net, gamma=net.config.block_size, topk=1)
+        drafter = dspark_drafter.make_drafter(net, gamma=net.config.block_size, topk=1)
         ctx = tokens[0, :a + 1]
         drafter.begin([0], [ctx])
         drafter.observe([0], [ctx[:-1]], [None], {l: [feats[l][0, :a]] for l in drafter.feature_layers})

@@ -23,7 +23,7 @@ from tiny_models import assert_greedy, generate_f64, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec
-from specdec.draft import dspark
+from specdec.draft import dspark_drafter
 from specdec.draft.registry import build_drafter_net, own_state_dict, save_drafter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +135,7 @@ def test_drafts_equal_the_full_context(target, topk):
     full-context computation's (to 1e-12 relative: the ring holds the same keys in another order, so only the
     summation order differs), and the same chains, or trees (tokens and parents)."""
     net = _random_net(target, W)
-    drafter = dspark.make_drafter(net, gamma=GAMMA, max_batch_size=4, topk=topk)
+    drafter = dspark_drafter.make_drafter(net, gamma=GAMMA, max_batch_size=4, topk=topk)
     rows = Rows(drafter, LENGTHS, target.config.hidden_size, target.config.vocab_size, torch.float64, seed=1)
     ring = drafter._ring()
     assert ring == W + (GAMMA + 1 if topk == 1 else drafter.num_nodes + 1)
@@ -164,7 +164,7 @@ def test_dropped_positions_and_their_limit(target):
     computation at the shorter context while the ring still holds its window; a drop the ring cannot serve (more
     than ring - W positions) raises instead of drafting from a short window."""
     net = _random_net(target, W)
-    drafter = dspark.make_drafter(net, gamma=GAMMA, max_batch_size=2)
+    drafter = dspark_drafter.make_drafter(net, gamma=GAMMA, max_batch_size=2)
     rows = Rows(drafter, [40, 40], target.config.hidden_size, target.config.vocab_size, torch.float64, seed=3)
     rows.observe({0: 30, 1: 30})
     rows.observe({0: 8, 1: 3})
@@ -197,7 +197,7 @@ def test_a_round_costs_the_same_at_any_context(target):
     the drafting (`_draft`), not the host's pick of each context's last token."""
     def ops_at(window, length):
         net = _random_net(target, window)
-        drafter = dspark.make_drafter(net, gamma=GAMMA, max_batch_size=1)
+        drafter = dspark_drafter.make_drafter(net, gamma=GAMMA, max_batch_size=1)
         rows = Rows(drafter, [length], target.config.hidden_size, target.config.vocab_size, torch.float64, seed=4)
         rows.observe({0: length})
         rec, inner = _Ops(), drafter._draft
@@ -293,7 +293,7 @@ def test_embedded_drafter_equals_the_full_context(embedded, topk):
     from specdec.draft.registry import load_drafter
     net = load_drafter(os.path.join(EMBEDDED, "drafters", "dspark"), embedded)
     assert net.config.context_window == 504
-    drafter = dspark.make_drafter(net, gamma=GAMMA, max_batch_size=3, topk=topk)
+    drafter = dspark_drafter.make_drafter(net, gamma=GAMMA, max_batch_size=3, topk=topk)
     lengths = [300, 700, 1300]
     tc = embedded.config.get_text_config()
     rows = Rows(drafter, lengths, tc.hidden_size, tc.vocab_size, torch.float32, seed=5)
