@@ -231,6 +231,7 @@ class Drafter(ABC):
     name = "drafter"
     feature_layers: tuple[int, ...] = ()  # target decoder layers whose outputs `observe` receives
     static_draft = False  # has `draft_step`: drafting as device work of fixed shapes (CUDA-graph capturable)
+    tree = False  # drafts trees (a `parent` in its blocks): the round's verify takes the tree form
     # `observe` reads the target's hidden states / features (a drafter with caches of its own): a prefix cache keeps
     # them with its entries, so that a request started from a cached prefix observes its whole prompt
     observes_features = True

@@ -65,7 +65,7 @@ class EngineParts:
         self.drafter = self._make_drafter(cfg.drafter, cfg.draft_model, cfg.max_batch_size, drafter_options,
                                           target)
         # with tp, rank 0 drafts alone (its block is broadcast); the attention a drafter reads stays whole
-        replicate = tuple(getattr(self.drafter, "target_kv_layers", ()))
+        replicate = tuple(self.drafter.target_kv_layers)
         if self.tp is not None and not self.tp.leads:
             self.drafter = Follower(self.drafter, self.gamma)
         verify_tokens = max(self.gamma + 1, self.drafter.max_verify_tokens(self.gamma))

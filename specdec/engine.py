@@ -346,7 +346,7 @@ class SpecEngine(RequestLoop):
         if not static:
             gamma = min(gamma, max(r.max_new - len(r.out) for r in reqs))
         # a drafter with a static draft step drafts inside the device step (with the verify, in one CUDA graph)
-        static_draft = static and getattr(self.drafter, "static_draft", False) and self.tp is None
+        static_draft = static and self.drafter.static_draft and self.tp is None
         t = time.perf_counter()
         if gamma == 0:  # plain decoding: nothing to draft, and no block to check (its check reads back)
             block = DraftBlock.empty(B, self.runner.device)
@@ -428,7 +428,7 @@ class SpecEngine(RequestLoop):
                 self.drafter.abort(active)
             except Exception as e2:
                 what += f"; its abort failed too ({type(e2).__name__}: {e2})"
-            warnings.warn(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)} failed ({what}); "
+            warnings.warn(f"drafter {self.drafter.name} failed ({what}); "
                           f"plain decode for this round", RuntimeWarning, stacklevel=4)
             lead.stats.drafter_failures += 1
             return DraftBlock.empty(B, self.runner.device)

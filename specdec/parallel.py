@@ -362,10 +362,10 @@ class Follower(Drafter):
     observes_features = False
 
     def __init__(self, lead: Drafter, gamma: int):
-        self.name = f"{getattr(lead, 'name', type(lead).__name__)} (rank 0)"
+        self.name = f"{lead.name} (rank 0)"
         self.feature_layers = tuple(lead.feature_layers)
         self.observes_features = lead.observes_features
-        self.tree = getattr(lead, "tree", False)
+        self.tree = lead.tree
         self._verify = lead.max_verify_tokens(gamma)
 
     def bind(self, target) -> None:

@@ -144,7 +144,7 @@ class RoundStep:
                                host_slots, B, probs=block.probs if sampling.do_sample else None)
         Bk = self.bucket(B)
         parent = None if block is None else block.parent
-        tree = parent is not None or getattr(self.drafter, "tree", False)
+        tree = parent is not None or self.drafter.tree
         G = self.runner.num_verify_tokens - 1 if tree else gamma  # the round's gamma: its bucket's entry
         ids = torch.full((Bk, 1 + G), 0, dtype=torch.long, device=dev)
         ids[:B, 0] = anchors
@@ -198,7 +198,7 @@ class RoundStep:
         except Exception as e:
             if not catch:
                 raise
-            warnings.warn(f"drafter {getattr(self.drafter, 'name', type(self.drafter).__name__)} failed "
+            warnings.warn(f"drafter {self.drafter.name} failed "
                           f"({type(e).__name__}: {e}); plain decode for this round", RuntimeWarning, stacklevel=4)
             if stats is not None:
                 stats.drafter_failures += 1
