@@ -6,7 +6,7 @@ A speculative round on the linear layers:
     for layer in range(num_layers):
         y = strategy.conv(layer, x, weight, bias)  # short conv; conv windows (snapshot) or inputs (replay) kept
         o = strategy.mix(layer, q, k, v, g, beta)  # delta rule from the checkpoint
-    strategy.commit(num_accepted)                  # or path=[B, M] accepted node indices
+    strategy.commit(num_kept)                      # or path=[B, M] accepted node indices
 
 Nothing persistent changes before `commit`; `abort` drops an open round, leaving every slot as it was.
 """
@@ -158,8 +158,8 @@ class StateStrategy(ABC):
         r.mix_done.add(layer)
         return o
 
-    def commit(self, num_accepted=None, *, path=None) -> None:
-        """Keep the accepted tokens of each request: `num_accepted [B]` (chain: tokens kept, 1..T; ignored on skipped
+    def commit(self, num_kept=None, *, path=None) -> None:
+        """Keep the accepted tokens of each request: `num_kept [B]` (chain: tokens kept, 1..T; ignored on skipped
         rows) or `path [B, M]` (accepted node indices root to leaf, -1 padded). Checked against the round, then
         committed as an `Acceptance` (`_commit`, which the runner calls with an accept rule's record); closes it."""
         r = self._round
@@ -168,7 +168,7 @@ class StateStrategy(ABC):
         missing = sorted(set(range(self.cfg.num_layers)) - (r.conv_done & r.mix_done))
         if missing:
             raise RuntimeError(f"commit: layers {missing} were not verified (conv and mix) in this round")
-        self._commit(Acceptance.kept(*self._accepted(r, num_accepted, path)))
+        self._commit(Acceptance.kept(*self._accepted(r, num_kept, path)))
 
     def _commit(self, acc: Acceptance) -> None:
         """`commit` without the checks: `acc.path [B, M]` accepted node indices (root first; entries past
@@ -182,21 +182,22 @@ class StateStrategy(ABC):
         self._commit_state(r, path, n, before)
         self._round = None
 
-    def _accepted(self, r: Round, num_accepted, path) -> tuple[torch.Tensor, torch.Tensor]:
+    def _accepted(self, r: Round, num_kept, path) -> tuple[torch.Tensor, torch.Tensor]:
         """Check the accepted tokens; -> (path `[B, M]`, n `[B]`, 0 on skipped rows)."""
         B, T = r.slots.shape[0], r.num_tokens
         valid = valid_slots(r.slots, self.pool.null_slot)
-        if (num_accepted is None) == (path is None):
-            raise ValueError("commit: pass exactly one of num_accepted (chain) or path (tree)")
-        if num_accepted is not None:
+        if (num_kept is None) == (path is None):
+            raise ValueError("commit: pass exactly one of num_kept (chain) or path (tree)")
+        if num_kept is not None:
             if r.tree is not None:
-                raise ValueError("num_accepted: this round is a tree; pass path=[B, M] node indices")
-            n = torch.as_tensor(num_accepted, dtype=torch.long, device=self.device)
+                raise ValueError("num_kept: this round is a tree; pass path=[B, M] node indices")
+            n = torch.as_tensor(num_kept, dtype=torch.long, device=self.device)
             if n.shape != (B,):
-                raise ValueError(f"num_accepted: expected shape [{B}], got {list(n.shape)}")
+                raise ValueError(f"num_kept: expected shape [{B}], got {list(n.shape)}")
             bad = valid & ((n < 1) | (n > T))
             if bool(bad.any()):
-                raise ValueError(f"num_accepted: expected 1..{T} per request, got {n.tolist()}")
+                raise ValueError(f"num_kept: expected 1..{T} per request (tokens kept: the anchor and the accepted "
+                                 f"drafts), got {n.tolist()}")
             n = torch.where(valid, n, 0)
             return torch.arange(T, device=self.device).expand(B, T), n
         path = torch.as_tensor(path, dtype=torch.long, device=self.device)
