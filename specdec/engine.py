@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ from . import cpu_linear, generation
 from .config import SpecConfig
 from .loop import RequestLoop, _Lanes
 from .requests import Request
+from .round import drafter_failed
 from .runner import HybridRunner, index_tensor
 from .stats import SpecStats
 
@@ -428,9 +428,7 @@ class SpecEngine(RequestLoop):
                 self.drafter.abort(active)
             except Exception as e2:
                 what += f"; its abort failed too ({type(e2).__name__}: {e2})"
-            warnings.warn(f"drafter {self.drafter.name} failed ({what}); "
-                          f"plain decode for this round", RuntimeWarning, stacklevel=4)
-            lead.stats.drafter_failures += 1
+            drafter_failed(self.drafter, what, lead.stats)
             return DraftBlock.empty(B, self.runner.device)
 
     def _abort(self, rows: list[int]) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .round import HostRound, RoundInputs, RoundResult
+from .round import HostRound, RoundInputs, RoundResult, padded_counts
 
 
 @dataclass
@@ -104,7 +104,7 @@ class RoundGraphs:
             entry.commit.replay()
             rows = self._slots
             kept = host.num_kept
-            eng.runner.slots.committed(rows, kept + [0] * (len(rows) - len(kept)))
+            eng.runner.slots.committed(rows, padded_counts(kept, len(rows)))
             return
         graph = torch.cuda.CUDAGraph()
         try:  # runs the commit's host bookkeeping once, for this round; the replay below does the device work

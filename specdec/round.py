@@ -22,6 +22,20 @@ from .config import SpecConfig
 from .stats import SpecStats
 
 
+
+def drafter_failed(drafter, what: str, stats: SpecStats | None) -> None:
+    """A drafter's failure costs its round's drafts (plain decode): warned, naming the drafter and what went wrong,
+    and counted in `stats`."""
+    warnings.warn(f"drafter {drafter.name} failed ({what}); plain decode for this round", RuntimeWarning,
+                  stacklevel=5)
+    if stats is not None:
+        stats.drafter_failures += 1
+
+
+def padded_counts(counts: list[int], rows: int) -> list[int]:
+    """A round's kept counts on the host, one per real row, then 0 for each padding row up to `rows`."""
+    return counts + [0] * (rows - len(counts))
+
 @dataclass
 class RoundInputs:
     """A round's device inputs. Bk rows (B = `num_rows` real ones; static shapes pad to the batch bucket) and T =
@@ -198,10 +212,7 @@ class RoundStep:
         except Exception as e:
             if not catch:
                 raise
-            warnings.warn(f"drafter {self.drafter.name} failed "
-                          f"({type(e).__name__}: {e}); plain decode for this round", RuntimeWarning, stacklevel=4)
-            if stats is not None:
-                stats.drafter_failures += 1
+            drafter_failed(self.drafter, f"{type(e).__name__}: {e}", stats)
             return
         self.place(step, block, sampling)
 
@@ -230,4 +241,4 @@ class RoundStep:
     def commit_step(self, res: RoundResult, host: HostRound) -> None:
         """Commit the round's acceptance (padding rows keep nothing)."""
         kept = host.num_kept
-        self.runner.commit(res.acceptance, host_counts=kept + [0] * (res.ids.shape[0] - len(kept)))
+        self.runner.commit(res.acceptance, host_counts=padded_counts(kept, res.ids.shape[0]))
