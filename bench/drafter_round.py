@@ -4,6 +4,7 @@ positions, per context length.
     python bench/drafter_round.py                                       # embedded model, dspark, 512 / 4k / 16k
     python bench/drafter_round.py --drafters dspark,mtp,eagle --tokens 512,16384 --json round.json
     python bench/ab.py --old HEAD~1 --rounds 3 --metric 'drafters.*.*.propose_ms' -- drafter_round.py --tokens 16384
+    python bench/drafter_round.py --drafters eagle --drafter-options '{"context_window": 0}'  # eagle, no window
 
 Per length, the target prefills a prompt of `--tokens` seeded random token ids into a slot it keeps (drafters that
 read the target's KV cache read it there), and the drafter gets a fresh request row that observes the whole prompt,
@@ -84,8 +85,16 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--drafter-options", default="{}", metavar="JSON",
+                   help="options passed to every drafter (specdec.wrap's drafter options), a JSON object")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    try:
+        options = json.loads(a.drafter_options)
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        p.error(f"--drafter-options: expected a JSON object, got {a.drafter_options!r}")
     for name in ("repeats", "gamma", "kept"):
         if getattr(a, name) < 1:
             p.error(f"--{name}: expected >= 1, got {getattr(a, name)}")
@@ -112,12 +121,12 @@ def main(argv=None) -> dict:
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(a.seed)
     result = {"machine": common.machine_info("cpu"), "model": str(model_dir), "tokens": lengths, "gamma": a.gamma,
-              "kept": a.kept, "repeats": a.repeats, "drafters": {}}
+              "kept": a.kept, "repeats": a.repeats, "drafter_options": options, "drafters": {}}
     longest = max(lengths) + a.kept * (a.repeats + 1) + a.gamma + 2
     with torch.inference_mode():
         for name, path in drafters.items():
             engine = specdec.wrap(model, drafter=path, max_batch_size=1, num_draft_tokens=a.gamma,
-                                  max_length=longest)
+                                  max_length=longest, **options)
             rows = result["drafters"][name] = {}
             for n in lengths:
                 ids = torch.randint(3, vocab, (n,), generator=gen)

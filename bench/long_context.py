@@ -6,6 +6,7 @@ context length, for plain decoding and every drafter.
     python bench/long_context.py --contexts 1024,16384 --drafters none,dspark --repeats 5
     python bench/long_context.py --contexts 1024,4096,16384 --prompts code-2,code-7,code-12   # a steadier tau
     python bench/long_context.py --contexts 65536 --drafters none,dspark --long-from 0
+    python bench/long_context.py --contexts 16384 --drafters none,eagle --drafter-options '{"context_window": 0}'
 
 Contexts (`--contexts`, tokens): the embedded model's held-out standard-library sources (`train_embedded.corpus`'s
 held-out files: never trained on, real code), concatenated in name order, followed by a held-out benchmark prompt
@@ -182,7 +183,9 @@ def run_one(model, drafter: str | None, contexts: dict[str, torch.Tensor], a) ->
     """One engine (one lane, max_length the longest context + new tokens + a verify window) for `drafter`, warmed up
     once, then `measure`d over `contexts` `{prompt id: ids [n]}`."""
     longest = max(ids.numel() for ids in contexts.values())
-    engine = specdec.wrap(model, drafter=drafter, max_batch_size=1, max_length=longest + a.new_tokens + 64)
+    options = a.options if drafter is not None else {}  # `--drafter-options`: the drafters', not plain decoding's
+    engine = specdec.wrap(model, drafter=drafter, max_batch_size=1, max_length=longest + a.new_tokens + 64,
+                          **options)
     try:
         ids = next(iter(contexts.values()))
         engine.generate(ids[-min(ids.numel(), 64):], max_new_tokens=min(8, a.new_tokens), eos_token_id=None,
@@ -283,9 +286,17 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="the times the table and the plot show (the JSON holds both)")
+    p.add_argument("--drafter-options", default="{}", metavar="JSON",
+                   help="options for every drafter but plain decoding (specdec.wrap's drafter options), a JSON object")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="OUT.png", help="ms/token against the context (needs matplotlib)")
     a = p.parse_args(argv)
+    try:
+        a.options = json.loads(a.drafter_options)
+    except ValueError:
+        a.options = None
+    if not isinstance(a.options, dict):
+        p.error(f"--drafter-options: expected a JSON object, got {a.drafter_options!r}")
     try:
         contexts = sorted({int(x) for x in common.split_list(a.contexts)})
     except ValueError:

@@ -32,6 +32,18 @@ class Config(DraftConfig):
     # theirs (the field is in their config.json).
     ttt_steps: int = 6
     ttt_decay: float = 0.8  # loss weight of step k is ttt_decay ** k (the reference's 0.8 ** k)
+    # A sliding window (Mistral's): a query at position p attends to keys at positions p - W + 1 .. p only, in
+    # training and drafting alike; 0 attends to every earlier position (the reference). A head trained on windows
+    # of S tokens never met a key more than S - 1 back, and on longer contexts such keys only dilute its attention;
+    # with W the drafter keeps and reads a ring of W positions per request (`eagle_drafter.EagleDrafter`), so a
+    # round's cost and the cache's memory stop growing with the context. The drafter's `context_window` option
+    # overrides it.
+    context_window: int = 0
+
+    def __post_init__(self):
+        W = self.context_window
+        if isinstance(W, bool) or not isinstance(W, int) or W < 0:
+            raise ValueError(f"drafter: context_window expected an int >= 0 (0: no window), got {W!r}")
 
     @classmethod
     def for_target(cls, target, **overrides) -> "Config":
@@ -94,6 +106,13 @@ class Net(nn.Module):
         """Width F of the concatenated target features `fused` takes."""
         return self.fuse.in_features
 
+    @staticmethod
+    def in_window(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+        """Which keys at positions `keys` a query at positions `queries` attends to under a sliding window of
+        `window` >= 1 positions, broadcast together -> bool, `queries - keys < window` (the causal side is the
+        caller's)."""
+        return queries - keys < window
+
     def attentions(self) -> list[nn.Module]:
         """Each layer's attention (`num_heads` or `num_kv` K/V heads, `head_dim`): what the drafter's cache holds."""
         return [b.attn for b in self.layers]
@@ -106,8 +125,8 @@ class Net(nn.Module):
     def caches_from_inputs(self) -> bool:
         """Whether `input_kv` gives all the K/V the drafter caches: one layer (EAGLE-3's), whose K/V at a position are
         a function of that position's input alone (a second layer's would need the first's attention output), run
-        by this class's `run` (a subclass with layers of its own, e.g. `eagle3_format.Net`, is False unless it
-        overrides this and `input_kv`)."""
+        by this class's `run` (a subclass with layers of its own is False unless it overrides this and `input_kv`, as
+        `eagle3_format.Net` does)."""
         return len(self.layers) == 1 and type(self).run is Net.run
 
     def input_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +149,8 @@ class Net(nn.Module):
     def _unroll(self, batch: TargetBatch):
         """Teacher-forced steps 1..1+ttt_steps over a batch. Step 1 at position t sees the fused target
         feature at t and token t+1; step k sees its own step k-1 hidden at t-1 (valid for t >= k-1), the
-        step-1 keys at positions <= t-k+1 and the step-i keys at t-k+i, as a depth k-1 tree node does.
+        step-1 keys at positions <= t-k+1 and the step-i keys at t-k+i, as a depth k-1 tree node does; with a
+        `context_window` W, only those at positions > t - W.
         -> per step (draft logits `[B, S-1, V]`, valid positions `[S-1]` bool); targets `[B, S-1, V]`."""
         cfg = self.config
         tokens = batch.tokens
@@ -149,6 +169,9 @@ class Net(nn.Module):
             # visibility of query t over keys [step 1 | step 2 | ... | step k], each T long
             blocks = [t[None, :] <= (t[:, None] - (k - 1))]
             blocks += [t[None, :] == (t[:, None] - (k - i)) for i in range(2, k + 1)]
+            if cfg.context_window:  # every block's key t' sits at position t', as the query at t
+                near = self.in_window(t[:, None], t[None, :], cfg.context_window)
+                blocks = [b & near for b in blocks]
             h, kvs = self.run(x, positions, torch.cat(blocks, 1)[None], past)
             past = kvs if past is None else [(torch.cat([p[0], n[0]], 2), torch.cat([p[1], n[1]], 2))
                                              for p, n in zip(past, kvs)]

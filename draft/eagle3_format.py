@@ -86,18 +86,30 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * d, self.num_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
 
+    def kv(self, x, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V `[B, Hkv, T, D]` of x `[B, T, 2d]` with rope (cos, sin) `[B, T, D]` of its positions."""
+        B, T, _ = x.shape
+        k = self.k_proj(x).view(B, T, self.num_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.num_kv, self.head_dim).transpose(1, 2)
+        return _rotated(k, rope), v
+
     def forward(self, x, rope, visible, past):
         """x `[B, T, 2d]`, rope (cos, sin) of the positions, `visible` bool `[B or 1, T, S + T]` (None: all), past
         None, (k, v) `[B, Hkv, S, D]` or a `layers.KVRoom` (`layers.attend`) -> (out `[B, T, d]`, (k, v) of x
         `[B, Hkv, T, D]`)."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.num_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.num_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, *rope)
+        q = _rotated(self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2), rope)
+        k, v = self.kv(x, rope)
         out = attend(q, k, v, past, visible, scale=self.head_dim ** -0.5)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), (k, v)
+
+
+def _rotated(x: torch.Tensor, rope) -> torch.Tensor:
+    """x `[B, H, T, D]` rotated by rope (cos, sin) `[B, T, D]`: transformers' Llama `apply_rotary_pos_emb`, one
+    tensor at a time (the same ops, so the same values)."""
+    from transformers.models.llama.modeling_llama import rotate_half
+    cos, sin = rope
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 class MidLayer(nn.Module):
@@ -148,13 +160,30 @@ class Net(eagle.Net):
         its residual)."""
         return torch.cat([self.embed(tokens).to(feat.dtype), feat], -1)
 
+    @property
+    def caches_from_inputs(self) -> bool:
+        """True: its one layer's K/V at a position come from that position's input alone (`input_kv`)."""
+        return True
+
+    def _attn_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The attention's input `[B, T, 2d]` of `x` from `inputs`: each half normalized."""
+        layer = self.layers[0]
+        e, h = x.chunk(2, -1)
+        return torch.cat([layer.input_layernorm(e), layer.hidden_norm(h)], -1)
+
+    def input_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K, V `[B, Hkv, T, D]` of `x [B, T, 2d]` (`inputs`) at `positions [B, T]`: `run`'s ops,
+        without its attention or MLP."""
+        h = x.chunk(2, -1)[1]
+        return self.layers[0].self_attn.kv(self._attn_input(x), self.rotary(h, positions))
+
     def run(self, x: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None, past=None):
         """`x [B, T, 2d]` from `inputs`, positions `[B, T]`, bool `visible` (as `eagle.Net.run`), `past` per layer
         (k, v), a `layers.KVRoom` or None -> (out `[B, T, d]`, new (k, v) per layer)."""
         layer = self.layers[0]
-        e, h = x.chunk(2, -1)
-        a, kv = layer.self_attn(torch.cat([layer.input_layernorm(e), layer.hidden_norm(h)], -1),
-                                self.rotary(h, positions), visible, None if past is None else past[0])
+        h = x.chunk(2, -1)[1]
+        a, kv = layer.self_attn(self._attn_input(x), self.rotary(h, positions), visible,
+                                None if past is None else past[0])
         h = h + a
         return h + layer.mlp(layer.post_attention_layernorm(h)), [kv]
 

@@ -18,9 +18,15 @@ log-probability are kept, in topological order. The drafts are deterministic fun
 history, so the block carries `probs=None` (one-hot q): recursive rejection over distinct siblings with
 one-hot q is exactly sampling from the target, so this is lossless for sampling as well as greedy.
 
-Static shapes (the CUDA-graph path): the cache is sized once for the target's `max_length` and the queue for one
-verify window, and `draft_step` drafts over all of both; `propose` over the rows' longest cache and queue
-(host bounds).
+Context window. With a window W (the `context_window` option, else the net's config; `eagle.Config`) a query at
+position p attends to keys at positions > p - W only, so no query of a round reaches a committed position more than
+W - 1 before the round's first, and the cache is a ring of W slots per row: position p at slot `p % W`, each slot
+masked by the position it holds. A prompt's observe keeps only each row's last W pairs, and a round writes only its
+committed pairs: a round reads W slots whatever the context, and the cache never holds more.
+
+Static shapes (the CUDA-graph path): the cache is sized once for the target's `max_length` (or the ring) and the
+queue for one verify window, and `draft_step` drafts over all of both; `propose` over the rows' longest cache and
+queue (host bounds).
 """
 
 from __future__ import annotations
@@ -64,14 +70,14 @@ def default_tree(device: torch.device) -> dict:
 class EagleDrafter(HeadDrafter):
     """Dynamic-tree drafts from an EAGLE-3 `Net`; see the module docstring. `propose` and `draft_step` (the
     engine's CUDA-graph path) draft the same way (`_draft`), over a span of the cache that is the rows' longest
-    committed length or, with static shapes, the whole cache; what either writes to the cache is committed pairs
-    only (the tree's K/V stay in the round's scratch)."""
+    committed length or, with static shapes or a ring that rows have filled, the whole cache; what either writes to
+    the cache is committed pairs only (the tree's K/V stay in the round's scratch)."""
 
     name = "eagle"
     static_draft = True
 
     def __init__(self, net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
-                 depth: int | None = None, num_nodes: int | None = None):
+                 depth: int | None = None, num_nodes: int | None = None, context_window: int | None = None):
         tree = default_tree(next(net.parameters()).device) if isinstance(net, Net) else DEFAULT_TREE["cuda"]
         check_positive("gamma", gamma)
         check_positive("max_batch_size", max_batch_size)
@@ -81,6 +87,11 @@ class EagleDrafter(HeadDrafter):
         if not isinstance(net, Net):
             raise ValueError(f"drafter: expected an eagle Net, got {type(net).__name__}")
         self.net = net.eval()
+        if context_window is None:
+            context_window = net.config.context_window
+        if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window < 0:
+            raise ValueError(f"context_window: expected an int >= 0 (0: every position), got {context_window!r}")
+        self.window = context_window  # W: a query sees keys fewer than W positions back (0: all)
         self.depth = depth
         self.max_batch_size = max_batch_size
         self.feature_layers = tuple(net.config.feature_layers)
@@ -119,10 +130,16 @@ class EagleDrafter(HeadDrafter):
 
     def memory_specs(self, *, max_length: int, num_verify_tokens: int, gamma: int,
                      static: bool) -> dict[str, BufferSpec]:
-        """Each layer's K/V over the target's window (see `grown_kv_specs`) and the queue of a verify window's
+        """Each layer's K/V over the target's window (see `grown_kv_specs`), or with a context window over the ring
+        (which the cache reaches and never outgrows, with either shapes), and the queue of a verify window's
         features `[max_batch_size, T (twice that without static shapes), F]` with each row's root feature."""
-        specs = grown_kv_specs("eagle", self.net.attentions(), self.max_batch_size,
-                               max_length + num_verify_tokens, self.dtype, static=static)
+        window = max_length + num_verify_tokens
+        if self.window:
+            cap = min(self.window, window if static else max(2 * window, 64))
+            specs = grown_kv_specs("eagle", self.net.attentions(), self.max_batch_size, cap, self.dtype, static=True)
+        else:
+            specs = grown_kv_specs("eagle", self.net.attentions(), self.max_batch_size, window, self.dtype,
+                                   static=static)
         width, queue = self.net.feature_width, num_verify_tokens * (1 if static else 2)
         for name, shape in (("eagle.pend_f", (self.max_batch_size, queue, width)),
                             ("eagle.root_f", (self.max_batch_size, width))):
@@ -172,7 +189,9 @@ class EagleDrafter(HeadDrafter):
             self._reserve(self.target.max_length + self.target.num_verify_tokens if static else M - 1)
             if static:
                 self._reserve_pending(self.target.num_verify_tokens, feat.shape[-1])
-            if M > 1 and self.net.caches_from_inputs:
+            if M > 1 and self.window and M - 1 > self.cache[0][0].shape[2]:
+                self._observe_window(rows_t, tok, feat, n)
+            elif M > 1 and self.net.caches_from_inputs:
                 self._catch_up(rows_t, tok, feat)
             elif M > 1:
                 pos = i[None, :-1].expand(B, M - 1)
@@ -220,12 +239,67 @@ class EagleDrafter(HeadDrafter):
             ck[rows_t, :, c0:c1] = k
             cv[rows_t, :, c0:c1] = v
 
-    def _reserve(self, need: int) -> None:
-        """Cache room for `need` positions per row."""
+    def _observe_window(self, rows_t, tok, feat, n) -> None:
+        """A fresh observe longer than the ring (a context window W, `cap` = W slots): the cache of each row's last
+        `cap` pairs (feat `[B, M, F]` at i, tok `[B, M]` at i + 1, i < n - 1 for the row's count n of `n [B]`), at
+        slots i % cap. A one-layer net makes those pairs' K/V alone (as `_catch_up`); a deeper one runs every pair,
+        a chunk at a time over the keys of its window only (a key's K/V past the first layer depend on its own
+        window), and keeps the last `cap`."""
+        net, dev = self.net, self.device
+        B, M = tok.shape
         cap = self.cache[0][0].shape[2]
+        cols = (n - 1 - cap)[:, None] + torch.arange(cap, device=dev)  # [B, cap]: each row's last pairs
+        valid = cols >= 0  # (a row of fewer pairs: its slots past them keep what they held)
+        if net.caches_from_inputs:
+            at = cols.clamp(min=0)
+            t = tok.gather(1, at + 1)
+            f = feat.gather(1, at[..., None].expand(B, cap, feat.shape[-1]))
+            kvs = [[], []]
+            for c0 in range(0, cap, QUERY_CHUNK):
+                c1 = min(cap, c0 + QUERY_CHUNK)
+                k, v = net.input_kv(net.inputs(t[:, c0:c1], net.fused(f[:, c0:c1])), at[:, c0:c1])
+                kvs[0].append(k)
+                kvs[1].append(v)
+            self._ring_write(rows_t, cols, valid, [(torch.cat(kvs[0], 2), torch.cat(kvs[1], 2))])
+            return
+        W = self.window
+        i = torch.arange(M - 1, device=dev)
+        pos = i[None].expand(B, M - 1)
+        rooms = self._rooms(rows_t, 0, M - 1)
+        for c0 in range(0, M - 1, QUERY_CHUNK):
+            c1 = min(M - 1, c0 + QUERY_CHUNK)
+            lo = max(0, c0 - W + 1)  # no query of the chunk sees a key before its window
+            q, k = i[c0:c1, None], i[None, lo:c1]
+            ok = (q >= k) & net.in_window(q, k, W)  # [C, c1 - lo]
+            self._forward(tok[:, c0 + 1:c1 + 1], feat[:, c0:c1], pos[:, c0:c1], ok[None], [
+                (rk[:, :, lo:], rv[:, :, lo:]) for rk, rv in rooms], c0 - lo)
+        at = cols.clamp(min=0)[:, None, :, None]
+        self._ring_write(rows_t, cols, valid, [(rk.gather(2, at.expand(B, rk.shape[1], cap, rk.shape[3])),
+                                                rv.gather(2, at.expand(B, rv.shape[1], cap, rv.shape[3])))
+                                               for rk, rv in rooms])
+
+    def _ring_write(self, rows_t, positions, valid, kvs) -> None:
+        """K/V per layer `[B, H, R, D]` of positions `positions [B, R]` (R <= the ring, consecutive per row, so at
+        distinct slots) into the ring at slots `positions % cap` of rows `rows_t`, where `valid [B, R]`; the other
+        slots keep what they hold."""
+        at = (rows_t[:, None], slice(None), positions % self.cache[0][0].shape[2])
+        keep = valid[..., None, None]
+        for (ck, cv), (k, v) in zip(self.cache, kvs):
+            ck[at] = torch.where(keep, k.transpose(1, 2), ck[at])
+            cv[at] = torch.where(keep, v.transpose(1, 2), cv[at])
+
+    def _reserve(self, need: int) -> None:
+        """Cache room for `need` positions per row; with a context window never more than the ring (W slots),
+        where later positions wrap. A cache grows only before any row wraps (every row holds position p at slot p),
+        so the slots it keeps stay where they are."""
+        cap = self.cache[0][0].shape[2]
+        if self.window:
+            need = min(need, self.window)
         if need <= cap:
             return
         new = max(need, 2 * cap, 64)
+        if self.window:
+            new = min(new, self.window)
         grown = []
         for k, v in self.cache:
             with outside_inference():
@@ -288,8 +362,10 @@ class EagleDrafter(HeadDrafter):
         if self._static_shapes():
             return self._draft(None, self._index(rows, self.device), anchors, gamma, self.cache[0][0].shape[2],
                                self.pend_f.shape[1], sampling)
-        # host bounds: the longest cache and queue among the rows
+        # host bounds: the longest cache and queue among the rows (a ring's slots at most)
         span, queued = (max(x) for x in zip(*((self.rows[r].length, self.rows[r].pending) for r in rows)))
+        if self.window:
+            span = min(span, self.cache[0][0].shape[2])
         return self._draft(rows, self._index(rows, self.device), anchors, gamma, span, queued, sampling)
 
     @torch.no_grad()
@@ -308,11 +384,11 @@ class EagleDrafter(HeadDrafter):
 
     def _draft(self, rows, rows_t, anchors, gamma, span: int, queued: int, sampling) -> DraftBlock:
         """One forward over each row's queued pairs (the first `queued` of the queue, >= every row's count) and
-        its root pair (`root_f`, anchor `[B]`), over the first `span` cached positions (>= every row's length);
-        the queued pairs' K/V join the cache (committed pairs: kept whatever the round does), the root's stays
-        in the round's scratch (`_rooms`); then the tree. `rows` (host) are the rows whose host counts it keeps in step;
-        None with static shapes, where a CUDA graph replays this without its Python: only device work then,
-        on buffers sized beforehand (`observe`), and the host counts are not kept."""
+        its root pair (`root_f`, anchor `[B]`), over the first `span` cache slots (>= every row's length, or all
+        the slots a ring holds); the queued pairs' K/V join the cache (committed pairs: kept whatever the round
+        does), the root's stays in the round's scratch (`_rooms`); then the tree. `rows` (host) are the rows whose
+        host counts it keeps in step; None with static shapes, where a CUDA graph replays this without its Python:
+        only device work then, on buffers sized beforehand (`observe`), and the host counts are not kept."""
         dev = self.device
         B, Q = rows_t.shape[0], queued
         lens, qn = self.len_t[rows_t], self.pend_n[rows_t]
@@ -320,18 +396,42 @@ class EagleDrafter(HeadDrafter):
         feat = torch.cat([self.pend_f[rows_t, :Q], self.root_f[rows_t][:, None]], 1)
         i = torch.arange(Q + 1, device=dev)
         positions = lens[:, None] + torch.where(i < Q, i, qn[:, None])  # the root right after the queue
-        cached = torch.arange(span, device=dev)[None, None] < lens[:, None, None]  # [B, 1, span]
+        depth = max(1, min(self.depth, int(gamma)))
+        W = self.window
+        if rows is not None:
+            longest = max(self.rows[r].length for r in rows)
+            self._reserve(longest + Q)  # the queue lands at all Q places per row
+            if longest + Q + depth <= W:  # no query reaches W positions past position 0: the window cuts nothing
+                W = 0
+        key_pos = None
+        if W:  # slot s holds the latest position p <= the row's last with p = s (mod cap); < 0: none yet
+            cap = self.cache[0][0].shape[2]
+            last = lens[:, None] - 1
+            held = last - (last - torch.arange(span, device=dev)) % cap  # [B, span]
+            cached = (held >= 0)[:, None]  # [B, 1, span]
+            key_pos = torch.cat([held, positions[:, :Q]], 1)  # [B, span + Q]: the committed keys' positions
+        else:
+            cached = torch.arange(span, device=dev)[None, None] < lens[:, None, None]  # [B, 1, span]
         # a queued pair sees the queue up to itself; the root sees the row's queue and itself
         block = torch.where(i[:, None] < Q, i[None, :] <= i[:, None], (i[None, :] < qn[:, None, None]) | (i == Q))
         ok = torch.cat([cached.expand(B, Q + 1, span), block.expand(B, Q + 1, Q + 1)], 2)
-        if rows is not None:
-            self._reserve(max(self.rows[r].length for r in rows) + Q)  # the queue lands at all Q places per row
+        if W:
+            ok = ok & self.net.in_window(positions[:, :, None], torch.cat([held, positions], 1)[:, None], W)
         # one room per layer for the round: the cache read, the queue, the root, then the tree's nodes, `w` per
         # depth past the first (w <= the tree's topk)
-        depth = max(1, min(self.depth, int(gamma)))
         rooms = self._rooms(rows_t, span, Q + 1 + (depth - 1) * (self.topk if self.tree else 1))
         h, kvs = self._forward(tok, feat, positions, ok, rooms, span)
-        self._write(rows_t, positions[:, :Q], [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
+        if W and Q <= cap:  # the queue's places are distinct slots: its padding keeps what they hold
+            self._ring_write(rows_t, positions[:, :Q], i[None, :Q] < qn[:, None],
+                             [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
+        elif W:  # the last ring's worth of each row's queued pairs (the earlier ones would be written over)
+            cols = qn[:, None] - cap + torch.arange(cap, device=dev)  # [B, cap]
+            at = cols.clamp(min=0)[:, None, :, None]
+            self._ring_write(rows_t, lens[:, None] + cols, cols >= 0,
+                             [(k.gather(2, at.expand(B, k.shape[1], cap, k.shape[3])),
+                               v.gather(2, at.expand(B, v.shape[1], cap, v.shape[3]))) for k, v in kvs])
+        else:
+            self._write(rows_t, positions[:, :Q], [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
         self.len_t[rows_t] = lens + qn
         # by value: a Python scalar assigned through a tensor index is a host tensor copied to the device, which a
         # CUDA-graph capture refuses
@@ -341,13 +441,15 @@ class EagleDrafter(HeadDrafter):
             st.length, st.pending = st.length + st.pending, 0
         seen = torch.cat([cached[:, 0], i[None, :Q] < qn[:, None]], 1)  # [B, span + Q]
         root_h = h[:, Q]
-        return self._tree(root_h, self.net.lm_logits(root_h), rooms, seen, lens + qn, depth, sampling)
+        return self._tree(root_h, self.net.lm_logits(root_h), rooms, seen, lens + qn, depth, sampling, key_pos, W)
 
-    def _tree(self, root_h, root_logits, rooms, seen, root_pos, depth: int, sampling) -> DraftBlock:
+    def _tree(self, root_h, root_logits, rooms, seen, root_pos, depth: int, sampling, key_pos=None,
+              window: int = 0) -> DraftBlock:
         """EAGLE-2's tree of `depth` levels from the root step (`root_h [B, d]`, `root_logits [B, V]`) over each
         layer's room (`_rooms`: K/V `[B, H, L, D]`) whose first S keys are the committed ones, of which row b sees
         those `seen [B, S]` marks, and whose key S is the root's (at `root_pos [B]`), seen by every node; the
-        nodes' K/V go after it, depth by depth."""
+        nodes' K/V go after it, depth by depth. With a context `window` W, `key_pos [B, S]` are the committed keys'
+        positions, and a node at `root_pos + d` sees only the keys, the root and ancestors fewer than W back."""
         net, dev = self.net, self.device
         B = root_h.shape[0]
         S0 = seen.shape[1]
@@ -361,6 +463,10 @@ class EagleDrafter(HeadDrafter):
         # [B, w, depth - 1]: the nodes of depth d sit at root + d
         positions = (root_pos[:, None, None] + torch.arange(1, depth, device=dev)).expand(B, w, -1)
         ok_fixed = torch.cat([seen, seen.new_ones(B, 1)], 1)[:, None].expand(B, w, S0 + 1)  # committed keys, the root
+        if key_pos is not None:  # [B, depth - 1, S0 + 1]: the same per depth, within the window of its nodes
+            at = torch.arange(1, depth, device=dev)
+            near = seen[:, None] & net.in_window((root_pos[:, None] + at)[..., None], key_pos[:, None], window)
+            ok_fixed = torch.cat([near, (at < window)[None, :, None].expand(B, depth - 1, 1)], 2)
         for d in range(1, depth):
             sel, src, tok = tree.frontier()
             n_exp = exp_h.shape[1]
@@ -373,7 +479,12 @@ class EagleDrafter(HeadDrafter):
                 exp_anc[:, n_exp:n_exp + w, :n_exp] = anc
             else:
                 anc = exp_anc[:, :w, :0]
-            ok = torch.cat([ok_fixed, anc, own], 2)
+            fixed = ok_fixed
+            if key_pos is not None:
+                fixed = ok_fixed[:, d - 1, None].expand(B, w, S0 + 1)
+                if d > window:  # ancestors W or more back (expanded node e sits at depth e // w + 1)
+                    anc = anc & (d - (ids[:n_exp] // w + 1) < window)
+            ok = torch.cat([fixed, anc, own], 2)
             # the nodes' K/V go into the rooms after the committed keys, the root and the nodes before them
             h, _ = net.run(net.inputs(tok, par_h), positions[..., d - 1], ok,
                            [KVRoom(k, v, S0 + 1 + n_exp) for k, v in rooms])
@@ -383,13 +494,16 @@ class EagleDrafter(HeadDrafter):
 
 
 def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
-                 depth: int | None = None, num_nodes: int | None = None, **kwargs) -> EagleDrafter:
-    """`specdec.wrap(model, drafter=DIR, topk=..., depth=gamma, num_nodes=...)`: `topk` children per
-    expanded node and nodes expanded per depth, `depth` tree depth (capped by the round's gamma), `num_nodes`
-    drafts kept after reranking (the verify window is num_nodes + 1). Unset, `topk` and `num_nodes` (at least
-    `depth`) are the device's default tree (`DEFAULT_TREE`: 8 and 48 on a GPU, 2 and 16 on a CPU)."""
+                 depth: int | None = None, num_nodes: int | None = None, context_window: int | None = None,
+                 **kwargs) -> EagleDrafter:
+    """`specdec.wrap(model, drafter=DIR, topk=..., depth=gamma, num_nodes=..., context_window=W)`: `topk` children
+    per expanded node and nodes expanded per depth, `depth` tree depth (capped by the round's gamma), `num_nodes`
+    drafts kept after reranking (the verify window is num_nodes + 1), `context_window` the sliding window W its
+    queries attend within (0: every position; unset: the net's config, `eagle.Config.context_window`). Unset,
+    `topk` and `num_nodes` (at least `depth`) are the device's default tree (`DEFAULT_TREE`: 8 and 48 on a GPU, 2
+    and 16 on a CPU)."""
     if kwargs:
         raise ValueError(f"{sorted(kwargs)[0]}: unknown option for the eagle drafter "
-                         "(expected topk, depth, num_nodes)")
+                         "(expected topk, depth, num_nodes, context_window)")
     return EagleDrafter(net, gamma=gamma, max_batch_size=max_batch_size, topk=topk, depth=depth,
-                        num_nodes=num_nodes)
+                        num_nodes=num_nodes, context_window=context_window)

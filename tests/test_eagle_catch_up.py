@@ -1,14 +1,14 @@
 """The eagle drafter's catch-up over a prompt (`EagleDrafter._catch_up`): a one-layer net makes the cache's K/V alone.
 
-1. A one-layer net (EAGLE-3's shape) observing two prompts of different lengths, each longer than one chunk of
-   pairs, runs no attention: its cache equals an independent forward of the whole net over each prompt (one
-   `Net.run` call with causal visibility, no drafter; float32 tolerance), and the cache, root features and
-   lengths equal, bitwise, those the full chunked forward leaves (`Net.caches_from_inputs` off: attention and MLP
-   over every pair). The proposes that follow (the prompt's, then two rounds whose observes queue a few kept
-   positions) give bitwise the same draft logits at every step and the same drafts, as a tree (top-2, 6 nodes)
-   and as a chain (top-1: one path).
-2. Nets whose keys need an attention output keep the full forward: a two-layer net, and a subclass that runs
-   layers of its own (a published EAGLE-3 checkpoint, `eagle3_format.Net`).
+1. A one-layer net (EAGLE-3's shape: our own, float32, and a published EAGLE-3 checkpoint's head,
+   `eagle3_format.Net`, float64) observing two prompts of different lengths, each longer than one chunk of pairs,
+   runs no attention: its cache equals an independent forward of the whole net over each prompt (one `Net.run`
+   call with causal visibility, no drafter; the dtype's tolerance), and the cache, root features and lengths
+   equal, bitwise, those the full chunked forward leaves (`caches_from_inputs` off: attention and MLP over every
+   pair). The proposes that follow (the prompt's, then two rounds whose observes queue a few kept positions) give
+   bitwise the same draft logits at every step and the same drafts, as a tree (top-2, 6 nodes) and as a chain
+   (top-1: one path).
+2. Nets whose keys need an attention output keep the full forward: a two-layer net.
 """
 
 from __future__ import annotations
@@ -37,6 +37,14 @@ def target():
     return tiny_model("qwen3_next", seed=0, dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """(a float64 target, the head of a SpecForge-format EAGLE-3 checkpoint written for it)."""
+    target64 = tiny_model("qwen3_5", seed=0)
+    path = write_eagle3(tmp_path_factory.mktemp("eagle3"), target64)
+    return target64, eagle3_format.load(path, target64)
+
+
 def _net(target, num_layers: int = 1) -> Net:
     torch.manual_seed(11)
     net = build_drafter_net("eagle", target, num_layers=num_layers)
@@ -45,11 +53,14 @@ def _net(target, num_layers: int = 1) -> Net:
 
 
 def _prompts(target, net):
-    """Per row (`LENGTHS`): random tokens `[n]` and, per feature layer, random target features `[n, d]`."""
+    """Per row (`LENGTHS`): random tokens `[n]` and, per feature layer, random target features `[n, d]` in the
+    net's dtype."""
     gen = torch.Generator().manual_seed(5)
     d, V = target.config.hidden_size, target.config.vocab_size
     tokens = {r: torch.randint(3, V, (n,), generator=gen) for r, n in LENGTHS.items()}
-    feats = {r: {l: torch.randn(n, d, generator=gen) for l in net.config.feature_layers} for r, n in LENGTHS.items()}
+    dtype = next(net.parameters()).dtype
+    feats = {r: {l: torch.randn(n, d, generator=gen).to(dtype) for l in net.config.feature_layers}
+             for r, n in LENGTHS.items()}
     return tokens, feats
 
 
@@ -126,10 +137,16 @@ def _full_forward_kv(net, tokens, feats, row):
 
 
 @pytest.mark.parametrize("shape", ["tree", "chain"])
-def test_one_layer_catch_up_equals_the_full_forward(target, sdpa, monkeypatch, shape):
+@pytest.mark.parametrize("kind", ["own", "published"])
+def test_one_layer_catch_up_equals_the_full_forward(target, published, sdpa, monkeypatch, shape, kind):
     """See 1: the K/V-only catch-up against the full forward (its own drafter, the same net) and against one
     independent `Net.run` over each prompt."""
-    net = _net(target)
+    if kind == "published":
+        target, net = published
+        assert isinstance(net, eagle3_format.Net) and len(net.layers) == 1
+    else:
+        net = _net(target)
+    dtype = next(net.parameters()).dtype
     assert net.caches_from_inputs
     topk, nodes = (2, 6) if shape == "tree" else (1, GAMMA)
     tokens, feats = _prompts(target, net)
@@ -138,10 +155,10 @@ def test_one_layer_catch_up_equals_the_full_forward(target, sdpa, monkeypatch, s
     for r, length in LENGTHS.items():
         n = length - 1
         k, v = _full_forward_kv(net, tokens, feats, r)
-        assert_close(cache[0][0][r, :, :n], k, dtype=torch.float32, msg=f"row {r} keys against one forward")
-        assert_close(cache[0][1][r, :, :n], v, dtype=torch.float32, msg=f"row {r} values against one forward")
+        assert_close(cache[0][0][r, :, :n], k, dtype=dtype, msg=f"row {r} keys against one forward")
+        assert_close(cache[0][1][r, :, :n], v, dtype=dtype, msg=f"row {r} values against one forward")
 
-    monkeypatch.setattr(Net, "caches_from_inputs", property(lambda self: False))
+    monkeypatch.setattr(type(net), "caches_from_inputs", property(lambda self: False))
     (cache1, root_f1, len_t1), calls1, logits1, blocks1 = _run(net, tokens, feats, sdpa, topk=topk, num_nodes=nodes)
     assert calls1 > 0  # the full forward's attention ran
     assert_close(cache[0][0], cache1[0][0], exact=True, msg="keys")
@@ -158,15 +175,10 @@ def test_one_layer_catch_up_equals_the_full_forward(target, sdpa, monkeypatch, s
             assert torch.equal(p, torch.arange(-1, GAMMA).expand_as(p)), f"propose {j}: not a chain"
 
 
-def test_nets_whose_keys_need_attention_keep_the_full_forward(target, sdpa, tmp_path):
-    """See 2: a two-layer net runs attention in its catch-up; a published EAGLE-3 head says it has no K/V-only
-    path (its layer is its own)."""
+def test_nets_whose_keys_need_attention_keep_the_full_forward(target, sdpa):
+    """See 2: a two-layer net runs attention in its catch-up."""
     net = _net(target, num_layers=2)
     assert not net.caches_from_inputs
     tokens, feats = _prompts(target, net)
     _, calls, _, blocks = _run(net, tokens, feats, sdpa, topk=2, num_nodes=6)
     assert calls > 0 and blocks[0][0].shape[1] > 0
-    target64 = tiny_model("qwen3_5", seed=0)
-    write_eagle3(tmp_path, target64)
-    head = eagle3_format.load(tmp_path, target64)
-    assert len(head.layers) == 1 and not head.caches_from_inputs
