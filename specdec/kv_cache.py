@@ -81,6 +81,7 @@ class PageTable:
         self.num_pages, self.table_name = num_pages, name
         self.free = list(range(num_pages - 1, -1, -1))  # popped from the end: low ids first
         self.held: list[list[int]] = [[] for _ in range(rows)]
+        self.run = [True] * rows  # row r's pages are held[r][0] + j at entry j: its span is a slice of the pool
         self.refs = [0] * num_pages
         self.table = allocate(BufferSpec(name, (rows, max_pages), torch.long), device, fill=num_pages)
 
@@ -99,6 +100,7 @@ class PageTable:
         for r, k in need:
             for _ in range(k):
                 page = self.free.pop()
+                self.run[r] &= not self.held[r] or page == self.held[r][-1] + 1
                 self.refs[page] = 1
                 rs.append(r)
                 js.append(len(self.held[r]))
@@ -117,6 +119,8 @@ class PageTable:
         old = self.held[row][:k]
         self.hold(pages)
         self.held[row][:k] = list(pages)
+        held = self.held[row]
+        self.run[row] = not held or held == list(range(held[0], held[0] + len(held)))
         self.drop(old)
         if k:
             self._write([row] * k, list(range(k)), list(pages))
@@ -139,6 +143,7 @@ class PageTable:
         if self.held[row]:
             self.drop(self.held[row])
             self.held[row] = []
+            self.run[row] = True
             self.table[row] = self.num_pages
 
     @property
@@ -177,6 +182,7 @@ class KVCache:
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)
         self.store: dict[int, list[torch.Tensor]] = {}
         self.bound = [0] * num_slots  # host upper bound of `lengths`
+        self.loose: set[int] = set()  # slots whose bound may be above their length (a commit without host counts)
         self.slots: torch.Tensor | None = None
         self.host_slots: list[int] = []
         self.tree: VerifyTree | None = None
@@ -258,6 +264,7 @@ class KVCache:
                     buf[page, :n - start] = t.to(buf.dtype)
         self.lengths[slot] = n
         self.bound[slot] = n
+        self.loose.discard(slot)
 
     def fits(self, tokens: list[int]) -> bool:
         """Whether fresh slots of `tokens[i]` tokens each would find their pages free. The pool of every slot decides
@@ -318,9 +325,13 @@ class KVCache:
         """Position ids `[B, T]`: committed length + depth."""
         return self.lengths[self.slots][:, None] + self.depth()
 
-    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
+    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """Additive mask `[B, 1, T, S]`, `S = max committed length + T`: committed keys and the token's
-        own ancestors are visible; other round tokens and padding are not."""
+        own ancestors are visible; other round tokens and padding are not. None where every key is visible: one
+        row, one token, its length bound exact (a plain decode step), outside static shapes."""
+        if (self.tree is None and self.num_tokens == 1 and len(self.host_slots) == 1 and not self.static
+                and self.host_slots[0] not in self.loose):
+            return None
         lens = self.lengths[self.slots]
         B, T = lens.shape[0], self.num_tokens
         S = self.span
@@ -340,17 +351,21 @@ class KVCache:
         table = self.pages[dp].table[rows]  # [B, max_pages]
         return table.gather(1, (pos // self.page_size).clamp(max=self.max_pages - 1)), pos % self.page_size
 
-    def read(self, layer_idx: int, rows: torch.Tensor, span: int, *, pages: torch.Tensor | None = None
-             ) -> list[torch.Tensor]:
+    def read(self, layer_idx: int, rows: torch.Tensor, span: int, *, pages: torch.Tensor | None = None,
+             first: int | None = None) -> list[torch.Tensor]:
         """Positions `[0, span)` of table rows `rows [B]`, each stored tensor of the layer as `[B, heads, span,
-        dim]` (a gather of the rows' pages; a view of it). `pages`: the rows' table entries over the span, when the
-        caller has them."""
+        dim]` (a gather of the rows' pages, whole pages at a time; a view of it). `pages`: the rows' table entries
+        over the span, when the caller has them. `first`: one row whose span pages are `first, first + 1, ...`
+        (`_address`): a view of the pool itself, no copy."""
         n = num_pages_for(span, self.page_size)
-        if pages is None:
+        if pages is None and first is None:
             pages = self.pages[layer_idx in self.dp_layers].table[rows, :n]  # [B, n]
         out = []
         for buf in self.store[layer_idx]:  # [P + 1, page, h, d] -> [B, n, page, h, d] -> [B, h, span, d]
-            x = buf[pages]
+            if first is not None:
+                x = buf[first:first + n].unsqueeze(0)
+            else:  # index_select copies whole pages (aten::index goes element by element)
+                x = buf.index_select(0, pages.reshape(-1)).view(pages.shape[0], n, *buf.shape[1:])
             out.append(x.view(x.shape[0], n * self.page_size, *x.shape[3:])[:, :span].transpose(1, 2))
         return out
 
@@ -365,10 +380,10 @@ class KVCache:
             self.store[layer_idx] = [allocate(kv_spec(layer_idx, j, pool, x.shape[1], x.shape[3], x.dtype,
                                                       page_size=self.page_size), self.device)
                                      for j, x in enumerate(new)]
-        page, off, span = self._address(dp)
+        page, off, span, first = self._address(dp)
         for buf, x in zip(self.store[layer_idx], new):
             buf[page, off] = x.transpose(1, 2).to(buf.dtype)  # [B, T, h, d] at (page, offset)
-        return tuple(self.read(layer_idx, self._rows(dp)[1], self.span, pages=span))
+        return tuple(self.read(layer_idx, self._rows(dp)[1], self.span, pages=span, first=first))
 
     def write(self, key: str, x: torch.Tensor) -> None:
         """A token feature (`feature_key`) of the open round's T tokens, `x [B, T, d]`, into the slots' pages at the
@@ -377,18 +392,26 @@ class KVCache:
         if key not in self.store:
             self.store[key] = [allocate(kv_spec(key, 0, self.pages[False].num_pages, 1, x.shape[-1], x.dtype,
                                                 page_size=self.page_size), self.device)]
-        page, off, _ = self._address(False)
+        page, off, _, _ = self._address(False)
         buf = self.store[key][0]
         buf[page, off] = x[:, :, None].to(buf.dtype)  # [B, T, 1, d] at (page, offset)
 
-    def _address(self, dp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(page, offset) of the round's new tokens `[B', T]` each, and the pages of the key span `[B', n]`, in the
-        group's table (`dp`: the data-parallel layers', the owned rows only): once a round for every layer."""
+    def _address(self, dp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]:
+        """(page, offset) of the round's new tokens `[B', T]` each, the pages of the key span `[B', n]` in the
+        group's table (`dp`: the data-parallel layers', the owned rows only), and the first of them where the round
+        has one row whose pages are one ascending run (else None; never with static shapes, whose reads keep one
+        shape): once a round for every layer."""
         if dp not in self._addr:
             slots, rows, _ = self._rows(dp)
             idx = self.lengths[slots][:, None] + torch.arange(self.num_tokens, device=self.device)  # [B, T]
             span = self.pages[dp].table[rows, :num_pages_for(self.span, self.page_size)]
-            self._addr[dp] = (*self._at(dp, rows, idx), span)
+            first = None
+            if not dp and not self.static and len(self.host_slots) == 1:
+                table = self.pages[False]
+                row = self.host_slots[0]
+                if table.run[row] and table.held[row]:
+                    first = table.held[row][0]
+            self._addr[dp] = (*self._at(dp, rows, idx), span, first)
         return self._addr[dp]
 
     def _rows(self, dp: bool) -> tuple[torch.Tensor, torch.Tensor, object]:
@@ -424,6 +447,8 @@ class KVCache:
     def advance(self, n: torch.Tensor, *, host_counts: list[int] | None = None) -> None:
         """Keep the first `n [B]` round tokens of each row (a chain's, a prefill's) and close the round."""
         self.lengths[self.slots] += n
+        if host_counts is None:
+            self.loose.update(self.host_slots)
         self.advance_bound(self.host_slots, host_counts if host_counts is not None
                            else [self.num_tokens] * len(self.host_slots))
         self.abort()
@@ -436,6 +461,7 @@ class KVCache:
         """The slot holds no token and no page (a slot taken for a new request)."""
         self.lengths[slot] = 0
         self.bound[slot] = 0
+        self.loose.discard(slot)
         self.release(slot)
 
     def release(self, slot: int) -> None:

@@ -29,6 +29,8 @@ def check_table(pt: PageTable) -> None:
     for r, row in enumerate(pt.held):
         want = row + [pt.num_pages] * (pt.table.shape[1] - len(row))
         assert pt.table[r].tolist() == want
+        # `run`: the row's pages are one ascending run (a one-row round reads them as a slice of the pool)
+        assert pt.run[r] == (row == list(range(row[0], row[0] + len(row))) if row else True)
 
 
 @settings(max_examples=200, deadline=None)
@@ -125,3 +127,33 @@ def test_teeth_a_table_entry_pointing_at_another_slots_page_is_caught():
     assert not bool((_oracle_read(kv, 0, 0, 4)[0] == 1.0).all())
     with pytest.raises(AssertionError):
         check_table(kv.pages[False])
+
+
+@pytest.mark.parametrize("order", ["fresh", "interleaved"])
+def test_a_one_row_plain_step_reads_what_the_gather_reads(order):
+    """One-token rounds of one slot: through a slice of the pool (its pages one run) or through the gather (pages
+    interleaved with another slot's), with no mask where every key is visible: the keys and values each round
+    returns equal a dense list of the tokens written."""
+    kv = KVCache(3, 64, num_pages=12)
+    kv.reserve([0], [40])
+    if order == "interleaved":  # slot 1 takes pages between slot 0's
+        kv.release(0)
+        for s in (0, 1, 0, 1):
+            kv.reserve([s], [16 * (1 + len(kv.pages[False].held[s]))])
+    run = kv.pages[False].run[0]
+    assert run == (order == "fresh")
+    dense_k, dense_v = [], []
+    g = torch.Generator().manual_seed(0)
+    for t in range(33):
+        kv.begin(torch.tensor([0]), 1, host_slots=[0])
+        assert kv.attention_mask(torch.float32) is None  # one row, one token, its bound exact
+        assert (kv._address(False)[3] is not None) == run
+        k, v = torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 2, 1, 4, generator=g)
+        dense_k.append(k[0, :, 0])
+        dense_v.append(v[0, :, 0])
+        keys, values = kv.update(k, v, 0)
+        assert torch.equal(keys[0], torch.stack(dense_k, 1)) and torch.equal(values[0], torch.stack(dense_v, 1))
+        kv.advance(torch.ones(1, dtype=torch.long), host_counts=[1])
+    kv.begin(torch.tensor([0]), 2, host_slots=[0])  # two tokens: a mask again
+    assert kv.attention_mask(torch.float32) is not None
+    kv.abort()
