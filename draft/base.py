@@ -238,6 +238,11 @@ class Drafter(ABC):
     # target layers whose KV cache the drafter reads (a tensor-parallel target keeps their attention whole)
     target_kv_layers: tuple[int, ...] = ()
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.static_draft and cls.draft_step is Drafter.draft_step:  # the engine would call the missing step
+            raise TypeError(f"{cls.__name__} sets static_draft but defines no draft_step")
+
     def bind(self, target: TargetView) -> None:
         """Called once by the engine with its view of the target."""
         self.target = target
@@ -274,9 +279,9 @@ class Drafter(ABC):
         reads) whose shapes depend on `Bk` and `gamma` alone, reading the drafter's persistent buffers and the
         target's KV cache over its whole `max_length`: a CUDA graph captures it with the verify. `rows` are the
         real rows on the host, for checks made before any device work."""
-        # An optional hook, not unfinished work: the engine calls it only on drafters that set `static_draft`
-        # (eagle, mtp, dspark implement it); every other drafter drafts through `propose`.
-        raise NotImplementedError(f"{type(self).__name__} sets static_draft but has no draft_step")
+        # An optional hook, not unfinished work: the engine calls it only on drafters that set `static_draft`, and a
+        # class that sets it without defining this is refused when it is defined (`__init_subclass__`).
+        raise TypeError(f"{type(self).__name__}: draft_step is called on drafters with static_draft only")
 
     def _index(self, values: list[int], device) -> torch.Tensor:
         """`values` (rows, slots) as a long device tensor: the bound target's (built once per distinct list), else

@@ -10,6 +10,7 @@ which `follow` it step for step.
 
 from __future__ import annotations
 
+import abc
 import collections
 import threading
 
@@ -35,36 +36,33 @@ class _Lanes:
         self.lens = torch.zeros(L, dtype=torch.long, device=tok.device)
         self.anchors = torch.zeros(L, dtype=torch.long, device=tok.device)
 
-    def held(self) -> list[int]:
-        return [l for l, s in enumerate(self.slot) if s is not None]
-
     def free(self) -> list[int]:
         return [l for l, r in enumerate(self.req) if r is None]
 
 
-class RequestLoop(EngineParts):
+class RequestLoop(EngineParts, metaclass=abc.ABCMeta):
     """The queue, the lanes and the steps of an engine (see the module docstring). A step calls the engine's
-    admission, round and retirement (`SpecEngine`), declared here."""
+    admission, round and retirement, declared here as abstract methods (`SpecEngine` defines them)."""
 
+    @abc.abstractmethod
     def _admit(self, lanes: "_Lanes", ids: list[int], reqs: list[Request]) -> list[int]:
         """Start `reqs` in the free lanes `ids`; -> the lanes whose request goes on."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _round(self, active: list[int], lanes: "_Lanes") -> None:
         """One round of the lanes `active`, whose requests decode alike."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _retire(self, ids: list[int], *, publish: bool = False, status: str | None = "finished") -> None:
         """The requests of lanes `ids` leave (their slots and drafter rows let go of)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _abort(self, rows: list[int]) -> None:
         """Drop an open round of the lanes `rows`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _fresh(self, worst: int, tokens: list[int]) -> int:
         """KV tokens a request of `worst` tokens takes in fresh pages."""
-        raise NotImplementedError
 
     @staticmethod
     def _done(r: Request) -> bool:

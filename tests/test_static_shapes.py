@@ -337,3 +337,16 @@ def _host_state(obj, depth: int = 0):
     if slots:
         return tuple(_host_state(getattr(obj, s, None), depth + 1) for s in slots)
     return ("id", id(obj))
+
+
+def test_static_draft_without_draft_step_is_refused_at_class_definition():
+    """A drafter that declares `static_draft` must define `draft_step` (the engine calls it inside the device step):
+    the class is refused when it is defined, not at its first static round."""
+    from specdec.draft import Drafter
+
+    with pytest.raises(TypeError, match="Half sets static_draft but defines no draft_step"):
+        class Half(Drafter):
+            static_draft = True
+
+            def propose(self, rows, contexts, gamma, *, sampling=None, generator=None):
+                raise AssertionError("never called")
