@@ -223,3 +223,39 @@ def state_tile(tile: str | None):
         os.environ.pop(TILE_ENV, None)
         if before is not None:
             os.environ[TILE_ENV] = before
+
+
+def token_lengths(parser, text: str, least: int, why: str) -> list[int]:
+    """`--tokens`: a comma list of ints, each >= `least` (`why` says what sets that bound); a parser error else."""
+    try:
+        lengths = [int(x) for x in split_list(text)]
+    except ValueError:
+        parser.error(f"--tokens: expected a comma list of ints, got {text!r}")
+    if not lengths or min(lengths) < least:
+        parser.error(f"--tokens: expected lengths >= {why}, got {text!r}")
+    return lengths
+
+
+def trained_drafters(parser, model_dir: Path, names: str, missing: str) -> dict[str, str]:
+    """`--drafters`: name -> the trained drafter directory of each (`resolve_drafter`); `missing`: the error's words
+    for a name that is not one."""
+    out = {}
+    for name in split_list(names):
+        path, why = resolve_drafter(model_dir, name)
+        if path is None or path == name:
+            parser.error(f"--drafters: {why or f'{name!r} {missing}'}")
+        out[name] = path
+    return out
+
+
+def load_cpu_model(model_dir: Path, threads: int):
+    """The model of `model_dir` in float32 on the CPU with `threads` torch threads (transformers' progress bars off,
+    fla's CPU warning silenced)."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -25,7 +25,6 @@ import statistics
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -128,26 +127,10 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     if a.repeats < 1:
         p.error(f"--repeats: expected >= 1, got {a.repeats}")
-    try:
-        lengths = [int(x) for x in common.split_list(a.tokens)]
-    except ValueError:
-        p.error(f"--tokens: expected a comma list of ints, got {a.tokens!r}")
-    if not lengths or min(lengths) < 2:
-        p.error(f"--tokens: expected lengths >= 2, got {a.tokens!r}")
+    lengths = common.token_lengths(p, a.tokens, 2, "2")
     model_dir = common.input_args(p, a.model)
-    drafters = {}
-    for name in common.split_list(a.drafters):
-        path, why = common.resolve_drafter(model_dir, name)
-        if path is None or path == name:
-            p.error(f"--drafters: {why or f'{name!r} observes no features (a trained drafter directory is needed)'}")
-        drafters[name] = path
-
-    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(a.threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    drafters = common.trained_drafters(p, model_dir, a.drafters, 'observes no features (a trained drafter directory is needed)')
+    model = common.load_cpu_model(model_dir, a.threads)
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(a.seed)
     result = {"machine": common.machine_info("cpu"), "model": str(model_dir), "tokens": lengths,

@@ -23,7 +23,6 @@ import json
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -98,26 +97,10 @@ def main(argv=None) -> dict:
     for name in ("repeats", "gamma", "kept"):
         if getattr(a, name) < 1:
             p.error(f"--{name}: expected >= 1, got {getattr(a, name)}")
-    try:
-        lengths = [int(x) for x in common.split_list(a.tokens)]
-    except ValueError:
-        p.error(f"--tokens: expected a comma list of ints, got {a.tokens!r}")
-    if not lengths or min(lengths) < a.kept:
-        p.error(f"--tokens: expected lengths >= --kept ({a.kept}), got {a.tokens!r}")
+    lengths = common.token_lengths(p, a.tokens, a.kept, f"--kept ({a.kept})")
     model_dir = common.input_args(p, a.model)
-    drafters = {}
-    for name in common.split_list(a.drafters):
-        path, why = common.resolve_drafter(model_dir, name)
-        if path is None or path == name:
-            p.error(f"--drafters: {why or f'{name!r} is not a trained drafter directory'}")
-        drafters[name] = path
-
-    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(a.threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    drafters = common.trained_drafters(p, model_dir, a.drafters, 'is not a trained drafter directory')
+    model = common.load_cpu_model(model_dir, a.threads)
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(a.seed)
     result = {"machine": common.machine_info("cpu"), "model": str(model_dir), "tokens": lengths, "gamma": a.gamma,
