@@ -5,6 +5,7 @@ saved model, in-process, in float64 on its pure-torch layers; the server runs th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -71,27 +72,34 @@ def _wait(url: str, proc=None, timeout: float = 120) -> None:
     raise TimeoutError("the server did not come up")
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    """`python -m specdec serve` on the saved model (float64, 4 lanes, max_length 160) -> its base URL."""
-    path, _, _ = model_dir
+@contextlib.contextmanager
+def serve_process(path, *args, launcher=()):
+    """`python [launcher] -m specdec serve` on the saved model (float64, 4 lanes, max_length 160, named "tiny") with
+    `args`, one thread a process -> (its base URL, the process), stopped at the end."""
     port = _port()
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen([sys.executable, "-m", "specdec", "serve", "--model", str(path), "--port", str(port),
-                             "--dtype", "float64", "--max-batch-size", "4", "--max-length", "160",
-                             "--num-draft-tokens", "4", "--served-model-name", "tiny"],
+    proc = subprocess.Popen([sys.executable, *launcher, "-m", "specdec", "serve", "--model", str(path), "--port",
+                             str(port), "--dtype", "float64", "--max-batch-size", "4", "--max-length", "160",
+                             "--served-model-name", "tiny", *args],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait(url, proc)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """The server on the saved model -> its base URL."""
+    with serve_process(model_dir[0], "--num-draft-tokens", "4") as (url, _):
+        yield url
 
 
 def client(url: str):
@@ -156,19 +164,25 @@ def test_stop_strings_cut_the_text(server, model_dir):
     assert "".join(parts) == full[:3]
 
 
-def test_16_concurrent_clients_each_get_their_own_output(server, model_dir):
-    tok = model_dir[2]
-    prompts = [f"{PROMPTS[i % 4]}{i}" for i in range(16)]
+def concurrent_texts(url: str, prompts: list[str]) -> list[str]:
+    """One greedy completion per prompt, each from its own client thread, all at once."""
     outs = {}
 
     def one(i):
-        outs[i] = client(server).completions.create(model="tiny", prompt=prompts[i], max_tokens=NEW,
-                                                    temperature=0).choices[0].text
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+        outs[i] = client(url).completions.create(model="tiny", prompt=prompts[i], max_tokens=NEW,
+                                                 temperature=0).choices[0].text
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return [outs[i] for i in range(len(prompts))]
+
+
+def test_16_concurrent_clients_each_get_their_own_output(server, model_dir):
+    tok = model_dir[2]
+    prompts = [f"{PROMPTS[i % 4]}{i}" for i in range(16)]
+    outs = concurrent_texts(server, prompts)
     for i, p in enumerate(prompts):
         assert outs[i] == text_of(model_dir, greedy(model_dir, tok(p).input_ids)), i
 
@@ -180,16 +194,22 @@ def _metric(url: str, name: str) -> float:
     raise KeyError(name)
 
 
-def test_a_dropped_stream_frees_its_lane(server):
-    before = _metric(server, "specdec_requests_cancelled_total")
+def drop_a_stream(url: str, *, lines: int) -> list[str]:
+    """Start a long streaming completion, read its first `lines` lines, and go away mid-stream -> those lines."""
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 140, "temperature": 0, "stream": True}
-    host, port = server.removeprefix("http://").split(":")
+    host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
     resp = conn.getresponse()
-    got = [resp.readline().decode() for _ in range(3)]
-    conn.sock.close()  # the client goes away mid-stream
+    got = [resp.readline().decode() for _ in range(lines)]
+    conn.sock.close()
     conn.close()
+    return got
+
+
+def test_a_dropped_stream_frees_its_lane(server):
+    before = _metric(server, "specdec_requests_cancelled_total")
+    got = drop_a_stream(server, lines=3)
     assert any(line.startswith("data: ") for line in got)
     t0 = time.time()
     while (_metric(server, "specdec_requests_running") > 0
@@ -297,41 +317,15 @@ def test_tensor_parallel_serving_under_torchrun(model_dir):
     step; four concurrent clients get transformers' greedy output, a sampled request with a seed answers, and a
     dropped stream is cancelled on both ranks (the next requests are served)."""
     path, _, tok = model_dir
-    port = _port()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--master-port", str(_port()), "-m", "specdec", "serve", "--model", str(path),
-                             "--tp", "2", "--port", str(port), "--dtype", "float64", "--max-batch-size", "4",
-                             "--max-length", "160", "--served-model-name", "tiny"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait(url, proc)
-        outs = {}
-
-        def one(i):
-            outs[i] = client(url).completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=NEW,
-                                                     temperature=0).choices[0].text
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()))
+    with serve_process(path, "--tp", "2", launcher=torchrun) as (url, proc):
+        outs = concurrent_texts(url, PROMPTS)
         for i, p in enumerate(PROMPTS):
             assert outs[i] == text_of(model_dir, greedy(model_dir, tok(p).input_ids)), i
         sampled = client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0.9,
                                                  seed=7)
         assert sampled.usage.completion_tokens >= 1
-        host = url.removeprefix("http://").split(":")[0]
-        conn = http.client.HTTPConnection(host, port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 140,
-                                                            "temperature": 0, "stream": True}),
-                     {"content-type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.readline().decode().startswith("data: ")
-        conn.sock.close()
-        conn.close()
+        assert drop_a_stream(url, lines=1)[0].startswith("data: ")
         t0 = time.time()
         while _metric(url, "specdec_requests_cancelled_total") < 1 and time.time() - t0 < 60:
             time.sleep(0.1)
@@ -339,9 +333,3 @@ def test_tensor_parallel_serving_under_torchrun(model_dir):
         again = client(url).completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=NEW, temperature=0)
         assert again.choices[0].text == outs[2]
         assert proc.poll() is None
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
