@@ -137,6 +137,12 @@ def test_kimi_attention_reads_latents_like_the_module():
         mod.kv_b_proj.bias = None
 
 
+def _kimi_mla():
+    """A tiny Kimi-Linear's first MLA attention module (float64) and its hidden size."""
+    model = tiny_model("kimi_linear", seed=2)
+    return model.model.layers[model.config.layer_types.index("full_attention")].self_attn, model.config.hidden_size
+
+
 def test_kimi_latent_decode_step_like_the_module():
     """A plain decode step (T = 1) of `KimiLatentAttention` over contexts of different lengths (keys past the shorter
     row's length masked), and one row alone with no mask (every key visible): the module's own forward on the same
@@ -145,11 +151,8 @@ def test_kimi_latent_decode_step_like_the_module():
     from specdec.hf_compat import cache_arg
     from specdec.kv_cache import KVCache
 
-    model = tiny_model("kimi_linear", seed=2)
-    attn_layers = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
-    mod = model.model.layers[attn_layers[0]].self_attn
+    mod, d = _kimi_mla()
     gen = torch.Generator().manual_seed(4)
-    d = model.config.hidden_size
     context, x = (torch.randn(2, T, d, generator=gen, dtype=torch.float64) for T in (40, 1))
     outs = []
     for attn in (mod, KimiLatentAttention(mod)):
@@ -184,11 +187,9 @@ def test_kimi_latent_prefill_chunk_in_parts_like_the_module(monkeypatch):
     from specdec.hf_compat import cache_arg
     from specdec.kv_cache import KVCache
 
-    model = tiny_model("kimi_linear", seed=2)
-    attn_layers = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
-    mod = model.model.layers[attn_layers[0]].self_attn
+    mod, d = _kimi_mla()
     gen = torch.Generator().manual_seed(5)
-    d, T = model.config.hidden_size, adapters.ROUND_TOKENS + 2 * adapters.PART_QUERIES + 3
+    T = adapters.ROUND_TOKENS + 2 * adapters.PART_QUERIES + 3
     context, x = (torch.randn(2, n, d, generator=gen, dtype=torch.float64) for n in (10, T))
     monkeypatch.setattr(adapters, "SCORE_ELEMENTS", 1)  # every part its fewest queries
     parts, inner = [], adapters._latent_attention
