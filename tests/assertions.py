@@ -7,6 +7,7 @@ import math
 from statistics import NormalDist
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # (rtol, atol) per dtype. fp32/fp64 entries are for results computed in a different op order;
 # results computed in the same op order are compared bitwise (`exact=True`).
@@ -118,3 +119,18 @@ def chi2_gof(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
         exp_cells.append(pool_e)
     o, e = torch.stack(obs_cells), torch.stack(exp_cells)
     return float(((o - e) ** 2 / e).sum()), len(obs_cells) - 1
+
+
+class RecordedOps(TorchDispatchMode):
+    """Inside it, every aten op run is recorded with the shapes of its tensor arguments (`ops`): two runs that
+    record the same list did the same work on the same shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        self.ops.append((str(func), tuple(tuple(a.shape) for a in leaves if isinstance(a, torch.Tensor))))
+        return func(*args, **kwargs)

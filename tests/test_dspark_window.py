@@ -19,8 +19,8 @@ import os
 
 import pytest
 import torch
+from assertions import RecordedOps
 from tiny_models import assert_greedy, generate_f64, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec
 from specdec.draft import dspark_drafter
@@ -177,20 +177,6 @@ def test_dropped_positions_and_their_limit(target):
         drafter.propose([0], [rows.tokens[0][:31]], GAMMA)
 
 
-class _Ops(TorchDispatchMode):
-    """Every aten op run, with the shapes of its tensor arguments."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        self.ops.append((str(func), tuple(tuple(a.shape) for a in leaves if isinstance(a, torch.Tensor))))
-        return func(*args, **kwargs)
-
-
 def test_a_round_costs_the_same_at_any_context(target):
     """Past the ring, a propose drafts with the same ops on the same shapes whatever the context (what it reads and
     computes is bounded by the ring); without a window the span grows with the context (the control). Recorded:
@@ -200,7 +186,7 @@ def test_a_round_costs_the_same_at_any_context(target):
         drafter = dspark_drafter.make_drafter(net, gamma=GAMMA, max_batch_size=1)
         rows = Rows(drafter, [length], target.config.hidden_size, target.config.vocab_size, torch.float64, seed=4)
         rows.observe({0: length})
-        rec, inner = _Ops(), drafter._draft
+        rec, inner = RecordedOps(), drafter._draft
 
         def recorded(*a, **k):
             with rec:

@@ -28,9 +28,8 @@ import os
 
 import pytest
 import torch
-from assertions import assert_close, max_rel_err
+from assertions import RecordedOps, assert_close, max_rel_err
 from tiny_models import assert_greedy, generate_f64, tiny_model
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec
 from specdec.draft import eagle_drafter
@@ -282,20 +281,6 @@ def test_a_window_past_every_context_changes_nothing(target, tmp_path, static):
             assert_close(b, a, exact=True, msg="draft logits")
 
 
-class _Ops(TorchDispatchMode):
-    """Every aten op run, with the shapes of its tensor arguments."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-        self.ops.append((str(func), tuple(tuple(a.shape) for a in leaves if isinstance(a, torch.Tensor))))
-        return func(*args, **kwargs)
-
-
 def test_a_round_costs_the_same_at_any_context(target):
     """See 3: past the ring, a propose drafts with the same ops on the same shapes whatever the context; without a
     window the span grows with the context (the control). Recorded: the drafting (`_draft`), after one round's
@@ -307,7 +292,7 @@ def test_a_round_costs_the_same_at_any_context(target):
         rows.observe({0: length})
         rows.propose([0])
         rows.observe({0: 3})
-        rec, inner = _Ops(), drafter._draft
+        rec, inner = RecordedOps(), drafter._draft
 
         def recorded(*a, **k):
             with rec:
