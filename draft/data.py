@@ -7,7 +7,7 @@ Prompt i is `prompt_len` tokens of the text at a seeded random offset; it is con
 tokens at temperature `temperatures[i % len(temperatures)]` (0: greedy). The reference recipe (DeepSpec,
 `scripts/data/generate_train_data.py`) also regenerates its training text with the target, so the drafter learns
 the target's own distribution rather than the text's (on this package's stdlib text the embedded target's
-top-1 agrees with the next text token only about half the time). Each line of the output is one record,
+top-1 often differs from the next text token: bench/results/HISTORY.md). Each line of the output is one record,
 `{"id": i, "temperature": t, "prompt": [ids], "continuation": [ids]}`; a rerun appends the prompts not yet written
 (same seed: the same prompts), so an interrupted run resumes.
 

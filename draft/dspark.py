@@ -86,7 +86,7 @@ class Config(DraftConfig):
     the target's distribution (the old loss; reference 0), slot k weighted exp(-k / `position_decay`)
     (reference 4; 0: uniform), + `confidence_weight` x the confidence head's BCE (reference alpha 1.0).
     `input_norm`: RMS-normalise the block input (anchor embedding, MASK embedding) so it enters the residual
-    stream at the layers' scale (the target's raw embedding rows have RMS ~0.05). `qk_norm`: per-head RMSNorm
+    stream at the layers' scale (the target's raw embedding rows are far smaller). `qk_norm`: per-head RMSNorm
     of queries and keys (context keys included) before rotary, as the reference's attention.
     `anchor_density` > 0: training blocks per window = density x window length (reference 512 / 4096 =
     0.125); 0: `anchors_per_window`. `markov_table`: the Markov head is a free `[V, markov_rank]` table plus a
@@ -155,8 +155,8 @@ class Config(DraftConfig):
     def for_target(cls, target, **overrides) -> "Config":
         """The reference recipe (`REFERENCE`) sized for `target`: layers as wide as the target's own (its
         attention heads of hidden / heads, its MLP width), `REFERENCE["num_layers"]` of them (two: the most that
-        trains to convergence in about an hour on 2 CPU cores with a 256-wide target; the reference's five are
-        for a 36-layer target)."""
+        trains to convergence within a CPU training run with a 256-wide target, bench/results/HISTORY.md; the
+        reference's five are for a 36-layer target)."""
         tc = target.config.get_text_config()
         d = tc.hidden_size
         heads = int(getattr(tc, "num_attention_heads", 0) or 0)
