@@ -89,7 +89,7 @@ def _measure(rank: int, a: dict, model_dir: str, drafters: dict, prompts: list) 
                                 spread={c: common.spread(t) for c, t in times.items() if t},
                                 identical=seqs.get(CONFIGS[0]) == seqs["tp2"] if rank == 0 else None,
                                 collectives_per_round=sorted(set(res.stats.collectives)),
-                                reduces_per_forward=tp.runner._reduces,
+                                reduces_per_forward=tp.runner.shards.reduces,
                                 tau=res.stats.as_dict()["tau"], rounds=res.stats.as_dict()["rounds"],
                                 allreduce_us=statistics.median(reduce_s[10:]) * 1e6))
     return out

@@ -5,7 +5,8 @@ kinds `mtp`, `eagle`, `dspark`, `native` (their nets and training in `specdec.dr
 
 from .base import DraftBlock, Drafter, NoDraft, TargetView
 from .factory import make_drafter
+from .follower import Follower
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 
-__all__ = ["DraftBlock", "Drafter", "ModelDrafter", "NgramDrafter", "NoDraft", "TargetView", "make_drafter"]
+__all__ = ["DraftBlock", "Drafter", "Follower", "ModelDrafter", "NgramDrafter", "NoDraft", "TargetView", "make_drafter"]

@@ -2,8 +2,8 @@
 short conv and delta rule (Mamba2 mixers: the mamba2 rule). Each `run` mirrors the transformers module's forward
 op for op.
 
-`HYBRID_FAMILIES` is the registry the hybrid runner dispatches on: per `config.model_type` the mixer and where
-the decoder layers put their norms."""
+`HYBRID_FAMILIES` is the registry the hybrid runner dispatches on: per `config.model_type` the mixer, where
+the decoder layers put their norms, and how the layers split under tensor parallelism (`tp_layouts`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from .tp_layouts import GATED_DELTA, GRANITE_MLP, KIMI, MAMBA2, TPLayout
 
 
 class MixerOps(Protocol):
@@ -428,8 +430,9 @@ class HybridFamily:
     its MLP-only layers, `config.layer_types` "mlp" / "moe", and its "hybrid" layers: mixer plus attention), the
     names of the base model's embedding and final norm, the base model's attributes scaling the embeddings
     (`embed_scale`) and multiplying the logits (`logits_multiplier`), the config's dividing the logits
-    (`logits_scale`), and a class running the family's MLA attention on latents (`latent_attention`, used where
-    its `applies` holds)."""
+    (`logits_scale`), a class running the family's MLA attention on latents (`latent_attention`, used where
+    its `applies` holds), and how its layers split across tensor-parallel ranks (`tp_layout`; None: the family
+    runs on one rank only)."""
 
     mixer: type
     linear: LayerLayout = PRE_NORM
@@ -442,6 +445,7 @@ class HybridFamily:
     logits_scale: str | None = None
     logits_multiplier: str | None = None
     latent_attention: type | None = None
+    tp_layout: TPLayout | None = None
 
     def layout(self, kind: str) -> LayerLayout | None:
         """The layout of a layer of `kind` ("linear", "attention", "mlp", "hybrid"); None where the family has
@@ -459,19 +463,24 @@ def layer_kind(layer_type: str) -> str:
 
 
 HYBRID_FAMILIES = {
-    "kimi_linear": HybridFamily(KimiDeltaMixer, latent_attention=KimiLatentAttention),
-    "qwen3_next": HybridFamily(GatedDeltaMixer),
-    "qwen3_5": HybridFamily(GatedDeltaMixer),
-    "qwen3_5_text": HybridFamily(GatedDeltaMixer),
-    "qwen3_5_moe": HybridFamily(GatedDeltaMixer),
-    "qwen3_5_moe_text": HybridFamily(GatedDeltaMixer),
+    "kimi_linear": HybridFamily(KimiDeltaMixer, latent_attention=KimiLatentAttention, tp_layout=TPLayout(KIMI)),
+    "qwen3_next": HybridFamily(GatedDeltaMixer, tp_layout=TPLayout(GATED_DELTA)),
+    "qwen3_5": HybridFamily(GatedDeltaMixer, tp_layout=TPLayout(GATED_DELTA)),
+    "qwen3_5_text": HybridFamily(GatedDeltaMixer, tp_layout=TPLayout(GATED_DELTA)),
+    "qwen3_5_moe": HybridFamily(GatedDeltaMixer, tp_layout=TPLayout(GATED_DELTA)),
+    "qwen3_5_moe_text": HybridFamily(GatedDeltaMixer, tp_layout=TPLayout(GATED_DELTA)),
+    # OLMo-Hybrid's and Bailing's mixers, Falcon-H1's and Zamba2's change what feeds or gates the heads: no tp layout
+    # yet
     "olmo_hybrid": HybridFamily(OlmoGatedDeltaMixer, attention=POST_NORM),
     "bailing_hybrid": HybridFamily(BailingDeltaMixer),
     "nemotron_h": HybridFamily(NemotronHMamba2Mixer, linear=NEMOTRON_MIXER, attention=NEMOTRON_MIXER,
-                               mlp_only=NEMOTRON_MLP, embed="embeddings", final_norm="norm_f"),
+                               mlp_only=NEMOTRON_MLP, embed="embeddings", final_norm="norm_f",
+                               tp_layout=TPLayout(MAMBA2)),
     "granitemoehybrid": HybridFamily(Mamba2Mixer, linear=GRANITE, attention=GRANITE,
-                                     embed_scale="embedding_multiplier", logits_scale="logits_scaling"),
-    "bamba": HybridFamily(Mamba2Mixer, linear=BAMBA, attention=BAMBA, final_norm="final_layernorm"),
+                                     embed_scale="embedding_multiplier", logits_scale="logits_scaling",
+                                     tp_layout=TPLayout(MAMBA2, mlp=GRANITE_MLP)),
+    "bamba": HybridFamily(Mamba2Mixer, linear=BAMBA, attention=BAMBA, final_norm="final_layernorm",
+                          tp_layout=TPLayout(MAMBA2)),
     "falcon_h1": HybridFamily(FalconH1Mamba2Mixer, hybrid=FALCON_H1, final_norm="final_layernorm",
                               embed_scale="embedding_multiplier", logits_multiplier="lm_head_multiplier"),
     "zamba2": HybridFamily(Mamba2Mixer, linear=ZAMBA2_MAMBA, hybrid=ZAMBA2_HYBRID, final_norm="final_layernorm"),

@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import torch
 
-from specdec.draft import Drafter, TargetView, make_drafter
+from specdec.draft import Drafter, Follower, TargetView, make_drafter
 from specdec.replayssm.plan import BufferSpec
 
 from . import cpu_linear, generation, memory
@@ -19,7 +19,7 @@ from .config import SpecConfig
 from .graphs import RoundGraphs
 from .kv_cache import page_specs
 from . import parallel
-from .parallel import Follower, TensorParallel
+from .parallel import TensorParallel
 from .prefix_cache import CachedSlots, PrefixCache, budget_bytes, check_budget
 from .round import RoundStep
 from .runner import HybridRunner, index_tensor, make_runner

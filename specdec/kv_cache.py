@@ -3,13 +3,17 @@ rollback by length, tree masks."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specdec.kernels.tree import VerifyTree
 from specdec.replayssm.plan import BufferSpec
 from specdec.replayssm.pool import allocate
-from specdec.tensors import index_tensor
 from specdec.verify.record import Acceptance
+
+if TYPE_CHECKING:  # parallel.py imports this module
+    from specdec.parallel import SlotSplit
 
 PAGE_SIZE = 16  # tokens per page (vLLM's default block size)
 
@@ -32,7 +36,7 @@ def kv_specs(num_slots: int, max_length: int, layers: dict, dtype: torch.dtype, 
     stored tensor]}` (and token features, `{feature_key(name): [(1, width)]}`) whose tensors come in `dtype`: each
     one's pages (`num_pages`, default a full `max_length` for every request slot: the null slot, the last, takes
     none) and the block table `[num_slots, max_length / page_size]` of the group (`group`: "" for the layers of every
-    slot, "dp" for data-parallel layers, `KVCache.split_slots`)."""
+    slot, "dp" for data-parallel layers, `parallel.SlotSplit`)."""
     pages = (num_slots - 1) * num_pages_for(max_length, page_size) if num_pages is None else num_pages
     out = {spec.name: spec for layer, dims in layers.items() for j, (heads, dim) in enumerate(dims)
            for spec in [kv_spec(layer, j, pages, heads, dim, dtype, page_size=page_size)]}
@@ -65,7 +69,7 @@ def token_bytes(specs: dict[str, BufferSpec]) -> int:
 
 
 def owned_rows(num_slots: int, ranks: int) -> int:
-    """Rows a rank keeps of a data-parallel layer (`KVCache.split_slots`): its share of the request slots (slot s
+    """Rows a rank keeps of a data-parallel layer (`parallel.SlotSplit`): its share of the request slots (slot s
     to rank s % ranks, row s // ranks; the null slot, the last, to none)."""
     return -(-(num_slots - 1) // ranks)
 
@@ -169,10 +173,14 @@ class KVCache:
     `static=True` fixes `S = max_length` (every round's shapes depend on B and T only, as CUDA graphs need; the
     pages a round writes must be reserved before it, so that `begin` copies nothing to the device).
     `num_pages` (default: `max_length` for every request slot) sizes the pool.
+
+    `split` (a tensor-parallel runner's, `parallel.SlotSplit`): the layers it holds run data-parallel over the
+    requests, and are kept for the request slots this rank owns only, each at its row of the split, in pages of a
+    pool of their own (`pages[True]`, `max_length` for every row).
     """
 
     def __init__(self, num_slots: int, max_length: int, *, device: torch.device | str = "cpu", static: bool = False,
-                 page_size: int = PAGE_SIZE, num_pages: int | None = None):
+                 page_size: int = PAGE_SIZE, num_pages: int | None = None, split: SlotSplit | None = None):
         self.max_length = max_length
         self.static = static
         self.page_size = page_size
@@ -188,35 +196,16 @@ class KVCache:
         self.tree: VerifyTree | None = None
         self.num_tokens = 0
         self.span = 0  # S: keys a round's attention reads
-        # data-parallel layers (tensor parallelism, `split_slots`): stored for this rank's request slots only
-        self.dp_layers: set[int] = set()
-        self.rank = self.ranks = 0
-        self.own: torch.Tensor | None = None  # [B_own] the round's rows whose slot this rank owns
-        self.own_rows: torch.Tensor | None = None  # [B_own] their rows in a data-parallel layer's buffers
-        self._index: dict = {}
         self._addr: dict = {}  # per round and group: (page, offset) of the new tokens, the pages of the key span
         self.pages = {False: PageTable(num_slots, self.max_pages, self.num_pages, self.device, "kv.table")}
+        self.split = split
+        if split is not None:
+            self.pages[True] = PageTable(split.rows, self.max_pages, split.rows * self.max_pages, self.device,
+                                         "kv.table.dp")
 
-    def split_slots(self, layers, rank: int, ranks: int, *, num_pages: int | None = None) -> None:
-        """Keep `layers` for the request slots `s` with `s % ranks == rank` only (row `s // ranks`; the null slot,
-        the last, for none): the attention of those layers runs data-parallel over the requests, each rank on the
-        rows it owns (a tensor-parallel MLA layer: its latent cache is every head's, so it is split by request).
-        Their pages come from a pool of their own (`num_pages`, default `max_length` for every owned row)."""
-        self.dp_layers, self.rank, self.ranks = set(layers), rank, ranks
-        rows = owned_rows(self.lengths.shape[0], ranks)
-        self.pages[True] = PageTable(rows, self.max_pages, rows * self.max_pages if num_pages is None else num_pages,
-                                     self.device, "kv.table.dp")
-
-    def rows(self, layer_idx: int) -> int:
-        """Table rows of a layer: one per slot, a data-parallel one's one per request slot this rank may own."""
-        return self.pages[layer_idx in self.dp_layers].table.shape[0]
-
-    def _own(self, host_slots: list[int]) -> None:
-        """The round's owned rows and their buffer rows (device tensors, kept per distinct list)."""
-        null = self.lengths.shape[0] - 1
-        own = [b for b, s in enumerate(host_slots) if s != null and s % self.ranks == self.rank]
-        self.own = index_tensor(self._index, own, self.device)
-        self.own_rows = index_tensor(self._index, [host_slots[b] // self.ranks for b in own], self.device)
+    def _split_holds(self, layer) -> bool:
+        """Whether `layer`'s pages are the data-parallel group's (`split`)."""
+        return self.split is not None and self.split.holds(layer)
 
     # ---- pages -------------------------------------------------------------------------------------
     def reserve(self, host_slots: list[int], tokens: list[int]) -> None:
@@ -226,15 +215,15 @@ class KVCache:
         null = self.lengths.shape[0] - 1
         pairs = [(s, t) for s, t in zip(host_slots, tokens) if s != null]
         self.pages[False].ensure([s for s, _ in pairs], [t for _, t in pairs], self.page_size)
-        if True in self.pages:
-            own = [(s // self.ranks, t) for s, t in pairs if s % self.ranks == self.rank]
+        if self.split is not None:
+            own = [(r, t) for r, t in ((self.split.row(s), t) for s, t in pairs) if r is not None]
             self.pages[True].ensure([r for r, _ in own], [t for _, t in own], self.page_size)
 
     def share(self, slot: int, length: int) -> tuple[list[int], dict[int, tuple[torch.Tensor, ...]]]:
         """The first `length` committed tokens of `slot` for a prefix-cache entry: its full pages below `length`,
         held once more (the caller lets go with `drop`), and a copy of the rest, `{layer: ([n, heads, dim], ...)}`
         (n < page_size; the slot goes on writing into that page)."""
-        if self.dp_layers:
+        if self.split is not None:
             raise RuntimeError("KV cache: data-parallel layers' pages are not shared")
         table = self.pages[False]
         k, n = length // self.page_size, length % self.page_size
@@ -268,8 +257,8 @@ class KVCache:
 
     def fits(self, tokens: list[int]) -> bool:
         """Whether fresh slots of `tokens[i]` tokens each would find their pages free. The pool of every slot decides
-        (the same on every rank: a data-parallel group's pool, `split_slots`, holds `max_length` for each slot the
-        rank owns)."""
+        (the same on every rank: a data-parallel group's pool, `split`, holds `max_length` for each slot the rank
+        owns)."""
         return sum(num_pages_for(t, self.page_size) for t in tokens) <= self.pages[False].num_free
 
     def page_bytes(self, specs: dict[str, BufferSpec]) -> dict[bool, int]:
@@ -277,7 +266,7 @@ class KVCache:
         `kv_specs` (the pools are allocated at each layer's first write)."""
         pools = page_specs(specs)
         return {g: self.page_size * token_bytes({n: s for n, s in pools.items()
-                                                 if (spec_key(n) in self.dp_layers) == g}) for g in self.pages}
+                                                 if self._split_holds(spec_key(n)) == g}) for g in self.pages}
 
     # ---- round -------------------------------------------------------------------------------------
     def begin(self, slots: torch.Tensor, num_tokens: int, tree: VerifyTree | None = None, *,
@@ -292,8 +281,8 @@ class KVCache:
         self.slots, self.host_slots, self.num_tokens, self.tree = slots, host_slots, num_tokens, tree
         self._addr = {}
         self.span = self.max_length if self.static else need
-        if self.dp_layers:
-            self._own(host_slots)
+        if self.split is not None:
+            self.split.select(host_slots)
 
     def check_room(self, host_slots: list[int], num_tokens: int) -> int:
         """-> the key span a round of `num_tokens` needs; ValueError when it would not fit."""
@@ -359,7 +348,7 @@ class KVCache:
         (`_address`): a view of the pool itself, no copy."""
         n = num_pages_for(span, self.page_size)
         if pages is None and first is None:
-            pages = self.pages[layer_idx in self.dp_layers].table[rows, :n]  # [B, n]
+            pages = self.pages[self._split_holds(layer_idx)].table[rows, :n]  # [B, n]
         out = []
         for buf in self.store[layer_idx]:  # [P + 1, page, h, d] -> [B, n, page, h, d] -> [B, h, span, d]
             if first is not None:
@@ -374,7 +363,7 @@ class KVCache:
         """`update(key [B, h, T, dk], value [B, h, T, dv], layer_idx, ...)` -> full `[B, h, S, d]` each."""
         layer_idx = states[2] if len(states) > 2 else kwargs["layer_idx"]
         new = states[:2]
-        dp = layer_idx in self.dp_layers
+        dp = self._split_holds(layer_idx)
         if layer_idx not in self.store:  # normal tensors (`allocate`): kept across calls
             pool = self.pages[dp].num_pages
             self.store[layer_idx] = [allocate(kv_spec(layer_idx, j, pool, x.shape[1], x.shape[3], x.dtype,
@@ -417,7 +406,10 @@ class KVCache:
     def _rows(self, dp: bool) -> tuple[torch.Tensor, torch.Tensor, object]:
         """The round's slots a layer's buffers hold `[B']`, their table rows and which round rows they are: every
         row's, or (`dp`, a data-parallel layer) the owned ones."""
-        return (self.slots[self.own], self.own_rows, self.own) if dp else (self.slots, self.slots, slice(None))
+        if not dp:
+            return self.slots, self.slots, slice(None)
+        own = self.split.own
+        return self.slots[own], self.split.own_rows, own
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.span - self.num_tokens if self.slots is not None else 0
@@ -429,7 +421,7 @@ class KVCache:
         n = acc.num_kept
         if self.tree is not None:  # tree: move each accepted path to consecutive positions
             for dp in (False, True):
-                layers = [bufs for layer, bufs in self.store.items() if (layer in self.dp_layers) == dp]
+                layers = [bufs for layer, bufs in self.store.items() if self._split_holds(layer) == dp]
                 if not layers:
                     continue
                 slots, rows, sel = self._rows(dp)
@@ -454,8 +446,10 @@ class KVCache:
         self.abort()
 
     def abort(self) -> None:
-        self.slots = self.tree = self.own = self.own_rows = None
+        self.slots = self.tree = None
         self._addr = {}
+        if self.split is not None:
+            self.split.clear()
 
     def reset(self, slot: int) -> None:
         """The slot holds no token and no page (a slot taken for a new request)."""
@@ -467,5 +461,6 @@ class KVCache:
     def release(self, slot: int) -> None:
         """The slot's pages go back to the pool (a request that ended); its length stays as it was committed."""
         self.pages[False].release(slot)
-        if True in self.pages and slot % self.ranks == self.rank and slot != self.lengths.shape[0] - 1:
-            self.pages[True].release(slot // self.ranks)
+        row = None if self.split is None else self.split.row(slot)
+        if row is not None:
+            self.pages[True].release(row)

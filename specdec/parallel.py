@@ -1,17 +1,22 @@
-"""Tensor parallelism over `torch.distributed` (the caller's process group: gloo on CPU, NCCL on GPU).
+"""Tensor parallelism over `torch.distributed` (the caller's process group: gloo on CPU, NCCL on GPU): every piece of
+it the runner and the KV cache ask for, in one place.
 
 Each rank holds 1/tp of every recurrent layer's heads (its slice of the q / k / v / gate / beta projections, of the
 short-conv channels, hence of the state pool and rings), of every attention's heads (hence of the KV cache) and of
 every MLP's hidden units (and of each MoE expert's), as transformers' `tp_plan`s split MLPs; output projections are
 row-parallel, followed by one all-reduce. MLA layers, whose latent cache every head reads, run whole and
-data-parallel over the requests instead (each rank the rows whose slot it owns; `KVCache.split_slots`). Embeddings,
-norms, routers and the lm_head are replicated, so the logits are the same on every rank and so is every decision
-taken from them. Rank 0 drafts alone and broadcasts its block.
+data-parallel over the requests instead (each rank the rows whose slot it owns: `SlotSplit`). Embeddings, norms,
+routers and the lm_head are replicated, so the logits are the same on every rank and so is every decision taken from
+them. Rank 0 drafts alone and broadcasts its block (`TensorParallel.share_block`; the other ranks hold a
+`specdec.draft.Follower`).
 
-What is split is data: `LAYOUTS`, one `Layout` per mixer class (the `specdec.adapters` mixers) and one for
-attentions and for MLPs, whose `Split`s name parameters by their path in the module. A layout's names the module
-lacks are skipped, so one layout serves a family's variants (Qwen3-Next's fused `in_proj_qkvz` and Qwen3.5's
-`in_proj_qkv`, `_z`, `_b`, `_a`).
+- `TensorParallel`: the process group and its collectives, counted.
+- `ShardPlan`: what a runner splits, by its family's `adapters.HybridFamily.tp_layout` (the `tp_layouts` data):
+  which layer parts end in an all-reduce, which MLA layers run data-parallel, how many all-reduces a forward makes.
+- `Forward`: one forward's collectives (`ShardPlan.forward`): its all-reduces counted down, the drain of a failed
+  forward and the fault vote.
+- `SlotSplit`: which slots, and which rows of a round, this rank owns for the data-parallel layers (the KV cache
+  asks it).
 
 Faults: a rank whose forward raises still runs the rest of that forward's all-reduces (with zeros) and then votes;
 every rank learns the vote in the forward's one extra collective, drops the round and raises, so no rank is left
@@ -23,103 +28,23 @@ from __future__ import annotations
 import copy
 import gc
 import itertools
-from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from specdec.draft import Drafter, DraftBlock
+from specdec.draft import DraftBlock
+from specdec.replayssm.plan import BufferSpec
+from specdec.tensors import index_tensor
 
-from .adapters import GatedDeltaMixer, KimiDeltaMixer, Mamba2Mixer
+from .adapters import HYBRID_FAMILIES
+from .kv_cache import kv_specs, num_pages_for, owned_rows
+from .tp_layouts import Layout, Split
 
 
 class PeerFailure(RuntimeError):
     """Another rank failed in this forward: every rank dropped the round (the engine stays usable)."""
-
-
-@dataclass(frozen=True)
-class Split:
-    """A parameter split across ranks: `path` in the module (dotted), along `dim`, in `sections` (a function of the
-    module -> the sizes of the consecutive sections of `dim`, each split in tp equal pieces, the rank's pieces
-    concatenated; None: `dim` is one section). A row-parallel weight (`dim` its input dim, 1) keeps its bias on rank
-    0 only: the all-reduce adds it once."""
-
-    path: str
-    dim: int = 0
-    sections: Callable | None = None
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How one kind of module splits: its `splits`, the integer attributes its forward reads that count per-rank
-    things (`divide`: divided by tp), and `units`, a function of the module -> the sizes tp must divide (heads,
-    groups: a head never straddles ranks)."""
-
-    splits: tuple[Split, ...]
-    divide: tuple[str, ...] = ()
-    units: Callable = field(default=lambda mod: {})
-
-
-def _rows(*names: str) -> tuple[Split, ...]:
-    """Column-parallel linears (output rows split) and their biases."""
-    return tuple(Split(f"{n}.{p}") for n in names for p in ("weight", "bias"))
-
-
-KIMI = Layout(  # KDA: q, k, v, f_b, g_b by head; conv over [q | k | v]; f_a / g_a (low rank) and o_norm replicated
-    _rows("q_proj", "k_proj", "v_proj", "forget_gate.f_b_proj", "b_proj", "g_b_proj")
-    + (Split("conv1d.weight", 0, lambda m: [m.qkv_dim] * 3), Split("forget_gate.A_log", 2),
-       Split("forget_gate.dt_bias"), Split("o_proj.weight", 1)),
-    divide=("num_heads", "qkv_dim", "conv_dim"), units=lambda m: {"num_heads": m.num_heads})
-GATED_DELTA = Layout(  # Gated DeltaNet: Qwen3-Next's in_proj_qkvz / ba are laid out per key head: a plain split
-    _rows("in_proj_qkvz", "in_proj_ba", "in_proj_z", "in_proj_b", "in_proj_a")
-    + tuple(Split(p, 0, lambda m: [m.key_dim, m.key_dim, m.value_dim])
-            for p in ("in_proj_qkv.weight", "in_proj_qkv.bias", "conv1d.weight", "conv1d.bias"))
-    + (Split("A_log"), Split("dt_bias"), Split("out_proj.weight", 1)),
-    divide=("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim"),
-    units=lambda m: {"num_k_heads": m.num_k_heads, "num_v_heads": m.num_v_heads})
-
-
-def _mamba_in(m) -> list[int]:
-    gn = m.n_groups * m.ssm_state_size
-    return [m.intermediate_size, m.intermediate_size, gn, gn, m.num_heads]  # gate, x, B, C, dt
-
-
-MAMBA2 = Layout(  # in_proj over [gate | x | B | C | dt], conv over [x | B | C], the gated norm by groups
-    (Split("in_proj.weight", 0, _mamba_in), Split("in_proj.bias", 0, _mamba_in))
-    + tuple(Split(p, 0, lambda m: [m.intermediate_size] + [m.n_groups * m.ssm_state_size] * 2)
-            for p in ("conv1d.weight", "conv1d.bias"))
-    + (Split("dt_bias"), Split("A_log"), Split("D"), Split("norm.weight"), Split("out_proj.weight", 1)),
-    divide=("num_heads", "n_groups", "intermediate_size", "conv_dim"),
-    units=lambda m: {"num_heads": m.num_heads, "n_groups": m.n_groups})
-ATTENTION = Layout(  # GQA by head (q, k, v, the output gate Qwen3-Next packs per head in q_proj); MLA: the query and
-    # kv_b_proj by head, the latent projection and its norm replicated (the latent cache is every head's)
-    _rows("q_proj", "q_b_proj", "k_proj", "v_proj", "kv_b_proj") + (Split("o_proj.weight", 1),),
-    divide=("num_heads", "num_key_value_heads", "num_attention_heads"),
-    units=lambda m: {"heads": _heads(m), **({"key/value heads": m.k_proj.out_features // m.head_dim}
-                                           if hasattr(m, "k_proj") else {})})
-MLP = Layout(  # as transformers' tp_plans: gate / up colwise, down rowwise; each expert's hidden units likewise
-    tuple(s for pre in ("", "shared_expert.", "shared_experts.")
-          for s in _rows(f"{pre}gate_proj", f"{pre}up_proj") + (Split(f"{pre}down_proj.weight", 1),))
-    + (Split("experts.gate_up_proj", 1, lambda m: [m.experts.gate_up_proj.shape[1] // 2] * 2),
-       Split("experts.down_proj", 2),
-       # Granite-4.0-H's shared MLP: one input projection over [gate | up], chunked in two by its forward
-       Split("input_linear.weight", 0, lambda m: [m.input_linear.out_features // 2] * 2),
-       Split("output_linear.weight", 1)),
-    divide=("experts.intermediate_dim",))
-# the mixer classes with a layout (subclasses share their base's: Nemotron-H's and Granite's Mamba2 mixers; Bailing's
-# KDA, Falcon-H1's and Zamba2's mixers change what feeds or gates the heads and have none yet)
-LAYOUTS = {KimiDeltaMixer: KIMI, GatedDeltaMixer: GATED_DELTA, Mamba2Mixer: MAMBA2}
-FAMILIES = ("kimi_linear", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "nemotron_h",
-            "bamba", "granitemoehybrid")
-
-
-def _heads(m) -> int:
-    n = getattr(m, "num_heads", None) or getattr(m, "num_attention_heads", None)
-    if n is None:
-        n = m.config.num_attention_heads
-    return n
 
 
 def shard(t: torch.Tensor, dim: int, sections: list[int] | None, rank: int, tp: int) -> torch.Tensor:
@@ -165,7 +90,7 @@ def gather_rest(module: nn.Module, gathered: list[str] | None = None, *, skip: n
                 gathered.append(name)
 
 
-def _local_part(t: torch.Tensor, s: "Split", sections, rank: int, tp: int, taken: list | None) -> torch.Tensor:
+def _local_part(t: torch.Tensor, s: Split, sections, rank: int, tp: int, taken: list | None) -> torch.Tensor:
     """The rank's part of `t` by `s`: a DTensor already split that way (one `Shard` on `s.dim`, no sections) gives
     its local shard as it is; any other is gathered whole first, then split."""
     if is_dtensor(t):
@@ -225,10 +150,6 @@ def _find(mod, path: str):
     return mod
 
 
-def layout_of(mixer: type) -> Layout | None:
-    return next((LAYOUTS[c] for c in mixer.__mro__ if c in LAYOUTS), None)
-
-
 def close_group(ok: bool = True) -> None:
     """End this process's part in the default group: a barrier when `ok` (no rank tears the group down while another
     still uses it), then a collection of the reference cycles that may still hold the group (an engine and its
@@ -246,9 +167,9 @@ def close_group(ok: bool = True) -> None:
 
 
 class TensorParallel:
-    """A process group as the runner and engine use it: `all_reduce` of partial sums (counted, and drained with
-    zeros after a local failure), `vote` (every rank ok?), `share_block` (rank 0's drafts to every rank) and
-    `agree_seed`. `collectives` counts every collective issued."""
+    """A process group as the runner (through `Forward`) and the engine use it: `all_reduce` of partial sums, `vote`
+    (every rank ok?), `share_block` (rank 0's drafts to every rank) and `agree_seed`. `collectives` counts every
+    collective issued."""
 
     def __init__(self, group, device):
         if not dist.is_available() or not dist.is_initialized():
@@ -265,7 +186,6 @@ class TensorParallel:
         self.group, self.device = group, torch.device(device)
         self.src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
         self.collectives = 0
-        self.pending = 0  # all-reduces left in the running forward
         # a model loaded with transformers' tp_plan: the weights whose local shards were taken as they are, and
         # those gathered whole (then split here, or kept whole)
         self.local_shards: list[str] = []
@@ -280,13 +200,7 @@ class TensorParallel:
         x = x.contiguous()
         dist.all_reduce(x, group=self.group)
         self.collectives += 1
-        self.pending -= 1
         return x
-
-    def drain(self, shape, dtype) -> None:
-        """After a local failure: the all-reduces the other ranks still wait for in this forward, with zeros."""
-        while self.pending > 0:
-            self.all_reduce(torch.zeros(shape, dtype=dtype, device=self.device))
 
     def vote(self, ok: bool, logits: torch.Tensor | None = None) -> bool:
         """Whether every rank is ok (one collective; a host read). With `logits` (a forward's, the same bits on every
@@ -355,30 +269,172 @@ class TensorParallel:
         return DraftBlock(body[:, 1:1 + G], body[:, 0], probs, body[:, 1 + width:2 + width + G] if tree else None)
 
 
-class Follower(Drafter):
-    """The drafter of a rank other than 0: rank 0 drafts (`TensorParallel.share_block`), so this one keeps nothing;
-    it answers what the engine reads of a drafter's shape (feature layers, tree, verify window) as rank 0's does."""
+class SlotSplit:
+    """The request slots of a runner's data-parallel layers (`ShardPlan`: MLA layers, run whole on each rank over the
+    requests whose slot it owns), as the KV cache asks for them: slot s is rank `s % ranks`'s, at row `s // ranks` of
+    that rank's tables and pages (`row`); the null slot, the last, is no rank's. `select` takes a round's slots:
+    `own [B_own]`, the round's rows whose slot this rank owns, and `own_rows [B_own]`, their rows in the layers'
+    buffers (until `clear`)."""
 
-    observes_features = False
+    def __init__(self, layers, rank: int, ranks: int, num_slots: int, device):
+        self.layers = frozenset(layers)
+        self.rank, self.ranks, self.null = rank, ranks, num_slots - 1
+        self.rows = owned_rows(num_slots, ranks)  # rows of the layers' tables on this rank
+        self.device = torch.device(device)
+        self.own: torch.Tensor | None = None
+        self.own_rows: torch.Tensor | None = None
+        self._index: dict = {}
 
-    def __init__(self, lead: Drafter, gamma: int):
-        self.name = f"{lead.name} (rank 0)"
-        self.feature_layers = tuple(lead.feature_layers)
-        self.observes_features = lead.observes_features
-        self.tree = lead.tree
-        self._verify = lead.max_verify_tokens(gamma)
+    def holds(self, layer) -> bool:
+        """Whether `layer` (an attention layer's index, or a feature's key) runs data-parallel."""
+        return layer in self.layers
 
-    def bind(self, target) -> None:
-        self.tree = self.tree and target.supports_tree
+    def row(self, slot: int) -> int | None:
+        """`slot`'s row in this rank's buffers of the layers; None where another rank owns it, or for the null slot."""
+        return slot // self.ranks if slot != self.null and slot % self.ranks == self.rank else None
 
-    def max_verify_tokens(self, gamma: int) -> int:
-        return self._verify
+    def select(self, host_slots: list[int]) -> None:
+        """A round over `host_slots`: its owned rows and their buffer rows (device tensors, kept per distinct list)."""
+        own = [b for b, s in enumerate(host_slots) if self.row(s) is not None]
+        self.own = index_tensor(self._index, own, self.device)
+        self.own_rows = index_tensor(self._index, [self.row(host_slots[b]) for b in own], self.device)
 
-    def modules(self) -> list[nn.Module]:
-        return []
+    def clear(self) -> None:
+        self.own = self.own_rows = None
 
-    def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        raise RuntimeError("a follower rank does not draft: rank 0's block is broadcast")
+    def kv_specs(self, layers: dict, max_length: int, dtype: torch.dtype) -> dict[str, BufferSpec]:
+        """The buffers the KV cache allocates for those of `layers` (`{layer: [(heads, dim) per stored tensor]}`) it
+        holds: pages for `max_length` tokens in each of its `rows` (none is the null slot) and their block table."""
+        return kv_specs(self.rows, max_length, {i: d for i, d in layers.items() if self.holds(i)}, dtype, group="dp",
+                        num_pages=self.rows * num_pages_for(max_length))
 
-    def abort(self, rows) -> None:
-        pass
+
+class ShardPlan:
+    """What a runner splits of its modules on this rank, and what that asks of each forward: per part ("mixer",
+    "attn", "mlp") the layers whose output is a partial sum (`split`: an all-reduce follows it), the MLA layers that
+    run whole and data-parallel over the requests (`data_parallel`, their slots a `SlotSplit`), and the all-reduces
+    of one forward (`reduces`). Made once by the runner from its layer plan (`mixers {layer: module}`, `attns {layer:
+    module}`, `mlps [(mlp, moe, scale)]`): the modules are split in place by the family's `HybridFamily.tp_layout`
+    (the runner's model is the engine's `private_copy`), every attention but those of `replicate` (a drafter reads
+    their KV cache). Without `tp` nothing is split and a forward makes no collective."""
+
+    def __init__(self, tp: TensorParallel | None, family: str, *, mixers: dict, attns: dict, mlps: list,
+                 model: nn.Module, replicate=()):
+        self.tp = tp
+        self.split: dict[str, set[int]] = {"mixer": set(), "attn": set(), "mlp": set()}
+        self.dp: set[int] = set()
+        self.slots: SlotSplit | None = None
+        if tp is not None:
+            self._apply(tp, family, mixers, attns, mlps, set(replicate))
+            gather_rest(model, tp.gathered)  # what stays whole here (a tp_plan's other DTensors)
+        self.reduces = sum(len(s) for s in self.split.values())
+
+    def _apply(self, tp: TensorParallel, family: str, mixers: dict, attns: dict, mlps: list, replicate: set) -> None:
+        """Split the modules by the family's `tp_layout` (refused where it declares none)."""
+        spec = HYBRID_FAMILIES[family]
+        layout = spec.tp_layout
+        if layout is None:
+            known = sorted(name for name, f in HYBRID_FAMILIES.items() if f.tp_layout is not None)
+            raise ValueError(f"tp_group: no tensor-parallel layout for model_type {family!r}; those with one: {known}")
+        for i, mod in mixers.items():
+            if not apply_layout(mod, layout.mixer, tp.rank, tp.size, f"{family} layer {i} mixer",
+                                taken=tp.local_shards):
+                raise ValueError(f"tp_group: the {family} layer {i} mixer has none of the parameters its layout "
+                                 f"splits")
+            self.split["mixer"].add(i)
+        for i, attn in attns.items():
+            if i in replicate:
+                continue
+            if spec.latent_attention is not None and isinstance(attn, spec.latent_attention):
+                # MLA: its latent cache is every head's, so the layer runs whole on each rank, over the requests
+                # whose slots the rank owns (its cache 1/tp of the slots); the all-reduce joins the rows
+                self.dp.add(i)
+                self.split["attn"].add(i)
+            elif apply_layout(attn, layout.attention, tp.rank, tp.size, f"{family} layer {i} attention",
+                              taken=tp.local_shards):
+                self.split["attn"].add(i)
+        for i, (mlp, moe, _) in enumerate(mlps):
+            done = [apply_layout(m, layout.mlp, tp.rank, tp.size, f"{family} layer {i} MLP", taken=tp.local_shards)
+                    for m in (mlp, moe) if m is not None]
+            if any(done) and not all(done):  # one all-reduce after their sum: both partial or both whole
+                raise ValueError(f"tp_group: the {family} layer {i} MLP and MoE split differently")
+            if any(done):
+                self.split["mlp"].add(i)
+
+    def data_parallel(self, layer: int) -> bool:
+        return layer in self.dp
+
+    def split_slots(self, num_slots: int, device) -> None:
+        """Split `num_slots` request slots (the last the null slot) over the ranks for the data-parallel layers:
+        `slots`, which the forwards read and the KV cache is given (None where no layer runs data-parallel)."""
+        if self.dp:
+            self.slots = SlotSplit(self.dp, self.tp.rank, self.tp.size, num_slots, device)
+
+    def kv_specs(self, layers: dict, max_length: int, dtype: torch.dtype) -> dict[str, BufferSpec]:
+        """The KV buffers of the data-parallel layers among `layers` (`SlotSplit.kv_specs`; none without)."""
+        return {} if self.slots is None else self.slots.kv_specs(layers, max_length, dtype)
+
+    def forward(self, shape: tuple[int, ...], dtype: torch.dtype) -> Forward:
+        """A forward over hidden states `shape` `[B, T, d]` in `dtype` (`Forward`)."""
+        return Forward(self, shape, dtype)
+
+
+class Forward:
+    """One forward of a runner, as a context (`with plan.forward(shape, dtype) as fwd:`): `reduce` sums a split part's
+    output over the ranks and `attention` runs a layer's attention (a data-parallel one on the rows whose slot this
+    rank owns), counting down the forward's all-reduces; `agree`, the last call, votes that every rank got there with
+    the same logits. Left by an exception before `agree`, it runs the all-reduces the other ranks still wait for (with
+    zeros), then votes no: every rank learns it in that one collective and raises, so none is left waiting. Without
+    tensor parallelism every call passes its input through."""
+
+    def __init__(self, plan: ShardPlan, shape: tuple[int, ...], dtype: torch.dtype):
+        self.plan, self.shape, self.dtype = plan, shape, dtype
+        self.pending = plan.reduces  # all-reduces left
+        self.voted = False
+
+    def __enter__(self) -> Forward:
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        tp = self.plan.tp
+        if kind is not None and tp is not None and not self.voted:  # the other ranks finish, then learn it failed
+            self.voted = True
+            while self.pending > 0:
+                self._all_reduce(torch.zeros(self.shape, dtype=self.dtype, device=tp.device))
+            tp.vote(False)
+        return False
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.plan.tp.all_reduce(x)
+        self.pending -= 1
+        return x
+
+    def reduce(self, x: torch.Tensor, part: str, i: int) -> torch.Tensor:
+        """Layer i's `part` ("mixer", "attn", "mlp") output `[B, T, d]`, summed over the ranks where it is a partial
+        sum."""
+        return self._all_reduce(x) if i in self.plan.split[part] else x
+
+    def attention(self, i: int, attend: Callable, x: torch.Tensor, mask: torch.Tensor | None,
+                  positions: torch.Tensor, kw: dict) -> torch.Tensor:
+        """Layer i's attention output `[B, T, d]` for its input `x [B, T, d]`, `mask [B, 1, T, S]` and `positions
+        [B, T]` (`attend(i, x, mask, positions, kw)`: the runner's call of it; `kw`: its keywords, tuples of `[B, ...]`
+        tensors taken per row), reduced. A data-parallel layer runs on the rows whose slot this rank owns, the other
+        rows 0: each row's output comes from its owner alone through the all-reduce."""
+        if i in self.plan.dp:
+            own = self.plan.slots.own
+            out = torch.zeros_like(x)
+            if own.numel():
+                kw = {k: tuple(t[own] for t in v) if isinstance(v, tuple) else v for k, v in kw.items()}
+                out[own] = attend(i, x[own], None if mask is None else mask[own], positions[own], kw)
+            return self.reduce(out, "attn", i)
+        return self.reduce(attend(i, x, mask, positions, kw), "attn", i)
+
+    def agree(self, logits: torch.Tensor) -> None:
+        """The forward's end: every rank learns whether every other one got here, with the same `logits` (one
+        collective); PeerFailure where one did not."""
+        tp = self.plan.tp
+        if tp is None:
+            return
+        self.voted = True
+        if not tp.vote(True, logits):
+            raise PeerFailure("tp_group: another rank failed in this forward; every rank dropped the round")

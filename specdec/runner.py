@@ -21,7 +21,7 @@ from specdec.tensors import index_tensor
 
 from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
 from .hf_compat import cache_arg, rotary_tables
-from .kv_cache import KVCache, feature_key, kv_specs, num_pages_for, owned_rows, page_specs
+from .kv_cache import KVCache, feature_key, kv_specs, page_specs
 from .memory import MemoryPlan
 from .prefill import _Chunk, _PrefillOps
 from .slots import Slots
@@ -132,16 +132,14 @@ class HybridRunner:
         """`check_memory`: called with the runner's `MemoryPlan` before any of its buffers is allocated (raising
         there stops the build). `features`: what a drafter observes at each position ("hidden", the final normed
         hidden state, and layer indices: those layers' outputs), kept in every slot's KV pages at each committed
-        position (`KVCache.write`, for the prefix cache). `tp`: run this rank's share of a tensor-parallel target (`specdec.parallel`): the
-        runner splits the model's modules in place, so `model` is the engine's `parallel.private_copy`; the
-        attentions of the layers in `replicate` stay whole (a drafter reads their KV cache)."""
+        position (`KVCache.write`, for the prefix cache). `tp`: run this rank's share of a tensor-parallel target
+        (`parallel.ShardPlan` splits the model's modules in place, so `model` is the engine's
+        `parallel.private_copy`; the attentions of the layers in `replicate` stay whole: a drafter reads their KV
+        cache)."""
         family = model.config.model_type
         if family not in HYBRID_FAMILIES:
             raise ValueError(f"model: no hybrid adapter for model_type {family!r}; known: {sorted(HYBRID_FAMILIES)}")
         spec = HYBRID_FAMILIES[family]
-        if tp is not None and family not in parallel.FAMILIES:
-            raise ValueError(f"tp_group: no tensor-parallel layout for model_type {family!r}; those with one: "
-                             f"{sorted(parallel.FAMILIES)}")
         self.model, self.mixer = model, spec.mixer
         self.features = {name: feature_key(name) for name in features}
         self._feature_layers = {n for n in features if n != "hidden"}
@@ -160,9 +158,9 @@ class HybridRunner:
         self._cache_args = {i: cache_arg(a) for i, a in self._attn.items()}
         self._cache_args.update({("shared", i): cache_arg(j.shared) for i, j in self._joins.items()
                                  if j.shared is not None})
-        self.tp = tp
-        self._dp: set[int] = set()  # MLA layers run data-parallel over the requests (tensor parallelism)
-        self._split = self._shard(family, spec, tp, set(replicate)) if tp is not None else {}
+        # what this rank holds of each layer and what its forwards all-reduce (nothing split without tp)
+        self.shards = parallel.ShardPlan(tp, family, mixers=self._mixers, attns=self._attn, mlps=self._mlps,
+                                         model=model, replicate=replicate)
         for name in (spec.embed, spec.final_norm):
             if not isinstance(getattr(base, name, None), torch.nn.Module):
                 raise ValueError(f"model: {family} base model ({type(base).__name__}) has no module {name!r}; the "
@@ -183,6 +181,7 @@ class HybridRunner:
                           num_verify_tokens=num_verify_tokens,
                           ssm_dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,
                           act_dtype=self.dtype, track_interval=track_interval)
+        self.shards.split_slots(cfg.num_slots, self.device)  # the data-parallel layers' slots, if any
         self.memory = self._memory_plan(cfg, strategy, commit, max_length)
         # the check may size the KV page pool from a byte budget (`SpecConfig.memory`): then the plan is made again
         # with that many pages and checked as it will be allocated
@@ -194,9 +193,8 @@ class HybridRunner:
         if gate_in_kernel:
             for i, n in self.linear_index.items():
                 self.state.set_gate(n, *self.mixer.gate_params(self._mixers[i]))
-        self.kv = KVCache(cfg.num_slots, max_length, device=self.device, static=static, num_pages=pages)
-        if self._dp:
-            self.kv.split_slots(self._dp, tp.rank, tp.size)
+        self.kv = KVCache(cfg.num_slots, max_length, device=self.device, static=static, num_pages=pages,
+                          split=self.shards.slots)
         self.slots = Slots(self.state, self.kv)  # the one writer of every slot's state
         self.max_length, self.prefill_chunk = max_length, prefill_chunk
         self.num_verify_tokens = num_verify_tokens
@@ -204,54 +202,10 @@ class HybridRunner:
         self.vocab_size = model.config.vocab_size
         self.hidden_size = model.config.hidden_size
 
-    def _shard(self, family: str, spec, tp, replicate: set[int]) -> dict[str, set[int]]:
-        """Split this rank's modules by `parallel.LAYOUTS`: every mixer, every attention but those of `replicate`
-        (Zamba2's shared blocks stay whole), every MLP / MoE; -> the layers whose mixer / attn / mlp output is a
-        partial sum (an all-reduce follows it)."""
-        mixer = parallel.layout_of(spec.mixer)
-        split = {"mixer": set(), "attn": set(), "mlp": set()}
-        for i, mod in self._mixers.items():
-            if not parallel.apply_layout(mod, mixer, tp.rank, tp.size, f"{family} layer {i} mixer",
-                                         taken=tp.local_shards):
-                raise ValueError(f"tp_group: the {family} layer {i} mixer has none of the parameters its layout "
-                                 f"splits")
-            split["mixer"].add(i)
-        for i, attn in self._attn.items():
-            if i in replicate:
-                continue
-            if spec.latent_attention is not None and isinstance(attn, spec.latent_attention):
-                # MLA: its latent cache is every head's, so the layer runs whole on each rank, over the requests
-                # whose slots the rank owns (its cache 1/tp of the slots); the all-reduce joins the rows
-                self._dp.add(i)
-                split["attn"].add(i)
-            elif parallel.apply_layout(attn, parallel.ATTENTION, tp.rank, tp.size, f"{family} layer {i} attention",
-                                       taken=tp.local_shards):
-                split["attn"].add(i)
-        for i, (mlp, moe, _) in enumerate(self._mlps):
-            done = [parallel.apply_layout(m, parallel.MLP, tp.rank, tp.size, f"{family} layer {i} MLP",
-                                          taken=tp.local_shards) for m in (mlp, moe) if m is not None]
-            if any(done) and not all(done):  # one all-reduce after their sum: both partial or both whole
-                raise ValueError(f"tp_group: the {family} layer {i} MLP and MoE split differently")
-            if any(done):
-                split["mlp"].add(i)
-        parallel.gather_rest(self.model, tp.gathered)  # what stays whole here (a tp_plan's other DTensors)
-        self._reduces = sum(len(s) for s in split.values())  # all-reduces per forward
-        return split
-
-    def _reduce(self, x: torch.Tensor, part: str, i: int) -> torch.Tensor:
-        """Layer i's `part` output summed over the ranks where it is a partial sum."""
-        return self.tp.all_reduce(x) if i in self._split.get(part, ()) else x
-
-    def _own_rows(self, i: int, x: torch.Tensor, mask, positions, kw) -> torch.Tensor:
-        """A data-parallel attention (`_dp`) on the rows of `x [B, T, d]` whose slots this rank owns; the other rows
-        0 (each row's output comes from its owner alone through the all-reduce)."""
-        own = self.kv.own
-        out = torch.zeros_like(x)
-        if own.numel():
-            kw = {k: tuple(t[own] for t in v) if isinstance(v, tuple) else v for k, v in kw.items()}
-            out[own] = self._attn[i](hidden_states=x[own], attention_mask=None if mask is None else mask[own],
-                                     position_ids=positions[own], **{self._cache_args[i]: self.kv}, **kw)[0]
-        return out
+    def _attend(self, i: int, x: torch.Tensor, mask, positions, kw) -> torch.Tensor:
+        """Layer i's attention on `x [B, T, d]` (the call `parallel.Forward.attention` makes, on the rows it picks)."""
+        return self._attn[i](hidden_states=x, attention_mask=mask, position_ids=positions,
+                             **{self._cache_args[i]: self.kv}, **kw)[0]
 
     def _memory_plan(self, cfg: StateConfig, strategy: str, commit: str, max_length: int,
                      num_pages: int | None = None) -> MemoryPlan:
@@ -269,13 +223,11 @@ class HybridRunner:
         plan.add("snapshots" if strategy == "snapshot" else "rings",
                  {n: s for n, s in specs.items() if n not in pool and n not in DEFERRED_NAMES})
         plan.add("rings", {n: s for n, s in specs.items() if n in DEFERRED_NAMES}, deferred=True)
-        paged = {i: d for i, d in layers.items() if i not in self._dp}
+        paged = {i: d for i, d in layers.items() if not self.shards.data_parallel(i)}
         paged.update({key: [(1, self.model.config.get_text_config().hidden_size)] for key in self.features.values()})
         kv = kv_specs(cfg.num_slots, max_length, paged, self.dtype, num_pages=num_pages)
-        if self._dp:  # a data-parallel layer keeps the rank's request slots only (`KVCache.split_slots`)
-            rows = owned_rows(cfg.num_slots, self.tp.size)  # no null slot among them: max_length for each
-            kv.update(kv_specs(rows, max_length, {i: d for i, d in layers.items() if i in self._dp}, self.dtype,
-                               group="dp", num_pages=rows * num_pages_for(max_length)))
+        # a data-parallel layer keeps the rank's request slots only (`parallel.SlotSplit`)
+        kv.update(self.shards.kv_specs(layers, max_length, self.dtype))
         # the pages at each layer's first write, the block tables at build
         pools = page_specs(kv)
         plan.add("KV cache", pools, deferred=True)
@@ -406,95 +358,79 @@ class HybridRunner:
         """One forward over `ids [B, T]`; a prefill commits at once (with `chunk`: `chunk.n` tokens per row)."""
         slots_t = self.slots_tensor(slots) if slots_t is None else slots_t
         B, T = ids.shape
-        if self.tp is not None:
-            self.tp.pending = self._reduces
         # one tree for the KV mask and every layer: what they derive from it is made once
         self.slots.open(slots_t, T, tree, host_slots=list(slots), prefill=prefill,
                         tokens=None if chunk is None else chunk.counts)
         keep = set(capture) | self._feature_layers  # the layers whose outputs are returned or paged
         try:
-            h = self.embed(ids)
-            if self._embed_scale is not None:
-                h = h * self._embed_scale
-            embeddings = h  # the input of Zamba2's shared blocks, beside the hidden state
-            positions = self.kv.positions()
-            mask = self.kv.attention_mask(h.dtype)
-            rotary = getattr(self.base, "rotary_emb", None)
-            pos_emb = rotary_tables(rotary, h, positions) if rotary is not None else None
-            captured = {}
-            for i in range(len(self.layers)):
-                pre, post, pre_mlp, post_mlp = self._norms[i]  # the family's layout; None: no norm there
-                mlp, moe, scale = self._mlps[i]
-                kind = self._kinds[i]
-                if kind != "mlp":  # an MLP-only layer (Nemotron-H) has no mixer
-                    residual = h
-                    join, x = self._joins.get(i), h
-                    if join is not None and join.shared is not None:  # Zamba2: into the mixer's input only
-                        t = join.shared(h, original_hidden_states=embeddings, layer_idx=i, attention_mask=mask,
-                                        position_embeddings=pos_emb, position_ids=positions,
-                                        **{self._cache_args["shared", i]: self.kv})
-                        x = h + join.proj(t)
-                    x = pre(x) if pre is not None else x
-                    if kind == "attention" or (join is not None and join.attn is not None):
-                        a = x if join is None or join.attn_in is None else x * join.attn_in
-                        kw = dict(position_embeddings=pos_emb) if pos_emb is not None or self._attn_rope[i] else {}
-                        if i in self._dp:
-                            a = self._reduce(self._own_rows(i, a, mask, positions, kw), "attn", i)
+            # this rank's collectives (`parallel.Forward`): the split parts' all-reduces, and a vote at the end
+            with self.shards.forward((B, T, self.hidden_size), self.dtype) as fwd:
+                h = self.embed(ids)
+                if self._embed_scale is not None:
+                    h = h * self._embed_scale
+                embeddings = h  # the input of Zamba2's shared blocks, beside the hidden state
+                positions = self.kv.positions()
+                mask = self.kv.attention_mask(h.dtype)
+                rotary = getattr(self.base, "rotary_emb", None)
+                pos_emb = rotary_tables(rotary, h, positions) if rotary is not None else None
+                captured = {}
+                for i in range(len(self.layers)):
+                    pre, post, pre_mlp, post_mlp = self._norms[i]  # the family's layout; None: no norm there
+                    mlp, moe, scale = self._mlps[i]
+                    kind = self._kinds[i]
+                    if kind != "mlp":  # an MLP-only layer (Nemotron-H) has no mixer
+                        residual = h
+                        join, x = self._joins.get(i), h
+                        if join is not None and join.shared is not None:  # Zamba2: into the mixer's input only
+                            t = join.shared(h, original_hidden_states=embeddings, layer_idx=i, attention_mask=mask,
+                                            position_embeddings=pos_emb, position_ids=positions,
+                                            **{self._cache_args["shared", i]: self.kv})
+                            x = h + join.proj(t)
+                        x = pre(x) if pre is not None else x
+                        if kind == "attention" or (join is not None and join.attn is not None):
+                            a = x if join is None or join.attn_in is None else x * join.attn_in
+                            kw = dict(position_embeddings=pos_emb) if pos_emb is not None or self._attn_rope[i] else {}
+                            a = fwd.attention(i, self._attend, a, mask, positions, kw)
+                        if kind != "attention":
+                            li = self.linear_index[i]
+                            ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)
+                            x = fwd.reduce(self.mixer.run(self._mixers[i], x, ops), "mixer", i)
+                            if join is not None and join.attn is not None:  # Falcon-H1: both branches, scaled
+                                x = x if join.mixer_out is None else x * join.mixer_out
+                                x = x + (a if join.attn_out is None else a * join.attn_out)
                         else:
-                            a = self._reduce(self._attn[i](hidden_states=a, attention_mask=mask, position_ids=positions,
-                                                           **{self._cache_args[i]: self.kv}, **kw)[0], "attn", i)
-                    if kind != "attention":
-                        li = self.linear_index[i]
-                        ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)
-                        x = self._reduce(self.mixer.run(self._mixers[i], x, ops), "mixer", i)
-                        if join is not None and join.attn is not None:  # Falcon-H1: both branches, scaled
-                            x = x if join.mixer_out is None else x * join.mixer_out
-                            x = x + (a if join.attn_out is None else a * join.attn_out)
-                    else:
-                        x = a
-                    x = post(x) if post is not None else x
-                    h = residual + (x if scale is None else x * scale)
-                if mlp is not None:
-                    residual = h
-                    x_in = pre_mlp(h) if pre_mlp is not None else h
-                    x = mlp(x_in)
-                    x = x[0] if isinstance(x, tuple) else x
-                    if moe is not None:  # routed experts beside the shared MLP, on the same input
-                        routed = moe(x_in)
-                        x = (routed[0] if isinstance(routed, tuple) else routed) + x
-                    x = self._reduce(x, "mlp", i)
-                    x = post_mlp(x) if post_mlp is not None else x
-                    h = residual + (x if scale is None else x * scale)
-                if i in keep:
-                    captured[i] = h
-            hidden = self.final_norm(h)
-            for name, key in self.features.items():  # at the round's positions, kept (or not) with its KV
-                self.kv.write(key, hidden if name == "hidden" else captured[name])
-            captured = {i: captured[i] for i in capture}
-            if chunk is not None and chunk.last_logits:  # [B, 1, vocab] at each row's last real token
-                logits = self.model.lm_head(hidden[torch.arange(B, device=self.device), chunk.n - 1][:, None])
-            else:
-                logits = self.model.lm_head(hidden)
-            if self._logits_scale is not None:
-                logits = logits / self._logits_scale
-            if self._logits_multiplier is not None:
-                logits = logits * self._logits_multiplier
+                            x = a
+                        x = post(x) if post is not None else x
+                        h = residual + (x if scale is None else x * scale)
+                    if mlp is not None:
+                        residual = h
+                        x_in = pre_mlp(h) if pre_mlp is not None else h
+                        x = mlp(x_in)
+                        x = x[0] if isinstance(x, tuple) else x
+                        if moe is not None:  # routed experts beside the shared MLP, on the same input
+                            routed = moe(x_in)
+                            x = (routed[0] if isinstance(routed, tuple) else routed) + x
+                        x = fwd.reduce(x, "mlp", i)
+                        x = post_mlp(x) if post_mlp is not None else x
+                        h = residual + (x if scale is None else x * scale)
+                    if i in keep:
+                        captured[i] = h
+                hidden = self.final_norm(h)
+                for name, key in self.features.items():  # at the round's positions, kept (or not) with its KV
+                    self.kv.write(key, hidden if name == "hidden" else captured[name])
+                captured = {i: captured[i] for i in capture}
+                if chunk is not None and chunk.last_logits:  # [B, 1, vocab] at each row's last real token
+                    logits = self.model.lm_head(hidden[torch.arange(B, device=self.device), chunk.n - 1][:, None])
+                else:
+                    logits = self.model.lm_head(hidden)
+                if self._logits_scale is not None:
+                    logits = logits / self._logits_scale
+                if self._logits_multiplier is not None:
+                    logits = logits * self._logits_multiplier
+                fwd.agree(logits)  # every rank got here, with the same logits
         except BaseException:
-            try:
-                if self.tp is not None:  # the other ranks finish this forward, then learn it failed
-                    self.tp.drain((B, T, self.hidden_size), self.dtype)
-                    self.tp.vote(False)
-            finally:
-                self.abort()
+            self.abort()
             raise
-        if self.tp is not None:  # every rank learns whether every other one got here, with the same logits
-            try:
-                if not self.tp.vote(True, logits):
-                    raise parallel.PeerFailure("tp_group: another rank failed in this forward; every rank dropped "
-                                               "the round")
-            except BaseException:
-                self.abort()
-                raise
         if prefill:  # with `chunk`, keys past a row's real tokens stay beyond its length: never visible
             n, counts = (torch.full((B,), T, device=self.device), [T] * B) if chunk is None else (chunk.n, chunk.counts)
             self.slots.advance(slots_t, n, counts)

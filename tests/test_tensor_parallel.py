@@ -6,7 +6,8 @@ expert) and Nemotron-H (Mamba2, GQA, MLP blocks).
   lazy and snapshot, with the ngram (chain), eagle (tree), mtp (chain; it reads the target's KV cache, which stays
   whole in that layer) and draft-model (chain, mostly accepted) drafters;
 - the same with static shapes (ngram, eagle, mtp; every family);
-- sampling with a fixed seed, and with none, gives the same tokens on both ranks;
+- sampling with a fixed seed, and with none, gives the same tokens on both ranks; one seed gives the same tokens at
+  tp = 1 and 2 for every drafter kind (dspark too);
 - each rank's recurrent state (pool, rings, conv records) is half the single-process allocation, and so is the KV
   cache (GQA: half the heads; MLA: half the request slots), bytes counted from the buffers;
   the memory plan's `--tp 2` bytes equal a rank's pool;
@@ -39,12 +40,14 @@ from tiny_models import float64_everywhere, greedy_reference, noisy_copy, tiny_m
 from tp_harness import spawn
 
 import specdec
+from specdec.adapters import HYBRID_FAMILIES
 from specdec.parallel import PeerFailure
 from specdec.kv_cache import page_specs
 
 FAMILIES = ("kimi_linear", "qwen3_next", "nemotron_h")
 MODES = (("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager"))
 DRAFTERS = {"ngram": {}, "eagle": dict(untrained=True), "mtp": dict(untrained=True), "model": {}}
+KINDS = {**DRAFTERS, "dspark": dict(untrained=True)}  # every drafter kind (the seeded test's)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5], [9, 10, 11, 9, 10, 11, 12]]
 NEW = 16
 BATCHES = (1, 2, 4)
@@ -65,7 +68,7 @@ def engine(family: str, strategy: str = "replay", commit: str = "eager", drafter
     if drafter == "model":
         kw["draft_model"] = draft_model(family)
     return specdec.wrap(target(family), drafter=drafter, strategy=strategy, commit=commit, max_length=64,
-                        **DRAFTERS[drafter], **kw)
+                        **KINDS[drafter], **kw)
 
 
 def generate(eng, prompts=PROMPTS, **kw) -> list[list[int]]:
@@ -126,11 +129,12 @@ def scenarios(rank: int, world: int, path: str) -> dict:
     res["seeded"] = seeded(group)
     res["mamba2_hybrids"] = {name: generate(specdec.wrap(model, drafter="ngram", max_length=64, tp_group=group))[0]
                              for name, model in MAMBA2_HYBRIDS().items()}
+    res["no_layout"] = no_layout(group)
     # collectives per round at several batch sizes
     eng = engine("qwen3_next", tp_group=group)
     for B in BATCHES:
         res["rounds"][B] = generate(eng, [PROMPTS[b % 2] + [b] for b in range(B)])[1].collectives
-    res["reduces"] = eng.runner._reduces
+    res["reduces"] = eng.runner.shards.reduces
     res["fault"] = fault(rank, eng)
     res["drafter_failure"] = drafter_failure(rank, group)
     res["dtensor"] = dtensor_weights(group)
@@ -319,17 +323,38 @@ def test_mamba2_hybrids_greedy_under_tp(ranks):
             assert got0[name][b][:len(ref)] == ref, (name, b)
 
 
+def no_layout(group) -> str:
+    """What wrap raises for Falcon-H1 under tp (its `HybridFamily` declares no `tp_layout`)."""
+    try:
+        specdec.wrap(generic.tiny("falcon_h1"), drafter="ngram", max_length=64, tp_group=group)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_family_runs_tp_iff_it_declares_a_layout(ranks):
+    """Falcon-H1, whose `HybridFamily` declares no `tp_layout`, is refused on both ranks, and the message names the
+    families that declare one (the ones tested here among them)."""
+    declared = sorted(name for name, fam in HYBRID_FAMILIES.items() if fam.tp_layout is not None)
+    assert {*FAMILIES, "granitemoehybrid", "bamba", "qwen3_5"} <= set(declared)
+    for r in (0, 1):
+        assert ranks[r]["no_layout"] == (f"tp_group: no tensor-parallel layout for model_type 'falcon_h1'; those "
+                                         f"with one: {declared}")
+
+
 def seeded(group=None) -> dict:
     """Sampled output with seed 7 per drafter kind (mtp and the draft model sample their drafts too)."""
     kw = {} if group is None else dict(tp_group=group)
     return {d: generate(engine("qwen3_next", drafter=d, **kw), do_sample=True, temperature=1.5, seed=7)[0]
-            for d in DRAFTERS}
+            for d in KINDS}
 
 
 def test_one_seed_samples_the_same_tokens_at_every_tp_size(ranks):
     """A seed fixes the output whatever the tensor-parallel size: the acceptance draws from its stream on every
-    rank, the drafter (rank 0's alone under tp) from a stream of its own, seeded from it, in one process too."""
+    rank, the drafter (rank 0's alone under tp) from a stream of its own, seeded from it, in one process too. Every
+    drafter kind: ngram, eagle, mtp, a draft model and dspark."""
     single = seeded()
+    assert set(single) == {"ngram", "eagle", "mtp", "model", "dspark"}
     assert ranks[0]["seeded"] == ranks[1]["seeded"] == single
 
 
@@ -469,10 +494,9 @@ def test_bad_groups_are_refused():
 @pytest.mark.parametrize("family", ["kimi_linear", "qwen3_next", "qwen3_5", "nemotron_h"])
 def test_mlp_and_attention_split_as_transformers_plans(family):
     """Every colwise / rowwise entry of the family's own `base_model_tp_plan` on an MLP or attention module is a
-    split of that weight along the same dim in `parallel.MLP` / `parallel.ATTENTION` (colwise: output rows, dim 0;
-    rowwise: input columns, dim 1)."""
-    from specdec import parallel
-
+    split of that weight along the same dim in the MLP / attention layout of the family's `tp_layout` (colwise:
+    output rows, dim 0; rowwise: input columns, dim 1)."""
+    layouts = HYBRID_FAMILIES[family].tp_layout
     plan = target(family).config.base_model_tp_plan
     checked = 0
     for path, style in plan.items():
@@ -480,7 +504,7 @@ def test_mlp_and_attention_split_as_transformers_plans(family):
         kind = parts[2] if len(parts) > 3 else None
         if style not in ("colwise", "rowwise") or kind not in ("mlp", "self_attn", "mixer"):
             continue
-        layout = parallel.MLP if kind == "mlp" else parallel.ATTENTION
+        layout = layouts.mlp if kind == "mlp" else layouts.attention
         name = ".".join(parts[3:]) + ".weight"
         dims = {s.dim for s in layout.splits if s.path == name}
         assert dims == {0 if style == "colwise" else 1}, (path, style, dims)
