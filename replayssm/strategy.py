@@ -102,11 +102,11 @@ class StateStrategy(ABC):
             T = D if num_tokens is None else int(num_tokens)
         if not 1 <= T <= D:
             raise ValueError(f"num_tokens: expected 1 <= T <= D={D}, got {T}")
-        self._begin(slots, T, tree)
+        self.open(slots, T, tree)
 
-    def _begin(self, slots: torch.Tensor, num_tokens: int, tree: VerifyTree | None) -> None:
-        """`begin` without the checks, for callers that checked at their own boundary (the runner): `slots [B]`
-        long on the device, the round's tree or None. Reads nothing back to the host."""
+    def open(self, slots: torch.Tensor, num_tokens: int, tree: VerifyTree | None) -> None:
+        """Open a round whose inputs the caller checked at its own boundary (the slot owner; `begin` checks them
+        first): `slots [B]` long on the device, the round's tree or None. Reads nothing back to the host."""
         if self._round is not None:
             raise RuntimeError("begin: a round is open; call commit() or abort() first")
         self._round = Round(slots=slots, num_tokens=num_tokens, tree=tree)
@@ -161,19 +161,20 @@ class StateStrategy(ABC):
     def commit(self, num_kept=None, *, path=None) -> None:
         """Keep the accepted tokens of each request: `num_kept [B]` (chain: tokens kept, 1..T; ignored on skipped
         rows) or `path [B, M]` (accepted node indices root to leaf, -1 padded). Checked against the round, then
-        committed as an `Acceptance` (`_commit`, which the runner calls with an accept rule's record); closes it."""
+        committed as an `Acceptance` (`keep`, which the slot owner calls with an accept rule's record); closes it."""
         r = self._round
         if r is None:
             raise RuntimeError("commit: no open round")
         missing = sorted(set(range(self.cfg.num_layers)) - (r.conv_done & r.mix_done))
         if missing:
             raise RuntimeError(f"commit: layers {missing} were not verified (conv and mix) in this round")
-        self._commit(Acceptance.kept(*self._accepted(r, num_kept, path)))
+        self.keep(Acceptance.kept(*self._accepted(r, num_kept, path)))
 
-    def _commit(self, acc: Acceptance) -> None:
-        """`commit` without the checks: `acc.path [B, M]` accepted node indices (root first; entries past
-        `acc.num_kept` ignored), `acc.num_kept [B]` tokens kept per row. Rows whose slot is -1 or the null slot
-        keep nothing. Device ops only: nothing is read back to the host."""
+    def keep(self, acc: Acceptance) -> None:
+        """Commit what an accept rule's record says, unchecked (`commit` checks its arguments, then calls this):
+        `acc.path [B, M]` accepted node indices (root first; entries past `acc.num_kept` ignored), `acc.num_kept
+        [B]` tokens kept per row. Rows whose slot is -1 or the null slot keep nothing. Device ops only: nothing is
+        read back to the host."""
         r = self._round
         valid = valid_slots(r.slots, self.pool.null_slot)
         n = torch.where(valid, acc.num_kept, 0)
@@ -360,8 +361,8 @@ class ReplayStrategy(StateStrategy):
         """Whether a round of `num_tokens` commits by copy: one token, eager commit, the reference backend."""
         return num_tokens == 1 and self.commit_mode == "eager" and not kernels.dispatch.uses_triton(self.pool.ssm)
 
-    def _begin(self, slots, num_tokens, tree):
-        super()._begin(slots, num_tokens, tree)
+    def open(self, slots, num_tokens, tree):
+        super().open(slots, num_tokens, tree)
         self._round.copy_commit = self._one_token(num_tokens)  # decided once, read by every layer and commit
 
     def _step_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
-"""Prefill of `HybridRunner`: a right-padded chunk of prompts (`_Chunk`), the linear-attention layers' prefill ops
-(`_PrefillOps`: conv window and state written straight to the slots' pool) and the chunked delta rule
+"""Prefill of `HybridRunner`: a right-padded chunk of prompts (`Chunk`), the linear-attention layers' prefill ops
+(`PrefillOps`: conv window and state written straight to the slots' pool) and the chunked delta rule
 (`prefill_delta_rule`: fla on CUDA, `kernels.chunk_delta_rule` elsewhere)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from specdec.replayssm import StateConfig
 
 
 @dataclass
-class _Chunk:
+class Chunk:
     """One prefill chunk over a right-padded batch `[B, T]`: row b holds `n[b]` (1..T) real tokens first."""
     n: torch.Tensor  # [B] long: real tokens per row
     counts: list[int]  # the same on the host
@@ -25,7 +25,7 @@ class _Chunk:
     cu_seqlens_cpu: torch.Tensor | None = None  # the same on the host
 
     @classmethod
-    def make(cls, n: list[int], T: int, device, last_logits: bool = False) -> "_Chunk":
+    def make(cls, n: list[int], T: int, device, last_logits: bool = False) -> "Chunk":
         n_t = torch.tensor(n, dtype=torch.long, device=device)
         if all(m == T for m in n):
             return cls(n_t, list(n), False, last_logits)
@@ -35,12 +35,12 @@ class _Chunk:
         return cls(n_t, list(n), True, last_logits, valid, flat.to(device), cu.to(device), cu)
 
 
-class _PrefillOps:
+class PrefillOps:
     """Prefill from the slots' state, written straight back (prefill has nothing to roll back). Over a
     right-padded chunk each row's state ends at its last real token: the conv window is gathered there and
     the delta rule leaves the state unchanged at padded positions."""
 
-    def __init__(self, runner: "HybridRunner", li: int, slots: torch.Tensor, chunk: _Chunk | None = None):
+    def __init__(self, runner: "HybridRunner", li: int, slots: torch.Tensor, chunk: Chunk | None = None):
         self.r, self.li, self.slots, self.chunk = runner, li, slots, chunk
 
     def conv(self, x, weight, bias, activation):
@@ -63,7 +63,7 @@ class _PrefillOps:
         return o
 
 
-def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig, *, chunk: _Chunk | None = None):
+def prefill_delta_rule(q, k, v, g, beta, state: torch.Tensor, cfg: StateConfig, *, chunk: Chunk | None = None):
     """Prefill of one chunk: fla's chunk kernels on CUDA, `kernels.chunk_delta_rule` elsewhere (the same
     recurrence in chunked form). q, k `[B, T, H, K]` raw; -> (o `[B, T, H, V]`, S `[B, H, K, V]`).
 

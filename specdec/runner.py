@@ -23,8 +23,9 @@ from .adapters import HYBRID_FAMILIES, attr_path, kv_dims, layer_kind
 from .hf_compat import cache_arg, rotary_tables
 from .kv_cache import KVCache, feature_key, kv_specs, page_specs
 from .memory import MemoryPlan
-from .prefill import _Chunk, _PrefillOps
+from .prefill import Chunk, PrefillOps
 from .slots import Slots
+from .target import TargetRunner
 
 
 @dataclass
@@ -120,10 +121,13 @@ def _layer_plan(family: str, spec, layers, kinds) -> tuple[list[tuple], dict, li
     return norms, rope, mlps, mixers, attns, joins
 
 
-class HybridRunner:
+class HybridRunner(TargetRunner):
     """A hybrid family of `adapters.HYBRID_FAMILIES` (Kimi-Linear, Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo-Hybrid,
     Bailing-Hybrid; the Mamba2 hybrids Nemotron-H, Granite-4.0-H, Bamba, Falcon-H1 and Zamba2) with ReplaySSM (or
-    snapshot) state and a rollback KV cache."""
+    snapshot) state and a paged rollback KV cache: trees verified, memory budgeted by pages."""
+
+    supports_tree = True
+    paged = True
 
     def __init__(self, model, *, strategy: str = "replay", commit: str = "eager", max_batch_size: int = 8,
                  max_length: int = 4096, num_verify_tokens: int = 8, track_interval: int | None = None,
@@ -263,11 +267,6 @@ class HybridRunner:
         return self.slots.length(slot)
 
     @torch.no_grad()
-    def prefill(self, slot: int, ids: torch.Tensor, *, capture=()) -> RunnerOutput:
-        """Run a prompt `[P]` into a fresh slot in chunks; -> outputs over the whole prompt `[1, P, ...]`."""
-        return self.prefill_batch([slot], [ids], capture=capture)
-
-    @torch.no_grad()
     def prefill_batch(self, slots: list[int], prompts: list[torch.Tensor], *, capture=(),
                       last_logits: bool = False) -> RunnerOutput:
         """Run B prompts `[P_b]` into their slots together: one forward per chunk of `prefill_chunk` positions over
@@ -299,7 +298,7 @@ class HybridRunner:
             n = [min(lens[b] - start, C) for b in rows]
             T = max(n)
             rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
-            chunk = _Chunk.make(n, T, self.device, last_logits)
+            chunk = Chunk.make(n, T, self.device, last_logits)
             out = self._forward([slots[b] for b in rows], ids[rows_t, start:start + T], None, True, capture,
                                 chunk)
             if hidden is None:
@@ -330,19 +329,10 @@ class HybridRunner:
         tree = None if parent is None else VerifyTree.check(parent, *ids.shape, device=self.device)
         return self._forward(slots, ids, tree, False, capture, slots_t=slots_t)
 
-    def commit(self, acc: Acceptance | list[int] | None = None, *, path=None,
-               host_counts: list[int] | None = None) -> None:
+    def commit(self, acc: Acceptance, *, host_counts: list[int] | None = None) -> None:
         """Keep what the open round accepted: `acc` as an accept rule returns it (its `path [B, M]` and `num_kept
         [B]`), taken as it is (the engine checked the round's inputs), device ops only. `host_counts`: `num_kept`
-        on the host where the caller has it (it keeps the KV cache's length bounds exact). Outside a round's rule
-        (tests, a drafter's own catch-up): `acc` a list of kept counts of a chain, or `path=[B, M]` of a tree."""
-        if not isinstance(acc, Acceptance):
-            if path is not None:
-                acc = Acceptance.along(torch.as_tensor(path, device=self.device))
-                host_counts = (acc.path >= 0).sum(1).tolist()
-            else:
-                host_counts = [int(x) for x in acc]
-                acc = Acceptance.prefix(host_counts, self.kv.num_tokens, self.device)
+        on the host where the caller has it (it keeps the KV cache's length bounds exact)."""
         self.slots.commit(acc, host_counts=host_counts)
 
     def abort(self) -> None:
@@ -353,7 +343,7 @@ class HybridRunner:
         """`slots` as a device tensor, built once per distinct list (a host-to-device copy otherwise)."""
         return index_tensor(self._slot_tensors, slots, self.device)
 
-    def _forward(self, slots, ids, tree: VerifyTree | None, prefill: bool, capture, chunk: _Chunk | None = None, *,
+    def _forward(self, slots, ids, tree: VerifyTree | None, prefill: bool, capture, chunk: Chunk | None = None, *,
                  slots_t: torch.Tensor | None = None) -> RunnerOutput:
         """One forward over `ids [B, T]`; a prefill commits at once (with `chunk`: `chunk.n` tokens per row)."""
         slots_t = self.slots_tensor(slots) if slots_t is None else slots_t
@@ -393,7 +383,7 @@ class HybridRunner:
                             a = fwd.attention(i, self._attend, a, mask, positions, kw)
                         if kind != "attention":
                             li = self.linear_index[i]
-                            ops = _PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)
+                            ops = PrefillOps(self, li, slots_t, chunk) if prefill else _VerifyOps(self, li)
                             x = fwd.reduce(self.mixer.run(self._mixers[i], x, ops), "mixer", i)
                             if join is not None and join.attn is not None:  # Falcon-H1: both branches, scaled
                                 x = x if join.mixer_out is None else x * join.mixer_out

@@ -113,7 +113,7 @@ class Slots:
         (`prefill`: the state is written in place, `advance` closes it; `tokens`: each row's real tokens where fewer
         than T)."""
         if not prefill:
-            self.state._begin(slots, num_tokens, tree)
+            self.state.open(slots, num_tokens, tree)
         try:
             self.kv.begin(slots, num_tokens, tree, host_slots=host_slots, tokens=tokens)
         except BaseException:  # no room for the round (max_length, pages): nothing of it stays open
@@ -129,7 +129,7 @@ class Slots:
         """Close a round keeping what `acc` accepted (its `path [B, M]`, `num_kept [B]`), device ops only;
         `host_counts`: `num_kept` on the host (keeps `length` exact)."""
         self._rounds.update(self.kv.host_slots)
-        self.state._commit(acc)
+        self.state.keep(acc)
         self.kv.commit(acc, host_counts=host_counts)
 
     def committed(self, host_slots: list[int], counts: list[int]) -> None:
