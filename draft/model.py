@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import torch
 
+from specdec.verify import Acceptance
+
 from .base import BufferSpec, DraftBlock, Drafter
 from .layers import pick_draft
 
@@ -76,7 +78,8 @@ class ModelDrafter(Drafter):
                 out = self.runner.prefill(s, new)
             else:
                 out = self.runner.forward([s], new[None])
-                self.runner.commit([new.shape[0]])
+                n = new.shape[0]  # every token the catch-up ran was committed by the target
+                self.runner.commit(Acceptance.prefix([n], n, self.runner.device), host_counts=[n])
             self.seen[r] = ctx.shape[0]
             row, qs = [], []
             tok, q = self._next(out.logits[0, -1], sampling, generator)

@@ -8,6 +8,8 @@ import inspect
 
 import torch
 
+from specdec.verify import Acceptance
+
 from .hf_compat import CACHE_ARGS, cache_arg
 from .runner import RunnerOutput
 
@@ -113,14 +115,11 @@ class GenericRunner:
         return RunnerOutput(torch.stack(logits), torch.stack(hidden), {i: torch.stack(v) for i, v in caps.items()})
 
     @torch.no_grad()
-    def commit(self, acc, *, host_counts: list[int] | None = None) -> None:
-        """Keep `acc.num_kept [B]` tokens of each row (an `Acceptance` of a chain, or a list of the kept counts);
-        `host_counts`: the same counts on the host."""
+    def commit(self, acc: Acceptance, *, host_counts: list[int] | None = None) -> None:
+        """Keep `acc.num_kept [B]` tokens of each row (a chain's); `host_counts`: the same counts on the host (else
+        read back here)."""
         slots, ids, clones = self._round
-        if host_counts is not None:
-            n = list(host_counts)
-        else:
-            n = [int(x) for x in acc] if isinstance(acc, (list, tuple)) else acc.num_kept.tolist()
+        n = list(host_counts) if host_counts is not None else acc.num_kept.tolist()
         if any(not 1 <= m <= ids.shape[1] for m in n):
             raise ValueError(f"acc: expected 1..{ids.shape[1]} kept tokens per request, got {n}")
         for b, s in enumerate(slots):

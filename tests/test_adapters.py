@@ -8,6 +8,7 @@ from assertions import max_rel_err, tree_node_sequences
 from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallbacks
 
 from specdec.runner import HybridRunner
+from specdec.verify import Acceptance
 
 TOL = 1e-10
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
@@ -40,7 +41,7 @@ def test_chain_rounds_match_full_forward(model, strategy, commit):
             logits = runner.forward([slot], ids[None, pos:pos + T]).logits[0]
             assert max_rel_err(logits, ref[pos:pos + T]) < TOL, f"round at {pos}"
             n = int(torch.randint(1, T + 1, (), generator=gen))
-            runner.commit([n])
+            runner.commit(Acceptance.prefix([n], T, runner.device), host_counts=[n])
             pos += n
 
 
@@ -67,7 +68,7 @@ def test_tree_round_then_chain(model, strategy, commit):
         logits = runner.forward([slot], tokens[None], parent=parent).logits[0]
         for node, seq in enumerate(tree_node_sequences(ids[:P], tokens, parent)):
             assert max_rel_err(logits[node], reference_logits(model, seq)[-1]) < TOL, f"node {node}"
-        runner.commit(path=[[0, 1, 3, 5]])
+        runner.commit(Acceptance.along([[0, 1, 3, 5]], device=runner.device), host_counts=[4])
         assert torch.equal(runner.state.pool.ssm[:, other], before[0]) and runner.kv.lengths[other] == before[1]
         ref = reference_logits(model, ids)
         pos = P + 4
@@ -75,7 +76,7 @@ def test_tree_round_then_chain(model, strategy, commit):
             T = min(4, ids.numel() - pos)
             got = runner.forward([slot], ids[None, pos:pos + T]).logits[0]
             assert max_rel_err(got, ref[pos:pos + T]) < TOL
-            runner.commit([T])
+            runner.commit(Acceptance.prefix([T], T, runner.device), host_counts=[T])
             pos += T
 
 
@@ -95,7 +96,7 @@ def test_batched_rows_of_different_lengths(model):
             ids = torch.stack([b[pb:pb + 4], a[pa:pa + 4]])  # reversed slot order
             got = runner.forward([sb, sa], ids).logits
             assert max_rel_err(got[0], rb[pb:pb + 4]) < TOL and max_rel_err(got[1], ra[pa:pa + 4]) < TOL
-            runner.commit([2, 4])
+            runner.commit(Acceptance.prefix([2, 4], 4, runner.device), host_counts=[2, 4])
             pb, pa = pb + 2, pa + 4
 
 

@@ -18,6 +18,7 @@ from tiny_models import (float64_everywhere, generate_f64, greedy_reference, noi
 
 import specdec
 from specdec.runner import HybridRunner, make_runner
+from specdec.verify import Acceptance
 
 TOL = 1e-10
 MODES = [("replay", "eager"), ("replay", "lazy"), ("snapshot", "eager")]
@@ -94,7 +95,7 @@ def check_rounds_match_full_forward(model, strategy: str, commit: str, reference
             logits = runner.forward([slot], ids[None, pos:pos + 5]).logits[0]
             assert max_rel_err(logits, ref[pos:pos + 5]) < TOL, f"chain round at {pos}"
             n = int(torch.randint(1, 5, (), generator=gen))
-            runner.commit([n])
+            runner.commit(Acceptance.prefix([n], 5, runner.device), host_counts=[n])
             pos += n
         true_nodes = {0: 0, 1: 1, 3: 2, 5: 3}
         tokens = torch.tensor([int(ids[pos + true_nodes[i]]) if i in true_nodes
@@ -102,14 +103,14 @@ def check_rounds_match_full_forward(model, strategy: str, commit: str, reference
         logits = runner.forward([slot], tokens[None], parent=parent).logits[0]
         for node, seq in enumerate(tree_node_sequences(ids[:pos], tokens, parent)):
             assert max_rel_err(logits[node], reference(model, seq)[-1]) < TOL, f"tree node {node}"
-        runner.commit(path=[[0, 1, 3, 5]])
+        runner.commit(Acceptance.along([[0, 1, 3, 5]], device=runner.device), host_counts=[4])
         pos += 4
         while pos < ids.numel():
             T = min(4, ids.numel() - pos)
             got = runner.forward([slot], ids[None, pos:pos + T]).logits[0]
             assert max_rel_err(got, ref[pos:pos + T]) < TOL, f"chain round after the tree at {pos}"
             n = T if pos + T == ids.numel() else int(torch.randint(1, T + 1, (), generator=gen))
-            runner.commit([n])
+            runner.commit(Acceptance.prefix([n], T, runner.device), host_counts=[n])
             pos += n
         assert torch.equal(runner.state.pool.ssm[:, other], before[0])
         assert torch.equal(runner.state.pool.conv[:, other], before[1])

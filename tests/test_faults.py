@@ -353,7 +353,7 @@ def _fault_site(engine, target, point, rng, B):
     if point == "accept":
         return specdec.round, "accept_round", 2
     if point == "state_commit":
-        return engine.runner.state, "_commit", 2  # the runner commits through the unchecked entry
+        return engine.runner.state, "keep", 2  # the runner commits through the unchecked entry
     if point == "kv_commit":  # after the state strategy committed: a half-committed round
         return engine.runner.kv, "advance", B + 2
     if point == "drafter_observe":
@@ -412,7 +412,7 @@ def test_model_drafter_left_mid_round(target, prompts, exc):
     kw = dict(drafter="model", draft_model=target, max_batch_size=MAX_BATCH)
     engine = _wrap(target, ("replay", "lazy"), **kw)
     draft = engine.drafter.runner
-    with _fault(draft.state, "_commit", 2, exc):
+    with _fault(draft.state, "keep", 2, exc):
         if isinstance(exc, RuntimeError):
             with pytest.warns(RuntimeWarning, match="drafter model failed .*draft commit failed"):
                 out = generate_f64(engine, batch, max_new_tokens=N)

@@ -13,6 +13,7 @@ import torch
 from tiny_models import assert_greedy, float64_everywhere, generate_f64, torch_fallbacks
 
 import specdec
+from specdec.verify import Acceptance
 
 # conftest's `target`; linear-attention and full-attention layers: the KV cache grows inside `generate`
 FAMILY = "qwen3_5"
@@ -105,7 +106,7 @@ def test_generic_runner_after_generate():
     try:
         first = runner.prefill(slots[0], torch.tensor([5, 6, 7])).logits.reshape(-1, model.config.vocab_size)
         window = runner.forward(slots, torch.tensor([[8, 9, 10]])).logits[0]
-        runner.commit([2])
+        runner.commit(Acceptance.prefix([2], 3, runner.device), host_counts=[2])
     finally:
         runner.release(slots)
     with torch.no_grad():

@@ -11,6 +11,7 @@ from tiny_models import FAMILIES, float64_everywhere, tiny_model, torch_fallback
 from specdec.kernels import short_conv
 from specdec.kernels.common import conv_step
 from specdec.runner import HybridRunner
+from specdec.verify import Acceptance
 
 TOL = 1e-12
 LENGTHS = [1, 5, 17, 33]  # with prefill_chunk 8: 1, 1, 3 and 5 chunks; rows drop out as their prompt ends
@@ -127,8 +128,8 @@ def test_prefill_batch_matches_per_prompt(model):
             ids = torch.randint(3, V, (len(rows), 3), generator=gen)
             got, ref = many.forward(rows, ids).logits, one.forward(rows, ids).logits
             close(got, ref, f"verify round {r} logits")
-            many.commit(accepted)
-            one.commit(accepted)
+            for runner in (many, one):
+                runner.commit(Acceptance.prefix(accepted, 3, runner.device), host_counts=accepted)
         for s in rows:
             close(many.state.pool.ssm[:, s], one.state.pool.ssm[:, s], f"slot {s} ssm after rounds")
             assert int(many.kv.lengths[s]) == int(one.kv.lengths[s])

@@ -60,9 +60,9 @@ class Acceptance:
         return cls.kept(torch.where(j[None] < n[:, None], j[None], -1), n)
 
     @classmethod
-    def along(cls, path) -> "Acceptance":
-        """A tree round that keeps `path [B, M]` (node indices root first, -1 padded)."""
-        path = torch.as_tensor(path, dtype=torch.long)
+    def along(cls, path, *, device=None) -> "Acceptance":
+        """A tree round that keeps `path [B, M]` (node indices root first, -1 padded; a tensor or nested lists)."""
+        path = torch.as_tensor(path, dtype=torch.long, device=device)
         return cls.kept(path, (path >= 0).sum(1))
 
     def cut_(self, kept: dict[int, int]) -> None:
