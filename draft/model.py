@@ -71,7 +71,7 @@ class ModelDrafter(Drafter):
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
         gamma = min(gamma, self.gamma)
         drafts, probs = [], []
-        for r, ctx in zip(rows, contexts):
+        for r, ctx in zip(rows, contexts.tensors):
             s = self.slot[r]
             new = ctx[self.seen[r]:]
             if self.seen[r] == 0:
@@ -93,7 +93,7 @@ class ModelDrafter(Drafter):
                 qs.append(q)
             drafts.append(row)
             probs.append(qs)
-        block = DraftBlock.from_lists(drafts, contexts[0].device)
+        block = DraftBlock.from_lists(drafts, contexts.tensors[0].device)
         if sampling is not None and sampling.do_sample and drafts:
             block.probs = torch.stack([torch.stack(qs) for qs in probs])
         return block

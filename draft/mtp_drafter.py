@@ -7,7 +7,7 @@ import torch
 
 from specdec.tensors import outside_inference
 
-from .base import DraftBlock
+from .base import DraftBlock, Observation
 from .head import HeadDrafter, check_positive
 from .mtp import Net
 
@@ -48,8 +48,8 @@ class MTPDrafter(HeadDrafter):
         self._check_begin(rows)
         self.ready.difference_update(rows)
 
-    def observe(self, rows, tokens, hidden, features):
-        have = [(r, hs[-1]) for r, hs in zip(rows, hidden) if hs.shape[0]]
+    def observe(self, obs: Observation) -> None:
+        have = [(r, hs[-1]) for r, hs in zip(obs.rows, obs.hidden) if hs.shape[0]]
         if not have:
             return
         last = torch.stack([x for _, x in have])  # [n, d]: one copy for every row
@@ -70,14 +70,14 @@ class MTPDrafter(HeadDrafter):
 
     @torch.no_grad()
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        device = contexts[0].device if contexts else "cpu"
+        device = contexts.tensors[0].device if contexts.tensors else "cpu"
         if not rows or min(gamma, self.gamma) < 1:
             return DraftBlock.empty(len(rows), device)
         self._check_rows(rows)
         kv = self.target.kv
         slots = self.target.slots(rows)
         span = kv.max_length if kv.static else max(kv.bound[s] for s in slots)  # a host bound, masked per row
-        anchors = torch.stack([c[-1] for c in contexts]).to(device)
+        anchors = torch.stack([c[-1] for c in contexts.tensors]).to(device)
         return self._draft(self.target.index(rows), self.target.index(slots), anchors, gamma, span, sampling,
                            generator)
 

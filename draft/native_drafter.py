@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BufferSpec, DraftBlock, kv_cache_specs
+from .base import BufferSpec, DraftBlock, Observation, kv_cache_specs
 from .head import HeadDrafter, check_positive
 from .layers import QUERY_CHUNK, DraftChain
 from .native import Net, decoder_stack
@@ -72,8 +72,8 @@ class NativeDrafter(HeadDrafter):
         if self.kv is not None:
             self.kv.abort()
 
-    def observe(self, rows, tokens, hidden, features) -> None:
-        for r, hs in zip(rows, hidden):
+    def observe(self, obs: Observation) -> None:
+        for r, hs in zip(obs.rows, obs.hidden):
             if hs.shape[0]:
                 self.pending.setdefault(r, []).append(hs.detach())
 
@@ -140,7 +140,7 @@ class NativeDrafter(HeadDrafter):
         if not rows or gamma < 1:
             return DraftBlock.empty(len(rows), dev)
         rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
-        logits, h = self._catch_up(rows, contexts, rows_t)
+        logits, h = self._catch_up(rows, contexts.tensors, rows_t)
         chain, steps = DraftChain(sampling, generator), 0
         try:
             for k in range(gamma):

@@ -30,8 +30,5 @@ class NgramDrafter(Drafter):
         return []
 
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
-        device = contexts[0].device if contexts else "cpu"
-        host = getattr(contexts, "host", None)  # the engine's host copies: no device read
-        if host is None:
-            host = [c.tolist() for c in contexts]
-        return DraftBlock.from_lists([self.lookup(h, gamma) for h in host], device)
+        device = contexts.tensors[0].device if contexts.tensors else "cpu"
+        return DraftBlock.from_lists([self.lookup(h, gamma) for h in contexts.host], device)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.draft import DraftBlock
-from specdec.draft.base import check_block
+from specdec.draft.base import Contexts, Observation, check_block
 from specdec.tensors import outside_inference
 from specdec.verify import sample_token
 
@@ -19,33 +19,6 @@ from .requests import Request
 from .round import drafter_failed
 from .runner import HybridRunner, index_tensor
 from .stats import SpecStats
-
-
-class Contexts(list):
-    """The drafters' view of each row: a list of `[n]` token tensors (prompt, committed tokens, the anchor
-    last) that also carries the same tokens as host lists in `.host`, so a drafter that works on the host
-    (prompt lookup) needs no device read."""
-
-    def __init__(self, tensors, host: list[list[int]]):
-        super().__init__(tensors)
-        self.host = host
-
-
-class Observed(list):
-    """`observe`'s per-row tensors (a list of `[n_b, ...]`) that also carries their counts as a device tensor
-    `.counts [B]` (long) and, when the rows are views of one right-padded batch `[B, M, ...]` (M >= every n_b),
-    that batch (`.padded`, else None): a drafter indexes its device buffers by the counts and reads the batch
-    whole (`specdec.draft.base.padded`), with no host-to-device copy and no op per row."""
-
-    def __init__(self, tensors, counts: torch.Tensor, padded: torch.Tensor | None = None):
-        super().__init__(tensors)
-        self.counts = counts
-        self.padded = padded
-
-    @classmethod
-    def rows_of(cls, batch: torch.Tensor, sizes: list[int], counts: torch.Tensor) -> "Observed":
-        """The first `sizes[b]` entries of each row of `batch [B, M, ...]`, as views, with the batch itself."""
-        return cls([batch[i, :n] for i, n in enumerate(sizes)], counts, batch)
 
 
 @dataclass
@@ -224,20 +197,20 @@ class SpecEngine(RequestLoop):
             last, feats, hits = cached.start(slots, ps, [r.hist for r in reqs], worst, capture)
             if "hidden" not in feats:  # a drafter that observes no features: zeros, as no memory
                 feats["hidden"] = last.new_zeros(()).expand(len(ids), max(sizes), self.runner.hidden_size)
-            self.drafter.observe(ids, Observed(ps, lens), Observed.rows_of(feats["hidden"], sizes, lens),
-                                 {c: Observed.rows_of(feats[c], sizes, lens) for c in capture})
+            self.drafter.observe(Observation.rows_of(ids, sizes, lens, tokens=ps, hidden=feats["hidden"],
+                                                     features={c: feats[c] for c in capture}))
         elif hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
             out = self.runner.prefill_batch(slots, ps, capture=capture, last_logits=True)
             last = out.logits[:, 0]
-            self.drafter.observe(ids, Observed(ps, lens), Observed.rows_of(out.hidden, sizes, lens),
-                                 {c: Observed.rows_of(out.captured[c], sizes, lens) for c in capture})
+            self.drafter.observe(Observation.rows_of(ids, sizes, lens, tokens=ps, hidden=out.hidden,
+                                                     features={c: out.captured[c] for c in capture}))
         else:
             last = []
             for i, (l, s, p) in enumerate(zip(ids, slots, ps)):
                 out = self.runner.prefill(s, p, capture=capture)
                 last.append(out.logits[0, -1])
-                self.drafter.observe([l], Observed([p], lens[i:i + 1]), [out.hidden[0]],
-                                     {c: [out.captured[c][0]] for c in capture})
+                self.drafter.observe(Observation([l], [p], lens[i:i + 1], [out.hidden[0]],
+                                                 {c: [out.captured[c][0]] for c in capture}))
             last = torch.stack(last)  # [k, V]
         finite = torch.isfinite(last).all(1)  # checked after the one readback (a draw from NaN would raise first)
         safe = torch.where(finite[:, None], last, 0)
@@ -395,8 +368,7 @@ class SpecEngine(RequestLoop):
         kept_f = {l: res.captured[l][:B].gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
                   for l in capture}
         sizes = host.num_kept
-        self.drafter.observe(active, Observed.rows_of(kept_ids, sizes, kept), Observed.rows_of(kept_h, sizes, kept),
-                             {l: Observed.rows_of(f, sizes, kept) for l, f in kept_f.items()})
+        self.drafter.observe(Observation.rows_of(active, sizes, kept, tokens=kept_ids, hidden=kept_h, features=kept_f))
         for r, toks in zip(reqs, host.tokens):
             before = len(r.out)
             self._emit(r, toks)
@@ -454,7 +426,7 @@ class SpecEngine(RequestLoop):
             depth, j = 0, t
             while j > 0 and int(par[i, j]) >= 0:
                 depth, j = depth + 1, int(par[i, j])
-        pos = contexts[i].shape[0] - 1 + depth
+        pos = contexts.tensors[i].shape[0] - 1 + depth
         return self._nonfinite(logits[i, t], active[i], pos, f"verify window token {t} of {logits.shape[1]}")
 
     @staticmethod

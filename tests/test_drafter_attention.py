@@ -21,6 +21,7 @@ from tiny_models import generate_f64, save_with_mtp, tiny_model
 import specdec
 import specdec.draft.eagle_drafter as eagle_drafter
 import specdec.draft.native_drafter as native_drafter
+from specdec.draft.base import Contexts, Observation
 from specdec.draft.layers import QUERY_CHUNK, KVRoom, additive_mask, attend
 from specdec.draft.registry import build_drafter_net
 
@@ -171,11 +172,11 @@ def _observe(net, tokens, features, *, chunk: int, monkeypatch):
     drafter = eagle_drafter.make_drafter(net, gamma=3, max_batch_size=2, topk=2, num_nodes=6)
     rows = list(range(len(tokens)))
     drafter.begin(rows, tokens)
-    drafter.observe(rows, tokens, [f[0] for f in features], {l: [f[i] for f in features]
-                                                            for i, l in enumerate(net.config.feature_layers)})
+    drafter.observe(Observation.of(rows, tokens, [f[0] for f in features],
+                                   {l: [f[i] for f in features] for i, l in enumerate(net.config.feature_layers)}))
     state = ([(k.clone(), v.clone()) for k, v in drafter.cache], drafter.root_f.clone(), drafter.len_t.clone())
     anchors = [torch.cat([t, t[-1:]]) for t in tokens]
-    return state, drafter.propose(rows, anchors, 3)
+    return state, drafter.propose(rows, Contexts.of(anchors), 3)
 
 
 def test_chunked_eagle_observe_equals_one_forward(monkeypatch):

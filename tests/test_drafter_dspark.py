@@ -27,6 +27,7 @@ from tiny_models import exact_joint, float64_everywhere, generate_f64, greedy_re
 
 import specdec
 from specdec.draft import dspark, dspark_drafter
+from specdec.draft.base import Contexts, Observation
 from specdec.draft.registry import build_drafter_net, load_drafter, save_drafter
 from specdec.cli.draft_train import train
 from specdec.verify import SamplingParams
@@ -238,7 +239,8 @@ def test_sampling_probs_are_the_sampled_distribution(small):
     for r, c in enumerate(ctxs):
         feats = {l: [torch.randn(c.numel() - 1, net.config.target_hidden_size, dtype=torch.float64,
                                  generator=torch.Generator().manual_seed(r))] for l in d.feature_layers}
-        d.observe([r], [c[:-1]], [None], feats)
+        d.observe(Observation.of([r], [c[:-1]], features=feats))
+    ctxs = Contexts.of(ctxs)
     T = 0.8
     params = SamplingParams(do_sample=True, temperature=T)
     blocks = [d.propose([0, 1], ctxs, 2, sampling=params, generator=torch.Generator().manual_seed(s))
@@ -312,9 +314,9 @@ def test_training_improves_and_round_trips(setup, family):
     blocks = []
     for d in (fresh, loaded):
         d.begin([0], [ctx])
-        d.observe([0], [ctx[:-1]], [None], feats)
-        greedy = d.propose([0], [ctx], GAMMA)
-        sampled = d.propose([0], [ctx], GAMMA, sampling=SamplingParams(do_sample=True),
+        d.observe(Observation.of([0], [ctx[:-1]], features=feats))
+        greedy = d.propose([0], Contexts.of([ctx]), GAMMA)
+        sampled = d.propose([0], Contexts.of([ctx]), GAMMA, sampling=SamplingParams(do_sample=True),
                             generator=torch.Generator().manual_seed(0))
         blocks.append((greedy, sampled, d.last_confidence.clone()))
         d.release([0])
@@ -337,16 +339,16 @@ def test_observe_caches_only_committed_positions(setup):
     ctx = torch.tensor(PROMPTS[0])
     d.begin([0], [ctx])
     feats = lambda n: {l: [torch.zeros(n, 64, dtype=torch.float64)] for l in d.feature_layers}  # noqa: E731
-    d.observe([0], [ctx[:4]], [None], feats(4))
-    d.observe([0], [ctx[4:6]], [None], feats(2))
+    d.observe(Observation.of([0], [ctx[:4]], features=feats(4)))
+    d.observe(Observation.of([0], [ctx[4:6]], features=feats(2)))
     assert d.length[0] == 6
-    d.propose([0], [ctx], GAMMA)  # 6 committed + anchor: consistent
-    d.observe([0], [torch.tensor([1, 2, 3])], [None], feats(3))
+    d.propose([0], Contexts.of([ctx]), GAMMA)  # 6 committed + anchor: consistent
+    d.observe(Observation.of([0], [torch.tensor([1, 2, 3])], features=feats(3)))
     assert d.length[0] == 9
-    d.propose([0], [ctx], GAMMA)  # context says 6 committed: the 3 extra positions are dropped
+    d.propose([0], Contexts.of([ctx]), GAMMA)  # context says 6 committed: the 3 extra positions are dropped
     assert d.length[0] == 6
     with pytest.raises(ValueError, match="observed positions"):
-        d.propose([0], [torch.cat([ctx, ctx])], GAMMA)
+        d.propose([0], Contexts.of([torch.cat([ctx, ctx])]), GAMMA)
     d.release([0])
     assert 0 not in d.length
 
@@ -617,8 +619,9 @@ def test_drafts_equal_the_training_blocks(setup, window):
         drafter = dspark_drafter.make_drafter(net, gamma=net.config.block_size, topk=1)
         ctx = tokens[0, :a + 1]
         drafter.begin([0], [ctx])
-        drafter.observe([0], [ctx[:-1]], [None], {l: [feats[l][0, :a]] for l in drafter.feature_layers})
-        return drafter.propose([0], [ctx], net.config.block_size).tokens[0]
+        drafter.observe(Observation.of([0], [ctx[:-1]],
+                                       features={l: [feats[l][0, :a]] for l in drafter.feature_layers}))
+        return drafter.propose([0], Contexts.of([ctx]), net.config.block_size).tokens[0]
 
     anchors = torch.arange(1, S - net.config.block_size + 1)
     want = training_drafts(net, anchors)

@@ -27,6 +27,7 @@ import specdec.verify.accept as accept_mod
 from specdec.kernels.tree import tree_stack_slots
 from specdec.kernels.dispatch import uses_triton
 from specdec.draft.registry import build_drafter_net, save_drafter
+from specdec.draft.base import Contexts, Observation
 from specdec.draft.eagle import Net
 from specdec.draft.eagle_drafter import EagleDrafter, make_drafter
 from specdec.runner import HybridRunner
@@ -94,13 +95,13 @@ class _Recorder:
         self.blocks.append(block)
         return block
 
-    def _observe(self, rows, tokens, hidden, features):
-        self.observe(rows, tokens, hidden, features)
-        for r, t in zip(rows, tokens):
+    def _observe(self, obs):
+        self.observe(obs)
+        for r, t in zip(obs.rows, obs.tokens):
             self.observed.setdefault(r, []).extend(t.tolist())
         self.calls += 1
         if self.after_round is not None and self.blocks:
-            self.after_round(self, rows)
+            self.after_round(self, obs.rows)
 
 
 def _branching(blocks) -> int:
@@ -343,8 +344,8 @@ def test_tree_steps_match_training_unroll(setup):
         drafter.net.lm_logits = lambda h, f=Net.lm_logits.__get__(drafter.net): seen.append(f(h)) or seen[-1]
         try:
             drafter.begin([0], [ids[:P]])
-            drafter.observe([0], [ids[:P]], [pre.hidden[0]], {i: [pre.captured[i][0]] for i in layers})
-            block = drafter.propose([0], [ids[:P + 1]], depth)
+            drafter.observe(Observation.of([0], [ids[:P]], [pre.hidden[0]], {i: [pre.captured[i][0]] for i in layers}))
+            block = drafter.propose([0], Contexts.of([ids[:P + 1]]), depth)
         finally:
             del drafter.net.lm_logits
         root = seen[0][0]

@@ -26,6 +26,7 @@ from tiny_models import (exact_joint, float64_everywhere, generate_f64, greedy_r
 
 import specdec
 from specdec.draft import mtp_drafter as mtp
+from specdec.draft.base import Contexts, Observation
 from specdec.draft.registry import build_drafter_net, load_drafter, own_state_dict, save_drafter, target_batch
 from specdec.cli.draft_train import train
 from specdec.runner import make_runner
@@ -270,8 +271,9 @@ def test_save_load_round_trip(targets, trained):
             anchor = int(out.logits[0, -1].argmax())
             for d in (loaded, mine):
                 d.begin([b], [torch.tensor(p)])
-                d.observe([b], [torch.tensor(p)], [out.hidden[0]], {})
+                d.observe(Observation.of([b], [torch.tensor(p)], [out.hidden[0]]))
             contexts.append(torch.tensor(p + [anchor]))
+        contexts = Contexts.of(contexts)
         a = loaded.propose([0, 1], contexts, 4)
         b = mine.propose([0, 1], contexts, 4)
         assert a.probs is None and torch.equal(a.tokens, b.tokens) and torch.equal(a.num_drafts, b.num_drafts)

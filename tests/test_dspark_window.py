@@ -24,6 +24,7 @@ from tiny_models import assert_greedy, generate_f64, tiny_model
 
 import specdec
 from specdec.draft import dspark_drafter
+from specdec.draft.base import Contexts, Observation
 from specdec.draft.registry import build_drafter_net, own_state_dict, save_drafter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,9 +87,10 @@ class Rows:
     def observe(self, counts: dict[int, int]) -> None:
         rows = sorted(counts)
         span = [(self.have[r], self.have[r] + counts[r]) for r in rows]
-        self.drafter.observe(rows, [self.tokens[r][a:b] for r, (a, b) in zip(rows, span)], [None] * len(rows),
-                             {l: [self.feats[r][j][a:b] for r, (a, b) in zip(rows, span)]
-                              for j, l in enumerate(self.drafter.feature_layers)})
+        self.drafter.observe(Observation.of(
+            rows, [self.tokens[r][a:b] for r, (a, b) in zip(rows, span)],
+            features={l: [self.feats[r][j][a:b] for r, (a, b) in zip(rows, span)]
+                      for j, l in enumerate(self.drafter.feature_layers)}))
         for r, (_, b) in zip(rows, span):
             self.have[r] = b
 
@@ -102,7 +104,7 @@ class Rows:
         net = self.net
         net.lm_head = lambda h, _head=type(net).lm_head: seen.append(_head(net, h)) or seen[-1]
         try:
-            block = self.drafter.propose(rows, [self.tokens[r][:lengths[r] + 1] for r in rows], gamma)
+            block = self.drafter.propose(rows, Contexts.of([self.tokens[r][:lengths[r] + 1] for r in rows]), gamma)
         finally:
             del net.lm_head
         self.have = list(lengths)
@@ -174,7 +176,7 @@ def test_dropped_positions_and_their_limit(target):
     assert drafter.length == {0: 30, 1: 33}
     rows.observe({0: 9})  # 39: the ring (14 slots) keeps 30 .. 38, and the window before 30 is gone
     with pytest.raises(ValueError, match="drops 9 observed positions"):
-        drafter.propose([0], [rows.tokens[0][:31]], GAMMA)
+        drafter.propose([0], Contexts.of([rows.tokens[0][:31]]), GAMMA)
 
 
 def test_a_round_costs_the_same_at_any_context(target):
@@ -192,7 +194,7 @@ def test_a_round_costs_the_same_at_any_context(target):
             with rec:
                 return inner(*a, **k)
         drafter._draft = recorded
-        drafter.propose([0], [rows.tokens[0][:length + 1]], GAMMA)
+        drafter.propose([0], Contexts.of([rows.tokens[0][:length + 1]]), GAMMA)
         assert rec.ops
         return rec.ops
 

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import assert_greedy, float64_everywhere, generate_f64, tiny_model, torch_fallbacks
 
 import specdec
+from specdec.draft.base import Contexts, Observation
 
 FAMILY = "qwen3_5"  # conftest's `target`
 D, H, HKV, HD, INTER, V, DRAFT_V = 64, 4, 2, 16, 96, 96, 40
@@ -128,8 +129,8 @@ def test_loads_both_spellings_and_first_level_matches(target, ckpt):
         try:
             out = engine.runner.prefill(slots[0], prompt, capture=tuple(LAYERS))
             drafter.begin([0], [prompt])
-            drafter.observe([0], [prompt], [out.hidden[0]], {i: [out.captured[i][0]] for i in LAYERS})
-            block = drafter.propose([0], [torch.tensor(PROMPT + [anchor])], 2)
+            drafter.observe(Observation.of([0], [prompt], [out.hidden[0]], {i: [out.captured[i][0]] for i in LAYERS}))
+            block = drafter.propose([0], Contexts.of([torch.tensor(PROMPT + [anchor])]), 2)
         finally:
             drafter.release([0])
             engine.runner.release(slots)

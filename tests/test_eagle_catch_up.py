@@ -22,6 +22,7 @@ from tiny_models import tiny_model
 
 import specdec.draft.eagle_drafter as eagle_drafter
 from specdec.draft import eagle3_format
+from specdec.draft.base import Contexts, Observation
 from specdec.draft.eagle import Net
 from specdec.draft.registry import build_drafter_net
 
@@ -65,8 +66,8 @@ def _prompts(target, net):
 
 
 def _observe_all(drafter, rows, tokens, feats) -> None:
-    drafter.observe(rows, [tokens[r] for r in rows], [feats[r][drafter.feature_layers[0]] for r in rows],
-                    {l: [feats[r][l] for r in rows] for l in drafter.feature_layers})
+    drafter.observe(Observation.of(rows, [tokens[r] for r in rows], [feats[r][drafter.feature_layers[0]] for r in rows],
+                                   {l: [feats[r][l] for r in rows] for l in drafter.feature_layers}))
 
 
 def _run(net, tokens, feats, sdpa, *, topk: int, num_nodes: int):
@@ -94,7 +95,7 @@ def _run(net, tokens, feats, sdpa, *, topk: int, num_nodes: int):
         gen = torch.Generator().manual_seed(9)
         for round_ in range(3):
             anchors = {r: torch.randint(3, net.config.target_vocab_size, (1,), generator=gen) for r in rows}
-            block = drafter.propose(rows, [torch.cat([history[r], anchors[r]]) for r in rows], GAMMA)
+            block = drafter.propose(rows, Contexts.of([torch.cat([history[r], anchors[r]]) for r in rows]), GAMMA)
             blocks.append((block.tokens.clone(), block.num_drafts.clone(), block.parent.clone()))
             if round_ == 2:
                 break

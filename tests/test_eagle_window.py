@@ -33,6 +33,7 @@ from tiny_models import assert_greedy, generate_f64, tiny_model
 
 import specdec
 from specdec.draft import eagle_drafter
+from specdec.draft.base import Contexts, Observation
 from specdec.draft.registry import build_drafter_net, own_state_dict, save_drafter
 from specdec.draft.tree import DynamicTree, log_scores
 
@@ -118,10 +119,10 @@ class Rows:
         if fresh:
             self.drafter.begin(fresh, [self.tokens[r][:counts[r]] for r in fresh])
         span = [(self.have[r], self.have[r] + counts[r]) for r in rows]
-        self.drafter.observe(rows, [self.tokens[r][a:b] for r, (a, b) in zip(rows, span)],
-                             [self.feats[r][self.drafter.feature_layers[0]][a:b] for r, (a, b) in zip(rows, span)],
-                             {l: [self.feats[r][l][a:b] for r, (a, b) in zip(rows, span)]
-                              for l in self.drafter.feature_layers})
+        self.drafter.observe(Observation.of(
+            rows, [self.tokens[r][a:b] for r, (a, b) in zip(rows, span)],
+            [self.feats[r][self.drafter.feature_layers[0]][a:b] for r, (a, b) in zip(rows, span)],
+            {l: [self.feats[r][l][a:b] for r, (a, b) in zip(rows, span)] for l in self.drafter.feature_layers}))
         for r, (_, b) in zip(rows, span):
             self.have[r] = b
 
@@ -131,7 +132,7 @@ class Rows:
         seen, net = [], self.net
         net.lm_logits = lambda h, _f=type(net).lm_logits: seen.append(_f(net, h)) or seen[-1]
         try:
-            block = self.drafter.propose(rows, [self.tokens[r][:self.have[r] + 1] for r in rows], GAMMA)
+            block = self.drafter.propose(rows, Contexts.of([self.tokens[r][:self.have[r] + 1] for r in rows]), GAMMA)
         finally:
             del net.lm_logits
         return block, seen

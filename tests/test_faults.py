@@ -144,7 +144,7 @@ class ChaosDrafter(Drafter):
 
     def _oracle(self, rows, contexts, gamma, *, exact_len=None, corrupt=0.5):
         rng, drafts = self.rng, []
-        for r, c in zip(rows, contexts):
+        for r, c in zip(rows, contexts.tensors):
             g = exact_len or rng.randint(1, gamma)
             d = self.refs[r][c.shape[0]:c.shape[0] + g]
             d += [rng.randrange(self.V) for _ in range(g - len(d))]
@@ -152,7 +152,7 @@ class ChaosDrafter(Drafter):
                 i = rng.randrange(g)
                 d[i] = (d[i] + rng.randrange(1, self.V)) % self.V
             drafts.append(d)
-        return DraftBlock.from_lists(drafts, contexts[0].device)
+        return DraftBlock.from_lists(drafts, contexts.tensors[0].device)
 
     def _probs(self, block):
         B, G = block.tokens.shape
@@ -165,7 +165,7 @@ class ChaosDrafter(Drafter):
         B = len(rows)
         parent = torch.full((B, 1 + G), -1, dtype=torch.long)
         tokens = torch.zeros(B, G, dtype=torch.long)
-        for i, (r, c) in enumerate(zip(rows, contexts)):
+        for i, (r, c) in enumerate(zip(rows, contexts.tensors)):
             depth = [0]
             for j in range(1, G + 1):
                 if padded and rng.random() < 0.3:

@@ -184,7 +184,7 @@ class _OracleTree(Drafter):
             t = [c1, (c1 + 1) % self.vocab, c2] + ([(c2 + 1) % self.vocab] if self.rejected_child else [])
             toks.append(t)
             parents.append([-1, 0, 0, 1] + ([3] if self.rejected_child else []))
-        dev = contexts[0].device
+        dev = contexts.tensors[0].device
         return DraftBlock(torch.tensor(toks, device=dev), torch.full((len(rows),), len(toks[0]), device=dev),
                           parent=torch.tensor(parents, device=dev))
 
@@ -277,7 +277,7 @@ def _record_batches(engine):
     propose = engine.drafter.propose
 
     def checked_propose(rows, contexts, *a, **k):  # a refilled lane shows the drafter its new request only
-        for c, h in zip(contexts, contexts.host):
+        for c, h in zip(contexts.tensors, contexts.host):
             assert c.tolist() == h, "the drafter's device context is not the request's history"
         return propose(rows, contexts, *a, **k)
 

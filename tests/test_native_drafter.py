@@ -27,6 +27,7 @@ from tiny_models import (assert_greedy, float64_everywhere, generate_f64, save_w
                          torch_fallbacks)
 
 import specdec
+from specdec.draft.base import Contexts, Observation
 from specdec.draft.registry import build_drafter_net, own_state_dict, save_drafter, target_batch
 from specdec.runner import make_runner
 from specdec.verify import SamplingParams
@@ -159,8 +160,8 @@ def test_first_drafts_match_recomputation(saved, family):
             out = engine.runner.prefill(slots[0], prompt)
             ctx = torch.tensor(PROMPT + [anchor])
             drafter.begin([0], [prompt])
-            drafter.observe([0], [prompt], [out.hidden[0]], {})
-            block = drafter.propose([0], [ctx], 2, sampling=SamplingParams(do_sample=True),
+            drafter.observe(Observation.of([0], [prompt], [out.hidden[0]]))
+            block = drafter.propose([0], Contexts.of([ctx]), 2, sampling=SamplingParams(do_sample=True),
                                     generator=torch.Generator().manual_seed(0))
         finally:
             drafter.release([0])

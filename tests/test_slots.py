@@ -52,9 +52,10 @@ def test_a_request_from_an_entry_reads_the_features_a_fresh_prefill_gives():
     def spy(eng):
         observe = eng.drafter.observe
 
-        def wrapped(rows, tokens, hidden, features):
-            seen.append((eng, [h.clone() for h in hidden], {k: [x.clone() for x in v] for k, v in features.items()}))
-            return observe(rows, tokens, hidden, features)
+        def wrapped(obs):
+            seen.append((eng, [h.clone() for h in obs.hidden],
+                         {k: [x.clone() for x in v] for k, v in obs.features.items()}))
+            return observe(obs)
         eng.drafter.observe = wrapped
 
     cached = engine("qwen3_next", "eagle", ("replay", "eager"), prefix_cache=True, track_interval=16)
