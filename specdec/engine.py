@@ -336,7 +336,7 @@ class SpecEngine(RequestLoop):
         host_slots = [slots[b] for b in active]
         step = self.round_step.inputs(host_slots, anchors[idx], block, sampling, gamma, rows=active)
         graphed = self.config.cuda_graph and not sampling.do_sample
-        res = (self._graphs.verify(step, sampling) if graphed
+        res = (self._graphs.step(step, sampling) if graphed
                else self.round_step.device_step(step, sampling, lead.gen, lead.stats))
         host = res.read(B)
         if not all(host.finite):

@@ -25,11 +25,11 @@ from .round import HostRound, RoundInputs, RoundResult, padded_counts
 
 @dataclass
 class Captured:
-    """A captured step shape: its own input buffers, the verify graph and its outputs (overwritten by every
-    replay), and the commit graph once captured."""
+    """A captured step shape: its own input buffers, the device step's graph ((draft +) verify + accept) and its
+    outputs (overwritten by every replay), and the commit graph once captured."""
 
     inputs: RoundInputs
-    verify: "torch.cuda.CUDAGraph"
+    step: "torch.cuda.CUDAGraph"
     out: RoundResult
     commit: "torch.cuda.CUDAGraph | None" = None
 
@@ -55,7 +55,7 @@ class RoundGraphs:
     def _key(step: RoundInputs) -> tuple:
         return tuple(step.ids.shape), step.parent is not None
 
-    def verify(self, step: RoundInputs, sampling) -> RoundResult:
+    def step(self, step: RoundInputs, sampling) -> RoundResult:
         """The device step of this round (see `specdec.round.RoundStep.device_step`: the draft step of a drafter
         that has a static one, then verify + accept), replayed where captured."""
         eng, key = self.engine, self._key(step)
@@ -70,7 +70,7 @@ class RoundGraphs:
         eng.runner.kv.check_room(step.host_slots, step.ids.shape[1])
         for name, buf in entry.inputs.buffers().items():
             buf.copy_(getattr(step, name))
-        entry.verify.replay()
+        entry.step.replay()
         self._current = entry
         return entry.out
 
@@ -86,7 +86,7 @@ class RoundGraphs:
         except Exception as e:  # e.g. a layer of the model that reads values back: this bucket stays eager
             eng.runner.abort()
             self.entries[key] = "eager"
-            warnings.warn(f"cuda_graph: capturing the verify step of shape {key[0]} failed ({type(e).__name__}: {e}); "
+            warnings.warn(f"cuda_graph: capturing the device step of shape {key[0]} failed ({type(e).__name__}: {e}); "
                           f"those rounds run eagerly", RuntimeWarning, stacklevel=4)
             return eng.round_step.device_step(step, sampling, None)
         graph.replay()
@@ -95,7 +95,7 @@ class RoundGraphs:
         return out
 
     def commit(self, res: RoundResult, host: HostRound) -> None:
-        """The commit step of this round, after its readback; captured right after its verify step."""
+        """The commit step of this round, after its readback; captured right after its device step."""
         eng, entry = self.engine, self._current
         if entry is None:
             eng.round_step.commit_step(res, host)

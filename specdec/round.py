@@ -22,7 +22,6 @@ from .config import SpecConfig
 from .stats import SpecStats
 
 
-
 def drafter_failed(drafter, what: str, stats: SpecStats | None) -> None:
     """A drafter's failure costs its round's drafts (plain decode): warned, naming the drafter and what went wrong,
     and counted in `stats`."""
@@ -35,6 +34,7 @@ def drafter_failed(drafter, what: str, stats: SpecStats | None) -> None:
 def padded_counts(counts: list[int], rows: int) -> list[int]:
     """A round's kept counts on the host, one per real row, then 0 for each padding row up to `rows`."""
     return counts + [0] * (rows - len(counts))
+
 
 @dataclass
 class RoundInputs:
