@@ -9,7 +9,8 @@ Past the last committed position there are no target features: a draft step feed
 hidden output (the last block's output, before `norm`) of its parent step in place of the fused feature
 (EAGLE-3), and training unrolls that "training-time test" for `ttt_steps` extra steps.
 
-The drafter that runs a net in an engine (its cache and tree): `draft/eagle_drafter.py`.
+The drafter that runs a net in an engine (its cache, and the round it drafts): `draft/eagle_drafter.py`; the tree a
+draft grows from a root step over the drafter's cache: `Net.draft_tree`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .layers import Block, RMSNorm, soft_ce, target_logits
+from .base import DraftBlock
+from .layers import Block, KVRoom, RMSNorm, soft_ce, target_logits
 from .registry import DraftConfig, TargetBatch
+from .tree import DynamicTree, log_scores
 
 
 @dataclass
@@ -144,6 +147,58 @@ class Net(nn.Module):
             x, kv = layer(x, positions, visible, None if past is None else past[i])
             kvs.append(kv)
         return x, kvs
+
+    # ---- drafting ------------------------------------------------------------------------------------
+    def draft_tree(self, root_h, root_logits, rooms, seen, root_pos, depth: int, sampling, *, topk: int,
+                   num_nodes: int, tree: bool = True, key_pos=None, window: int = 0) -> DraftBlock:
+        """EAGLE-2's tree (`tree.DynamicTree`) of `depth` levels, `topk` children per expanded node, its best
+        `num_nodes` kept (`tree` False: a chain, one child per node), from the root step (`root_h [B, d]`,
+        `root_logits [B, V]`) over each layer's room (`eagle_drafter.EagleDrafter._rooms`: K/V `[B, H, L, D]`, the
+        drafter's cache read for the round) whose first S keys are the committed ones, of which row b sees
+        those `seen [B, S]` marks, and whose key S is the root's (at `root_pos [B]`), seen by every node; the
+        nodes' K/V go after it, depth by depth. With a context `window` W, `key_pos [B, S]` are the committed keys'
+        positions, and a node at `root_pos + d` sees only the keys, the root and ancestors fewer than W back."""
+        dev = root_h.device
+        B = root_h.shape[0]
+        S0 = seen.shape[1]
+        dyn = DynamicTree(log_scores(root_logits, sampling), topk if tree else 1)
+        w = dyn.k  # nodes expanded per depth: the newest depth always holds at least k candidates
+        exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
+        # [B, E, E]: row i marks the expanded ancestors of expanded node i, filled depth by depth
+        exp_anc = torch.zeros(B, (depth - 1) * w, (depth - 1) * w, dtype=torch.bool, device=dev)
+        ids = torch.arange((depth - 1) * w, device=dev)
+        own = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)  # each node sees itself
+        # [B, w, depth - 1]: the nodes of depth d sit at root + d
+        positions = (root_pos[:, None, None] + torch.arange(1, depth, device=dev)).expand(B, w, -1)
+        ok_fixed = torch.cat([seen, seen.new_ones(B, 1)], 1)[:, None].expand(B, w, S0 + 1)  # committed keys, the root
+        if key_pos is not None:  # [B, depth - 1, S0 + 1]: the same per depth, within the window of its nodes
+            at = torch.arange(1, depth, device=dev)
+            near = seen[:, None] & self.in_window((root_pos[:, None] + at)[..., None], key_pos[:, None], window)
+            ok_fixed = torch.cat([near, (at < window)[None, :, None].expand(B, depth - 1, 1)], 2)
+        for d in range(1, depth):
+            sel, src, tok = dyn.frontier()
+            n_exp = exp_h.shape[1]
+            par_h = DynamicTree.parent_states(src, root_h[:, None], exp_h)
+            # ancestors among expanded nodes: the parent's ancestors and the parent itself (past depth 1 every
+            # frontier node's parent is an expanded node, src >= 0; at depth 1 there are none)
+            if n_exp:
+                at = src[..., None]
+                anc = exp_anc[:, :, :n_exp].gather(1, at.expand(B, w, n_exp)) | (at == ids[:n_exp])
+                exp_anc[:, n_exp:n_exp + w, :n_exp] = anc
+            else:
+                anc = exp_anc[:, :w, :0]
+            fixed = ok_fixed
+            if key_pos is not None:
+                fixed = ok_fixed[:, d - 1, None].expand(B, w, S0 + 1)
+                if d > window:  # ancestors W or more back (expanded node e sits at depth e // w + 1)
+                    anc = anc & (d - (ids[:n_exp] // w + 1) < window)
+            ok = torch.cat([fixed, anc, own], 2)
+            # the nodes' K/V go into the rooms after the committed keys, the root and the nodes before them
+            h, _ = self.run(self.inputs(tok, par_h), positions[..., d - 1], ok,
+                            [KVRoom(k, v, S0 + 1 + n_exp) for k, v in rooms])
+            exp_h = torch.cat([exp_h, h], 1)
+            dyn.grow(sel, log_scores(self.lm_logits(h), sampling))  # [B, w, V]
+        return dyn.block(num_nodes, tree=tree)
 
     # ---- training ------------------------------------------------------------------------------------
     def _unroll(self, batch: TargetBatch):

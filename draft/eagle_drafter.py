@@ -12,9 +12,9 @@ K/V join the cache, the root's stays in the round's scratch. Then the tree: its 
 and see the committed cache plus their own ancestors (ancestor mask), at positions `root + depth`; nothing
 of a round's tree survives it, so rollback is free.
 
-Tree: EAGLE-2's dynamic tree (`tree.DynamicTree`): at every depth the `topk` best candidates of the newest
-depth are expanded into their `topk` most likely children; the best `num_nodes` by cumulative draft
-log-probability are kept, in topological order. The drafts are deterministic functions of the committed
+Tree: EAGLE-2's dynamic tree (`tree.DynamicTree`, grown by `eagle.Net.draft_tree`): at every depth the `topk`
+best candidates of the newest depth are expanded into their `topk` most likely children; the best `num_nodes` by
+cumulative draft log-probability are kept, in topological order. The drafts are deterministic functions of the committed
 history, so the block carries `probs=None` (one-hot q): recursive rejection over distinct siblings with
 one-hot q is exactly sampling from the target, so this is lossless for sampling as well as greedy.
 
@@ -40,7 +40,6 @@ from .eagle import Net
 from .head import HeadDrafter, check_positive
 from .layers import QUERY_CHUNK, KVRoom
 from .registry import check_target
-from .tree import DynamicTree, log_scores
 
 
 class _Row:
@@ -54,11 +53,10 @@ class _Row:
         self.rooted = False  # the row's last committed feature is in `root_f`
 
 
-# The default tree, by the device the drafter runs on. On a GPU a verify of 49 tokens costs about what one token
-# does (weights are read once), so the tree is EAGLE-2's size (its reference runs 60-token trees of top-10
-# children). On a CPU every node is target compute (bench/verify_cost.py), and a narrow tree wins on the embedded
-# model: 16 nodes of top-2 children ran faster than 48 of top-8 despite a lower tau (bench/results/HISTORY.md,
-# "EAGLE's default tree, by device").
+# The default tree, by the device the drafter runs on. On a GPU a verify window's cost barely grows with its tokens
+# (the weights are read once for all of them), so the tree is EAGLE-2's size. On a CPU every node is target compute,
+# so a narrow tree wins on the embedded model despite its lower tau (measured: bench/verify_cost.py,
+# bench/results/HISTORY.md, "EAGLE's default tree, by device").
 DEFAULT_TREE = {"cuda": dict(topk=8, num_nodes=48), "cpu": dict(topk=2, num_nodes=16)}
 
 
@@ -440,56 +438,8 @@ class EagleDrafter(HeadDrafter):
             st.length, st.pending = st.length + st.pending, 0
         seen = torch.cat([cached[:, 0], i[None, :Q] < qn[:, None]], 1)  # [B, span + Q]
         root_h = h[:, Q]
-        return self._tree(root_h, self.net.lm_logits(root_h), rooms, seen, lens + qn, depth, sampling, key_pos, W)
-
-    def _tree(self, root_h, root_logits, rooms, seen, root_pos, depth: int, sampling, key_pos=None,
-              window: int = 0) -> DraftBlock:
-        """EAGLE-2's tree of `depth` levels from the root step (`root_h [B, d]`, `root_logits [B, V]`) over each
-        layer's room (`_rooms`: K/V `[B, H, L, D]`) whose first S keys are the committed ones, of which row b sees
-        those `seen [B, S]` marks, and whose key S is the root's (at `root_pos [B]`), seen by every node; the
-        nodes' K/V go after it, depth by depth. With a context `window` W, `key_pos [B, S]` are the committed keys'
-        positions, and a node at `root_pos + d` sees only the keys, the root and ancestors fewer than W back."""
-        net, dev = self.net, self.device
-        B = root_h.shape[0]
-        S0 = seen.shape[1]
-        tree = DynamicTree(log_scores(root_logits, sampling), self.topk if self.tree else 1)
-        w = tree.k  # nodes expanded per depth: the newest depth always holds at least k candidates
-        exp_h = root_h.new_zeros(B, 0, root_h.shape[-1])  # [B, expanded, d]: each expanded node's hidden
-        # [B, E, E]: row i marks the expanded ancestors of expanded node i, filled depth by depth
-        exp_anc = torch.zeros(B, (depth - 1) * w, (depth - 1) * w, dtype=torch.bool, device=dev)
-        ids = torch.arange((depth - 1) * w, device=dev)
-        own = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)  # each node sees itself
-        # [B, w, depth - 1]: the nodes of depth d sit at root + d
-        positions = (root_pos[:, None, None] + torch.arange(1, depth, device=dev)).expand(B, w, -1)
-        ok_fixed = torch.cat([seen, seen.new_ones(B, 1)], 1)[:, None].expand(B, w, S0 + 1)  # committed keys, the root
-        if key_pos is not None:  # [B, depth - 1, S0 + 1]: the same per depth, within the window of its nodes
-            at = torch.arange(1, depth, device=dev)
-            near = seen[:, None] & net.in_window((root_pos[:, None] + at)[..., None], key_pos[:, None], window)
-            ok_fixed = torch.cat([near, (at < window)[None, :, None].expand(B, depth - 1, 1)], 2)
-        for d in range(1, depth):
-            sel, src, tok = tree.frontier()
-            n_exp = exp_h.shape[1]
-            par_h = DynamicTree.parent_states(src, root_h[:, None], exp_h)
-            # ancestors among expanded nodes: the parent's ancestors and the parent itself (past depth 1 every
-            # frontier node's parent is an expanded node, src >= 0; at depth 1 there are none)
-            if n_exp:
-                at = src[..., None]
-                anc = exp_anc[:, :, :n_exp].gather(1, at.expand(B, w, n_exp)) | (at == ids[:n_exp])
-                exp_anc[:, n_exp:n_exp + w, :n_exp] = anc
-            else:
-                anc = exp_anc[:, :w, :0]
-            fixed = ok_fixed
-            if key_pos is not None:
-                fixed = ok_fixed[:, d - 1, None].expand(B, w, S0 + 1)
-                if d > window:  # ancestors W or more back (expanded node e sits at depth e // w + 1)
-                    anc = anc & (d - (ids[:n_exp] // w + 1) < window)
-            ok = torch.cat([fixed, anc, own], 2)
-            # the nodes' K/V go into the rooms after the committed keys, the root and the nodes before them
-            h, _ = net.run(net.inputs(tok, par_h), positions[..., d - 1], ok,
-                           [KVRoom(k, v, S0 + 1 + n_exp) for k, v in rooms])
-            exp_h = torch.cat([exp_h, h], 1)
-            tree.grow(sel, log_scores(net.lm_logits(h), sampling))  # [B, w, V]
-        return tree.block(self.num_nodes, tree=self.tree)
+        return self.net.draft_tree(root_h, self.net.lm_logits(root_h), rooms, seen, lens + qn, depth, sampling,
+                                   topk=self.topk, num_nodes=self.num_nodes, tree=self.tree, key_pos=key_pos, window=W)
 
 
 def make_drafter(net: Net, *, gamma: int = 7, max_batch_size: int = 8, topk: int | None = None,
