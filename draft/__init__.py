@@ -3,10 +3,11 @@ kinds `mtp`, `eagle`, `dspark`, `native` (their nets and training in `specdec.dr
 `.native`, built or loaded through `specdec.draft.registry`; their drafters, on `head.HeadDrafter`, in
 `specdec.draft.mtp_drafter` etc.); `make_drafter` builds the one an engine asks for."""
 
-from .base import DraftBlock, Drafter, NoDraft, TargetView
+from .base import Contexts, DraftBlock, Drafter, NoDraft, Observation, TargetView
 from .factory import make_drafter
 from .follower import Follower
 from .model import ModelDrafter
 from .ngram import NgramDrafter
 
-__all__ = ["DraftBlock", "Drafter", "Follower", "ModelDrafter", "NgramDrafter", "NoDraft", "TargetView", "make_drafter"]
+__all__ = ["Contexts", "DraftBlock", "Drafter", "Follower", "ModelDrafter", "NgramDrafter", "NoDraft", "Observation",
+           "TargetView", "make_drafter"]

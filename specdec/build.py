@@ -22,7 +22,7 @@ from . import parallel
 from .parallel import TensorParallel
 from .prefix_cache import CachedSlots, PrefixCache, budget_bytes, check_budget
 from .round import RoundStep
-from .runner import HybridRunner, index_tensor, make_runner
+from .runner import index_tensor, make_runner
 
 
 def _buckets(max_batch: int) -> list[int]:
@@ -89,10 +89,10 @@ class EngineParts:
                                   static=cfg.static_shapes,
                                   check_memory=lambda plan: self._check_memory(plan, verify_tokens), **tracked,
                                   **({} if self.tp is None else dict(tp=self.tp, replicate=replicate)))
-        if cfg.memory is not None and not isinstance(self.runner, HybridRunner):
+        if cfg.memory is not None and not self.runner.paged:
             raise ValueError(f"memory: needs a hybrid target; {type(model).__name__} runs through its own forward and "
                              f"cache")
-        if cfg.static_shapes and not isinstance(self.runner, HybridRunner):
+        if cfg.static_shapes and not self.runner.paged:
             raise ValueError(f"static_shapes: needs a hybrid target; {type(model).__name__} runs through its own "
                              f"forward, whose cache grows every round")
         cpu_linear.apply(cfg.cpu_linear, target, *self.drafter.modules())  # after every check: changes the model
@@ -116,9 +116,8 @@ class EngineParts:
         self._uids = 0
         self._cancelled: set[int] = set()
         runner = self.runner
-        self.target = TargetView(model=target, kv=getattr(runner, "kv", None),
-                                 supports_tree=isinstance(runner, HybridRunner),
-                                 num_verify_tokens=getattr(runner, "num_verify_tokens", self.gamma + 1),
+        self.target = TargetView(model=target, kv=runner.kv, supports_tree=runner.supports_tree,
+                                 num_verify_tokens=runner.num_verify_tokens,
                                  gamma=self.gamma, max_length=self.max_length,
                                  slots=lambda rows: [self.lane_slots[r] for r in rows],
                                  index=lambda values: index_tensor(self._draft_index, values, runner.device))

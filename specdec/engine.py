@@ -17,7 +17,7 @@ from .config import SpecConfig
 from .loop import RequestLoop, _Lanes
 from .requests import Request
 from .round import drafter_failed
-from .runner import HybridRunner, index_tensor
+from .runner import index_tensor
 from .stats import SpecStats
 
 
@@ -199,19 +199,11 @@ class SpecEngine(RequestLoop):
                 feats["hidden"] = last.new_zeros(()).expand(len(ids), max(sizes), self.runner.hidden_size)
             self.drafter.observe(Observation.rows_of(ids, sizes, lens, tokens=ps, hidden=feats["hidden"],
                                                      features={c: feats[c] for c in capture}))
-        elif hasattr(self.runner, "prefill_batch"):  # every prompt in one forward per chunk
+        else:  # every prompt in one forward per chunk (the hybrid runner)
             out = self.runner.prefill_batch(slots, ps, capture=capture, last_logits=True)
             last = out.logits[:, 0]
             self.drafter.observe(Observation.rows_of(ids, sizes, lens, tokens=ps, hidden=out.hidden,
                                                      features={c: out.captured[c] for c in capture}))
-        else:
-            last = []
-            for i, (l, s, p) in enumerate(zip(ids, slots, ps)):
-                out = self.runner.prefill(s, p, capture=capture)
-                last.append(out.logits[0, -1])
-                self.drafter.observe(Observation([l], [p], lens[i:i + 1], [out.hidden[0]],
-                                                 {c: [out.captured[c][0]] for c in capture}))
-            last = torch.stack(last)  # [k, V]
         finite = torch.isfinite(last).all(1)  # checked after the one readback (a draw from NaN would raise first)
         safe = torch.where(finite[:, None], last, 0)
         first = torch.empty(len(ids), dtype=torch.long, device=last.device)
@@ -392,7 +384,7 @@ class SpecEngine(RequestLoop):
             block = self.drafter.propose(active, contexts, gamma, sampling=lead.sampling, generator=lead.draft_gen)
             runner = self.runner
             return check_block(block, B, gamma, device=runner.device, vocab=self._vocab,
-                               tree_budget=runner.num_verify_tokens if isinstance(runner, HybridRunner) else None,
+                               tree_budget=runner.num_verify_tokens if runner.supports_tree else None,
                                target=type(runner).__name__)
         except Exception as e:
             what = f"{type(e).__name__}: {e}"

@@ -4,6 +4,7 @@ fallback). It drives the model's own forward with a cloned cache: slower than `H
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 
 import torch
@@ -12,6 +13,7 @@ from specdec.verify import Acceptance
 
 from .hf_compat import CACHE_ARGS, cache_arg
 from .runner import RunnerOutput
+from .target import TargetRunner
 
 
 # transformers' Mamba-1 mixers start the selective scan from a zero state whenever more than one token comes in,
@@ -19,14 +21,16 @@ from .runner import RunnerOutput
 ONE_TOKEN_CONTINUATION = {"mamba", "falcon_mamba", "jamba", "zamba"}
 
 
-class GenericRunner:
+class GenericRunner(TargetRunner):
     """Any causal LM: its own forward and cache. A round runs on a deep copy of the request's cache; commit
-    adopts the copy when everything was accepted, else re-runs the accepted tokens on the original."""
+    adopts the copy when everything was accepted, else re-runs the accepted tokens on the original. Chains only,
+    no paged cache (`TargetRunner`'s capabilities all off)."""
 
-    def __init__(self, model, *, max_batch_size: int = 8, max_length: int = 4096, **_):
+    def __init__(self, model, *, max_batch_size: int = 8, max_length: int = 4096, num_verify_tokens: int = 8, **_):
         self.model = model
         self.device = next(model.parameters()).device
         self.max_length = max_length
+        self.num_verify_tokens = num_verify_tokens
         self.vocab_size = model.config.get_text_config().vocab_size
         self.hidden_size = model.config.get_text_config().hidden_size
         self.max_batch_size = max_batch_size
@@ -92,10 +96,20 @@ class GenericRunner:
                 tuple(torch.cat(h, 1) for h in zip(*(o.hidden_states for o in outs))))
 
     @torch.no_grad()
-    def prefill(self, slot: int, ids: torch.Tensor, *, capture=()) -> RunnerOutput:
-        logits, cache, hs = self._run(slot, ids, self._cache[slot])
-        self._cache[slot], self._len[slot] = cache, self._len[slot] + ids.shape[0]
-        return RunnerOutput(logits, hs[-1], {i: hs[i + 1] for i in capture})
+    def prefill_batch(self, slots: list[int], prompts: list[torch.Tensor], *, capture=(),
+                      last_logits: bool = False) -> RunnerOutput:
+        """Each prompt `[P_b]` through the model's own forward into its slot, one after another; -> one
+        right-padded `RunnerOutput` as `TargetRunner.prefill_batch` says."""
+        if not slots or len(prompts) != len(slots):
+            raise ValueError(f"prompts: expected one prompt per slot ({len(slots)} slots), got {len(prompts)}")
+        outs = []
+        for slot, ids in zip(slots, prompts):
+            logits, cache, hs = self._run(slot, ids, self._cache[slot])
+            self._cache[slot], self._len[slot] = cache, self._len[slot] + ids.shape[0]
+            outs.append((logits[0, -1:] if last_logits else logits[0], hs[-1][0], [hs[i + 1][0] for i in capture]))
+        pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True)
+        return RunnerOutput(pad([o[0] for o in outs]), pad([o[1] for o in outs]),
+                            {i: pad([o[2][j] for o in outs]) for j, i in enumerate(capture)})
 
     @torch.no_grad()
     def forward(self, slots: list[int], ids: torch.Tensor, *, parent=None, capture=(), slots_t=None) -> RunnerOutput:

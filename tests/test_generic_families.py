@@ -145,6 +145,27 @@ def test_verify_logits_equal_uncached_forward(family):
     assert min(committed) < GAMMA + 1 and max(committed) == GAMMA + 1, committed  # partial and full commits
 
 
+@pytest.mark.parametrize("family", ["llama", "mamba2", "gpt2"])
+def test_prefill_batch_rows_equal_uncached_forward(family):
+    """`prefill_batch` of prompts of different lengths: each row's hidden states, captured layer and last-token
+    logits equal an uncached forward of that prompt alone; past a row's end, zeros (the padded layout the hybrid
+    runner gives, which the engine reads the same way for every runner)."""
+    model = tiny(family)
+    prompts = [PROMPT, PROMPT[:4], PROMPT[2:9]]
+    runner = GenericRunner(model, max_batch_size=3, max_length=64)
+    slots = runner.alloc(3)
+    with float64_everywhere(), torch.no_grad():
+        out = runner.prefill_batch(slots, [torch.tensor(p) for p in prompts], capture=(0,), last_logits=True)
+        P = max(map(len, prompts))
+        assert out.hidden.shape[:2] == out.captured[0].shape[:2] == (3, P) and out.logits.shape[:2] == (3, 1)
+        for b, p in enumerate(prompts):
+            ref = model(torch.tensor([p]), use_cache=False, output_hidden_states=True)
+            assert max_rel_err(out.logits[b, 0], ref.logits[0, -1]) <= TOL
+            assert max_rel_err(out.hidden[b, :len(p)], ref.hidden_states[-1][0]) <= TOL
+            assert max_rel_err(out.captured[0][b, :len(p)], ref.hidden_states[1][0]) <= TOL
+            assert not out.hidden[b, len(p):].any() and runner.length(slots[b]) == len(p)
+
+
 @pytest.mark.parametrize("drafter", ["ngram", "model"])
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_greedy_identity(family, drafter, monkeypatch):

@@ -117,3 +117,30 @@ def test_checkout_root_on_sys_path_hides_no_package(tmp_path):
                 assert not where.startswith(os.path.realpath(ROOT) + os.sep) and probed == "True", (case, proc.stdout)
             else:
                 assert where == "None" and probed == "False", (case, extra, proc.stdout)
+
+
+def test_runner_classes_are_named_by_the_factory_only():
+    """Outside `runner.make_runner` the package asks a runner's declared capabilities (`target.TargetRunner`),
+    never its class: no `isinstance(..., HybridRunner / GenericRunner)` and no `HybridRunner` import."""
+    import ast
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        folders = set(tomllib.load(f)["tool"]["setuptools"]["package-dir"].values())
+    found = []
+    for folder in sorted(folders):
+        for dp, dns, fns in os.walk(os.path.join(ROOT, folder)):
+            dns[:] = [d for d in dns if d != "__pycache__"]
+            for fn in (f for f in fns if f.endswith(".py")):
+                path = os.path.join(dp, fn)
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read(), path)
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" \
+                            and "Runner" in ast.unparse(node.args[1]):
+                        found.append(f"{path}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
+    import specdec.generic
+    import specdec.runner
+    import specdec.target
+    for cls in (specdec.runner.HybridRunner, specdec.generic.GenericRunner):
+        assert issubclass(cls, specdec.target.TargetRunner) and not cls.__abstractmethods__
