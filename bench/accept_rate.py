@@ -63,7 +63,7 @@ finally:
     sys.path.pop(0)
 
 import specdec  # noqa: E402
-from specdec import hf_compat, timing  # noqa: E402
+from specdec import hf_compat, plot, timing  # noqa: E402
 
 PARTS = ("prefill", "draft", "verify", "total", "rounds", "runs")
 KEYS = ("tau", "alpha", "per_position", "tokens_per_s_spec", "tokens_per_s_plain", "speedup",
@@ -295,37 +295,9 @@ def format_parts(results: dict) -> str:
     return "\n".join(lines)
 
 
-def write_plot(results: dict, path: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ran = {k: v for k, v in results.items() if not v.get("skipped")}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, r in ran.items():
-        pos = r["per_position"]
-        ax1.plot(range(1, len(pos) + 1), pos, marker="o", label=name)
-    from matplotlib.ticker import MaxNLocator
-    ax1.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax1.set_xlabel("draft position / tree depth (given all earlier drafts accepted)")
-    ax1.set_ylabel("conditional acceptance")
-    ax1.set_ylim(0, 1.02)
-    ax1.set_title("acceptance by position")
-    if ran:
-        ax1.legend()
-    names = list(ran)
-    taus = [ran[n]["tau"] for n in names]
-    bars = ax2.bar(names, taus, color=[f"C{i}" for i in range(len(names))])
-    for b, t in zip(bars, taus):
-        ax2.annotate(f"{t:.2f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
-    ax2.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax2.set_ylim(0, max(taus + [1.0]) * 1.15)
-    ax2.set_ylabel("tau (tokens per verify forward)")
-    ax2.set_title("tau by drafter")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def plot_records(results: dict) -> dict:
+    """The drafters that ran, for `specdec.plot`."""
+    return {name: r for name, r in results.items() if not r.get("skipped")}
 
 
 # ---- main -----------------------------------------------------------------------------------------
@@ -360,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-speedup", type=float, default=2.5,
                    help="the speedup whose round budget the time table shows (the longest round that reaches it)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
-    p.add_argument("--plot", default=None, metavar="OUT.png", help="acceptance plot (needs matplotlib)")
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="picture of acceptance per draft position and speedup per drafter (needs matplotlib)")
     return p
 
 
@@ -393,10 +366,8 @@ def main(argv=None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     if a.plot:
-        import importlib.util
-        if importlib.util.find_spec("matplotlib") is None:
-            parser.error("--plot needs matplotlib, which is not installed: pip install 'specdec[bench]' "
-                         "(or pip install matplotlib), or leave out --plot")
+        if not plot.available():
+            parser.error(f"--plot: {plot.MISSING}; or leave out --plot")
     model_dir = input_args(parser, a.model, a.prompts)
     dtype = getattr(torch, a.dtype or ("bfloat16" if a.device == "cuda" else "float32"))
 
@@ -501,7 +472,7 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
     if a.plot:
-        write_plot(results, a.plot, title)
+        plot.write(plot_records(results), a.plot, title)
     return 0 if budget_spent or any(not r.get("skipped") for r in results.values()) else 1
 
 

@@ -2,7 +2,6 @@
 on-the-fly losslessness check, a missing trained drafter reported as skipped, `--cuda-graph` (static shapes on a
 CPU, plain decoding included) and `--budget-s`."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +13,8 @@ import torch
 
 from bench_scripts import load_bench
 from tiny_models import save_tiny
+
+from specdec import plot
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "accept_rate.py"
@@ -42,16 +43,12 @@ def saved(tmp_path_factory):
     return root / "model", prompts
 
 
-def has_matplotlib() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
-
-
 def test_ngram_json_shape_and_lossless(saved, tmp_path):
     model, prompts = saved
     out = tmp_path / "out.json"
     args = [sys.executable, SCRIPT, "--model", model, "--prompts", prompts, "--drafters", "ngram",
             "--max-new-tokens", NEW, "--device", "cpu", "--json", out]  # a tiny model: 1 thread by default
-    if has_matplotlib():
+    if plot.available():
         args += ["--plot", tmp_path / "out.png"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(list(map(str, args)), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
@@ -98,8 +95,8 @@ def test_ngram_json_shape_and_lossless(saved, tmp_path):
     assert t["target_speedup"] == 2.5
     assert t["round_budget_ms"] == pytest.approx((t["plain_generate_ms"] / 2.5 - t["prefill_ms"])
                                                  / t["rounds_per_generate"])
-    if has_matplotlib():
-        assert (tmp_path / "out.png").stat().st_size > 0
+    if plot.available():  # the picture draws the numbers of the JSON (`specdec.plot`; its drawing: test_demo.py)
+        assert plot.read_numbers(tmp_path / "out.png") == {"ngram": {k: r[k] for k in plot.KEYS}}
 
 
 def test_missing_trained_drafter_is_skipped(saved, tmp_path, capsys):

@@ -21,10 +21,12 @@ DESCRIPTION = ("Greedy generation with a drafter on the embedded model (or --mod
                "acceptance, tokens/s and speedup (each prompt's median over its repeats, pooled over prompts, "
                f"as bench/accept_rate.py does; a range instead when repeats differ by more than {NOISY:.0%}), "
                "a table of the drafters side by side, and whether the output equals transformers' greedy output "
-               "token for token (exit status 1 if not).")
+               "token for token (exit status 1 if not). Writes a picture of each drafter's acceptance per draft "
+               "position and speedup to --plot (needs matplotlib).")
 
 DEMO_KINDS = ("dspark", "eagle", "mtp")  # trained drafters, best first: what `--drafter auto` picks
 COMPARE_KINDS = ("ngram", "mtp", "eagle", "dspark")  # the side-by-side table, in this order
+PLOT = "specdec-demo.png"  # the picture's default path, in the working directory
 PROMPTS_NAME = "prompts.jsonl"  # the held-out benchmark prompts (a copy of bench/data/prompts.jsonl), package data
 # the style of the held-out benchmark code prompts: used only when the package's prompt file is missing
 DEMO_PROMPT = '''    def _read_header(self, fp):
@@ -128,6 +130,20 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _picture(args: argparse.Namespace, drafters: dict, title: str) -> tuple[str | None, str]:
+    """Writes the drafters' picture (`specdec.plot`) to --plot -> (its path or None, the line that says where it is
+    or why there is none)."""
+    from specdec import plot
+
+    if args.no_plot:
+        return None, ""
+    if not plot.available():
+        return None, f"[demo] no picture: {plot.MISSING}"
+    path = os.path.abspath(args.plot)
+    plot.write(drafters, path, title)
+    return path, f"[demo] picture of the drafters (acceptance per draft position, speedup): {path}"
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     embedded = args.model is None
     if embedded:
@@ -144,6 +160,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              ("--threads", args.threads if args.threads is not None else 1, 1)):
         if value < low:
             parser.error(f"argument {flag}: expected >= {low}, got {value}")
+    if not args.no_plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        parser.error(f"argument --plot: no such directory: {os.path.dirname(os.path.abspath(args.plot))}")
     prompts, prompts_path = _demo_prompts(args, parser)
     kind, drafter_dir = _demo_drafter(args, parser)
     compare = [] if args.no_compare else [(k, None if k == "ngram" else _shipped(args.model, k))
@@ -247,18 +265,23 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     per_repeat = timing.speedup_per_repeat(pooled_spec, pooled_plain)
     spread = timing.pooled_spread(pooled_spec, pooled_plain)
     noisy = timing.is_noisy(spread)
-    drafters = {kind: {"drafter_dir": drafter_dir, **{k: head[k] for k in ("tau", "alpha")},
+    drafters = {kind: {"drafter_dir": drafter_dir, **{k: head[k] for k in ("tau", "alpha", "per_position")},
                        "tokens_per_s": pooled_spec.tokens_per_s, "speedup": speedup,
                        "identical": all(r["spec"] == r["plain"] for r in runs), "repeats": R}}
     for k, d in compare:
         if k == kind:
             continue
         st = pooled([r["other"][k][0][1] for r in runs])
-        drafters[k] = {"drafter_dir": d, "tau": st["tau"], "alpha": st["alpha"],
+        drafters[k] = {"drafter_dir": d, "tau": st["tau"], "alpha": st["alpha"], "per_position": st["per_position"],
                        "tokens_per_s": pooled_other[k].tokens_per_s,
                        "speedup": timing.speedup(pooled_other[k], pooled_plain),
                        "identical": all(r["other"][k][0][0] == r["plain"] for r in runs), "repeats": 1}
     first = runs[0]
+    picture, picture_line = _picture(
+        args, drafters, f"{model.config.model_type} model, {n_params / 1e6:.1f}M parameters: {len(runs)} prompt(s), "
+                        f"{N} new tokens each, greedy, gamma {args.num_draft_tokens}, torch threads {threads}; "
+                        f"speedup over plain specdec decode, {kind} the median of {R} interleaved repeats"
+                        f"{', the others one run per prompt' if len(drafters) > 1 else ''}")
     diffs = [(r["id"], r["hf_diff"], "transformers' greedy output") for r in runs if r["hf_diff"] is not None] + \
         [(r["id"], r["diff"], "plain decode") for r in runs if r["diff"] is not None]
     result = {
@@ -273,7 +296,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "speedup_per_repeat": per_repeat, "spread": spread, "noisy": noisy,
         "identical": not diffs, "first_difference": first["hf_diff"],
         "identical_plain_specdec": all(r["plain"] == r["hf"] for r in runs),
-        "drafters": drafters,
+        "drafters": drafters, "plot": picture,
         "prompts": [{"id": r["id"], "prompt_tokens": r["P"], "new_tokens": len(r["spec"]), "tau": r["stats"].tau,
                      "speedup": r["speedup"], "spread": r["spread"], "seconds_spec": r["times"]["spec"],
                      "seconds_plain": r["times"]["plain"], "seconds_transformers": r["times"].get("transformers"),
@@ -281,6 +304,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     }
     if args.json:
         print(json.dumps(result))
+        if picture_line and picture is None:
+            print(picture_line, file=sys.stderr)
     else:
         if streamer is None:
             print(tokenizer.decode(first["ids"].tolist() + first["spec"], skip_special_tokens=True))
@@ -315,6 +340,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 runs_note = f"median of {d['repeats']} repeats" if d["repeats"] > 1 else "one run per prompt"
                 print(f"[demo]   {k:8s} {d['tau']:5.2f} {d['alpha']:6.3f} {d['tokens_per_s']:9.1f} "
                       f"{d['speedup']:7.2f}x  {'yes' if d['identical'] else 'NO'}  ({runs_note})")
+        if picture_line:
+            print(picture_line)
     if diffs:
         pid, d, what = diffs[0]
         print(f"{parser.prog}: error: the speculative output differs from {what} on prompt {pid} at new token {d}",
@@ -339,12 +366,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"JSONL prompt file of {{id, kind, prompt}} (default: the held-out prompts shipped with the "
                         f"package, specdec/embedded/{PROMPTS_NAME})")
     p.add_argument("--num-prompts", type=int, default=5, help="code prompts timed (default 5); the first is streamed")
-    p.add_argument("--max-new-tokens", type=int, default=24, help="tokens to generate per prompt (stops early at EOS)")
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens to generate per prompt (stops early at EOS; default 128)")
     p.add_argument("--num-draft-tokens", type=int, default=7, help="draft tokens per round (gamma)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved timed repeats per prompt, >= 3 (median)")
     p.add_argument("--threads", type=int, default=None,
                    help=f"torch intra-op threads (default: 1 for models under {SMALL_MODEL / 1e6:.0f}M parameters, "
                         f"else torch's default)")
+    p.add_argument("--plot", metavar="PATH", default=PLOT,
+                   help=f"where to write the picture of the drafters' acceptance per draft position and speedup "
+                        f"(PNG; default {PLOT} in the working directory; needs matplotlib)")
+    p.add_argument("--no-plot", action="store_true", help="write no picture")
     p.add_argument("--no-compare", action="store_true", help="time the chosen drafter only (no side-by-side table)")
     p.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, acceptance and speeds")
