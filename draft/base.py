@@ -299,6 +299,7 @@ class Drafter(ABC):
     """A drafter sees each request's full token history (prompt + committed tokens + the anchor)."""
 
     name = "drafter"
+    target: TargetView | None = None  # the engine's view of the target (`bind`); None for a drafter used on its own
     feature_layers: tuple[int, ...] = ()  # target decoder layers whose outputs `observe` receives
     static_draft = False  # has `draft_step`: drafting as device work of fixed shapes (CUDA-graph capturable)
     tree = False  # drafts trees (a `parent` in its blocks): the round's verify takes the tree form
@@ -356,15 +357,14 @@ class Drafter(ABC):
     def _index(self, values: list[int], device) -> torch.Tensor:
         """`values` (rows, slots) as a long device tensor: the bound target's (built once per distinct list), else
         built here (a drafter used on its own)."""
-        target = getattr(self, "target", None)
-        if target is not None:
-            return target.index(list(values))
+        if self.target is not None:
+            return self.target.index(list(values))
         return torch.tensor(list(values), dtype=torch.long, device=device)
 
     def _static_shapes(self) -> bool:
         """Whether the bound target keeps static shapes (its KV cache a fixed view): drafters with a static draft
         step then size their caches once, for the target's whole `max_length`."""
-        kv = getattr(getattr(self, "target", None), "kv", None)
+        kv = None if self.target is None else self.target.kv
         return kv is not None and kv.static
 
     def observe(self, obs: Observation) -> None:
@@ -374,12 +374,8 @@ class Drafter(ABC):
     def abort(self, rows: list[int]) -> None:
         """A round of `rows` failed part-way: `propose` raised or returned a malformed block (the next round
         drafts again), or something raised after the target's verify opened (`release` follows). Drop whatever
-        is half-done so the drafter is back at its committed state. The default aborts an open round of the
-        drafter's own runner (`self.runner`, as `ModelDrafter` keeps one); drafters with other mid-round state
-        override it."""
-        runner = getattr(self, "runner", None)
-        if runner is not None and callable(getattr(runner, "abort", None)):
-            runner.abort()
+        is half-done so the drafter is back at its committed state. The default has nothing to drop: drafters
+        with mid-round state (an own runner or cache) override it."""
 
     def release(self, rows: list[int]) -> None:
         """Requests ended."""

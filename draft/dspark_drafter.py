@@ -82,8 +82,7 @@ class DSparkDrafter(HeadDrafter):
         if not W:
             return None
         if num_verify_tokens is None:
-            target = getattr(self, "target", None)
-            num_verify_tokens = (target.num_verify_tokens if target is not None
+            num_verify_tokens = (self.target.num_verify_tokens if self.target is not None
                                  else self.max_verify_tokens(self.gamma))
         return W + num_verify_tokens
 

@@ -312,8 +312,7 @@ class EagleDrafter(HeadDrafter):
         cap = 0 if self.pend_f is None else self.pend_f.shape[1]
         if need <= cap:
             return
-        target = getattr(self, "target", None)
-        new = max(need, 2 * cap, target.num_verify_tokens if target is not None else 8)
+        new = max(need, 2 * cap, self.target.num_verify_tokens if self.target is not None else 8)
         with outside_inference():
             f = self.root_f.new_zeros(self.max_batch_size, new, width)
             t = torch.zeros(self.max_batch_size, new, dtype=torch.long, device=self.device)

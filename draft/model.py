@@ -38,7 +38,7 @@ class ModelDrafter(Drafter):
     def memory_specs(self, *, max_length: int, num_verify_tokens: int, gamma: int,
                      static: bool) -> dict[str, BufferSpec]:
         """What its runner allocates at first use (its KV cache; what it allocated at build is in memory already)."""
-        plan = getattr(self.runner, "memory", None)
+        plan = self.runner.memory
         return {} if plan is None else {f"draft.{n}": s for n, s in plan.specs(deferred=True).items()}
 
     def begin(self, rows, prompts):
@@ -49,7 +49,7 @@ class ModelDrafter(Drafter):
     def abort(self, rows):
         """Drop the open draft round and restart `rows` from scratch: a failure may have come between the
         catch-up forward and its commit, so the next propose re-prefills the whole context."""
-        super().abort(rows)
+        self.runner.abort()
         rows = [r for r in rows if r in self.slot]
         if rows:
             self.runner.release([self.slot[r] for r in rows])

@@ -20,12 +20,13 @@ class TargetRunner(ABC):
         paged: the KV cache is pages owned by a slot owner (`kv`, `slots`): what a memory budget, the prefix cache
             and fixed shapes (`static_shapes`, CUDA graphs) need.
     Instance attributes: `device`, `vocab_size`, `hidden_size`, `max_length`, `num_verify_tokens` (the most tokens
-    one verify forward takes per row), `kv` (the paged KV cache, None where not `paged`).
+    one verify forward takes per row), `kv` (the paged KV cache, None where not `paged`), `memory`.
     """
 
     supports_tree: ClassVar[bool] = False
     paged: ClassVar[bool] = False
     kv = None
+    memory = None  # the runner's `MemoryPlan` (its buffers by part), where it keeps one
 
     device: torch.device
     vocab_size: int
