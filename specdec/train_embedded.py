@@ -78,7 +78,7 @@ CHUNK = {"kimi_linear": 8, "qwen3_5": 16}  # the CPU chunked delta rule's chunk 
 
 
 def model_config(vocab_size: int, eos_id: int, pad_id: int, family: str = "kimi_linear"):
-    """kimi_linear: ~8M parameters, 8 layers, KDA on 6, MLA on 2 (layers 3 and 7: the published 3:1 pattern).
+    """kimi_linear: ~9M parameters, 8 layers, KDA on 6, MLA on 2 (layers 3 and 7: the published 3:1 pattern).
     qwen3_5: ~1.4M parameters, hidden 128, 4 layers (Gated DeltaNet on 0-2, gated attention on 3), tied embeddings."""
     if family == "qwen3_5":
         from transformers import Qwen3_5TextConfig
