@@ -29,10 +29,13 @@ class MixerOps(Protocol):
 class _Mixer:
     """Where a family's mixer sits and what sizes its state, as data: `layer_attr`, the decoder layer's attribute
     holding the mixer module (`module`); `dim_attrs`, the module's attributes giving the heads, key dim and value dim
-    (`dims`; conv width and kernel are `conv_dim` / `conv_kernel_size` in every family)."""
+    (`dims`; conv width and kernel are `conv_dim` / `conv_kernel_size` in every family); `rule`, the state update
+    ("delta" or "mamba2"); `gate_in_kernel`, whether the kernel takes the gate's input and computes the decay."""
 
     layer_attr: str
     dim_attrs: tuple[str, str, str]
+    rule = "delta"
+    gate_in_kernel = False
 
     @classmethod
     def module(cls, layer):

@@ -178,9 +178,9 @@ class HybridRunner(TargetRunner):
         first = self._mixers[next(iter(self.linear_index))]
         self.dtype = self.embed.weight.dtype
         self.device = self.embed.weight.device
-        gate_in_kernel = getattr(self.mixer, "gate_in_kernel", False)
+        gate_in_kernel = self.mixer.gate_in_kernel
         cfg = StateConfig(num_layers=len(self.linear_index), **self.mixer.dims(first), gate=self.mixer.gate,
-                          norm=self.mixer.norm, rule=getattr(self.mixer, "rule", "delta"), gate_in_kernel=gate_in_kernel,
+                          norm=self.mixer.norm, rule=self.mixer.rule, gate_in_kernel=gate_in_kernel,
                           max_requests=max_batch_size, max_running=max_batch_size,
                           num_verify_tokens=num_verify_tokens,
                           ssm_dtype=torch.float64 if self.dtype == torch.float64 else torch.float32,

@@ -40,7 +40,7 @@ def model_shapes(path: str, parser: argparse.ArgumentParser) -> dict:
     dims = spec.mixer.dims(mixers[min(mixers)])
     return dict(layers=len(mixers), heads=dims["num_heads"], k=dims["head_k_dim"], v=dims["head_v_dim"],
                 conv_kernel=dims["conv_kernel"], conv_dim=dims["conv_dim"], gate=spec.mixer.gate,
-                rule=getattr(spec.mixer, "rule", "delta"), family=family)
+                rule=spec.mixer.rule, family=family)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
