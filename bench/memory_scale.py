@@ -33,7 +33,7 @@ budget, and the decode cost of reading KV through pages.
       `tree_state_stack`) and KV pages `[pages + 1, 16, heads, dim]` bf16 for each request's worst case (in + out + D
       tokens). With a prefix cache the pool also keeps two tracked copies of each slot (`track_ssm [layer, slot, 2,
       H, K, V]`): the "+prefix" column. Under TP the MLA latents are data-parallel over the requests (each GPU the
-      requests it owns, `KVCache.split_slots`); the K3 line under the table puts every latent on every GPU, as
+      requests it owns, `parallel.SlotSplit`); the K3 line under the table puts every latent on every GPU, as
       SGLang does. `wrap` does not take `memory=` with a `tp_group` yet: the TP rows are the plan, not a run.
     - SGLang (python/sglang/srt/model_executor/model_runner_kv_cache_mixin.py, mem_cache/kv_cache_configurator.py):
       the state pool gets rest x r / (1 + r) (`--mamba-full-memory-ratio` r, default 0.9) in slots of one request's
