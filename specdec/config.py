@@ -11,6 +11,7 @@ from . import cpu_linear
 
 STRATEGIES = ("replay", "snapshot")
 COMMITS = ("eager", "lazy")
+TRACK_INTERVAL = 256  # `track_interval` with a prefix cache unless given
 
 
 @dataclass
@@ -51,9 +52,10 @@ class SpecConfig:
     admitted when the pages of its worst case (prompt + max_new_tokens + a verify window) are free, and waits in
     order otherwise (it never fails mid-generation). None (default): pages for `max_length` tokens in every slot.
     track_interval: with `prefix_cache`, the token interval at which a request's state is tracked, so that a
-    finished request also leaves entries at its last two multiples of it.
+    finished request also leaves entries at its last two multiples of it (None, the default: 256 with a prefix
+    cache; given without one: refused).
     states_per_path: with `prefix_cache`, the most entries one path from the tree's root keeps (None, the default: no
-    cap; SGLang's `--mamba-max-states-per-path`). Past it the path is thinned evenly: the entry whose loss leaves the
+    cap; SGLang's `--mamba-max-states-per-path`; given without a prefix cache: refused). Past it the path is thinned evenly: the entry whose loss leaves the
     shortest gap between its neighbours goes (its KV pages stay with the deeper entries), never a fork, a pinned
     entry or the newest, so a long conversation keeps recurrent states at spread-out points of its history, not only
     near its end.
@@ -71,7 +73,7 @@ class SpecConfig:
     draft_tokens_by_batch: dict | None = None
     cpu_linear: str = "auto"
     prefix_cache: bool | int = False
-    track_interval: int = 256
+    track_interval: int | None = None
     states_per_path: int | None = None
     memory: int | float | None = None
 
@@ -100,15 +102,22 @@ class SpecConfig:
                 raise ValueError(f"draft_tokens_by_batch: expected a dict {{batch size >= 1: drafts in [1, "
                                  f"num_draft_tokens = {self.num_draft_tokens}]}}, got {sched!r}")
             self.draft_tokens_by_batch = dict(sorted(sched.items()))
-        if not isinstance(self.track_interval, int) or isinstance(self.track_interval, bool) \
-                or self.track_interval < 1:
-            raise ValueError(f"track_interval: expected an int >= 1, got {self.track_interval!r}")
+        ti = self.track_interval
+        if ti is not None and (not isinstance(ti, int) or isinstance(ti, bool) or ti < 1):
+            raise ValueError(f"track_interval: expected None or an int >= 1, got {ti!r}")
         k = self.states_per_path
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 2):
             raise ValueError(f"states_per_path: expected None (no cap) or an int >= 2, got {k!r}")
         pc = self.prefix_cache
         if not isinstance(pc, (bool, int)) or (not isinstance(pc, bool) and pc < 1):
             raise ValueError(f"prefix_cache: expected False, True or a byte budget (an int >= 1), got {pc!r}")
+        if not pc:  # options of the prefix cache alone: silently unused otherwise
+            for name in ("track_interval", "states_per_path"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: an option of the prefix cache; give prefix_cache=True (or a budget) "
+                                     f"too, or leave it out")
+        elif ti is None:
+            self.track_interval = TRACK_INTERVAL
         m = self.memory
         if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float))
                               or (isinstance(m, int) and m < 1) or (isinstance(m, float) and not 0 < m <= 1)):

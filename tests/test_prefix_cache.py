@@ -135,8 +135,12 @@ def test_bad_budgets_and_targets_are_one_clear_error():
         specdec.wrap(model, prefix_cache=100)
     with pytest.raises(ValueError, match=r"prefix_cache: expected False, True or a byte budget"):
         specdec.wrap(model, prefix_cache=-5)
-    with pytest.raises(ValueError, match=r"track_interval: expected an int >= 1"):
+    with pytest.raises(ValueError, match=r"track_interval: expected None or an int >= 1"):
         specdec.wrap(model, prefix_cache=True, track_interval=0)
+    for option in (dict(track_interval=64), dict(states_per_path=4)):  # options of the cache, without one
+        with pytest.raises(ValueError, match=rf"{next(iter(option))}: an option of the prefix cache; give "
+                                             r"prefix_cache=True"):
+            specdec.wrap(model, **option)
     with pytest.raises(ValueError, match=r"prefix_cache: needs a hybrid target"):
         specdec.wrap(generic.tiny("mamba"), prefix_cache=True)
     with pytest.raises(ValueError, match=r"track_interval: 1 with num_draft_tokens 3: .* track_interval >= 2"):
