@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import tomllib
 
@@ -28,8 +29,15 @@ def test_every_package_folder_is_listed():
 def _imports(folder: str):
     """-> (path, line, names) per import statement of the .py files below `folder`; `from m import a` names `m`
     and `m.a`."""
-    import ast
+    for path, node in _nodes(folder):
+        if isinstance(node, ast.Import):
+            yield path, node.lineno, [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            yield path, node.lineno, [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
 
+
+def _nodes(folder: str):
+    """-> (path, node) for every syntax node of the .py files below `folder`."""
     for dp, dns, fns in os.walk(os.path.join(ROOT, folder)):
         dns[:] = [d for d in dns if d != "__pycache__"]
         for fn in (f for f in fns if f.endswith(".py")):
@@ -37,10 +45,7 @@ def _imports(folder: str):
             with open(path, encoding="utf-8") as f:
                 tree = ast.parse(f.read(), path)
             for node in ast.walk(tree):
-                if isinstance(node, ast.Import):
-                    yield path, node.lineno, [a.name for a in node.names]
-                elif isinstance(node, ast.ImportFrom):
-                    yield path, node.lineno, [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                yield path, node
 
 
 def test_draft_does_not_import_the_runner():
@@ -122,22 +127,11 @@ def test_checkout_root_on_sys_path_hides_no_package(tmp_path):
 def test_runner_classes_are_named_by_the_factory_only():
     """Outside `runner.make_runner` the package asks a runner's declared capabilities (`target.TargetRunner`),
     never its class: no `isinstance(..., HybridRunner / GenericRunner)` and no `HybridRunner` import."""
-    import ast
-
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         folders = set(tomllib.load(f)["tool"]["setuptools"]["package-dir"].values())
-    found = []
-    for folder in sorted(folders):
-        for dp, dns, fns in os.walk(os.path.join(ROOT, folder)):
-            dns[:] = [d for d in dns if d != "__pycache__"]
-            for fn in (f for f in fns if f.endswith(".py")):
-                path = os.path.join(dp, fn)
-                with open(path, encoding="utf-8") as f:
-                    tree = ast.parse(f.read(), path)
-                for node in ast.walk(tree):
-                    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" \
-                            and "Runner" in ast.unparse(node.args[1]):
-                        found.append(f"{path}:{node.lineno} {ast.unparse(node)}")
+    found = [f"{path}:{node.lineno} {ast.unparse(node)}" for folder in sorted(folders)
+             for path, node in _nodes(folder) if isinstance(node, ast.Call)
+             and getattr(node.func, "id", None) == "isinstance" and "Runner" in ast.unparse(node.args[1])]
     assert not found, found
     import specdec.generic
     import specdec.runner
