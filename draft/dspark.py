@@ -9,20 +9,22 @@ One round drafts the whole block `[anchor, MASK x (G-1)]` in ONE non-causal forw
 - output norm + the target's own lm_head (shared by reference, never saved) give base logits for all G
   slots at once: slot i (position anchor + i) scores the token at anchor + i + 1.
 The Markov head then adds `W @ row(prev_i)`, a rank-`markov_rank` bigram term (`row` a free `[V, r]` table in
-the reference recipe, `U @ E[prev]` through the target's embedding E in older drafters), where prev_i is the anchor for i = 0 and draft i-1 after that, so drafts are chosen sequentially after the single
-forward (greedy: argmax; sampling: drawn from `q_i = probs_from_logits(logits_i, sampling)`, returned).
-The confidence head `sigmoid(w . [h_i; row(prev_i)])` (older drafters: `sigmoid(w . h_i)`) estimates the probability that draft i is accepted given that the
-drafts before it were; with `confidence_threshold > 0` the block is cut after the last draft whose
-cumulative estimate `prod_{j<=i} c_j` is still >= the threshold (at least one draft is kept). That only
-decides how many drafts are verified, so the output stays lossless.
+the reference recipe, `U @ E[prev]` through the target's embedding E with `markov_table=False`), where prev_i is
+the anchor for i = 0 and draft i-1 after that, so drafts are chosen sequentially after the single forward
+(greedy: argmax; sampling: drawn from `q_i = probs_from_logits(logits_i, sampling)`, returned).
+The confidence head `sigmoid(w . [h_i; row(prev_i)])` (`confidence_markov=False`: `sigmoid(w . h_i)`) estimates
+the probability that draft i is accepted given that the drafts before it were; with `confidence_threshold > 0`
+the block is cut after the last draft whose cumulative estimate `prod_{j<=i} c_j` is still >= the threshold (at
+least one draft is kept). That only decides how many drafts are verified, so the output stays lossless.
 
 Training (`net.loss`): random anchors a per window (`Net.num_anchors`: the reference's density, 1 in 8
 positions); context = target features at positions <= a-1 (the last `context_window` of them when set),
 block = positions a .. a+G-1 (G = `block_size`), the Markov head teacher-forced with the true tokens
-(prev_i = token a+i). The reference recipe (`REFERENCE`, what every new drafter gets) scores slot i with
+(prev_i = token a+i). The reference recipe (`Config`'s defaults, what every new drafter gets) scores slot i with
 0.9 x L1(p_draft, p_target(a+i)) + 0.1 x CE(token a+i+1), slot k weighted exp(-k/4), plus the confidence head's
-BCE against the soft acceptance 1 - TV. Drafters saved before these fields existed keep their soft cross-entropy
-and hard-hit confidence target (`Config`). Reference followed: DeepSpec
+BCE against the soft acceptance 1 - TV. A saved drafter's config.json states every field, so one trained with
+other values (the soft cross-entropy and hard-hit confidence target of the first drafters) keeps them. Reference
+followed: DeepSpec
 `deepspec/modeling/dspark/{loss.py, markov_head.py, common.py, qwen3/modeling.py}` and
 `config/dspark/dspark_qwen3_8b.py`.
 
@@ -62,24 +64,11 @@ def _fingerprint_matches(a: list[float], b: list[float], rtol: float = 3e-2) -> 
     return len(a) == len(b) and all(abs(x - y) <= rtol * max(abs(x), abs(y), 1e-12) for x, y in zip(a, b))
 
 
-# The reference recipe (DeepSpec `config/dspark/dspark_qwen3_8b.py`, `deepspec/modeling/dspark/{loss.py,
-# markov_head.py, qwen3/modeling.py}`), scaled to a CPU-trained drafter: every new drafter gets these
-# (`Config.for_target`). A Config field's dataclass default is instead the value drafters saved before the field
-# existed used, so their config.json (which lacks it) still loads with its old behaviour and blocks.
-REFERENCE = dict(
-    l1_weight=0.9, hard_ce_weight=0.1, soft_ce_weight=0.0, position_decay=4.0,  # loss.py; l1/ce_loss_alpha
-    input_norm=True, qk_norm=True,  # qwen3/modeling.py: q_norm / k_norm; anchor input at the layers' scale
-    anchor_density=0.125,  # num_anchors 512 per max_length 4096
-    markov_table=True, markov_rank=64,  # markov_head.py VanillaMarkov (reference rank 256 at hidden 4096)
-    confidence_markov=True, confidence_soft=True,  # confidence_head_with_markov; target 1 - TV (loss.py)
-    num_layers=2,  # target-sized layers (reference: 5 for a 36-layer target); see `Config.for_target`
-)
-
-
 @dataclass
 class Config(DraftConfig):
-    """DSpark's fields. The reference recipe's values are in `REFERENCE` (what `for_target` gives); the defaults
-    below reproduce drafters saved before each field existed.
+    """DSpark's fields. The defaults are the reference recipe (DeepSpec `config/dspark/dspark_qwen3_8b.py`,
+    `deepspec/modeling/dspark/{loss.py, markov_head.py, qwen3/modeling.py}`) scaled to a CPU-trained drafter: what
+    every new drafter gets (`for_target`). A saved drafter states every field in its config.json.
 
     Loss: `l1_weight` x L1(p_draft, p_target) (= 2 TV, which maps directly to acceptance; reference 0.9)
     + `hard_ce_weight` x CE against the window's next token (reference 0.1) + `soft_ce_weight` x soft CE against
@@ -103,23 +92,23 @@ class Config(DraftConfig):
     """
 
     kind: str = "dspark"
-    num_layers: int = 2
+    num_layers: int = 2  # target-sized layers (reference: 5 for a 36-layer target); see `for_target`
     block_size: int = 7  # G: slots per block = drafts per forward (anchor + G-1 MASK slots)
-    markov_rank: int = 32
+    markov_rank: int = 64  # markov_head.py VanillaMarkov (reference rank 256 at hidden 4096)
     anchors_per_window: int = 8  # training blocks per target window (when anchor_density is 0)
     confidence_weight: float = 1.0
     target_num_layers: int = 0
     target_fingerprint: list[float] = field(default_factory=list)
-    l1_weight: float = 0.0
-    hard_ce_weight: float = 0.0
-    soft_ce_weight: float = 1.0
-    position_decay: float = 0.0
-    input_norm: bool = False
-    qk_norm: bool = False
-    anchor_density: float = 0.0
-    markov_table: bool = False
-    confidence_markov: bool = False
-    confidence_soft: bool = False
+    l1_weight: float = 0.9  # loss.py: l1 / ce_loss_alpha
+    hard_ce_weight: float = 0.1
+    soft_ce_weight: float = 0.0
+    position_decay: float = 4.0
+    input_norm: bool = True  # anchor input at the layers' scale
+    qk_norm: bool = True  # qwen3/modeling.py: q_norm / k_norm
+    anchor_density: float = 0.125  # num_anchors 512 per max_length 4096
+    markov_table: bool = True
+    confidence_markov: bool = True  # confidence_head_with_markov
+    confidence_soft: bool = True  # target 1 - TV (loss.py)
     context_window: int = 0
 
     def __post_init__(self):
@@ -153,8 +142,8 @@ class Config(DraftConfig):
 
     @classmethod
     def for_target(cls, target, **overrides) -> "Config":
-        """The reference recipe (`REFERENCE`) sized for `target`: layers as wide as the target's own (its
-        attention heads of hidden / heads, its MLP width), `REFERENCE["num_layers"]` of them (two: the most that
+        """The reference recipe (the defaults) sized for `target`: layers as wide as the target's own (its
+        attention heads of hidden / heads, its MLP width), `num_layers` of them (two by default: the most that
         trains to convergence within a CPU training run with a 256-wide target, bench/results/HISTORY.md; the
         reference's five are for a 36-layer target)."""
         tc = target.config.get_text_config()
@@ -162,7 +151,7 @@ class Config(DraftConfig):
         heads = int(getattr(tc, "num_attention_heads", 0) or 0)
         if heads < 1 or d % heads:
             heads = 4 if d % 4 == 0 else 1
-        base = dict(REFERENCE, target_model_type=target.config.model_type, target_hidden_size=d,
+        base = dict(target_model_type=target.config.model_type, target_hidden_size=d,
                     target_vocab_size=tc.vocab_size, target_num_layers=tc.num_hidden_layers,
                     feature_layers=default_feature_layers(tc.num_hidden_layers),
                     target_fingerprint=target_fingerprint(target), num_heads=heads, head_dim=d // heads,

@@ -17,6 +17,7 @@ near-uniform distributions carry almost no signal to distil from.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -437,8 +438,8 @@ def test_corrupt_weights_file_raises_value_error(setup, tmp_path):
 
 
 def test_new_drafters_get_the_reference_recipe(setup):
-    """`Config.for_target` (every new drafter) is the reference recipe; a bare Config keeps the old behaviour
-    (the values of drafters saved before the fields existed)."""
+    """`Config.for_target` (every new drafter) is the reference recipe, and so are a bare Config's defaults: the
+    recipe has one home."""
     target = setup.target("qwen3_next")
     cfg = dspark.Config.for_target(target)
     assert (cfg.l1_weight, cfg.hard_ce_weight, cfg.soft_ce_weight, cfg.position_decay) == (0.9, 0.1, 0.0, 4.0)
@@ -446,9 +447,11 @@ def test_new_drafters_get_the_reference_recipe(setup):
     assert cfg.anchor_density == 512 / 4096
     tc = target.config
     assert cfg.intermediate_size == tc.intermediate_size and cfg.num_heads * cfg.head_dim == tc.hidden_size
-    old = dspark.Config()
-    assert (old.l1_weight, old.hard_ce_weight, old.soft_ce_weight, old.position_decay) == (0.0, 0.0, 1.0, 0.0)
-    assert not (old.input_norm or old.qk_norm or old.markov_table or old.confidence_markov or old.confidence_soft)
+    sized = {"target_model_type", "target_hidden_size", "target_vocab_size", "target_num_layers", "feature_layers",
+             "target_fingerprint", "num_heads", "head_dim", "intermediate_size", "rms_norm_eps"}
+    bare = dataclasses.asdict(dspark.Config())
+    assert {k: v for k, v in dataclasses.asdict(cfg).items() if k not in sized} == \
+        {k: v for k, v in bare.items() if k not in sized}
     net = build_drafter_net("dspark", target)
     assert net.num_anchors(128) == 16 and net.num_anchors(4096) == 512 - 0  # the reference's 512 per 4096
     # the Markov head: a free [V, r] table and an [r -> V] projection; the confidence head reads [h; row]
@@ -552,13 +555,14 @@ def test_loss_equals_float64_recomputation(setup):
 
 
 def test_old_saved_drafter_loads_with_its_old_config_and_blocks():
-    """tests/data/dspark_v1: a drafter saved before the recipe fields existed (its config.json lacks them),
-    with the blocks, num_drafts and confidences that draft/dspark.py of commit d7af6c9 proposed on a float64
-    tiny kimi_linear target (lm_head x 30, seed 0) in greedy generation with confidence_threshold 0.4. It still
-    loads with the old behaviour and proposes the same blocks."""
+    """tests/data/dspark_v1: a drafter saved before the recipe fields existed (its config.json now states every
+    field, the recipe's with the values it was trained with), with the blocks, num_drafts and confidences that
+    draft/dspark.py of commit d7af6c9 proposed on a float64 tiny kimi_linear target (lm_head x 30, seed 0) in greedy
+    generation with confidence_threshold 0.4. It still loads with the old behaviour and proposes the same blocks."""
     path = os.path.join(os.path.dirname(__file__), "data", "dspark_v1")
     rec = json.load(open(os.path.join(path, "blocks.json")))
-    assert "l1_weight" not in json.load(open(os.path.join(path, "config.json")))
+    saved = json.load(open(os.path.join(path, "config.json")))
+    assert set(saved) == {f.name for f in dataclasses.fields(dspark.Config)}  # nothing left to the defaults
     target = _target("kimi_linear")
     net = load_drafter(path, target)
     cfg = net.config
