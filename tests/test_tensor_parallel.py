@@ -106,7 +106,7 @@ def allocation(eng) -> dict[str, int]:
             "pool": buffer_bytes(eng.runner.state.pool), "kv_plan": kv_plan, "max_pages": eng.runner.kv.max_pages}
 
 
-def scenarios(rank: int, world: int, path: str) -> dict:
+def scenarios(rank: int, world: int, path: str, native_path: str) -> dict:
     """Everything a rank runs (the same calls on each rank, as under torchrun)."""
     group = torch.distributed.group.WORLD
     res = {"greedy": {}, "sample": {}, "alloc": {}, "rounds": {}}
@@ -126,7 +126,7 @@ def scenarios(rank: int, world: int, path: str) -> dict:
         e = eng if drafter == "eagle" else engine("qwen3_next", tp_group=group)
         for seed in (7, None):
             res["sample"][drafter, seed] = generate(e, do_sample=True, temperature=1.5, seed=seed)[0]
-    res["seeded"] = seeded(group)
+    res["seeded"] = seeded(native_path, group)
     res["mamba2_hybrids"] = {name: generate(specdec.wrap(model, drafter="ngram", max_length=64, tp_group=group))[0]
                              for name, model in MAMBA2_HYBRIDS().items()}
     res["no_layout"] = no_layout(group)
@@ -239,8 +239,19 @@ def saved_qwen3_5(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ranks(saved_qwen3_5):
-    return spawn(scenarios, str(saved_qwen3_5))
+def saved_native(tmp_path_factory):
+    """The tiny Qwen3-Next of these tests saved with the MTP layers its published checkpoints ship (the native
+    drafter reads them from the files)."""
+    from tiny_models import save_with_mtp
+
+    path = tmp_path_factory.mktemp("qwen3_next_mtp")
+    save_with_mtp(path, "qwen3_next")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ranks(saved_qwen3_5, saved_native):
+    return spawn(scenarios, str(saved_qwen3_5), saved_native)
 
 
 @pytest.fixture(scope="module")
@@ -342,19 +353,27 @@ def test_a_family_runs_tp_iff_it_declares_a_layout(ranks):
                                          f"with one: {declared}")
 
 
-def seeded(group=None) -> dict:
-    """Sampled output with seed 7 per drafter kind (mtp and the draft model sample their drafts too)."""
+def seeded(native_path: str, group=None) -> dict:
+    """Sampled output with seed 7 per drafter kind (mtp and the draft model sample their drafts too), the native
+    drafter on the Qwen3-Next saved with its MTP layers (`native_path`)."""
+    from transformers import AutoModelForCausalLM
+
     kw = {} if group is None else dict(tp_group=group)
-    return {d: generate(engine("qwen3_next", drafter=d, **kw), do_sample=True, temperature=1.5, seed=7)[0]
-            for d in KINDS}
+    out = {d: generate(engine("qwen3_next", drafter=d, **kw), do_sample=True, temperature=1.5, seed=7)[0]
+           for d in KINDS}
+    model = AutoModelForCausalLM.from_pretrained(native_path, dtype=torch.float64, attn_implementation="eager",
+                                                 experts_implementation="eager").eval()
+    out["native"] = generate(specdec.wrap(model, drafter="native", max_length=64, **kw), do_sample=True,
+                             temperature=1.5, seed=7)[0]
+    return out
 
 
-def test_one_seed_samples_the_same_tokens_at_every_tp_size(ranks):
+def test_one_seed_samples_the_same_tokens_at_every_tp_size(ranks, saved_native):
     """A seed fixes the output whatever the tensor-parallel size: the acceptance draws from its stream on every
     rank, the drafter (rank 0's alone under tp) from a stream of its own, seeded from it, in one process too. Every
-    drafter kind: ngram, eagle, mtp, a draft model and dspark."""
-    single = seeded()
-    assert set(single) == {"ngram", "eagle", "mtp", "model", "dspark"}
+    drafter kind: ngram, eagle, mtp, a draft model, dspark and the checkpoint's own MTP layers (native)."""
+    single = seeded(saved_native)
+    assert set(single) == {"ngram", "eagle", "mtp", "model", "dspark", "native"}
     assert ranks[0]["seeded"] == ranks[1]["seeded"] == single
 
 
