@@ -337,7 +337,7 @@ class SpecEngine(RequestLoop):
             rows = [i for i, r in enumerate(reqs) if r.stats is st]
             st.record(*([v[i] for i in rows] for v in (host.num_drafts, host.num_accepted, host.reached)))
         self._cut_at_returned(res, host, reqs)
-        (self._graphs.commit if graphed else self.round_step.commit_step)(res, host)
+        (self._graphs.commit_step if graphed else self.round_step.commit_step)(res, host)
         spent = time.perf_counter() - t
         for st in sinks:
             st.timings["verify"] += spent

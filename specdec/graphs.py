@@ -94,8 +94,8 @@ class RoundGraphs:
         self._current = entry
         return out
 
-    def commit(self, res: RoundResult, host: HostRound) -> None:
-        """The commit step of this round, after its readback; captured right after its device step."""
+    def commit_step(self, res: RoundResult, host: HostRound) -> None:
+        """`RoundStep.commit_step` of this round, after its readback; captured right after its device step."""
         eng, entry = self.engine, self._current
         if entry is None:
             eng.round_step.commit_step(res, host)
