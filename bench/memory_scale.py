@@ -333,7 +333,8 @@ def specdec_plan(m: dict, tp: int, requests: int, tokens: int, draft_tokens: int
     memory plan counts them (`HybridRunner._memory_plan`): the state pool, the spec state of eager commit on the
     Triton kernels (a tree round's stack included) and each request's KV pages plus the scratch page and the block
     table. `kv_dp`: under TP the MLA latents of a request on the GPU that owns it only."""
-    from specdec.kv_cache import kv_specs, num_pages_for, owned_rows
+    from specdec.kv_cache import kv_specs, num_pages_for
+    from specdec.parallel import owned_rows
     from specdec.replayssm.plan import pool_specs, strategy_specs
     cfg = paper_state(m, tp, requests, draft_tokens, track=track)
     specs = strategy_specs(cfg, "replay", commit="eager", triton=True)

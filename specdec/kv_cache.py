@@ -68,12 +68,6 @@ def token_bytes(specs: dict[str, BufferSpec]) -> int:
     return sum(s.nbytes // (s.shape[0] * s.shape[1]) for s in page_specs(specs).values())
 
 
-def owned_rows(num_slots: int, ranks: int) -> int:
-    """Rows a rank keeps of a data-parallel layer (`parallel.SlotSplit`): its share of the request slots (slot s
-    to rank s % ranks, row s // ranks; the null slot, the last, to none)."""
-    return -(-(num_slots - 1) // ranks)
-
-
 class PageTable:
     """The pages of one group of layers: a free list, each row's pages on the host, each page's holders (`refs`:
     rows and prefix-cache entries), and the block table `[rows, max_pages]` (long, on the device) that attention

@@ -39,7 +39,7 @@ from specdec.replayssm.plan import BufferSpec
 from specdec.tensors import index_tensor
 
 from .adapters import HYBRID_FAMILIES
-from .kv_cache import kv_specs, num_pages_for, owned_rows
+from .kv_cache import kv_specs, num_pages_for
 from .tp_layouts import Layout, Split
 
 
@@ -267,6 +267,12 @@ class TensorParallel:
         if code >= 0:
             probs = self.broadcast(torch.empty(B, G, V, dtype=self._DTYPES[code], device=self.device))
         return DraftBlock(body[:, 1:1 + G], body[:, 0], probs, body[:, 1 + width:2 + width + G] if tree else None)
+
+
+def owned_rows(num_slots: int, ranks: int) -> int:
+    """Rows a rank keeps of a data-parallel layer (`SlotSplit`): its share of the request slots (slot s
+    to rank s % ranks, row s // ranks; the null slot, the last, to none)."""
+    return -(-(num_slots - 1) // ranks)
 
 
 class SlotSplit:
