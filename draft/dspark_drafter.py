@@ -197,7 +197,9 @@ class DSparkDrafter(HeadDrafter):
             self.len_t[rows_t] = torch.tensor(lengths, dtype=torch.long, device=dev)
         # slots past the longest row's length hold nothing yet (a row wraps only past the whole cache)
         span = min(max(lengths), self.k[0].shape[2])
-        return self._draft(rows_t, self.len_t[rows_t], anchors, gamma, span, sampling, generator)
+        first = rows[0]
+        run = slice(first, first + B) if list(rows) == list(range(first, first + B)) else None
+        return self._draft(rows_t, self.len_t[rows_t], anchors, gamma, span, sampling, generator, run=run)
 
     def _check_drop(self, row: int, have: int, want: int) -> None:
         """A row cut back from `have` to `want` positions still holds the window before `want`: a ring keeps the
@@ -221,15 +223,18 @@ class DSparkDrafter(HeadDrafter):
         lens = kv.lengths[slots_t]
         return self._draft(rows_t, lens, anchors, gamma, self.k[0].shape[2], sampling, generator)
 
-    def _draft(self, rows_t, lens, anchors, gamma, span, sampling, generator) -> DraftBlock:
+    def _draft(self, rows_t, lens, anchors, gamma, span, sampling, generator, *, run: slice | None = None
+               ) -> DraftBlock:
         """The block after `anchors [B]` of rows `rows_t [B]` whose contexts hold `lens [B]` positions, reading the
         first `span` slots of the cache (every slot that holds one of the rows' positions: all of them once a
-        row wraps), each visible as the position it holds is (`Net.context_visible`)."""
+        row wraps), each visible as the position it holds is (`Net.context_visible`). `run`: the same rows as a
+        slice where they are consecutive, so the cache is read as a view, not gathered."""
         net = self.net
         B, dev = rows_t.shape[0], anchors.device
         G = max(gamma, net.config.block_size)
         cap = self.k[0].shape[2]
-        kv = [(k[rows_t, :, :span], v[rows_t, :, :span]) for k, v in zip(self.k, self.v)]
+        sel = rows_t if run is None else run
+        kv = [(k[sel, :, :span], v[sel, :, :span]) for k, v in zip(self.k, self.v)]
         last = lens[:, None] - 1
         held = last - (last - torch.arange(span, device=dev)) % cap  # [B, span]: the latest position at each slot
         ctx_ok = (held >= 0) & net.context_visible(held, lens)  # negative: a slot no position reached yet
