@@ -35,7 +35,7 @@ import torch
 
 from specdec.tensors import outside_inference
 
-from .base import BufferSpec, DraftBlock, Observation, grown_kv_specs
+from .base import BufferSpec, DraftBlock, Observation, grown_kv_specs, row_run
 from .eagle import Net
 from .head import HeadDrafter, check_positive
 from .layers import QUERY_CHUNK, KVRoom
@@ -321,15 +321,18 @@ class EagleDrafter(HeadDrafter):
         self.pend_f, self.pend_t = f, t
 
     # ---- drafting ------------------------------------------------------------------------------------
-    def _rooms(self, rows_t, span: int, room: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _rooms(self, rows_t, span: int, room: int, *,
+               run: slice | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer K/V buffers `[B, H, span + room, D]` of rows `rows_t [B]`, the first `span` positions their
-        cached K/V, the rest for the keys a forward adds (`layers.KVRoom`)."""
+        cached K/V, the rest for the keys a forward adds (`layers.KVRoom`). `run`: the same rows as a slice where
+        they are consecutive, so the cache is copied once, not gathered first."""
         rooms = []
+        sel = rows_t if run is None else run
         for ck, cv in self.cache:
             k = ck.new_empty(rows_t.shape[0], ck.shape[1], span + room, ck.shape[3])
             v = cv.new_empty(rows_t.shape[0], cv.shape[1], span + room, cv.shape[3])
             if span:
-                k[:, :, :span], v[:, :, :span] = ck[rows_t, :, :span], cv[rows_t, :, :span]
+                k[:, :, :span], v[:, :, :span] = ck[sel, :, :span], cv[sel, :, :span]
             rooms.append((k, v))
         return rooms
 
@@ -415,7 +418,8 @@ class EagleDrafter(HeadDrafter):
             ok = ok & self.net.in_window(positions[:, :, None], torch.cat([held, positions], 1)[:, None], W)
         # one room per layer for the round: the cache read, the queue, the root, then the tree's nodes, `w` per
         # depth past the first (w <= the tree's topk)
-        rooms = self._rooms(rows_t, span, Q + 1 + (depth - 1) * (self.topk if self.tree else 1))
+        rooms = self._rooms(rows_t, span, Q + 1 + (depth - 1) * (self.topk if self.tree else 1),
+                            run=None if rows is None else row_run(rows))
         h, kvs = self._forward(tok, feat, positions, ok, rooms, span)
         if W and Q <= cap:  # the queue's places are distinct slots: its padding keeps what they hold
             self._ring_write(rows_t, positions[:, :Q], i[None, :Q] < qn[:, None],

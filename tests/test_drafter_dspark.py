@@ -662,3 +662,30 @@ def test_context_window_hides_only_the_older_keys(setup):
     assert torch.equal(hidden(W, moved=a - W - 1), base)  # just outside the window
     assert not torch.allclose(hidden(W, moved=a - W), base)  # the oldest key inside it
     assert not torch.allclose(hidden(0, moved=a - W - 1), hidden(0))
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle"])
+def test_rows_in_any_order_draft_as_alone(kind):
+    """A drafter reads its caches as a view for consecutive rows (`row_run`) and gathers them otherwise: blocks of
+    rows [0, 1, 2], [2, 0] and each row alone are the same per row (greedy: tokens; the drafts' logits alike)."""
+    target = tiny_model("qwen3_next", seed=0, vocab_size=V, num_layers=2)
+    torch.manual_seed(0)
+    d = specdec.wrap(target, drafter=kind, untrained=True, max_length=64, max_batch_size=4).drafter
+    net_layers = d.feature_layers
+    ctxs = [torch.tensor(SAMPLE_PROMPT[:n]) for n in (6, 10, 8)]
+    d.begin([0, 1, 2], ctxs)
+    for r, c in enumerate(ctxs):
+        gen = torch.Generator().manual_seed(r)
+        feats = {l: [torch.randn(c.numel() - 1, target.config.hidden_size, dtype=torch.float64, generator=gen)]
+                 for l in net_layers}
+        hidden = [torch.randn(c.numel() - 1, target.config.hidden_size, dtype=torch.float64, generator=gen)]
+        d.observe(Observation.of([r], [c[:-1]], hidden=hidden, features=feats))
+
+    def block(rows):
+        b = d.propose(rows, Contexts.of([ctxs[r] for r in rows]), 3)
+        d.abort(rows)  # back to the committed state: the next call drafts from the same caches
+        return {r: b.tokens[i].tolist() for i, r in enumerate(rows)}
+
+    whole, reordered = block([0, 1, 2]), block([2, 0])
+    alone = {r: block([r])[r] for r in range(3)}
+    assert whole == alone and reordered == {r: alone[r] for r in (2, 0)}
