@@ -34,6 +34,19 @@ def _buckets(max_batch: int) -> list[int]:
     return out + [max_batch]
 
 
+def prefix_cache_refusal(model, *, tp: bool) -> str | None:
+    """Why `model` (run tensor-parallel or not) cannot have a prefix cache, as the error `wrap` raises; None: it
+    can."""
+    family = HYBRID_FAMILIES.get(model.config.model_type)
+    if family is None:
+        return (f"prefix_cache: needs a hybrid target; {type(model).__name__} runs through its own forward and "
+                f"cache")
+    if tp and family.latent_attention is not None:
+        return ("tp_group: not with prefix_cache on an MLA target yet (its attention runs data-parallel over the "
+                "slots: a cached latent would have to move to the rank of the slot it fills)")
+    return None
+
+
 class EngineParts:
     """An engine's parts, built and checked in `__init__` (`SpecEngine` runs requests on them)."""
 
@@ -56,6 +69,9 @@ class EngineParts:
         self.max_length = int(cfg.max_length or min(getattr(model.config, "max_position_embeddings", 4096) or 4096,
                                                     4096))
         self._check_model(model, cfg)
+        refused = prefix_cache_refusal(model, tp=tp_group is not None) if cfg.prefix_cache else None
+        if refused is not None:
+            raise ValueError(refused)
         self.tp = None if tp_group is None else self._tensor_parallel(tp_group, model, cfg)
         # with tp the runner splits its own copy of the modules (the caller's model stays whole), which the drafter
         # reads too; a tp_plan's DTensors outside the decoder layers (embeddings, lm_head) are made whole first
@@ -81,9 +97,6 @@ class EngineParts:
                              f"to {self.gamma + 1} tokens and a slot holds the state of its last two boundaries "
                              f"(ping-pong), so a round could pass a boundary the prefix cache would miss; give "
                              f"track_interval >= {-(-(self.gamma + 1) // 2)}")
-        if cfg.prefix_cache and model.config.model_type not in HYBRID_FAMILIES:
-            raise ValueError(f"prefix_cache: needs a hybrid target; {type(model).__name__} runs through its own "
-                             f"forward and cache")
         self.runner = make_runner(target, strategy=cfg.strategy, commit=cfg.commit, max_batch_size=cfg.max_batch_size,
                                   max_length=self.max_length + verify_tokens, num_verify_tokens=verify_tokens,
                                   static=cfg.static_shapes,
@@ -184,9 +197,6 @@ class EngineParts:
                              "of the budget per rank)")
         if cfg.cuda_graph:
             raise ValueError("tp_group: not with cuda_graph (a round's fault vote reads back mid-round)")
-        if cfg.prefix_cache and HYBRID_FAMILIES[model.config.model_type].latent_attention is not None:
-            raise ValueError("tp_group: not with prefix_cache on an MLA target yet (its attention runs data-parallel "
-                             "over the slots: a cached latent would have to move to the rank of the slot it fills)")
         return TensorParallel(group, next(model.parameters()).device)
 
     @staticmethod

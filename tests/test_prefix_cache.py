@@ -73,6 +73,27 @@ def run_conversation(eng, conv_seed, **kw) -> tuple[list[list[int]], list[int]]:
     return outs, cached
 
 
+@pytest.mark.parametrize("model, tp", [("kimi_linear", False), ("kimi_linear", True), ("qwen3_next", True),
+                                       ("mamba", False)])
+def test_prefix_cache_refusal_is_wraps_own_check(model, tp):
+    """`build.prefix_cache_refusal` (which `specdec serve` asks to leave its default cache off) says what `wrap`
+    does with `prefix_cache=True`: None where it builds past the check, else its error, word for word."""
+    from specdec.build import prefix_cache_refusal
+
+    m = generic.tiny(model) if model == "mamba" else target(model)
+    why = prefix_cache_refusal(m, tp=tp)
+    kw = dict(prefix_cache=True, max_length=64, **({"tp_group": object()} if tp else {}))
+    try:
+        specdec.wrap(m, **kw)
+        err = None
+    except ValueError as e:
+        err = str(e)
+    if why is None:  # past the cache's check: built, or refused later for something else (the fake group)
+        assert err is None or "prefix_cache" not in err, err
+    else:
+        assert err == why
+
+
 @pytest.mark.parametrize("mode", MODES, ids=["-".join(m) for m in MODES])
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
 @pytest.mark.parametrize("family", ["kimi_linear", "qwen3_next", "nemotron_h"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from .generate import DRAFTERS, argument_message, load_model, tensor_parallel
 
@@ -82,6 +83,7 @@ def _serve(args, parser, group, device) -> int:
     import uvicorn
 
     import specdec
+    from specdec.build import prefix_cache_refusal
     from specdec.server import create_app
 
     model, tokenizer = load_model(args.model, "--model", getattr(torch, args.dtype), device, parser,
@@ -90,18 +92,17 @@ def _serve(args, parser, group, device) -> int:
                    num_draft_tokens=args.num_draft_tokens)
     if args.max_length is not None:
         options["max_length"] = args.max_length
-    if args.prefix_cache_mib > 0:
+    refused = prefix_cache_refusal(model, tp=group is not None)
+    if args.prefix_cache_mib > 0 and refused is None:
         options["prefix_cache"] = int(args.prefix_cache_mib * (1 << 20))
+    elif args.prefix_cache_mib > 0:  # on by default: a target the cache cannot serve runs without it
+        print(f"[specdec serve] no prefix cache: {refused}", file=sys.stderr)
     if group is not None:
         options["tp_group"] = group
     try:
         engine = specdec.wrap(model, **options)
     except ValueError as exc:
-        if "prefix_cache" in str(exc) and "prefix_cache" in options:  # a target the cache cannot serve: without it
-            options.pop("prefix_cache")
-            engine = specdec.wrap(model, **options)
-        else:
-            parser.error(argument_message(str(exc)))
+        parser.error(argument_message(str(exc)))
     if group is not None and torch.distributed.get_rank() != 0:
         engine.follow()  # rank 0's loop leads, step for step, until it stops
         return 0
