@@ -206,13 +206,6 @@ def grown_kv_specs(name: str, attns, rows: int, window: int, dtype: torch.dtype,
             for i, a in enumerate(attns) for kv in ("k", "v")}
 
 
-def row_run(rows: list[int]) -> slice | None:
-    """`rows` as a slice where they are consecutive and ascending (a drafter's buffers then read as a view, not
-    gathered), else None."""
-    first = rows[0] if rows else 0
-    return slice(first, first + len(rows)) if list(rows) == list(range(first, first + len(rows))) else None
-
-
 def pad_rows(seqs: list[torch.Tensor]) -> torch.Tensor:
     """Per-row tensors `[n_b, ...]` as one right-padded batch `[B, max n_b, ...]` (zeros past a row)."""
     return torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True)

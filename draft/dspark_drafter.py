@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.tensors import outside_inference
+from specdec.tensors import outside_inference, run_of
 
-from .base import BufferSpec, DraftBlock, Observation, grown_kv_specs, pad_rows, row_run
+from .base import BufferSpec, DraftBlock, Observation, grown_kv_specs, pad_rows
 from .dspark import Net
 from .head import HeadDrafter, check_positive
 from .layers import DraftChain
@@ -197,7 +197,7 @@ class DSparkDrafter(HeadDrafter):
             self.len_t[rows_t] = torch.tensor(lengths, dtype=torch.long, device=dev)
         # slots past the longest row's length hold nothing yet (a row wraps only past the whole cache)
         span = min(max(lengths), self.k[0].shape[2])
-        return self._draft(rows_t, self.len_t[rows_t], anchors, gamma, span, sampling, generator, run=row_run(rows))
+        return self._draft(rows_t, self.len_t[rows_t], anchors, gamma, span, sampling, generator, run=run_of(rows))
 
     def _check_drop(self, row: int, have: int, want: int) -> None:
         """A row cut back from `have` to `want` positions still holds the window before `want`: a ring keeps the

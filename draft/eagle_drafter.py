@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.tensors import outside_inference
+from specdec.tensors import outside_inference, run_of
 
-from .base import BufferSpec, DraftBlock, Observation, grown_kv_specs, row_run
+from .base import BufferSpec, DraftBlock, Observation, grown_kv_specs
 from .eagle import Net
 from .head import HeadDrafter, check_positive
 from .layers import QUERY_CHUNK, KVRoom
@@ -419,7 +419,7 @@ class EagleDrafter(HeadDrafter):
         # one room per layer for the round: the cache read, the queue, the root, then the tree's nodes, `w` per
         # depth past the first (w <= the tree's topk)
         rooms = self._rooms(rows_t, span, Q + 1 + (depth - 1) * (self.topk if self.tree else 1),
-                            run=None if rows is None else row_run(rows))
+                            run=None if rows is None else run_of(rows))
         h, kvs = self._forward(tok, feat, positions, ok, rooms, span)
         if W and Q <= cap:  # the queue's places are distinct slots: its padding keeps what they hold
             self._ring_write(rows_t, positions[:, :Q], i[None, :Q] < qn[:, None],

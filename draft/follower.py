@@ -3,16 +3,12 @@ block (`TensorParallel.share_block`)."""
 
 from __future__ import annotations
 
-from torch import nn
-
 from .base import DraftBlock, Drafter
 
 
 class Follower(Drafter):
     """Keeps nothing; it answers what the engine reads of a drafter's shape (feature layers, tree, verify window) as
     rank 0's drafter `lead` does."""
-
-    observes_features = False
 
     def __init__(self, lead: Drafter, gamma: int):
         self.name = f"{lead.name} (rank 0)"
@@ -27,11 +23,5 @@ class Follower(Drafter):
     def max_verify_tokens(self, gamma: int) -> int:
         return self._verify
 
-    def modules(self) -> list[nn.Module]:
-        return []
-
     def propose(self, rows, contexts, gamma, *, sampling=None, generator=None) -> DraftBlock:
         raise RuntimeError("a follower rank does not draft: rank 0's block is broadcast")
-
-    def abort(self, rows) -> None:
-        pass

@@ -246,16 +246,15 @@ ROUND_TOKENS = 64  # at most this many queries: never in parts (a round's ops st
 
 
 def latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, k_rot: torch.Tensor,
-                     kv_b: torch.Tensor, mask: torch.Tensor | None, scale: float, *,
-                     score_elements: int | None = None) -> torch.Tensor:
+                     kv_b: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """MLA attention over cached latents (`_latent_attention`); on a CPU with T > ROUND_TOKENS (a prefill chunk),
-    the queries in parts of `score_elements` (default SCORE_ELEMENTS) // (B H S) at a time, at least PART_QUERIES,
+    the queries in parts of SCORE_ELEMENTS // (B H S) at a time, at least PART_QUERIES,
     each query's output its own either way.
 
     Args: as `_latent_attention`'s.  Returns: `[B, T, H dv]`.
     """
     B, H, T, _ = q_nope.shape
-    step = max(PART_QUERIES, (score_elements or SCORE_ELEMENTS) // (B * H * c.shape[2]))
+    step = max(PART_QUERIES, SCORE_ELEMENTS // (B * H * c.shape[2]))
     if c.device.type != "cpu" or T <= ROUND_TOKENS or step >= T:
         return _latent_attention(q_nope, q_rot, c, k_rot, kv_b, mask, scale)
     part = (lambda t: mask) if mask is None or mask.shape[-2] == 1 else (lambda t: mask[..., t:t + step, :])

@@ -11,6 +11,7 @@ from specdec.kernels.tree import VerifyTree
 from specdec.replayssm.plan import BufferSpec
 from specdec.replayssm.pool import allocate
 from specdec.verify.record import Acceptance
+from specdec.tensors import run_of
 
 if TYPE_CHECKING:  # parallel.py imports this module
     from specdec.parallel import SlotSplit
@@ -118,7 +119,7 @@ class PageTable:
         self.hold(pages)
         self.held[row][:k] = list(pages)
         held = self.held[row]
-        self.run[row] = not held or held == list(range(held[0], held[0] + len(held)))
+        self.run[row] = not held or run_of(held) is not None
         self.drop(old)
         if k:
             self._write([row] * k, list(range(k)), list(pages))

@@ -39,6 +39,10 @@ class _Lanes:
     def free(self) -> list[int]:
         return [l for l, r in enumerate(self.req) if r is None]
 
+    def held(self) -> list[int]:
+        """The lanes with a request."""
+        return [l for l, r in enumerate(self.req) if r is not None]
+
 
 class RequestLoop(EngineParts, metaclass=abc.ABCMeta):
     """The queue, the lanes and the steps of an engine (see the module docstring). A step calls the engine's
@@ -97,7 +101,7 @@ class RequestLoop(EngineParts, metaclass=abc.ABCMeta):
     @property
     def num_running(self) -> int:
         """Requests in a lane now."""
-        return 0 if self._lanes is None else sum(r is not None for r in self._lanes.req)
+        return 0 if self._lanes is None else len(self._lanes.held())
 
     @property
     def num_waiting(self) -> int:
@@ -132,7 +136,7 @@ class RequestLoop(EngineParts, metaclass=abc.ABCMeta):
             with self._queue_lock:
                 self._waiting = collections.deque(r for r in self._waiting if id(r) not in gone)
             lanes = self._lanes
-            held = [] if lanes is None else [l for l, r in enumerate(lanes.req) if r is not None and id(r) in gone]
+            held = [] if lanes is None else [l for l in lanes.held() if id(lanes.req[l]) in gone]
             try:
                 if held:
                     self._retire(held, publish=False, status="cancelled")
@@ -157,16 +161,16 @@ class RequestLoop(EngineParts, metaclass=abc.ABCMeta):
             finally:
                 self._stepping.on = False
             with self._queue_lock:
-                return bool(self._waiting) or any(r is not None for r in self._lanes.req)
+                return bool(self._waiting) or bool(self._lanes.held())
 
     def _step(self) -> None:
         lanes = self._lanes_ready()
         self.lane_slots = lanes.slot  # the drafters' view of the lanes' slots (`TargetView.slots`)
-        cancelled = [l for l, r in enumerate(lanes.req) if r is not None and self._leaving(r)]
+        cancelled = [l for l in lanes.held() if self._leaving(lanes.req[l])]
         if cancelled:
             self._retire(cancelled, publish=True, status="cancelled")
         self._admit_waiting(lanes)
-        running = [l for l, r in enumerate(lanes.req) if r is not None]
+        running = lanes.held()
         groups: dict[tuple, list[int]] = {}
         for l in running:
             groups.setdefault(lanes.req[l].key, []).append(l)
@@ -189,11 +193,14 @@ class RequestLoop(EngineParts, metaclass=abc.ABCMeta):
             free = lanes.free()
             ids, reqs = [], []
             with self._queue_lock:
-                pending = [r for r in self._waiting if not self._leaving(r)]
+                pending = []
                 for r in self._waiting:
                     if self._leaving(r):
                         r._end("cancelled")
-                self._waiting = collections.deque(pending)
+                    else:
+                        pending.append(r)
+                if len(pending) != len(self._waiting):
+                    self._waiting = collections.deque(pending)
             while free and pending:
                 if self.runner.fits([self._fresh(r.worst, r.hist) for r in reqs + [pending[0]]]):
                     ids.append(free.pop(0))
@@ -201,7 +208,7 @@ class RequestLoop(EngineParts, metaclass=abc.ABCMeta):
                 elif self.prefix_cache is None or not self.prefix_cache.evict_one():  # entries hold pages too
                     break
             if not ids:
-                if pending and not any(r is not None for r in lanes.req):
+                if pending and not lanes.held():
                     # cannot happen: the page pool holds a request at max_length (`memory.pages_within`)
                     raise RuntimeError(f"memory: a request of {pending[0].worst} tokens does not fit the KV page "
                                        f"pool even with nothing running")
@@ -276,7 +283,7 @@ class RequestLoop(EngineParts, metaclass=abc.ABCMeta):
                 with self._queue_lock:
                     # tensor parallel: a step at least every HEARTBEAT seconds keeps the followers' collective waiting
                     while not self._halt and not self._waiting and not self._inbox and not (
-                            self._lanes is not None and any(r is not None for r in self._lanes.req)):
+                            self._lanes is not None and self._lanes.held()):
                         if not self._queue_lock.wait(None if self.tp is None else HEARTBEAT):
                             break
                     halt, new, self._inbox = self._halt, self._inbox, []

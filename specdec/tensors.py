@@ -27,6 +27,13 @@ def index_tensor(cache: dict, values: list[int], device) -> torch.Tensor:
     return t
 
 
+def run_of(values: list[int]) -> slice | None:
+    """`values` as a slice where they are consecutive and ascending (what they index then reads as a view, not a
+    gather), else None."""
+    first = values[0] if values else 0
+    return slice(first, first + len(values)) if list(values) == list(range(first, first + len(values))) else None
+
+
 def per_tensor(fn):
     """Remember `fn(t, *args)` (args: hashable) for the last CPU tensor `t` and args it was called with, while `t`
     is that same object, unchanged: a normal tensor by its version counter, which every in-place write bumps; an

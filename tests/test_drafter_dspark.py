@@ -666,7 +666,7 @@ def test_context_window_hides_only_the_older_keys(setup):
 
 @pytest.mark.parametrize("kind", ["dspark", "eagle"])
 def test_rows_in_any_order_draft_as_alone(kind):
-    """A drafter reads its caches as a view for consecutive rows (`row_run`) and gathers them otherwise: blocks of
+    """A drafter reads its caches as a view for consecutive rows (`tensors.run_of`) and gathers them otherwise: blocks of
     rows [0, 1, 2], [2, 0] and each row alone are the same per row (greedy: tokens; the drafts' logits alike)."""
     target = tiny_model("qwen3_next", seed=0, vocab_size=V, num_layers=2)
     torch.manual_seed(0)
