@@ -18,7 +18,7 @@ from specdec.tensors import outside_inference, run_of
 from .base import BufferSpec, DraftBlock, Observation, grown_kv_specs, pad_rows
 from .dspark import Net
 from .head import HeadDrafter, check_positive
-from .layers import DraftChain
+from .layers import DraftChain, ring_positions, ring_write
 from .tree import DynamicTree, log_scores
 
 
@@ -161,12 +161,7 @@ class DSparkDrafter(HeadDrafter):
         pos = start_t[:, None] + cols  # [B, n]
         kv = net.context_kv(net.context([f.to(dtype) for f in feats]), pos)  # per layer [B, H, n, D]
         self._reserve(max(starts) + M, [k for k, _ in kv])
-        # n <= cap here (`_reserve`), so a row's n slots are distinct: the masked write touches each once
-        at = (rows_t[:, None], slice(None), pos % self.k[0].shape[2])
-        keep = keep[..., None, None]
-        for ck, cv, (k, v) in zip(self.k, self.v, kv):
-            ck[at] = torch.where(keep, k.transpose(1, 2), ck[at])
-            cv[at] = torch.where(keep, v.transpose(1, 2), cv[at])
+        ring_write(zip(self.k, self.v), rows_t, pos, keep, kv)  # n <= cap here (`_reserve`): distinct slots
         self.len_t[rows_t] = start_t + count_t
         for r, n in zip(rows, counts):
             self.length[r] += n
@@ -233,8 +228,7 @@ class DSparkDrafter(HeadDrafter):
         cap = self.k[0].shape[2]
         sel = rows_t if run is None else run
         kv = [(k[sel, :, :span], v[sel, :, :span]) for k, v in zip(self.k, self.v)]
-        last = lens[:, None] - 1
-        held = last - (last - torch.arange(span, device=dev)) % cap  # [B, span]: the latest position at each slot
+        held = ring_positions(lens, span, cap)  # [B, span]
         ctx_ok = (held >= 0) & net.context_visible(held, lens)  # negative: a slot no position reached yet
         ok = torch.cat([ctx_ok, torch.ones(B, G, dtype=torch.bool, device=dev)], 1)  # [B, span + G]: every slot alike
         pos = lens[:, None] + torch.arange(G, device=dev)

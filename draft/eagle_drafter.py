@@ -38,9 +38,15 @@ from specdec.tensors import outside_inference, run_of
 from .base import BufferSpec, DraftBlock, Observation, grown_kv_specs
 from .eagle import Net
 from .head import HeadDrafter, check_positive
-from .layers import QUERY_CHUNK, KVRoom
+from .layers import QUERY_CHUNK, KVRoom, ring_positions, ring_write
 from .registry import check_target
 
+
+
+def _columns(kvs, cols: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer K/V `[B, H, n, D]` -> the entries at columns `cols [B, R]` of each row, `[B, H, R, D]`."""
+    at = cols[:, None, :, None]
+    return [tuple(x.gather(2, at.expand(-1, x.shape[1], -1, x.shape[3])) for x in kv) for kv in kvs]
 
 class _Row:
     __slots__ = ("length", "pending", "rooted")
@@ -257,7 +263,7 @@ class EagleDrafter(HeadDrafter):
                 k, v = net.input_kv(net.inputs(t[:, c0:c1], net.fused(f[:, c0:c1])), at[:, c0:c1])
                 kvs[0].append(k)
                 kvs[1].append(v)
-            self._ring_write(rows_t, cols, valid, [(torch.cat(kvs[0], 2), torch.cat(kvs[1], 2))])
+            ring_write(self.cache, rows_t, cols, valid, [(torch.cat(kvs[0], 2), torch.cat(kvs[1], 2))])
             return
         W = self.window
         i = torch.arange(M - 1, device=dev)
@@ -270,20 +276,7 @@ class EagleDrafter(HeadDrafter):
             ok = (q >= k) & net.in_window(q, k, W)  # [C, c1 - lo]
             self._forward(tok[:, c0 + 1:c1 + 1], feat[:, c0:c1], pos[:, c0:c1], ok[None], [
                 (rk[:, :, lo:], rv[:, :, lo:]) for rk, rv in rooms], c0 - lo)
-        at = cols.clamp(min=0)[:, None, :, None]
-        self._ring_write(rows_t, cols, valid, [(rk.gather(2, at.expand(B, rk.shape[1], cap, rk.shape[3])),
-                                                rv.gather(2, at.expand(B, rv.shape[1], cap, rv.shape[3])))
-                                               for rk, rv in rooms])
-
-    def _ring_write(self, rows_t, positions, valid, kvs) -> None:
-        """K/V per layer `[B, H, R, D]` of positions `positions [B, R]` (R <= the ring, consecutive per row, so at
-        distinct slots) into the ring at slots `positions % cap` of rows `rows_t`, where `valid [B, R]`; the other
-        slots keep what they hold."""
-        at = (rows_t[:, None], slice(None), positions % self.cache[0][0].shape[2])
-        keep = valid[..., None, None]
-        for (ck, cv), (k, v) in zip(self.cache, kvs):
-            ck[at] = torch.where(keep, k.transpose(1, 2), ck[at])
-            cv[at] = torch.where(keep, v.transpose(1, 2), cv[at])
+        ring_write(self.cache, rows_t, cols, valid, _columns(rooms, cols.clamp(min=0)))
 
     def _reserve(self, need: int) -> None:
         """Cache room for `need` positions per row; with a context window never more than the ring (W slots),
@@ -405,8 +398,7 @@ class EagleDrafter(HeadDrafter):
         key_pos = None
         if W:  # slot s holds the latest position p <= the row's last with p = s (mod cap); < 0: none yet
             cap = self.cache[0][0].shape[2]
-            last = lens[:, None] - 1
-            held = last - (last - torch.arange(span, device=dev)) % cap  # [B, span]
+            held = ring_positions(lens, span, cap)  # [B, span]
             cached = (held >= 0)[:, None]  # [B, 1, span]
             key_pos = torch.cat([held, positions[:, :Q]], 1)  # [B, span + Q]: the committed keys' positions
         else:
@@ -422,14 +414,11 @@ class EagleDrafter(HeadDrafter):
                             run=None if rows is None else run_of(rows))
         h, kvs = self._forward(tok, feat, positions, ok, rooms, span)
         if W and Q <= cap:  # the queue's places are distinct slots: its padding keeps what they hold
-            self._ring_write(rows_t, positions[:, :Q], i[None, :Q] < qn[:, None],
-                             [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
+            ring_write(self.cache, rows_t, positions[:, :Q], i[None, :Q] < qn[:, None],
+                       [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
         elif W:  # the last ring's worth of each row's queued pairs (the earlier ones would be written over)
             cols = qn[:, None] - cap + torch.arange(cap, device=dev)  # [B, cap]
-            at = cols.clamp(min=0)[:, None, :, None]
-            self._ring_write(rows_t, lens[:, None] + cols, cols >= 0,
-                             [(k.gather(2, at.expand(B, k.shape[1], cap, k.shape[3])),
-                               v.gather(2, at.expand(B, v.shape[1], cap, v.shape[3]))) for k, v in kvs])
+            ring_write(self.cache, rows_t, lens[:, None] + cols, cols >= 0, _columns(kvs, cols.clamp(min=0)))
         else:
             self._write(rows_t, positions[:, :Q], [(k[:, :, :Q], v[:, :, :Q]) for k, v in kvs])
         self.len_t[rows_t] = lens + qn

@@ -120,6 +120,25 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tens
 QUERY_CHUNK = 512
 
 
+def ring_positions(lens: torch.Tensor, span: int, cap: int) -> torch.Tensor:
+    """The position each of the first `span` slots of a ring of `cap` slots holds, per row of `lens [B]` positions
+    written (position p at slot p % cap): the latest p < the row's length with p = slot (mod cap), negative where no
+    position reached the slot yet. -> `[B, span]`."""
+    last = lens[:, None] - 1
+    return last - (last - torch.arange(span, device=lens.device)) % cap
+
+
+def ring_write(cache, rows_t: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, kvs) -> None:
+    """K/V per layer `[B, H, R, D]` of `positions [B, R]` (consecutive per row, R <= the ring: distinct slots) into
+    the ring buffers `cache` (per layer `(K, V)`, `[rows, H, cap, D]`) at slots `positions % cap` of rows `rows_t
+    [B]`, where `valid [B, R]`; the other slots keep what they hold. One masked indexed write per buffer."""
+    keep = valid[..., None, None]
+    for (ck, cv), (k, v) in zip(cache, kvs):
+        at = (rows_t[:, None], slice(None), positions % ck.shape[2])
+        ck[at] = torch.where(keep, k.transpose(1, 2), ck[at])
+        cv[at] = torch.where(keep, v.transpose(1, 2), cv[at])
+
+
 class KVRoom(NamedTuple):
     """Key / value buffers `k, v [B, Hkv, L, D]` whose first `at` positions hold the keys attended so far: `attend`
     writes a call's new keys at `at .. at + T` in place and reads `[:at + T]`, so keys that grow call by call (a
