@@ -167,9 +167,9 @@ class Server:
         return "\n".join(out) + "\n"
 
 
-def _stop_cut(text: str, stops: list[str]) -> int | None:
-    """Where the first stop string starts in `text` (None: none)."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _stop_cut(text: str, stops: list[str], start: int = 0) -> int | None:
+    """Where the first stop string starts in `text` at `start` or later (None: none)."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 
@@ -241,9 +241,12 @@ def create_app(engine, tokenizer, *, model_name: str):
         def usage(n: int) -> dict:
             return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
 
-        def finish(text_now: str):
-            """(text to return, finish reason) once the request ended or a stop string showed up."""
-            cut = _stop_cut(text_now, stops)
+        hold = max((len(s) for s in stops), default=1) - 1  # text a stop string could still start in
+
+        def finish(text_now: str, checked: int = 0):
+            """(text to return, finish reason) once the request ended or a stop string showed up (`checked`: the
+            text before it was searched with every stop string whole)."""
+            cut = _stop_cut(text_now, stops, max(0, checked - hold))
             if cut is not None:
                 return text_now[:cut], "stop"
             return text_now, ("stop" if req.finish_reason == "stop" else "length")
@@ -252,25 +255,26 @@ def create_app(engine, tokenizer, *, model_name: str):
             server.requests[status] += 1
 
         if not body.get("stream"):
-            tokens = []
+            tokens, text, checked = [], "", 0
             try:
                 async for got in req.rounds():
                     tokens += got
-                    if stops and _stop_cut(server.text(tokens), stops) is not None:
-                        req.cancel()
-                        break
+                    if stops:  # only the new text (and what a stop string could have begun in) is searched
+                        text = server.text(tokens)
+                        if _stop_cut(text, stops, max(0, checked - hold)) is not None:
+                            req.cancel()
+                            break
+                        checked = len(text)
             except Exception as e:  # the round that carried it failed: this request only
                 record("failed")
                 return _error(f"generation failed: {type(e).__name__}: {e}", status=500, kind="server_error")
-            text, reason = finish(server.text(tokens))
+            text, reason = finish(text if stops else server.text(tokens), checked)  # with stops: decoded above
             record("finished")
             return JSONResponse({"id": rid, "object": kind, "created": created, "model": model_name,
                                  "choices": [choice(text, reason, delta=False)], "usage": usage(len(tokens))})
 
-        hold = max((len(s) for s in stops), default=1) - 1  # text a stop string could still start in
-
         async def events():
-            tokens, sent, done = [], 0, False
+            tokens, text, sent, done = [], "", 0, False
             try:
                 if chat:
                     head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
@@ -280,7 +284,7 @@ def create_app(engine, tokenizer, *, model_name: str):
                 async for got in req.rounds():
                     tokens += got
                     text = server.text(tokens)
-                    cut = _stop_cut(text, stops)
+                    cut = _stop_cut(text, stops, max(0, sent - hold))  # what was sent holds no stop string
                     ready = cut if cut is not None else max(len(text) - hold, sent)
                     if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
                         ready = min(ready, len(text) - 1)
@@ -293,7 +297,7 @@ def create_app(engine, tokenizer, *, model_name: str):
                     if cut is not None:
                         req.cancel()
                         break
-                text, reason = finish(server.text(tokens))
+                text, reason = finish(text, sent)  # the last round's text: the tokens are all decoded
                 last = {"id": rid, "object": "chat.completion.chunk" if chat else kind, "created": created,
                         "model": model_name, "choices": [choice(text[sent:], reason, True)],
                         "usage": usage(len(tokens))}
