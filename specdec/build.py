@@ -3,9 +3,7 @@ device step and CUDA graphs, the drafter's view of the target, and the checks of
 
 from __future__ import annotations
 
-import collections
 import functools
-import threading
 from dataclasses import fields
 
 import torch
@@ -115,19 +113,6 @@ class EngineParts:
         self.round_step = RoundStep(self.runner, self.drafter, cfg, self.buckets, self._index)
         self._graphs = RoundGraphs(self) if cfg.cuda_graph else None
         self.lane_slots: list = []  # target slot of each lane (a drafter row)
-        # the request loop (`SpecEngine.step`): lanes (made at the first step), the queue, one step at a time
-        self._lanes = None
-        self._waiting: collections.deque = collections.deque()
-        self._queue_lock = threading.Condition()  # the queue's; the background loop waits on it for work
-        self._step_lock = threading.RLock()
-        self._stepping = threading.local()  # this thread is inside a step
-        self._thread: threading.Thread | None = None
-        self._halt = False
-        # tensor parallel serving: submissions wait in the inbox until rank 0's loop sends them to every rank, and a
-        # cancellation counts once it was sent (`SpecEngine.follow`)
-        self._inbox: list = []
-        self._uids = 0
-        self._cancelled: set[int] = set()
         runner = self.runner
         self.target = TargetView(model=target, kv=runner.kv, supports_tree=runner.supports_tree,
                                  num_verify_tokens=runner.num_verify_tokens,

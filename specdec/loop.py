@@ -48,6 +48,22 @@ class RequestLoop(EngineParts, metaclass=abc.ABCMeta):
     """The queue, the lanes and the steps of an engine (see the module docstring). A step calls the engine's
     admission, round and retirement, declared here as abstract methods (`SpecEngine` defines them)."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)  # the engine's parts, checked and built
+        # the request loop (`SpecEngine.step`): lanes (made at the first step), the queue, one step at a time
+        self._lanes = None
+        self._waiting: collections.deque = collections.deque()
+        self._queue_lock = threading.Condition()  # the queue's; the background loop waits on it for work
+        self._step_lock = threading.RLock()
+        self._stepping = threading.local()  # this thread is inside a step
+        self._thread: threading.Thread | None = None
+        self._halt = False
+        # tensor parallel serving: submissions wait in the inbox until rank 0's loop sends them to every rank, and a
+        # cancellation counts once it was sent (`SpecEngine.follow`)
+        self._inbox: list = []
+        self._uids = 0
+        self._cancelled: set[int] = set()
+
     @abc.abstractmethod
     def _admit(self, lanes: "_Lanes", ids: list[int], reqs: list[Request]) -> list[int]:
         """Start `reqs` in the free lanes `ids`; -> the lanes whose request goes on."""
