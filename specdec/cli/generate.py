@@ -49,14 +49,45 @@ def _check_generate_args(args: argparse.Namespace, parser: argparse.ArgumentPars
         import torch
         if not torch.cuda.is_available():
             parser.error("argument --device: CUDA is not available")
-    if args.tp < 1:
-        parser.error(f"argument --tp: expected >= 1, got {args.tp}")
     if args.threads is not None and args.threads < 1:
         parser.error(f"argument --threads: expected >= 1, got {args.threads}")
+    check_ranks(args, parser, "generate")
+
+
+def check_ranks(args: argparse.Namespace, parser: argparse.ArgumentParser, command: str) -> None:
+    """`--tp N`: at least 1, and N processes started by torchrun for N > 1."""
+    if args.tp < 1:
+        parser.error(f"argument --tp: expected >= 1, got {args.tp}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.tp > 1 and world != args.tp:
         parser.error(f"argument --tp: {args.tp} ranks need as many processes, launched by torchrun "
-                     f"(torchrun --nproc-per-node {args.tp} -m specdec generate ...); WORLD_SIZE is {world}")
+                     f"(torchrun --nproc-per-node {args.tp} -m specdec {command} ...); WORLD_SIZE is {world}")
+
+
+def on_ranks(args: argparse.Namespace, fn):
+    """`fn(group, device)` on this process's rank (`tensor_parallel`; no group without `--tp`), the process group
+    closed after it, with the command line's quiet setup (no progress bars, no fla-on-CPU warning)."""
+    import warnings
+    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    group, device = tensor_parallel(args)
+    ok = False
+    try:
+        code = fn(group, device)
+        ok = True
+        return code
+    finally:
+        if group is not None:
+            from specdec.parallel import close_group
+            close_group(ok)
+
+
+def error_line(exc: Exception) -> str:
+    """An exception as one line for a command-line error: its type and the first line of its message."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"
 
 
 def tensor_parallel(args: argparse.Namespace):
@@ -80,8 +111,7 @@ def load_model(path: str, flag: str, dtype, device: str, parser: argparse.Argume
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
         tok = AutoTokenizer.from_pretrained(path) if tokenizer else None
     except Exception as exc:  # no config / weights / tokenizer, unknown architecture, ...
-        first = (str(exc).strip().splitlines() or [""])[0]
-        parser.error(f"argument {flag}: cannot load {path}: {type(exc).__name__}: {first}")
+        parser.error(f"argument {flag}: cannot load {path}: {error_line(exc)}")
     return model, tok
 
 
@@ -97,25 +127,12 @@ def _format_stats(stats: dict) -> str:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     _check_generate_args(args, parser)
-    import warnings
-    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
     import torch
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    group, device = tensor_parallel(args)
-    ok = False
-    try:
-        code = _generate(args, parser, dtype, group, device)
-        ok = True
-        return code
-    finally:
-        if group is not None:
-            from specdec.parallel import close_group
-            close_group(ok)
+    return on_ranks(args, lambda group, device: _generate(args, parser, dtype, group, device))
 
 
 def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, dtype, group, device) -> int:

@@ -21,11 +21,12 @@ def model_shapes(path: str, parser: argparse.ArgumentParser) -> dict:
 
     from specdec.adapters import HYBRID_FAMILIES, layer_kind
     from specdec.runner import _layer_plan
+
+    from .generate import error_line
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as exc:
-        first = (str(exc).strip().splitlines() or [""])[0]
-        parser.error(f"argument --model: cannot read a config in {path}: {type(exc).__name__}: {first}")
+        parser.error(f"argument --model: cannot read a config in {path}: {error_line(exc)}")
     family = config.model_type
     if family not in HYBRID_FAMILIES:
         parser.error(f"argument --model: no hybrid adapter for model_type {family!r} (known: "

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .generate import DRAFTERS, argument_message, load_model, tensor_parallel
+from .generate import DRAFTERS, argument_message, check_ranks, load_model, on_ranks
 
 NAME = "serve"
 HELP = "an OpenAI-compatible server over a local model"
@@ -49,33 +49,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"argument {flag}: expected >= 1, got {value}")
     if not 0 < args.port < 65536:
         parser.error(f"argument --port: expected 1-65535, got {args.port}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.tp < 1 or (args.tp > 1 and world != args.tp):
-        parser.error(f"argument --tp: {args.tp} ranks need as many processes, launched by torchrun "
-                     f"(torchrun --nproc-per-node {args.tp} -m specdec serve ...); WORLD_SIZE is {world}")
+    check_ranks(args, parser, "serve")
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
         parser.error(f"serve needs FastAPI and uvicorn ({e.name} is missing): pip install 'specdec[serve]'")
-    import warnings
-    warnings.filterwarnings("ignore", message="Triton is not supported on current platform")  # fla on CPU
     import torch
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("argument --device: CUDA is not available")
-    group, device = tensor_parallel(args)
-    ok = False
-    try:
-        code = _serve(args, parser, group, device)
-        ok = True
-        return code
-    finally:
-        if group is not None:
-            from specdec.parallel import close_group
-            close_group(ok)
+    return on_ranks(args, lambda group, device: _serve(args, parser, group, device))
 
 
 def _serve(args, parser, group, device) -> int:
