@@ -232,15 +232,18 @@ class EagleDrafter(HeadDrafter):
         `root_f`, and never reads a committed pair's hidden output), and a position's K/V come from its own input
         alone, so no attention or MLP runs: linear in M where the full forward's attention is quadratic. The ops
         and chunks are those of the full forward's K/V, so the cache is the same."""
-        net = self.net
         ck, cv = self.cache[0]
         M = tok.shape[1]
         pos = torch.arange(M - 1, device=self.device)[None].expand(tok.shape[0], M - 1)
-        for c0 in range(0, M - 1, QUERY_CHUNK):
-            c1 = min(M - 1, c0 + QUERY_CHUNK)
-            k, v = net.input_kv(net.inputs(tok[:, c0 + 1:c1 + 1], net.fused(feat[:, c0:c1])), pos[:, c0:c1])
-            ck[rows_t, :, c0:c1] = k
-            cv[rows_t, :, c0:c1] = v
+        ck[rows_t, :, :M - 1], cv[rows_t, :, :M - 1] = self._input_kv(tok[:, 1:], feat[:, :M - 1], pos)
+
+    def _input_kv(self, tok, feat, positions) -> tuple[torch.Tensor, torch.Tensor]:
+        """A one-layer net's K/V `[B, H, n, D]` of pairs (feat `[B, n, F]`, tok `[B, n]`) at `positions [B, n]`, from
+        each pair's input alone, a chunk of QUERY_CHUNK pairs at a time (the full forward's ops and chunks)."""
+        net, n = self.net, tok.shape[1]
+        kvs = [net.input_kv(net.inputs(tok[:, c0:c0 + QUERY_CHUNK], net.fused(feat[:, c0:c0 + QUERY_CHUNK])),
+                            positions[:, c0:c0 + QUERY_CHUNK]) for c0 in range(0, n, QUERY_CHUNK)]
+        return torch.cat([k for k, _ in kvs], 2), torch.cat([v for _, v in kvs], 2)
 
     def _observe_window(self, rows_t, tok, feat, n) -> None:
         """A fresh observe longer than the ring (a context window W, `cap` = W slots): the cache of each row's last
@@ -255,15 +258,8 @@ class EagleDrafter(HeadDrafter):
         valid = cols >= 0  # (a row of fewer pairs: its slots past them keep what they held)
         if net.caches_from_inputs:
             at = cols.clamp(min=0)
-            t = tok.gather(1, at + 1)
             f = feat.gather(1, at[..., None].expand(B, cap, feat.shape[-1]))
-            kvs = [[], []]
-            for c0 in range(0, cap, QUERY_CHUNK):
-                c1 = min(cap, c0 + QUERY_CHUNK)
-                k, v = net.input_kv(net.inputs(t[:, c0:c1], net.fused(f[:, c0:c1])), at[:, c0:c1])
-                kvs[0].append(k)
-                kvs[1].append(v)
-            ring_write(self.cache, rows_t, cols, valid, [(torch.cat(kvs[0], 2), torch.cat(kvs[1], 2))])
+            ring_write(self.cache, rows_t, cols, valid, [self._input_kv(tok.gather(1, at + 1), f, at)])
             return
         W = self.window
         i = torch.arange(M - 1, device=dev)
