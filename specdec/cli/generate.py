@@ -84,6 +84,17 @@ def on_ranks(args: argparse.Namespace, fn):
             close_group(ok)
 
 
+def wrap_or_error(model, options: dict, group, parser: argparse.ArgumentParser):
+    """`specdec.wrap(model, **options)` on the rank's `group` (None: no tensor parallelism); a refused option is the
+    command's argument error."""
+    import specdec
+
+    try:
+        return specdec.wrap(model, **options, **({} if group is None else {"tp_group": group}))
+    except ValueError as exc:
+        parser.error(argument_message(str(exc)))
+
+
 def error_line(exc: Exception) -> str:
     """An exception as one line for a command-line error: its type and the first line of its message."""
     first = (str(exc).strip().splitlines() or [""])[0]
@@ -139,8 +150,6 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, dtype, 
     import torch
     from transformers import TextStreamer
 
-    import specdec
-
     lead = group is None or torch.distributed.get_rank() == 0  # with --tp, rank 0 streams and prints
     model, tokenizer = load_model(args.model, "--model", dtype, device, parser, tokenizer=True)
     draft_model = None
@@ -152,12 +161,7 @@ def _generate(args: argparse.Namespace, parser: argparse.ArgumentParser, dtype, 
     options = {"drafter": None if args.drafter == "none" else args.drafter, "num_draft_tokens": args.num_draft_tokens,
                "strategy": args.strategy,
                "commit": args.commit, "draft_model": draft_model}
-    if group is not None:
-        options["tp_group"] = group
-    try:
-        engine = specdec.wrap(model, **options)
-    except ValueError as exc:
-        parser.error(argument_message(str(exc)))
+    engine = wrap_or_error(model, options, group, parser)
     eos = engine.eos_token_id if engine.eos_token_id is not None else tokenizer.eos_token_id
     sampling = {"do_sample": False}  # the command's default, whatever the model's generation_config says
     if args.do_sample:

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .generate import DRAFTERS, argument_message, check_ranks, load_model, on_ranks
+from .generate import DRAFTERS, check_ranks, load_model, on_ranks, wrap_or_error
 
 NAME = "serve"
 HELP = "an OpenAI-compatible server over a local model"
@@ -66,7 +66,6 @@ def _serve(args, parser, group, device) -> int:
     import torch
     import uvicorn
 
-    import specdec
     from specdec.build import prefix_cache_refusal
     from specdec.server import create_app
 
@@ -81,12 +80,7 @@ def _serve(args, parser, group, device) -> int:
         options["prefix_cache"] = int(args.prefix_cache_mib * (1 << 20))
     elif args.prefix_cache_mib > 0:  # on by default: a target the cache cannot serve runs without it
         print(f"[specdec serve] no prefix cache: {refused}", file=sys.stderr)
-    if group is not None:
-        options["tp_group"] = group
-    try:
-        engine = specdec.wrap(model, **options)
-    except ValueError as exc:
-        parser.error(argument_message(str(exc)))
+    engine = wrap_or_error(model, options, group, parser)
     if group is not None and torch.distributed.get_rank() != 0:
         engine.follow()  # rank 0's loop leads, step for step, until it stops
         return 0
