@@ -132,9 +132,10 @@ def ring_write(cache, rows_t: torch.Tensor, positions: torch.Tensor, valid: torc
     """K/V per layer `[B, H, R, D]` of `positions [B, R]` (consecutive per row, R <= the ring: distinct slots) into
     the ring buffers `cache` (per layer `(K, V)`, `[rows, H, cap, D]`) at slots `positions % cap` of rows `rows_t
     [B]`, where `valid [B, R]`; the other slots keep what they hold. One masked indexed write per buffer."""
+    cache = list(cache)
     keep = valid[..., None, None]
+    at = (rows_t[:, None], slice(None), positions % cache[0][0].shape[2])  # every layer's ring has cap slots
     for (ck, cv), (k, v) in zip(cache, kvs):
-        at = (rows_t[:, None], slice(None), positions % ck.shape[2])
         ck[at] = torch.where(keep, k.transpose(1, 2), ck[at])
         cv[at] = torch.where(keep, v.transpose(1, 2), cv[at])
 
