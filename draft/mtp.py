@@ -93,14 +93,14 @@ class KVContext:
     """What the query-only attention reads: keys `[B, Hkv, S, Dk]` and values `[B, Hkv, S, Dv]` (the target's own
     key heads, each serving `H / Hkv` query heads), which keys each query sees, `visible` bool `[B or 1, T or 1, S]`,
     and the rotary (cos, sin) of the query positions. An MLA target's context stays latent (keys and values None):
-    `latent = (c [B, 1, S, r], k_rot [B, 1, S, dr], kv_b_proj.weight)`, read by `specdec.adapters.latent_attention`
-    (with `visible` made additive), never expanded per head."""
+    `latent = (latents [B, 1, S, r + dr] (`[c | k_rot]`), kv_b_proj.weight)`, read by
+    `specdec.adapters.latent_attention` (with `visible` made additive), never expanded per head."""
 
     keys: torch.Tensor | None
     values: torch.Tensor | None
     visible: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor] | None
-    latent: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    latent: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class QueryOnlyAttention(nn.Module):
@@ -122,9 +122,9 @@ class QueryOnlyAttention(nn.Module):
         if ctx.rope is not None:
             q, _ = self._apply_rope(q, q, *ctx.rope)
         if ctx.latent is not None:  # an MLA target: queries split as its keys are, [nope; rope]
-            c, k_rot, kv_b = ctx.latent
-            dr = k_rot.shape[-1]
-            out = latent_attention(q[..., :-dr], q[..., -dr:], c, k_rot, kv_b, additive_mask(ctx.visible, q.dtype),
+            latents, kv_b = ctx.latent
+            dr = latents.shape[-1] - kv_b.shape[-1]
+            out = latent_attention(q[..., :-dr], q[..., -dr:], latents, kv_b, additive_mask(ctx.visible, q.dtype),
                                    self.scale)
         else:
             out = attend(q, ctx.keys, ctx.values, None, ctx.visible, scale=self.scale).transpose(1, 2)  # [B, T, H, Dv]
@@ -208,14 +208,18 @@ class Net(SharesTarget):
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         return target_logits(self.target_lm_head, x)
 
-    def _context(self, a, b, visible: torch.Tensor, like: torch.Tensor, positions: torch.Tensor):
-        """KVContext in the net's dtype from the attention layer's stored pair `[B, h, S, d]`: keys and values as
-        the target's key heads hold them, or an MLA target's latents as they are; `visible [B or 1, T, S]` bool;
+    def _context(self, states: list[torch.Tensor], visible: torch.Tensor, like: torch.Tensor,
+                 positions: torch.Tensor):
+        """KVContext in the net's dtype from what the attention layer stores, `[B, h, S, d]` each: keys and values
+        as the target's key heads hold them, or an MLA target's latents as `[c | k_rot]` (one tensor where the
+        runner's `KimiLatentAttention` stores them so, the module's pair joined); `visible [B or 1, T, S]` bool;
         rotary of the query `positions [B, T]`."""
         dt = self.dtype
         if self.mla:
             kv_b = self.target_attn.kv_b_proj.weight.detach()
-            return KVContext(None, None, visible, None, latent=(a.to(dt), b.to(dt), kv_b.to(dt)))
+            latents = states[0] if len(states) == 1 else torch.cat(states, -1)
+            return KVContext(None, None, visible, None, latent=(latents.to(dt), kv_b.to(dt)))
+        a, b = states
         rope = None
         if self.target_rotary is not None:
             rope = tuple(x.to(dt) for x in rotary_tables(self.target_rotary, like, positions))
@@ -230,9 +234,9 @@ class Net(SharesTarget):
             raise RuntimeError(f"mtp: the target cache has no entries for layer {self.layer} yet")
         S = span
         lens = kv.lengths[slots_t]
-        a, b = kv.read(self.layer, slots_t, S)  # [B, heads, S, dim] each, through the slots' pages
+        states = kv.read(self.layer, slots_t, S)  # [B, heads, S, dim] each, through the slots' pages
         visible = (torch.arange(S, device=lens.device)[None, :] < lens[:, None])[:, None]  # [B, 1, S]
-        return self._context(a, b, visible, a, (lens - 1)[:, None])
+        return self._context(states, visible, states[0], (lens - 1)[:, None])
 
     @torch.no_grad()
     def context_from_batch(self, tokens: torch.Tensor, features: dict[int, torch.Tensor]) -> KVContext:
@@ -247,8 +251,7 @@ class Net(SharesTarget):
         pos = torch.arange(S, device=tokens.device)[None].expand(B, S)
         if self.mla:
             kv_nope, k_rot = torch.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank, attn.qk_rope_head_dim], -1)
-            a = attn.kv_a_layernorm(kv_nope).view(B, 1, S, attn.kv_lora_rank)
-            b = k_rot.view(B, 1, S, attn.qk_rope_head_dim)
+            states = [torch.cat([attn.kv_a_layernorm(kv_nope), k_rot], -1)[:, None]]  # [B, 1, S, r + dr]
         else:
             shape = (B, S, -1, attn.head_dim)
             a = attn.k_proj(x).view(shape)
@@ -258,8 +261,9 @@ class Net(SharesTarget):
             b = attn.v_proj(x).view(shape).transpose(1, 2)
             if self.target_rotary is not None:
                 a, _ = self.apply_rope(a, a, *rotary_tables(self.target_rotary, x, pos))
+            states = [a, b]
         causal = torch.ones(S, S, dtype=torch.bool, device=tokens.device).tril()[None]  # [1, S, S]
-        return self._context(a, b, causal, x, pos)
+        return self._context(states, causal, x, pos)
 
     # ---- the head ----------------------------------------------------------------------------------
     def step(self, tokens: torch.Tensor, h: torch.Tensor, ctx: KVContext) -> tuple[torch.Tensor, torch.Tensor]:

@@ -237,62 +237,41 @@ def _packed(x: torch.Tensor, perm: tuple, shape: tuple) -> torch.Tensor:
     return x.permute(perm).clone(memory_format=torch.contiguous_format).view(shape)
 
 
-# On a CPU, `latent_attention` over more queries than a round has (a prefill chunk) runs them in parts whose scores
-# `[B, H T', S]` hold about SCORE_ELEMENTS: malloc reuses a freed buffer of that size, where one of a whole chunk's
-# scores (hundreds of MiB at a long context) is mapped afresh and faulted in page by page each time.
-SCORE_ELEMENTS = 1 << 21
-PART_QUERIES = 16  # the fewest queries of a part (each part reads every cached latent once more)
-ROUND_TOKENS = 64  # at most this many queries: never in parts (a round's ops stay the same whatever S is)
+# Queries of a round at most (a verify window, a tree): their heads are folded into query rows, so one pass over the
+# cached latents serves every head; more (a prefill chunk) run head by head, each head's rows reading the one mask.
+ROUND_TOKENS = 64
 
 
-def latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, k_rot: torch.Tensor,
-                     kv_b: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """MLA attention over cached latents (`_latent_attention`); on a CPU with T > ROUND_TOKENS (a prefill chunk),
-    the queries in parts of SCORE_ELEMENTS // (B H S) at a time, at least PART_QUERIES,
-    each query's output its own either way.
-
-    Args: as `_latent_attention`'s.  Returns: `[B, T, H dv]`.
-    """
-    B, H, T, _ = q_nope.shape
-    step = max(PART_QUERIES, SCORE_ELEMENTS // (B * H * c.shape[2]))
-    if c.device.type != "cpu" or T <= ROUND_TOKENS or step >= T:
-        return _latent_attention(q_nope, q_rot, c, k_rot, kv_b, mask, scale)
-    part = (lambda t: mask) if mask is None or mask.shape[-2] == 1 else (lambda t: mask[..., t:t + step, :])
-    return torch.cat([_latent_attention(q_nope[:, :, t:t + step], q_rot[:, :, t:t + step], c, k_rot, kv_b, part(t),
-                                        scale) for t in range(0, T, step)], 1)
-
-
-def _latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, c: torch.Tensor, k_rot: torch.Tensor,
-                      kv_b: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """MLA attention over cached latents, never expanding them: with `kv_b` (`kv_b_proj.weight`, rows per head
-    `[W_UK (dn rows); W_UV (dv rows)]` over the latent r),
-        score(t, s) = (q_nope W_UK) . c_s + q_rot . k_rot_s,    out(t) = (sum_s p_ts c_s) W_UV^T,
+def latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, latents: torch.Tensor, kv_b: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """MLA attention over cached latents, never expanding them (weight absorption, as vLLM and SGLang run MLA
+    decode): with `kv_b` (`kv_b_proj.weight`, rows per head `[W_UK (dn rows); W_UV (dv rows)]` over the latent r),
+        score(t, s) = [q_nope W_UK | q_rot] . [c_s | k_rot_s],    out(t) = (sum_s p_ts c_s) W_UV^T,
     the attention of the expanded keys `[W_UK c; k_rot]` and values `W_UV c` with the sums associated differently.
-    Softmax in fp32, cast back, as transformers' eager attention. The same ops for every B and T. The scores
-    `[B, H T, S]` are made in one GEMM pass (the rope part's product as its accumulator, both scaled in its
-    epilogue) and masked in place: a decode step at a long context reads them as few times as it can.
+    One `scaled_dot_product_attention` whose keys and values are both the latents (the value's rope columns dropped
+    after): a fused kernel (flash on a CPU) never holds the `[T, S]` scores beyond a block, and reads the latents
+    once for all the heads of a round (T <= ROUND_TOKENS: heads folded into query rows). The same ops for every B.
 
     Args:
-        q_nope `[B, H, T, dn]`, q_rot `[B, H, T, dr]`: queries;  c `[B, 1, S, r]`, k_rot `[B, 1, S, dr]`: the
-        latents and shared rope keys as an MLA cache holds them;  kv_b: `[H (dn + dv), r]`;
-        mask: additive `[B, 1, T, S]` (or broadcastable), None: all visible.
+        q_nope `[B, H, T, dn]`, q_rot `[B, H, T, dr]`: queries;  latents `[B, 1, S, r + dr]`: `[c | k_rot]` as an MLA
+        cache holds them (`KimiLatentAttention`);  kv_b: `[H (dn + dv), r]`;
+        mask: additive `[B, 1, T, S]` (or broadcastable; cast to the queries' dtype), None: all visible.
     Returns:
         `[B, T, H dv]` (heads concatenated, as the output projection takes them).
     """
     B, H, T, dn = q_nope.shape
-    r, dr = c.shape[-1], q_rot.shape[-1]
+    r = latents.shape[-1] - q_rot.shape[-1]
     w = kv_b.view(H, -1, r)
     dv = w.shape[1] - dn
-    c, k_rot = c[:, 0], k_rot[:, 0]                                               # [B, S, r / dr]
     q_lat = torch.bmm(_packed(q_nope, (1, 0, 2, 3), (H, B * T, dn)), w[:, :dn])    # [H, B T, r]
-    q_lat = _packed(q_lat.view(H, B, T, r), (1, 0, 2, 3), (B, H * T, r))
-    q_rot = _packed(q_rot, (0, 1, 2, 3), (B, H * T, dr))
-    scores = torch.baddbmm(torch.bmm(q_rot, k_rot.transpose(1, 2)), q_lat, c.transpose(1, 2), beta=scale,
-                           alpha=scale).view(B, H, T, -1)                       # scale (rot + lat)
-    if mask is not None:  # in place where the sum keeps the scores' dtype: no second [B, H, T, S] buffer
-        scores = scores.add_(mask) if mask.dtype == scores.dtype else scores + mask
-    p = scores.softmax(-1, dtype=torch.float32).to(q_nope.dtype).view(B, H * T, -1)
-    o_lat = _packed(torch.bmm(p, c).view(B, H, T, r), (1, 0, 2, 3), (H, B * T, r))
+    q = torch.cat([q_lat.view(H, B, T, r).permute(1, 0, 2, 3), q_rot], -1)        # [B, H, T, r + dr]
+    mask = None if mask is None else mask.to(q.dtype)
+    if T <= ROUND_TOKENS:
+        q = q.view(B, 1, H * T, -1)                                                 # row h T + t
+        if mask is not None and mask.shape[-2] > 1:
+            mask = mask.expand(B, H, T, mask.shape[-1]).reshape(B, 1, H * T, -1)
+    o = F.scaled_dot_product_attention(q, latents, latents, attn_mask=mask, scale=scale, enable_gqa=True)
+    o_lat = _packed(o.reshape(B, H, T, -1)[..., :r], (1, 0, 2, 3), (H, B * T, r))
     out = torch.bmm(o_lat, w[:, dn:].transpose(1, 2))                             # [H, B T, dv]
     return _packed(out.view(H, B, T, dv), (1, 2, 0, 3), (B, T, H * dv))
 
@@ -303,7 +282,8 @@ class KimiLatentAttention:
     The module expands every cached latent through `kv_b_proj` at every forward (`[B * S, r] x [r, H (dn + dv)]`
     per layer per round, growing with the context); here the expansion is folded into the queries and the output
     (`latent_attention`), as vLLM and SGLang run MLA decode: the module's attention, equal to fp32 rounding.
-    The cache holds the same latents (`c` after `kv_a_layernorm`, `k_rot`), so drafters read it as before.
+    The cache holds the module's latents as one tensor per token, `[c | k_rot]` (`c` after `kv_a_layernorm`), the
+    keys and values of that one attention.
     Called as the module is: `(hidden_states [B, T, d], attention_mask [B, 1, T, S], cache, ...)` -> (out, None).
     """
 
@@ -327,21 +307,24 @@ class KimiLatentAttention:
         q = m.q_proj(x) if m.q_lora_rank is None else m.q_b_proj(m.q_a_layernorm(m.q_a_proj(x)))
         q_nope, q_rot = q.view(B, T, H, dn + dr).transpose(1, 2).split([dn, dr], -1)   # [B, H, T, dn / dr]
         c, k_rot = m.kv_a_proj_with_mqa(x).split([r, dr], -1)
-        c, k_rot = m.kv_a_layernorm(c).view(B, 1, T, r), k_rot.reshape(B, 1, T, dr)
+        latents = torch.cat([m.kv_a_layernorm(c), k_rot], -1).view(B, 1, T, r + dr)
         if cache is not None:
-            c, k_rot = cache.update(c, k_rot, m.layer_idx)                           # [B, 1, S, r / dr]
-        out = latent_attention(q_nope, q_rot, c, k_rot, m.kv_b_proj.weight, attention_mask, m.scaling)  # [B, T, H dv]
+            (latents,) = cache.update(latents, layer_idx=m.layer_idx)                # [B, 1, S, r + dr]
+        out = latent_attention(q_nope, q_rot, latents, m.kv_b_proj.weight, attention_mask, m.scaling)  # [B, T, H dv]
         return m.o_proj(out), None
 
 
 def kv_dims(attn, config=None) -> list[tuple[int, int]]:
     """`(heads, dim)` of each tensor an attention stores in the KV cache through `update` (the memory plan's KV
-    shapes; the cache itself allocates from the tensors it is given): MLA (Kimi, Bailing) its two latents,
+    shapes; the cache itself allocates from the tensors it is given): `KimiLatentAttention` one,
+    `(1, kv_lora_rank + qk_rope_head_dim)`; an MLA module (Kimi's, Bailing's) its two latents,
     `(1, kv_lora_rank)` and `(1, qk_rope_head_dim)`; otherwise K and V, `(k_proj.out_features / head_dim, head_dim)`
     and the same of `v_proj`. `attn` is the module, `KimiLatentAttention` around one, or Zamba2's shared block (its
     `self_attn`). A module with neither: the model config's `num_key_value_heads` and head dim (`config`), or []
     (not planned) without one."""
-    mod = attn.mod if isinstance(attn, KimiLatentAttention) else attn
+    if isinstance(attn, KimiLatentAttention):
+        return [(1, attn.mod.kv_lora_rank + attn.mod.qk_rope_head_dim)]
+    mod = attn
     inner = getattr(mod, "self_attn", None)
     mod = inner if isinstance(inner, torch.nn.Module) else mod
     if isinstance(getattr(mod, "kv_lora_rank", None), int) and isinstance(getattr(mod, "qk_rope_head_dim", None), int):

@@ -354,10 +354,11 @@ class KVCache:
         return out
 
     # ---- transformers Cache surface -----------------------------------------------------------------
-    def update(self, *states: torch.Tensor, **kwargs):
-        """`update(key [B, h, T, dk], value [B, h, T, dv], layer_idx, ...)` -> full `[B, h, S, d]` each."""
-        layer_idx = states[2] if len(states) > 2 else kwargs["layer_idx"]
-        new = states[:2]
+    def update(self, *states, **kwargs):
+        """`update(key [B, h, T, dk], value [B, h, T, dv], layer_idx, ...)` -> full `[B, h, S, d]` each; a layer
+        storing one tensor per token (`adapters.KimiLatentAttention`'s latents) passes that one alone."""
+        new = tuple(x for x in states if isinstance(x, torch.Tensor))
+        layer_idx = states[len(new)] if len(states) > len(new) else kwargs["layer_idx"]
         dp = self._split_holds(layer_idx)
         if layer_idx not in self.store:  # normal tensors (`allocate`): kept across calls
             pool = self.pages[dp].num_pages

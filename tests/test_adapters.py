@@ -102,14 +102,15 @@ def test_batched_rows_of_different_lengths(model):
 
 def test_kimi_attention_reads_latents_like_the_module():
     """Kimi-Linear's MLA layers run as `KimiLatentAttention` (the cached latents never expanded): its output
-    equals the module's own forward on the same cache contents, with a tree mask (float64); the tests above
-    then check whole rounds of it against transformers' forward."""
+    equals the module's own forward (transformers' SDPA attention: the softmax in the queries' dtype, as here;
+    eager's is float32) on the same cache contents, with a tree mask (float64); the tests above then check whole
+    rounds of it against transformers' forward."""
     from specdec.adapters import KimiLatentAttention
     from specdec.hf_compat import cache_arg
     from specdec.kernels.tree import VerifyTree
     from specdec.kv_cache import KVCache
 
-    model = tiny_model("kimi_linear", seed=2)
+    model = tiny_model("kimi_linear", seed=2, attn_implementation="sdpa")
     runner = HybridRunner(model, max_batch_size=2, max_length=32)
     attn_layers = [i for i, t in enumerate(model.config.layer_types) if t == "full_attention"]
     assert attn_layers and all(isinstance(runner._attn[i], KimiLatentAttention) for i in attn_layers)
@@ -139,15 +140,15 @@ def test_kimi_attention_reads_latents_like_the_module():
 
 
 def _kimi_mla():
-    """A tiny Kimi-Linear's first MLA attention module (float64) and its hidden size."""
-    model = tiny_model("kimi_linear", seed=2)
+    """A tiny Kimi-Linear's first MLA attention module (float64, transformers' SDPA attention) and its hidden size."""
+    model = tiny_model("kimi_linear", seed=2, attn_implementation="sdpa")
     return model.model.layers[model.config.layer_types.index("full_attention")].self_attn, model.config.hidden_size
 
 
 def test_kimi_latent_decode_step_like_the_module():
     """A plain decode step (T = 1) of `KimiLatentAttention` over contexts of different lengths (keys past the shorter
     row's length masked), and one row alone with no mask (every key visible): the module's own forward on the same
-    cache contents (float64). A mask of another dtype is added out of place, with the same result."""
+    cache contents (float64). A mask of another dtype is cast to the queries', with the same result."""
     from specdec.adapters import KimiLatentAttention
     from specdec.hf_compat import cache_arg
     from specdec.kv_cache import KVCache
@@ -179,10 +180,10 @@ def test_kimi_latent_decode_step_like_the_module():
     assert max_rel_err(unmasked[1], both[1]) > 1e-3 and max_rel_err(unmasked[0], both[0]) < 1e-12
 
 
-def test_kimi_latent_prefill_chunk_in_parts_like_the_module(monkeypatch):
-    """A prefill-sized chunk (T > ROUND_TOKENS) after a context, rows of different lengths: on a CPU its queries run
-    in parts of at most SCORE_ELEMENTS scores (here made small: parts of PART_QUERIES), and the output equals the
-    module's own forward on the same cache contents (float64), whole."""
+def test_kimi_latent_prefill_chunk_like_the_module():
+    """A prefill-sized chunk (T > ROUND_TOKENS: its heads attend one by one, not folded into query rows as a round's)
+    after a context, rows of different lengths: the output equals the module's own forward on the same cache
+    contents (float64)."""
     from specdec import adapters
     from specdec.adapters import KimiLatentAttention
     from specdec.hf_compat import cache_arg
@@ -190,11 +191,8 @@ def test_kimi_latent_prefill_chunk_in_parts_like_the_module(monkeypatch):
 
     mod, d = _kimi_mla()
     gen = torch.Generator().manual_seed(5)
-    T = adapters.ROUND_TOKENS + 2 * adapters.PART_QUERIES + 3
+    T = adapters.ROUND_TOKENS + 19
     context, x = (torch.randn(2, n, d, generator=gen, dtype=torch.float64) for n in (10, T))
-    monkeypatch.setattr(adapters, "SCORE_ELEMENTS", 1)  # every part its fewest queries
-    parts, inner = [], adapters._latent_attention
-    monkeypatch.setattr(adapters, "_latent_attention", lambda q, *a: parts.append(q.shape[2]) or inner(q, *a))
     outs = []
     for attn in (mod, KimiLatentAttention(mod)):
         kv = KVCache(3, 128)
@@ -203,8 +201,6 @@ def test_kimi_latent_prefill_chunk_in_parts_like_the_module(monkeypatch):
         attn(hidden_states=context, attention_mask=kv.attention_mask(torch.float64), **cache)
         kv.advance(torch.tensor([10, 7]))
         kv.begin(torch.tensor([2, 0]), T)  # a prefill chunk: causal over its own tokens
-        parts.clear()
         outs.append(attn(hidden_states=x, attention_mask=kv.attention_mask(torch.float64), **cache)[0])
         kv.abort()
-    assert parts == [adapters.PART_QUERIES] * (T // adapters.PART_QUERIES) + [T % adapters.PART_QUERIES]
     assert max_rel_err(outs[1], outs[0]) < 1e-12

@@ -138,7 +138,7 @@ def _mtp_check(net, anchors, h, ctx, block, k) -> tuple[int, int]:
             row = (lambda t: None if t is None else t[b:b + 1])  # noqa: E731
             one = KVContext(row(ctx.keys), row(ctx.values), row(ctx.visible),
                             None if ctx.rope is None else tuple(r[b:b + 1] for r in ctx.rope),
-                            None if ctx.latent is None else (row(ctx.latent[0]), row(ctx.latent[1]), ctx.latent[2]))
+                            None if ctx.latent is None else (row(ctx.latent[0]), ctx.latent[1]))
             toks, parent = block.tokens[b].tolist(), block.parent[b].tolist()
             for path in _paths(parent)[1:]:
                 tok, x, ok = anchors[b].view(1, 1), h[b].view(1, 1, -1), True

@@ -68,11 +68,12 @@ def tiny_config(family: str, *, vocab_size: int = 96, num_layers: int = 4):
     raise ValueError(family)
 
 
-def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, **kw):
+def tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.float64, attn_implementation: str = "eager",
+               **kw):
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kw), dtype=dtype,
-                                             experts_implementation="eager", attn_implementation="eager")
+                                             experts_implementation="eager", attn_implementation=attn_implementation)
     if family == "bailing_hybrid" and dtype == torch.float64:
         model.double()  # its conv weight stays fp32 (`_keep_in_fp32_modules_strict`): transformers' conv then fails
     return model.eval()
