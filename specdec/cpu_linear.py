@@ -10,8 +10,8 @@ layout their kernels take directly.
 - "onednn": oneDNN's blocked layout (`torch.ops.mkldnn._linear_pointwise`). On some x86 CPUs MKL runs a generic code
   path (on the AMD Zen 5 of `bench/results/HISTORY.md` it does, AVX-512 unused), while oneDNN, also inside torch,
   runs the CPU's widest vectors: tree and chain verify forwards run faster there; on Intel CPUs slower than "mkl".
-Below `MIN_ROWS` rows and the backend's `MIN_MACS` multiply-adds a call stays `F.linear` (plain decode's 1-row
-steps included, so they keep transformers' own op order).
+Below `MIN_ROWS` rows and `MIN_MACS` multiply-adds a call stays `F.linear` (plain decode's 1-row steps included,
+so they keep transformers' own op order).
 
 `install(model, backend)` turns every plain `nn.Linear` of `model` (type exactly `nn.Linear`, or another backend's
 `PackedLinear`) into that backend's `PackedLinear` subclass, whose forward dispatches by shape; weights, parameters,
@@ -44,8 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 MIN_ROWS = 2  # at 1 row a matmul is memory-bound, and plain decode keeps transformers' op order
-# below ~0.5M multiply-adds oneDNN's fixed cost per call outweighs its faster loops; MKL's gains hold at any size
-MIN_MACS = {"mkl": 0, "onednn": 1 << 19}
+MIN_MACS = 1 << 19  # below ~0.5M multiply-adds a packed call gains little (oneDNN's fixed cost outweighs its loops)
 
 MODES = ("auto", "mkl", "onednn", "aten")
 # per backend, layer -> (weakref to its weight, the weight's version, its data pointer, its row sums, the `engaged`
@@ -150,9 +149,8 @@ def _weight(m: "PackedLinear") -> torch.Tensor:
 
 
 class PackedLinear(nn.Linear):
-    """`nn.Linear` whose fp32 CPU calls of at least `MIN_ROWS` rows and `MIN_MACS[backend]` multiply-adds run on a
-    packed copy of the weight (`pack`, `run`: one subclass per backend) inside `engaged()`; every other call is
-    `nn.Linear`'s.
+    """`nn.Linear` whose fp32 CPU calls of at least `MIN_ROWS` rows and `MIN_MACS` multiply-adds run on a packed copy
+    of the weight (`pack`, `run`: one subclass per backend) inside `engaged()`; every other call is `nn.Linear`'s.
 
     x `[..., in_features]` -> `[..., out_features]`, as `nn.Linear`.
     """
@@ -173,7 +171,7 @@ class PackedLinear(nn.Linear):
         # the size test first and alone: a 1-row call (every plain decode step) costs one numel() more than
         # nn.Linear's forward
         n = x.numel()
-        if (n * self.out_features >= MIN_MACS[self.backend] and n >= MIN_ROWS * self.in_features
+        if (n * self.out_features >= MIN_MACS and n >= MIN_ROWS * self.in_features
                 and getattr(_engaged, "depth", 0) and _packed_ok(self, x)):
             return self.run(x, _weight(self), self.bias)
         return F.linear(x, self.weight, self.bias)
