@@ -382,7 +382,7 @@ def run_steps(model, vocab: int, a, max_length: int, repeats: int, deadline: flo
     runner = HybridRunner(model, strategy="replay", commit="eager", max_batch_size=a.batch,
                           max_length=max_length + TREE, num_verify_tokens=TREE, static=True)
     shapes = step_shapes(a.batch, vocab, model.device, a.seed)
-    with cpu_linear.engaged():  # packed linears where the engine would use them (an fp32 model on CPU)
+    with cpu_linear.engaged():  # oneDNN linears where the engine would use them (an fp32 model on CPU)
         timer = StepTimer(runner, a.batch, shapes, graphs=cuda)
         times = measure_steps(timer, repeats, a.warmup, deadline)
     med = {k: statistics.median(v) for k, v in times.items() if v}
@@ -496,7 +496,7 @@ def main(argv=None) -> int:
             print(f"# bench/realistic.py: random KimiLinearForCausalLM ({preset}), {n:,} params ({n / 1e9:.3f}B), "
                   f"{a.dtype}, {where}, batch {a.batch}", flush=True)
             print(f"# {describe(config)}", flush=True)
-            backend = cpu_linear.apply("auto", model)  # as the engine's wrap does (packed: an fp32 model on CPU)
+            backend = cpu_linear.apply("auto", model)  # as the engine's wrap does (oneDNN: an fp32 model on CPU)
             if not over("the steps"):
                 run_steps(model, config.vocab_size, a, max_length, repeats, deadline, res)
                 if cuda:

@@ -20,7 +20,7 @@ topological.
 All kinds run in one process, interleaved (each repeat runs every kind once, in a rotated order) after
 `--warmup` untimed rounds; each figure is the median over `--repeats`. Ratios are median(kind) / median(step_1).
 Each timed forward is the last of `--block` (default 2) back-to-back forwards of its kind, as decoding runs them:
-the caches then hold what that kind reads. (With packed linears a verify reads the weight copies and a
+the caches then hold what that kind reads. (With oneDNN linears a verify reads the blocked weight copies and a
 1-token step the original weights; timed right after another kind, a step_1 would pay for the other copy's
 eviction and read slow, flattering every ratio.)
 The spread of a kind is (p90 - p10) / median over its repeats; above 25% the run is reported as noisy.
@@ -35,8 +35,8 @@ across all of them, the model's matmuls (every `nn.Linear`: projections, MLPs, l
 whatever the verify does.
 
 `--cpu-linear auto,aten` times the model's `nn.Linear` layers with both backends in the same run (interleaved, as
-cases `chunk / mkl linear`, `chunk / aten linear`, ...): "auto" is what the engine uses (`specdec.cpu_linear`: for
-an fp32 model on CPU "mkl" on Intel CPUs, else "onednn"), "aten" is torch's `F.linear` (MKL's sgemm on x86).
+cases `chunk / onednn linear`, `chunk / aten linear`, ...): "auto" is what the engine uses (`specdec.cpu_linear`:
+oneDNN for an fp32 model on CPU), "aten" is torch's `F.linear` (MKL's sgemm on x86).
 
 The same run also measures the floor those matmuls set (`matmul floor`): every `nn.Linear` call of one forward of
 each kind (projections, MLPs, lm_head: the model's weights, at the rows the kind feeds them, with the first case's
@@ -75,20 +75,22 @@ from specdec.kernels.verify import naive as verify_naive  # noqa: E402
 
 TREE_SIZES = (13, 25, 49)
 NOISY = 0.25
-LINEAR_FORWARDS = (torch.nn.Linear.forward.__code__, cpu_linear.PackedLinear.forward.__code__)
+LINEAR_FORWARDS = (torch.nn.Linear.forward.__code__, cpu_linear.OneDNNLinear.forward.__code__)
 VERIFY_IMPLS = {"chunk": verify_chunk.verify_delta_rule, "per-token": verify_naive.verify_delta_rule}
 
 
 @contextlib.contextmanager
-def case(model, impl: str | None, linear: str):
-    """One measured case of `model`: verify implementation `impl` (see `verify_impl`) and the `nn.Linear` backend
-    `linear` ("mkl" / "onednn": the layers installed with it, engaged as inside the engine's `generate`; "aten":
-    not engaged, so every call is `F.linear`)."""
+def case(impl: str | None, linear: str):
+    """One measured case: verify implementation `impl` (see `verify_impl`) and the `nn.Linear` backend `linear`
+    ("onednn": the installed `OneDNNLinear` layers, engaged as inside the engine's `generate`; "aten": the same
+    layers with oneDNN switched off, so every call is `F.linear`)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(verify_impl(impl))
-        if linear != "aten":
-            cpu_linear.install(model, linear)  # a layer keeps each backend's copy: switching repacks nothing
-            stack.enter_context(cpu_linear.engaged())
+        stack.enter_context(cpu_linear.engaged())
+        if linear == "aten":
+            stack.enter_context(warnings.catch_warnings())
+            warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")  # flags() says it each time
+            stack.enter_context(torch.backends.mkldnn.flags(enabled=False))
         yield
 
 
@@ -128,20 +130,20 @@ def make_inputs(runner, ids: torch.Tensor, shapes: dict) -> dict:
 def measure(runner, slots: list[int], ids: torch.Tensor, shapes: dict, repeats: int, warmup: int,
             cases: dict | None = None, block: int = 1) -> dict:
     """-> case -> kind -> list of seconds per forward; every (case, kind) once per repeat, in a rotated order.
-    `cases`: name -> (verify implementation, linear backend) (default: as dispatched, the engine's backend). `block`:
-    each timed forward is the last of `block` back-to-back forwards of its kind, as decoding runs them (the others
-    warm the caches with the weights that kind reads: a packed backend's verify reads the copies, a 1-row step the
+    `cases`: name -> (verify implementation, linear backend) (default: as dispatched, as installed). `block`: each
+    timed forward is the last of `block` back-to-back forwards of its kind, as decoding runs them (the others warm
+    the caches with the weights that kind reads: with oneDNN a verify reads the blocked copies, a 1-row step the
     originals)."""
     wait = functools.partial(sync, runner.device)
     inputs = make_inputs(runner, ids, shapes)
-    cases = cases or {None: (None, cpu_linear.resolve("auto", runner.model))}
+    cases = cases or {None: (None, "onednn")}
     order0 = [(c, name) for c in cases for name in shapes]
     times: dict = {c: {n: [] for n in shapes} for c in cases}
     for r in range(warmup + repeats):
         order = order0[r % len(order0):] + order0[:r % len(order0)]
         for impl, name in order:
             x, p = inputs[name]
-            with case(runner.model, *cases[impl]):
+            with case(*cases[impl]):
                 for _ in range(block - 1):
                     runner.forward(slots, x, parent=p)
                     runner.abort()
@@ -175,11 +177,11 @@ def components(runner) -> dict[str, list]:
     }
 
 
-def breakdown(runner, slots: list[int], x: torch.Tensor, p, impl: str | None, linear: str,
+def breakdown(runner, slots: list[int], x: torch.Tensor, p, impl: str | None, linear: str = "onednn",
               n: int = 10) -> dict:
     """ms per forward (under cProfile, so Python-heavy parts read high) of each component, and the total."""
     prof = cProfile.Profile()
-    with case(runner.model, impl, linear):
+    with case(impl, linear):
         runner.forward(slots, x, parent=p)
         runner.abort()
         prof.enable()
@@ -213,7 +215,7 @@ def linear_calls(runner, slots: list[int], x: torch.Tensor, p) -> list[tuple]:
 
 
 def matmul_floor(runner, slots: list[int], inputs: dict, step_1_s: float, repeats: int, warmup: int,
-                 linear: str = "aten") -> dict:
+                 linear: str = "onednn") -> dict:
     """The weight matmuls of each kind replayed alone (the model's `nn.Linear` layers, with backend `linear`):
     name -> {matmul_ms (median), floor (ratio), calls}. `inputs` as `make_inputs` gives them; `step_1_s` the
     median 1-token forward of the same run."""
@@ -224,7 +226,7 @@ def matmul_floor(runner, slots: list[int], inputs: dict, step_1_s: float, repeat
             for name, cs in calls.items()}
     names = list(args)
     times: dict = {n: [] for n in names}
-    with torch.no_grad(), case(runner.model, None, linear):
+    with torch.no_grad(), case(None, linear):
         for r in range(warmup + repeats):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 wait()
@@ -287,9 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated CPU verify implementations to time in the same run (chunk, per-token); "
                         "'dispatch': whatever the dispatcher serves (Triton on CUDA)")
     p.add_argument("--cpu-linear", default="auto",
-                   help="comma-separated nn.Linear backends to time in the same run (auto, mkl, onednn, aten; see "
-                        "specdec.cpu_linear); auto (the engine's default) is, for an fp32 model on CPU, mkl on Intel "
-                        "CPUs, else onednn")
+                   help="comma-separated nn.Linear backends to time in the same run (auto, onednn, aten; see "
+                        "specdec.cpu_linear); auto (the engine's default) is onednn for an fp32 model on CPU")
     p.add_argument("--breakdown", action="store_true", help="profile the chain and the largest tree per implementation")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     return p
@@ -353,6 +354,8 @@ def main(argv=None) -> int:
     shapes = kinds(a.chain, trees, a.topk)
     T_max = max([a.chain, *trees])
     backends = list(dict.fromkeys(cpu_linear.resolve(x, model) for x in linears))  # "auto" resolved, deduplicated
+    if "onednn" in backends:
+        cpu_linear.install(model)  # as the engine does; "aten" cases switch oneDNN off around their forwards
     runner = HybridRunner(model, max_batch_size=1, max_length=ids.numel() + T_max + 1, num_verify_tokens=T_max)
     slots = runner.alloc(1)
     runner.prefill(slots[0], ids.to(a.device))

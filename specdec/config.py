@@ -36,14 +36,12 @@ class SpecConfig:
     `speculative_disable_by_batch_size`, by degrees. E.g. `{8: 3}` (the CPU sweep: bench/results/HISTORY.md,
     "Draft-length schedule"). A tree drafter keeps its node budget; the schedule bounds its depth.
     cpu_linear: the matmul backend of the `nn.Linear` layers of an fp32 model on CPU and of its drafter, which a
-    verify feeds many rows at once: `specdec.cpu_linear.install` turns them into a `PackedLinear` whose calls of >= 2
-    rows inside `generate` run on a second copy of the weight in the backend's layout (1-row calls, calls outside
-    `generate` and the weights are unchanged; the copy is checked against the weight in every `generate`). "mkl":
-    MKL's sgemm on the weight's transpose stored row-major (on Intel CPUs 1.3-2.4x `F.linear` at verify sizes);
-    "onednn": oneDNN's blocked layout (on some x86 CPUs about twice MKL's sgemm at tree sizes); "aten": left as they
-    are. "auto" (default): for an fp32 model on CPU "mkl" on an Intel CPU, else "onednn" (where torch runs them),
-    else "aten". The model's layers change class in place (plain decoding through it runs the same layers);
-    `specdec.cpu_linear.uninstall(model)` undoes it.
+    verify feeds many rows at once. "onednn": `specdec.cpu_linear.install` turns them into `OneDNNLinear` (calls
+    of >= 2 rows inside `generate` run oneDNN, on some x86 CPUs about twice MKL's sgemm at tree sizes; 1-row
+    calls, calls outside `generate` and the weights are unchanged; a second, blocked copy of each weight is kept
+    and checked against the weight in every `generate`). "aten": left as they are. "auto" (default): "onednn"
+    for an fp32 model on CPU when torch has oneDNN, else "aten". The model's layers change class in place (plain
+    decoding through it runs the same layers); `specdec.cpu_linear.uninstall(model)` undoes it.
     prefix_cache: False (default), True (a budget of `prefix_cache.DEFAULT_BUDGET` bytes) or a byte budget: keep
     the committed state of prompts and finished requests (recurrent state, KV entries, the drafter's target
     features) in a radix tree over token ids, and start a request whose prompt begins with a cached prefix from

@@ -65,7 +65,7 @@ class SpecEngine(RequestLoop):
 
         Runs under `torch.inference_mode` (no autograd bookkeeping per op); what the engine keeps across calls stays
         normal tensors, so its runner and drafter can be driven outside it, and `sequences` is a normal tensor. Runs
-        inside `cpu_linear.engaged()`: the packed copies of a CPU model's weights are checked against the weights at
+        inside `cpu_linear.engaged()`: the oneDNN copies of a CPU model's weights are checked against the weights at
         their first use in each call, so weights updated between calls (however: an optimizer step, a write through
         `.data`) are the ones used."""
         t0 = time.perf_counter()
@@ -461,7 +461,7 @@ def wrap(model, config: SpecConfig | None = None, **options) -> SpecEngine:
     directory, a Drafter, or None: plain decoding through the same runner), num_draft_tokens (gamma, 7), strategy
     ("replay" or "snapshot"), commit ("eager" or "lazy"), draft_model, max_batch_size (8), max_length,
     static_shapes, cuda_graph, draft_tokens_by_batch (fewer drafts at larger batches, e.g. `{8: 3}`), cpu_linear
-    ("auto", "mkl", "onednn" or "aten"), memory (a byte budget or a share of free memory), prefix_cache (True or a byte
+    ("auto", "onednn" or "aten"), memory (a byte budget or a share of free memory), prefix_cache (True or a byte
     budget), track_interval, states_per_path, tp_group (a process group: tensor parallelism). Any other keyword is an option of the drafter (e.g. `max_ngram=2` for "ngram",
     `topk=4` for "eagle"; `untrained=True` with "mtp", "eagle" or "dspark": an untrained net of that kind).
     """

@@ -75,7 +75,7 @@ def test_breakdown_and_bad_verify_name(tmp_path):
     bad = subprocess.run(list(map(str, base + ["--verify", "chunk,fast"])), capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=120)
     assert bad.returncode != 0 and "--verify" in bad.stderr
-    bad = subprocess.run(list(map(str, base + ["--cpu-linear", "auto,blas"])), capture_output=True, text=True,
+    bad = subprocess.run(list(map(str, base + ["--cpu-linear", "auto,mkl"])), capture_output=True, text=True,
                          cwd=tmp_path, env=env, timeout=120)
     assert bad.returncode != 0 and "--cpu-linear" in bad.stderr
 
@@ -90,14 +90,9 @@ def test_linear_backends_in_one_run(tmp_path):
     proc = subprocess.run(list(map(str, args)), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
-    import torch
-
-    from specdec import cpu_linear
-
-    auto = cpu_linear.resolve("auto", torch.nn.Linear(1, 1))  # an fp32 model on CPU
-    assert set(res["impls"]) == {f"chunk / {auto} linear", "chunk / aten linear"}
-    assert res["cpu_linear"] == auto and res["settings"]["cpu_linear"] == [auto, "aten"]
-    assert res["ratios"] == res["impls"][f"chunk / {auto} linear"]["ratios"]
+    assert set(res["impls"]) == {"chunk / onednn linear", "chunk / aten linear"}
+    assert res["cpu_linear"] == "onednn" and res["settings"]["cpu_linear"] == ["onednn", "aten"]
+    assert res["ratios"] == res["impls"]["chunk / onednn linear"]["ratios"]
     assert "verify: chunk / aten linear" in proc.stdout
 
 
@@ -145,10 +140,10 @@ def test_matmul_floor_records_every_linear_of_a_forward():
     assert set(floor) == set(inputs) and all(f["matmul_ms"] > 0 for f in floor.values())
 
 
-def test_packed_cases_run_their_backend_and_aten_case_does_not(monkeypatch):
-    """A "mkl" / "onednn" case times what `generate` runs (layers installed with that backend inside
-    `cpu_linear.engaged()`: the packed copy from its threshold on); the "aten" case the same layers as `F.linear`.
-    Counted by the layers fetching their packed weight, and which backend they had then."""
+def test_onednn_case_runs_onednn_and_aten_case_does_not(monkeypatch):
+    """The "onednn" case times what `generate` runs (installed layers inside `cpu_linear.engaged()`: oneDNN from
+    its threshold on); the "aten" case the same layers as `F.linear`. Counted by the layers fetching their oneDNN
+    weight."""
     import torch
     from torch import nn
 
@@ -156,19 +151,17 @@ def test_packed_cases_run_their_backend_and_aten_case_does_not(monkeypatch):
 
     bench = load_bench("verify_cost")
     lin = nn.Linear(256, 768)
+    cpu_linear.install(lin)
     x = torch.randn(8, 256)
     calls = []
     orig = cpu_linear._weight
-    monkeypatch.setattr(cpu_linear, "_weight", lambda m: calls.append(m.backend) or orig(m))
+    monkeypatch.setattr(cpu_linear, "_weight", lambda m: calls.append(m) or orig(m))
     with torch.no_grad():
-        with bench.case(lin, None, "aten"):
+        with bench.case(None, "aten"):
             lin(x)
         assert not calls
-        for backend in ("mkl", "onednn", "mkl"):
-            with bench.case(lin, None, backend):
-                lin(x)
-        assert calls == ["mkl", "onednn", "mkl"]
-        with bench.case(lin, None, "aten"):
+        with bench.case(None, "onednn"):
             lin(x)
+        assert calls == [lin]
         lin(x)  # outside any case: nn.Linear
-        assert calls == ["mkl", "onednn", "mkl"]
+        assert calls == [lin]

@@ -58,7 +58,7 @@ def test_static_steps_are_capture_safe(embedded, draft, requests):
     model, model_dir, prompts = embedded
     name, options, window = DRAFTS[draft]
     drafter = name if name == "ngram" else str(model_dir / "drafters" / name)
-    # cpu_linear: the aten linears a GPU runs (packed copies are checked against the weights on first use)
+    # cpu_linear: the aten linears a GPU runs (oneDNN's copies are checked against the weights on first use)
     engine = specdec.wrap(model, drafter=drafter, max_batch_size=4, static_shapes=True, cpu_linear="aten",
                           **options)
     assert engine.runner.num_verify_tokens == window

@@ -1,6 +1,6 @@
-"""`specdec.cpu_linear`: packed `nn.Linear` layers (each backend) against a float64 recomputation, the 1-row and
-autograd paths against `F.linear` bit for bit, weight updates, undo, and the engine's `cpu_linear` option (greedy
-output equal to transformers' greedy generate on an untouched copy of the model)."""
+"""`specdec.cpu_linear`: oneDNN `nn.Linear` layers against a float64 recomputation, the 1-row and autograd paths
+against `F.linear` bit for bit, weight updates, undo, and the engine's `cpu_linear` option (greedy output equal to
+transformers' greedy generate on an untouched copy of the model)."""
 
 import contextlib
 import copy
@@ -18,17 +18,13 @@ from specdec.draft import NoDraft
 from tiny_models import tiny_model, torch_fallbacks
 
 
-BACKENDS = ["mkl", "onednn"]
-
-
 def test_available():
-    assert cpu_linear.available("onednn"), "torch's CPU wheels ship oneDNN (torch.backends.mkldnn)"
-    assert cpu_linear.available("mkl"), "torch's x86 CPU wheels ship MKL (torch.backends.mkl)"
+    assert cpu_linear.available(), "torch's CPU wheels ship oneDNN (torch.backends.mkldnn)"
 
 
-def packed_calls(fn, *, engaged: bool = True):
+def onednn_calls(fn, *, engaged: bool = True):
     """Run `fn()` (inside `cpu_linear.engaged()`, as the engine's `generate` runs, unless `engaged` is False),
-    returning its result and the layers whose call took the packed path (fetched their packed weight)."""
+    returning its result and the layers whose call took the oneDNN path (fetched their oneDNN weight)."""
     calls = []
     orig = cpu_linear._weight
 
@@ -44,66 +40,62 @@ def packed_calls(fn, *, engaged: bool = True):
         cpu_linear._weight = orig
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rows", [4, 8, 49])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_float64(rows, bias, backend):
+def test_matches_float64(rows, bias):
     torch.manual_seed(rows)
     lin = nn.Linear(256, 768, bias=bias)
     x = torch.randn(1, rows, 256)
-    cpu_linear.install(lin, backend)
-    assert type(lin) is cpu_linear.BACKENDS[backend] and isinstance(lin, nn.Linear)
+    cpu_linear.install(lin)
+    assert type(lin) is cpu_linear.OneDNNLinear and isinstance(lin, nn.Linear)
     with torch.no_grad():
-        y, calls = packed_calls(lambda: lin(x))
-    assert calls, "a fp32 call of >= 2 rows and >= MIN_MACS should run the packed copy"
+        y, calls = onednn_calls(lambda: lin(x))
+    assert calls, "a fp32 call of >= 2 rows and >= MIN_MACS should run oneDNN"
     ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
     assert_close(y, ref.float(), msg=f"rows={rows}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_one_row_and_small_calls_are_f_linear_bitwise(backend):
+def test_one_row_and_small_calls_are_f_linear_bitwise():
     torch.manual_seed(0)
     lin = nn.Linear(256, 768)
     small = nn.Linear(64, 4)
-    cpu_linear.install(lin, backend), cpu_linear.install(small, backend)
+    cpu_linear.install(lin), cpu_linear.install(small)
     with torch.no_grad():
         for m, x in ((lin, torch.randn(1, 256)), (lin, torch.randn(3, 1, 256)[:1]), (small, torch.randn(8, 64))):
-            y, calls = packed_calls(lambda: m(x))
+            y, calls = onednn_calls(lambda: m(x))
             assert not calls
             assert_close(y, F.linear(x, m.weight, m.bias), exact=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_autograd_and_other_dtypes_take_f_linear(backend):
+def test_autograd_and_other_dtypes_take_f_linear():
     torch.manual_seed(1)
     lin = nn.Linear(256, 256)
-    cpu_linear.install(lin, backend)
+    cpu_linear.install(lin)
     x = torch.randn(16, 256)
-    y, calls = packed_calls(lambda: lin(x))  # grad enabled, weight requires grad
+    y, calls = onednn_calls(lambda: lin(x))  # grad enabled, weight requires grad
     assert not calls and y.requires_grad
     y.sum().backward()
     assert lin.weight.grad is not None
     assert_close(y.detach(), F.linear(x, lin.weight, lin.bias).detach(), exact=True)
     lin64 = nn.Linear(256, 256).double()
-    cpu_linear.install(lin64, backend)
+    cpu_linear.install(lin64)
     with torch.no_grad():
         x64 = torch.randn(16, 256, dtype=torch.float64)
-        y, calls = packed_calls(lambda: lin64(x64))
+        y, calls = onednn_calls(lambda: lin64(x64))
     assert not calls
     assert_close(y, F.linear(x64, lin64.weight, lin64.bias), exact=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_weight_updates_are_seen(backend):
+def test_weight_updates_are_seen():
     torch.manual_seed(2)
     lin = nn.Linear(256, 256, bias=False)
-    cpu_linear.install(lin, backend)
+    cpu_linear.install(lin)
     x = torch.randn(16, 256)
     ref = lambda: F.linear(x.double(), lin.weight.double()).float()  # noqa: E731
     with torch.no_grad(), cpu_linear.engaged():
         lin(x)
         lin.weight.mul_(-2.0)  # in place: the version counter moves
-        y, calls = packed_calls(lambda: lin(x))
+        y, calls = onednn_calls(lambda: lin(x))
         assert calls
         assert_close(y, ref(), msg="after an in-place update")
         lin.weight = nn.Parameter(torch.randn(256, 256) / 16)  # a new tensor, nn.Linear's scale
@@ -112,23 +104,22 @@ def test_weight_updates_are_seen(backend):
         assert_close(lin(x), ref(), msg="after new storage")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_unrecorded_weight_writes_are_seen_at_the_next_engaged_block(backend):
+def test_unrecorded_weight_writes_are_seen_at_the_next_engaged_block():
     """Writes torch's version counter does not record (through `.data`, as weight-sync code does; a fused
     optimizer's step) are seen from the next `engaged()` block on (one per `generate`): the copy is checked
     against the weight's row sums at its first use there. Teeth: with the version counter alone the old copy
     would answer (the first check below)."""
     torch.manual_seed(4)
     lin = nn.Linear(256, 256)
-    cpu_linear.install(lin, backend)
+    cpu_linear.install(lin)
     x = torch.randn(16, 256)
     ref = lambda: F.linear(x.double(), lin.weight.double(), lin.bias.double()).float()  # noqa: E731
     with torch.no_grad():
-        packed_calls(lambda: lin(x))
+        onednn_calls(lambda: lin(x))
         version = lin.weight._version
         lin.weight.data.mul_(-2.0)
         assert lin.weight._version == version  # unrecorded
-        y, calls = packed_calls(lambda: lin(x))
+        y, calls = onednn_calls(lambda: lin(x))
     assert calls
     assert_close(y, ref(), msg="after a write through .data")
     opt = torch.optim.AdamW(lin.parameters(), lr=0.1, fused=True)
@@ -137,42 +128,40 @@ def test_unrecorded_weight_writes_are_seen_at_the_next_engaged_block(backend):
     opt.step()
     assert lin.weight._version == version  # the fused step records nothing either
     with torch.no_grad():
-        y, calls = packed_calls(lambda: lin(x))
+        y, calls = onednn_calls(lambda: lin(x))
     assert calls
     assert_close(y, ref(), msg="after a fused optimizer step")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_outside_engaged_an_installed_layer_is_nn_linear(backend):
+def test_outside_engaged_an_installed_layer_is_nn_linear():
     """Calls outside `engaged()` (the user's own forwards of a wrapped model) are `F.linear`'s, bit for bit, at
     any row count."""
     torch.manual_seed(6)
     lin = nn.Linear(256, 768)
-    cpu_linear.install(lin, backend)
+    cpu_linear.install(lin)
     x = torch.randn(49, 256)
     with torch.no_grad():
-        y, calls = packed_calls(lambda: lin(x), engaged=False)
+        y, calls = onednn_calls(lambda: lin(x), engaged=False)
         assert not calls
         assert_close(y, F.linear(x, lin.weight, lin.bias), exact=True)
-        y, calls = packed_calls(lambda: lin(x))
+        y, calls = onednn_calls(lambda: lin(x))
         assert calls
         with cpu_linear.engaged(), cpu_linear.engaged():  # nested blocks
             pass
-        y, calls = packed_calls(lambda: lin(x), engaged=False)
+        y, calls = onednn_calls(lambda: lin(x), engaged=False)
         assert not calls
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_inference_mode_weights_take_f_linear(backend):
+def test_inference_mode_weights_take_f_linear():
     """A layer made under `torch.inference_mode` has inference-tensor weights, with no version counter to tell a
-    stale packed copy by: its calls take `F.linear` (they raised before), and an in-place update is seen."""
+    stale oneDNN copy by: its calls take `F.linear` (they raised before), and an in-place update is seen."""
     torch.manual_seed(5)
     with torch.inference_mode():
         lin = nn.Linear(256, 256)
-    cpu_linear.install(lin, backend)
+    cpu_linear.install(lin)
     x = torch.randn(16, 256)
     with torch.inference_mode():
-        y, calls = packed_calls(lambda: lin(x))
+        y, calls = onednn_calls(lambda: lin(x))
         assert not calls
         assert_close(y, F.linear(x, lin.weight, lin.bias), exact=True)
         lin.weight.mul_(-2.0)
@@ -188,15 +177,13 @@ def test_install_uninstall_and_copies():
 
     net = nn.Sequential(nn.Linear(256, 256), Custom(256, 256), nn.ReLU(), nn.Linear(256, 256))
     before = {k: v.clone() for k, v in net.state_dict().items()}
-    assert cpu_linear.install(net, "mkl") == 2
-    assert cpu_linear.install(net, "mkl") == 0  # already turned
-    assert cpu_linear.install(net, "onednn") == 2  # another backend's layers turn too
-    assert [type(m) for m in net] == [cpu_linear.OneDNNLinear, Custom, nn.ReLU, cpu_linear.OneDNNLinear]
+    assert cpu_linear.install(net) == 2
+    assert cpu_linear.install(net) == 0  # already turned
     assert type(net[1]) is Custom  # a subclass keeps its own forward
     x = torch.randn(16, 256)
     with torch.no_grad():
         y = net(x)
-        twin = copy.deepcopy(net)  # the packed weights live outside the modules
+        twin = copy.deepcopy(net)  # the oneDNN weights live outside the modules
         assert_close(twin(x), y, exact=True)
     assert net.state_dict().keys() == before.keys()
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
@@ -204,44 +191,26 @@ def test_install_uninstall_and_copies():
     assert [type(m) for m in net] == [nn.Linear, Custom, nn.ReLU, nn.Linear]
     with pytest.raises(ValueError, match="model: expected a torch.nn.Module"):
         cpu_linear.install("not a module")
-    with pytest.raises(ValueError, match="backend: expected one of"):
-        cpu_linear.install(net, "aten")
-
-
-def test_auto_picks_mkl_on_intel_cpus_else_onednn(monkeypatch):
-    model = nn.Linear(256, 256)
-    for intel, backend in ((True, "mkl"), (False, "onednn")):
-        monkeypatch.setattr(cpu_linear, "intel_cpu", lambda: intel)
-        assert cpu_linear.resolve("auto", model) == backend
-        assert cpu_linear.resolve("auto", model.double()) == "aten"
-        model.float()
-    monkeypatch.setattr(cpu_linear, "available", lambda backend="onednn": backend == "onednn")
-    monkeypatch.setattr(cpu_linear, "intel_cpu", lambda: True)
-    assert cpu_linear.resolve("auto", model) == "onednn"  # no MKL in this torch
-    with pytest.raises(ValueError, match="'mkl' is not available"):
-        cpu_linear.resolve("mkl", model)
 
 
 def test_engine_option(monkeypatch):
-    packed = lambda m: type(m) in cpu_linear.BACKENDS.values()  # noqa: E731
     with pytest.raises(ValueError, match="cpu_linear: expected one of"):
-        specdec.SpecConfig(cpu_linear="blas")
+        specdec.SpecConfig(cpu_linear="mkl")
     model = tiny_model("qwen3_next", dtype=torch.float32).eval()
     ref_model = copy.deepcopy(model)
     specdec.wrap(model, drafter=NoDraft(), cpu_linear="aten")
-    assert not any(packed(m) for m in model.modules())
+    assert not any(type(m) is cpu_linear.OneDNNLinear for m in model.modules())
     engine = specdec.wrap(model, drafter="ngram")  # auto: an fp32 model on CPU
-    auto = cpu_linear.BACKENDS[cpu_linear.resolve("auto", model)]
-    assert any(type(m) is auto for m in model.modules())
-    assert not any(packed(m) for m in ref_model.modules())
+    assert any(type(m) is cpu_linear.OneDNNLinear for m in model.modules())
+    assert not any(type(m) is cpu_linear.OneDNNLinear for m in ref_model.modules())
     f64 = tiny_model("qwen3_next")
     specdec.wrap(f64, drafter="ngram")
-    assert not any(packed(m) for m in f64.modules()), "auto: fp32 models only"
+    assert not any(type(m) is cpu_linear.OneDNNLinear for m in f64.modules()), "auto: fp32 models only"
     # a repetitive prompt: ngram drafts something
     prompt = torch.tensor([[3, 5, 7, 9, 11, 3, 5, 7, 9, 11, 3, 5, 7, 9]])
     monkeypatch.setattr(cpu_linear, "MIN_MACS", 1)  # the tiny model's matmuls are far below the real threshold
-    out, calls = packed_calls(lambda: engine.generate(prompt, max_new_tokens=24))
-    assert calls and out.stats.proposed > 0  # prefill and verifies of several rows ran the packed copies
+    out, calls = onednn_calls(lambda: engine.generate(prompt, max_new_tokens=24))
+    assert calls and out.stats.proposed > 0  # prefill and verifies of several rows ran oneDNN
     with torch_fallbacks():
         ref = ref_model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
     assert out.sequences.tolist() == ref.tolist()
@@ -250,7 +219,7 @@ def test_engine_option(monkeypatch):
 def test_engine_decodes_with_weights_updated_between_calls(monkeypatch):
     """A wrapped model updated between two `generate` calls without torch's version counter seeing it (a weight
     sync through `.data`, as RL loops do; a fused optimizer's step) decodes with its new weights: greedy output
-    equal to transformers' generate on an unwrapped copy holding the same weights. Teeth: with the packed copies
+    equal to transformers' generate on an unwrapped copy holding the same weights. Teeth: with the oneDNN copies
     of the old weights in its verifies, the negated head below would pick other tokens there; and the wrapped
     model's own forward outside `generate` equals the copy's bit for bit."""
     model = tiny_model("qwen3_next", dtype=torch.float32).eval()
@@ -260,7 +229,7 @@ def test_engine_decodes_with_weights_updated_between_calls(monkeypatch):
     prompt = torch.tensor([[3, 5, 7, 9, 11, 3, 5, 7, 9, 11, 3, 5, 7, 9]])
 
     def check():
-        out, calls = packed_calls(lambda: engine.generate(prompt, max_new_tokens=24, eos_token_id=None))
+        out, calls = onednn_calls(lambda: engine.generate(prompt, max_new_tokens=24, eos_token_id=None))
         assert calls and out.stats.proposed > 0
         with torch_fallbacks():
             ref = ref_model.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
@@ -285,7 +254,7 @@ def test_engine_decodes_with_weights_updated_between_calls(monkeypatch):
 
 
 def test_drafters_score_through_the_targets_head():
-    """`draft.layers.target_logits`: without autograd the target's head module runs (its packed copy, the one the
+    """`draft.layers.target_logits`: without autograd the target's head module runs (its oneDNN copy, the one the
     verify keeps warm); with autograd the detached weight, so no gradient reaches the target. Both against
     a float64 recomputation."""
     from specdec.draft.layers import target_logits
@@ -296,10 +265,10 @@ def test_drafters_score_through_the_targets_head():
     x = torch.randn(7, 256, requires_grad=True)
     ref = (x.detach().double() @ head.weight.detach().double().t())
     with torch.no_grad():
-        out, calls = packed_calls(lambda: target_logits(head, x))
+        out, calls = onednn_calls(lambda: target_logits(head, x))
     assert calls == [head]
     assert_close(out, ref.float(), dtype=torch.float32)
-    out, calls = packed_calls(lambda: target_logits(head, x))
+    out, calls = onednn_calls(lambda: target_logits(head, x))
     assert calls == []
     out.sum().backward()
     assert head.weight.grad is None and x.grad is not None
