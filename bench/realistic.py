@@ -496,7 +496,7 @@ def main(argv=None) -> int:
             print(f"# bench/realistic.py: random KimiLinearForCausalLM ({preset}), {n:,} params ({n / 1e9:.3f}B), "
                   f"{a.dtype}, {where}, batch {a.batch}", flush=True)
             print(f"# {describe(config)}", flush=True)
-            backend = cpu_linear.apply("auto", model)  # as the engine's wrap does (oneDNN: an fp32 model on CPU)
+            backend = cpu_linear.apply("auto", model)  # as the engine's wrap does (oneDNN: fp32, a non-Intel CPU)
             if not over("the steps"):
                 run_steps(model, config.vocab_size, a, max_length, repeats, deadline, res)
                 if cuda:

@@ -34,9 +34,9 @@ the linear-attention mixers, the attention layers, the KV mask and positions, th
 across all of them, the model's matmuls (every `nn.Linear`: projections, MLPs, lm_head), which grow with the tokens
 whatever the verify does.
 
-`--cpu-linear auto,aten` times the model's `nn.Linear` layers with both backends in the same run (interleaved, as
+`--cpu-linear onednn,aten` times the model's `nn.Linear` layers with both backends in the same run (interleaved, as
 cases `chunk / onednn linear`, `chunk / aten linear`, ...): "auto" is what the engine uses (`specdec.cpu_linear`:
-oneDNN for an fp32 model on CPU), "aten" is torch's `F.linear` (MKL's sgemm on x86).
+oneDNN for an fp32 model on a CPU other than Intel's), "aten" is torch's `F.linear` (MKL's sgemm on x86).
 
 The same run also measures the floor those matmuls set (`matmul floor`): every `nn.Linear` call of one forward of
 each kind (projections, MLPs, lm_head: the model's weights, at the rows the kind feeds them, with the first case's
@@ -290,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'dispatch': whatever the dispatcher serves (Triton on CUDA)")
     p.add_argument("--cpu-linear", default="auto",
                    help="comma-separated nn.Linear backends to time in the same run (auto, onednn, aten; see "
-                        "specdec.cpu_linear); auto (the engine's default) is onednn for an fp32 model on CPU")
+                        "specdec.cpu_linear); auto (the engine's default) is onednn for an fp32 model on a CPU "
+                        "other than Intel's, else aten")
     p.add_argument("--breakdown", action="store_true", help="profile the chain and the largest tree per implementation")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results here")
     return p

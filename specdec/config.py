@@ -40,7 +40,8 @@ class SpecConfig:
     of >= 2 rows inside `generate` run oneDNN, on some x86 CPUs about twice MKL's sgemm at tree sizes; 1-row
     calls, calls outside `generate` and the weights are unchanged; a second, blocked copy of each weight is kept
     and checked against the weight in every `generate`). "aten": left as they are. "auto" (default): "onednn"
-    for an fp32 model on CPU when torch has oneDNN, else "aten". The model's layers change class in place (plain
+    for an fp32 model on a CPU other than Intel's (where MKL's own paths are the fast ones) when torch has oneDNN,
+    else "aten". The model's layers change class in place (plain
     decoding through it runs the same layers); `specdec.cpu_linear.uninstall(model)` undoes it.
     prefix_cache: False (default), True (a budget of `prefix_cache.DEFAULT_BUDGET` bytes) or a byte budget: keep
     the committed state of prompts and finished requests (recurrent state, KV entries, the drafter's target

@@ -2,10 +2,12 @@
 
 A verify forward multiplies every weight by T rows (8 for a gamma-7 chain, up to ~50 for a tree), and on a CPU
 those matmuls are compute-bound: they are most of what a verify costs over a 1-token step (`bench/verify_cost.py`
-measures it as the "matmul floor"). torch's fp32 `F.linear` goes to MKL's sgemm, which on some x86 CPUs runs a
-generic code path (on the AMD Zen 5 of `bench/results/HISTORY.md` it does, AVX-512 unused), while oneDNN, also inside
-torch, runs the CPU's widest vectors: tree and chain verify forwards run faster, a 1-token step does not
-(`bench/verify_cost.py`; figures in bench/RESULTS.md). At one or two rows MKL is as fast or faster (oneDNN has more
+measures it as the "matmul floor"). torch's fp32 `F.linear` goes to MKL's sgemm, which on CPUs other than Intel's
+may run a generic code path (on the AMD Zen 5 of `bench/results/HISTORY.md` it does, AVX-512 unused), while oneDNN,
+also inside torch, runs the CPU's widest vectors: tree and chain verify forwards run faster there, a 1-token step
+does not (`bench/verify_cost.py`; figures in bench/RESULTS.md). On an Intel CPU MKL's own paths are the fast ones
+(on the Intel Xeon of bench/RESULTS.md a chain verify runs 11.0 ms with `F.linear`, 12.7 ms with oneDNN), so
+"auto" leaves the layers alone there. At one or two rows MKL is as fast or faster (oneDNN has more
 fixed cost per call), so a call goes to oneDNN only from `MIN_ROWS` rows and `MIN_MACS` multiply-adds.
 
 `install(model)` turns every plain `nn.Linear` of `model` (type exactly `nn.Linear`) into `OneDNNLinear`, a
@@ -30,6 +32,7 @@ still run `F.linear`, bit for bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 
@@ -54,6 +57,16 @@ def available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+@functools.lru_cache(maxsize=1)
+def intel_cpu() -> bool:
+    """Whether the CPU is Intel's (the `vendor_id` of /proc/cpuinfo; False where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return False
+
+
 def check_mode(mode: str) -> None:
     """A ValueError unless `mode` is one of `MODES` ("onednn" only where oneDNN is available)."""
     if mode not in MODES:
@@ -64,13 +77,14 @@ def check_mode(mode: str) -> None:
 
 
 def resolve(mode: str, model: nn.Module) -> str:
-    """The backend `mode` means for `model`: "auto" is "onednn" for an fp32 model on CPU when oneDNN is available,
-    else "aten"; "onednn" and "aten" are themselves ("onednn" needs oneDNN: a ValueError otherwise)."""
+    """The backend `mode` means for `model`: "auto" is "onednn" for an fp32 model on a CPU other than Intel's when
+    oneDNN is available, else "aten"; "onednn" and "aten" are themselves ("onednn" needs oneDNN: a ValueError
+    otherwise)."""
     check_mode(mode)
     if mode != "auto":
         return mode
     p = next(model.parameters(), None)
-    fits = p is not None and p.device.type == "cpu" and p.dtype == torch.float32
+    fits = p is not None and p.device.type == "cpu" and p.dtype == torch.float32 and not intel_cpu()
     return "onednn" if fits and available() else "aten"
 
 

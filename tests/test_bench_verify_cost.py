@@ -81,12 +81,12 @@ def test_breakdown_and_bad_verify_name(tmp_path):
 
 
 def test_linear_backends_in_one_run(tmp_path):
-    """`--cpu-linear auto,aten`: both nn.Linear backends timed in the same run, as separate cases."""
+    """`--cpu-linear onednn,aten`: both nn.Linear backends timed in the same run, as separate cases."""
     save_tiny(tmp_path / "model", "kimi_linear")
     out = tmp_path / "out.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [sys.executable, SCRIPT, "--model", tmp_path / "model", "--repeats", 1, "--warmup", 0, "--prompt-tokens",
-            16, "--trees", 13, "--verify", "chunk", "--cpu-linear", "auto,aten", "--json", out]
+            16, "--trees", 13, "--verify", "chunk", "--cpu-linear", "onednn,aten", "--json", out]
     proc = subprocess.run(list(map(str, args)), capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())

@@ -193,9 +193,22 @@ def test_install_uninstall_and_copies():
         cpu_linear.install("not a module")
 
 
+def test_auto_is_onednn_off_intel_cpus(monkeypatch):
+    """"auto": oneDNN for an fp32 model on a CPU other than Intel's, `F.linear` ("aten") on Intel's or for any
+    other model."""
+    assert isinstance(cpu_linear.intel_cpu(), bool)  # this machine's answer, from /proc/cpuinfo
+    model = nn.Linear(256, 256)
+    for intel, backend in ((False, "onednn"), (True, "aten")):
+        monkeypatch.setattr(cpu_linear, "intel_cpu", lambda: intel)
+        assert cpu_linear.resolve("auto", model) == backend
+        assert cpu_linear.resolve("auto", model.double()) == "aten"
+        model.float()
+
+
 def test_engine_option(monkeypatch):
     with pytest.raises(ValueError, match="cpu_linear: expected one of"):
         specdec.SpecConfig(cpu_linear="mkl")
+    monkeypatch.setattr(cpu_linear, "intel_cpu", lambda: False)  # "auto" is oneDNN on this CPU
     model = tiny_model("qwen3_next", dtype=torch.float32).eval()
     ref_model = copy.deepcopy(model)
     specdec.wrap(model, drafter=NoDraft(), cpu_linear="aten")
@@ -224,7 +237,7 @@ def test_engine_decodes_with_weights_updated_between_calls(monkeypatch):
     model's own forward outside `generate` equals the copy's bit for bit."""
     model = tiny_model("qwen3_next", dtype=torch.float32).eval()
     ref_model = copy.deepcopy(model)
-    engine = specdec.wrap(model, drafter="ngram")
+    engine = specdec.wrap(model, drafter="ngram", cpu_linear="onednn")
     monkeypatch.setattr(cpu_linear, "MIN_MACS", 1)  # the tiny model's matmuls are far below the real threshold
     prompt = torch.tensor([[3, 5, 7, 9, 11, 3, 5, 7, 9, 11, 3, 5, 7, 9]])
 
