@@ -319,15 +319,18 @@ class KVCache:
         lens = self.lengths[self.slots]
         B, T = lens.shape[0], self.num_tokens
         S = self.span
+        low = torch.finfo(dtype).min
         j = torch.arange(S, device=self.device)
-        ok = (j[None, None, :] < lens[:, None, None]).expand(B, T, S).clone()
-        rel = j[None, :] - lens[:, None]  # [B, S]: index of the round token stored at key j
-        inside = (rel >= 0) & (rel < T)
-        vis = self.visible()  # [B, T, T]
-        gathered = vis.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S))
-        ok |= inside[:, None, :] & gathered
-        mask = torch.zeros(B, 1, T, S, dtype=dtype, device=self.device)
-        return mask.masked_fill(~ok[:, None], torch.finfo(dtype).min)
+        committed = torch.zeros((), dtype=dtype, device=self.device).where(j < lens[:, None], low)  # [B, S]
+        mask = committed[:, None, None, :].expand(B, 1, T, S).clone()
+        # the round's own keys, at columns lens .. lens + T - 1 of each row (< S): its token t sees u where u is t
+        # or an ancestor; one indexed write of [B, T, T]
+        rows = torch.arange(B, device=self.device)[:, None, None]
+        t = torch.arange(T, device=self.device)
+        cols = (lens[:, None] + t)[:, None, :]  # [B, 1, T]
+        block = torch.zeros((), dtype=dtype, device=self.device).where(self.visible(), low)  # [B, T, T]
+        mask[rows, 0, t[None, :, None], cols] = block
+        return mask
 
     # ---- page addressing ---------------------------------------------------------------------------
     def _at(self, dp: bool, rows: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -157,3 +157,43 @@ def test_a_one_row_plain_step_reads_what_the_gather_reads(order):
     kv.begin(torch.tensor([0]), 2, host_slots=[0])  # two tokens: a mask again
     assert kv.attention_mask(torch.float32) is not None
     kv.abort()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_attention_mask_follows_the_visibility_rules(data):
+    """`attention_mask` of a round (rows of different committed lengths, a chain or a tree, slots in any order)
+    against the rule key by key: row b's token t sees key j iff j is one of its committed keys (j < length) or the
+    round token j - length is t or an ancestor of t (the tree's parents, walked in Python); everything else, the
+    other rows' longer spans included, is the dtype's minimum."""
+    B = data.draw(st.integers(1, 3))
+    T = data.draw(st.integers(1, 6))
+    kv = KVCache(4, 40)
+    slots = data.draw(st.permutations(range(3)))[:B]
+    lengths = [data.draw(st.integers(0, 20)) for _ in range(B)]
+    for s, n in zip(slots, lengths):
+        if n:
+            kv.begin(torch.tensor([s]), n)
+            kv.advance(torch.tensor([n]), host_counts=[n])
+    if data.draw(st.booleans()):
+        parents = [[-1] + [data.draw(st.integers(0, i - 1)) for i in range(1, T)] for _ in range(B)]
+        kv.begin(torch.tensor(slots), T, VerifyTree.check(torch.tensor(parents), B, T))
+    else:
+        parents = [[i - 1 for i in range(T)] for _ in range(B)]
+        kv.begin(torch.tensor(slots), T)
+    mask = kv.attention_mask(torch.float64)
+    if mask is None:  # one row, one token, its bound exact: every key visible
+        assert B == 1 and T == 1
+        return
+    S = max(lengths) + T
+    assert mask.shape == (B, 1, T, S)
+    low = torch.finfo(torch.float64).min
+    for b in range(B):
+        for t in range(T):
+            seen, u = set(), t
+            while u >= 0:
+                seen.add(u)
+                u = parents[b][u]
+            want = [0.0 if j < lengths[b] or (j - lengths[b]) in seen else low for j in range(S)]
+            assert mask[b, 0, t].tolist() == want, (b, t)
+    kv.abort()
