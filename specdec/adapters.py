@@ -270,8 +270,8 @@ def latent_attention(q_nope: torch.Tensor, q_rot: torch.Tensor, latents: torch.T
         q = q.view(B, 1, H * T, -1)                                                 # row h T + t
         if mask is not None and mask.shape[-2] > 1:
             mask = mask.expand(B, H, T, mask.shape[-1]).reshape(B, 1, H * T, -1)
-    o = F.scaled_dot_product_attention(q, latents, latents, attn_mask=mask, scale=scale,
-                                       enable_gqa=q.shape[1] > 1)  # (a flag some CUDA kernels refuse)
+    kv = latents.expand(B, q.shape[1], *latents.shape[2:])  # every head the same latents: a view, no copy
+    o = F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, scale=scale)
     o_lat = _packed(o.reshape(B, H, T, -1)[..., :r], (1, 0, 2, 3), (H, B * T, r))
     out = torch.bmm(o_lat, w[:, dn:].transpose(1, 2))                             # [H, B T, dv]
     return _packed(out.view(H, B, T, dv), (1, 2, 0, 3), (B, T, H * dv))
