@@ -42,11 +42,11 @@ from .layers import QUERY_CHUNK, KVRoom, ring_positions, ring_write
 from .registry import check_target
 
 
-
 def _columns(kvs, cols: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer K/V `[B, H, n, D]` -> the entries at columns `cols [B, R]` of each row, `[B, H, R, D]`."""
     at = cols[:, None, :, None]
     return [tuple(x.gather(2, at.expand(-1, x.shape[1], -1, x.shape[3])) for x in kv) for kv in kvs]
+
 
 class _Row:
     __slots__ = ("length", "pending", "rooted")

@@ -41,8 +41,8 @@ class SpecConfig:
     calls, calls outside `generate` and the weights are unchanged; a second, blocked copy of each weight is kept
     and checked against the weight in every `generate`). "aten": left as they are. "auto" (default): "onednn"
     for an fp32 model on a CPU other than Intel's (where MKL's own paths are the fast ones) when torch has oneDNN,
-    else "aten". The model's layers change class in place (plain
-    decoding through it runs the same layers); `specdec.cpu_linear.uninstall(model)` undoes it.
+    else "aten". The model's layers change class in place (plain decoding through it runs the same layers);
+    `specdec.cpu_linear.uninstall(model)` undoes it.
     prefix_cache: False (default), True (a budget of `prefix_cache.DEFAULT_BUDGET` bytes) or a byte budget: keep
     the committed state of prompts and finished requests (recurrent state, KV entries, the drafter's target
     features) in a radix tree over token ids, and start a request whose prompt begins with a cached prefix from
@@ -56,10 +56,10 @@ class SpecConfig:
     finished request also leaves entries at its last two multiples of it (None, the default: 256 with a prefix
     cache; given without one: refused).
     states_per_path: with `prefix_cache`, the most entries one path from the tree's root keeps (None, the default: no
-    cap; SGLang's `--mamba-max-states-per-path`; given without a prefix cache: refused). Past it the path is thinned evenly: the entry whose loss leaves the
-    shortest gap between its neighbours goes (its KV pages stay with the deeper entries), never a fork, a pinned
-    entry or the newest, so a long conversation keeps recurrent states at spread-out points of its history, not only
-    near its end.
+    cap; SGLang's `--mamba-max-states-per-path`; given without a prefix cache: refused). Past it the path is thinned
+    evenly: the entry whose loss leaves the shortest gap between its neighbours goes (its KV pages stay with the
+    deeper entries), never a fork, a pinned entry or the newest, so a long conversation keeps recurrent states at
+    spread-out points of its history, not only near its end.
     """
 
     drafter: object = "ngram"

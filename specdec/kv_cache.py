@@ -10,8 +10,8 @@ import torch
 from specdec.kernels.tree import VerifyTree
 from specdec.replayssm.plan import BufferSpec
 from specdec.replayssm.pool import allocate
-from specdec.verify.record import Acceptance
 from specdec.tensors import run_of
+from specdec.verify.record import Acceptance
 
 if TYPE_CHECKING:  # parallel.py imports this module
     from specdec.parallel import SlotSplit
@@ -119,7 +119,7 @@ class PageTable:
         self.hold(pages)
         self.held[row][:k] = list(pages)
         held = self.held[row]
-        self.run[row] = not held or run_of(held) is not None
+        self.run[row] = run_of(held) is not None
         self.drop(old)
         if k:
             self._write([row] * k, list(range(k)), list(pages))

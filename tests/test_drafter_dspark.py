@@ -666,8 +666,8 @@ def test_context_window_hides_only_the_older_keys(setup):
 
 @pytest.mark.parametrize("kind", ["dspark", "eagle"])
 def test_rows_in_any_order_draft_as_alone(kind):
-    """A drafter reads its caches as a view for consecutive rows (`tensors.run_of`) and gathers them otherwise: blocks of
-    rows [0, 1, 2], [2, 0] and each row alone are the same per row (greedy: tokens; the drafts' logits alike)."""
+    """A drafter reads its caches as a view for consecutive rows (`tensors.run_of`) and gathers them otherwise:
+    blocks of rows [0, 1, 2], [2, 0] and each row alone are the same per row (greedy: tokens)."""
     target = tiny_model("qwen3_next", seed=0, vocab_size=V, num_layers=2)
     torch.manual_seed(0)
     d = specdec.wrap(target, drafter=kind, untrained=True, max_length=64, max_batch_size=4).drafter
