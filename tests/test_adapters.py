@@ -180,6 +180,35 @@ def test_kimi_latent_decode_step_like_the_module():
     assert max_rel_err(unmasked[1], both[1]) > 1e-3 and max_rel_err(unmasked[0], both[0]) < 1e-12
 
 
+def test_kimi_latent_chain_round_like_the_module():
+    """A chain round of `KimiLatentAttention` (heads folded into query rows under the round's mask): rows of
+    different committed lengths, one with nothing committed beside longer ones, and a first chunk where no row has
+    anything committed: the module's own forward on the same cache contents (float64)."""
+    from specdec.adapters import KimiLatentAttention
+    from specdec.hf_compat import cache_arg
+    from specdec.kv_cache import KVCache
+
+    mod, d = _kimi_mla()
+    gen = torch.Generator().manual_seed(6)
+    context, x, first = (torch.randn(3, n, d, generator=gen, dtype=torch.float64) for n in (12, 6, 5))
+    outs = []
+    for attn in (mod, KimiLatentAttention(mod)):
+        kv = KVCache(4, 64)
+        cache = {cache_arg(attn): kv}
+        kv.begin(torch.tensor([0, 1]), 5)  # nothing committed anywhere: the round's own keys alone
+        start = attn(hidden_states=first[:2], attention_mask=kv.attention_mask(torch.float64), **cache)[0]
+        kv.abort()
+        kv.begin(torch.tensor([2, 0]), 12)
+        attn(hidden_states=context[:2], attention_mask=kv.attention_mask(torch.float64), **cache)
+        kv.advance(torch.tensor([12, 5]))
+        kv.begin(torch.tensor([0, 1, 2]), 6)  # slot 1 fresh beside slots of 5 and 12 committed keys
+        round_ = attn(hidden_states=x, attention_mask=kv.attention_mask(torch.float64), **cache)[0]
+        kv.abort()
+        outs.append((start, round_))
+    (ref_start, ref_round), (start, round_) = outs
+    assert max_rel_err(start, ref_start) < 1e-12 and max_rel_err(round_, ref_round) < 1e-12
+
+
 def test_kimi_latent_prefill_chunk_like_the_module():
     """A prefill-sized chunk (T > ROUND_TOKENS: its heads attend one by one, not folded into query rows as a round's)
     after a context, rows of different lengths: the output equals the module's own forward on the same cache
