@@ -21,6 +21,8 @@ For each context and drafter (`--drafters`; `none` is plain decoding, `drafter=N
 `max_length` is the context + `--new-tokens` + a verify window, one short untimed generate (a warm-up), then
 `--repeats` rounds of greedy generates of the whole context per prompt, `--new-tokens` each (no early stop), each
 from a fresh prefill; a repeat pools its prompts (times, tokens and rounds summed; time to first token their mean).
+The drafters' repeats at one context interleave (repeat i of every drafter, then repeat i + 1, the order rotated
+each time), so a machine whose speed drifts during the run moves plain decoding's times with the drafters'.
 A streamer notes the wall clock and the process's CPU time (`time.process_time`: user + system, every thread of
 the process) at every token the engine emits:
     - time to first token (`ttft_s`, `ttft_cpu_s`): from the call to the first new token: the fresh prefill of the
@@ -139,60 +141,72 @@ class Clock:
         pass
 
 
-def measure(engine, contexts: dict[str, torch.Tensor], new_tokens: int, repeats: int) -> dict:
-    """Every repeat's time to first token, decode ms per token, tau and per-round parts, on the wall clock and in CPU
-    time (see the module's docstring), over one greedy generate of each context `{prompt id: ids [n]}`,
-    `new_tokens` new tokens each, each from a fresh prefill; a repeat pools its contexts (times and tokens summed,
-    time to first token their mean); medians over the repeats beside them."""
-    rows = []
-    tokens: dict[str, list[int]] = {}
+def measure_once(engine, contexts: dict[str, torch.Tensor], new_tokens: int, tokens: dict[str, list[int]]) -> dict:
+    """One repeat: one greedy generate of each context `{prompt id: ids [n]}`, `new_tokens` new tokens each, each from
+    a fresh prefill, pooled (times and tokens summed, time to first token their mean): time to first token, decode ms
+    per token, tau and per-round parts, on the wall clock and in CPU time (see the module's docstring). Each
+    context's new tokens go to `tokens` (the first repeat's kept); `identical` says this repeat's equal them."""
+    tot = dict.fromkeys(("ttft", "ttft_cpu", "decode", "decode_cpu", "steps", "rounds", "tokens", "draft", "verify"),
+                        0.0)
     identical = True
-    for _ in range(repeats):
-        tot = dict.fromkeys(("ttft", "ttft_cpu", "decode", "decode_cpu", "steps", "rounds", "tokens", "draft",
-                             "verify"), 0.0)
-        for pid, ids in contexts.items():
-            clock = Clock()
-            t0, c0 = time.perf_counter(), time.process_time()
-            res = engine.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, do_sample=False, streamer=clock)
-            out = res.sequences[0, ids.numel():].tolist()
-            identical &= tokens.setdefault(pid, out) == out
-            st = res.stats
-            # [0]: the prompt, put after the prefill; [1]: the first new token; [-1]: the last round's tokens
-            for k, v in (("ttft", clock.wall[1] - t0), ("ttft_cpu", clock.cpu[1] - c0),
-                         ("decode", clock.wall[-1] - clock.wall[1]), ("decode_cpu", clock.cpu[-1] - clock.cpu[1]),
-                         ("steps", len(out) - 1), ("rounds", st.rounds), ("tokens", st.tokens),
-                         ("draft", st.timings["draft"]), ("verify", st.timings["verify"])):
-                tot[k] += v
-        rounds, steps, n = max(tot["rounds"], 1), max(tot["steps"], 1), len(contexts)
-        round_ms = tot["decode"] / rounds * 1e3
-        d_v = tot["draft"] + tot["verify"]
-        rows.append(dict(ttft_s=tot["ttft"] / n, ttft_cpu_s=tot["ttft_cpu"] / n,
-                         ms_per_token=tot["decode"] / steps * 1e3, cpu_ms_per_token=tot["decode_cpu"] / steps * 1e3,
-                         tau=tot["tokens"] / rounds, rounds=int(tot["rounds"]), round_ms=round_ms,
-                         round_cpu_ms=tot["decode_cpu"] / rounds * 1e3, draft_ms=tot["draft"] / rounds * 1e3,
-                         verify_ms=tot["verify"] / rounds * 1e3, rest_ms=round_ms - d_v / rounds * 1e3,
-                         draft_share=tot["draft"] / d_v if d_v else 0.0))
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    for pid, ids in contexts.items():
+        clock = Clock()
+        t0, c0 = time.perf_counter(), time.process_time()
+        res = engine.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, do_sample=False, streamer=clock)
+        out = res.sequences[0, ids.numel():].tolist()
+        identical &= tokens.setdefault(pid, out) == out
+        st = res.stats
+        # [0]: the prompt, put after the prefill; [1]: the first new token; [-1]: the last round's tokens
+        for k, v in (("ttft", clock.wall[1] - t0), ("ttft_cpu", clock.cpu[1] - c0),
+                     ("decode", clock.wall[-1] - clock.wall[1]), ("decode_cpu", clock.cpu[-1] - clock.cpu[1]),
+                     ("steps", len(out) - 1), ("rounds", st.rounds), ("tokens", st.tokens),
+                     ("draft", st.timings["draft"]), ("verify", st.timings["verify"])):
+            tot[k] += v
+    rounds, steps, n = max(tot["rounds"], 1), max(tot["steps"], 1), len(contexts)
+    round_ms = tot["decode"] / rounds * 1e3
+    d_v = tot["draft"] + tot["verify"]
+    return dict(ttft_s=tot["ttft"] / n, ttft_cpu_s=tot["ttft_cpu"] / n, ms_per_token=tot["decode"] / steps * 1e3,
+                cpu_ms_per_token=tot["decode_cpu"] / steps * 1e3, tau=tot["tokens"] / rounds, rounds=int(tot["rounds"]),
+                round_ms=round_ms, round_cpu_ms=tot["decode_cpu"] / rounds * 1e3, draft_ms=tot["draft"] / rounds * 1e3,
+                verify_ms=tot["verify"] / rounds * 1e3, rest_ms=round_ms - d_v / rounds * 1e3,
+                draft_share=tot["draft"] / d_v if d_v else 0.0, identical=identical)
+
+
+def summarize(rows: list[dict], tokens: dict[str, list[int]]) -> dict:
+    """Medians over the repeats `rows` (`measure_once`'s), every repeat's ms/token, time to first token and tau
+    beside them (`*_all`), the spreads, the first repeat's tokens, and whether every repeat's equal them."""
+    keys = [k for k in rows[0] if k != "identical"]
+    med = {k: statistics.median(r[k] for r in rows) for k in keys}
     every = {f"{k}_all": [r[k] for r in rows] for k in ("ms_per_token", "cpu_ms_per_token", "ttft_s", "ttft_cpu_s",
                                                           "tau")}
     return dict(med, **every, spread=common.spread(every["ms_per_token_all"]),
-                cpu_spread=common.spread(every["cpu_ms_per_token_all"]), tokens=tokens, identical=identical)
+                cpu_spread=common.spread(every["cpu_ms_per_token_all"]), tokens=tokens,
+                identical=all(r["identical"] for r in rows))
 
 
-def run_one(model, drafter: str | None, contexts: dict[str, torch.Tensor], a) -> dict:
-    """One engine (one lane, max_length the longest context + new tokens + a verify window) for `drafter`, warmed up
-    once, then `measure`d over `contexts` `{prompt id: ids [n]}`."""
+def run_context(model, drafters: dict[str, str | None], contexts: dict[str, torch.Tensor], a) -> dict:
+    """Every drafter of `drafters` `{name: drafter argument}` at one context length: an engine each (one lane,
+    max_length the longest context + new tokens + a verify window), warmed up once, then `--repeats` repeats
+    interleaved: repeat i runs every engine once (`measure_once`), in turn, the order rotated by one each repeat,
+    so a machine whose speed drifts shifts every drafter's repeats alike, not one drafter's. -> `{name:
+    summarize(...)}`."""
     longest = max(ids.numel() for ids in contexts.values())
-    options = a.options if drafter is not None else {}  # `--drafter-options`: the drafters', not plain decoding's
-    engine = specdec.wrap(model, drafter=drafter, max_batch_size=1, max_length=longest + a.new_tokens + 64,
-                          **options)
-    try:
+    engines = {}
+    for name, drafter in drafters.items():
+        options = a.options if drafter is not None else {}  # `--drafter-options`: the drafters', not plain decoding's
+        engines[name] = engine = specdec.wrap(model, drafter=drafter, max_batch_size=1,
+                                              max_length=longest + a.new_tokens + 64, **options)
         ids = next(iter(contexts.values()))
         engine.generate(ids[-min(ids.numel(), 64):], max_new_tokens=min(8, a.new_tokens), eos_token_id=None,
                         do_sample=False)  # warm-up: lazily built buffers and kernels
-        return measure(engine, contexts, a.new_tokens, a.repeats)
-    finally:
-        del engine
+    names = list(engines)
+    rows: dict[str, list[dict]] = {name: [] for name in names}
+    tokens: dict[str, dict[str, list[int]]] = {name: {} for name in names}
+    for i in range(a.repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            rows[name].append(measure_once(engines[name], contexts, a.new_tokens, tokens[name]))
+    engines.clear()
+    return {name: summarize(rows[name], tokens[name]) for name in names}
 
 
 def compare(rows: dict) -> None:
@@ -355,10 +369,9 @@ def main(argv=None) -> dict:
         ctx = result["contexts"][str(c)] = {"prompts": {pid: {"ids_sha256": ids_hash(ids), "files": files}
                                                         for pid, (ids, files) in built.items()}, "drafters": {}}
         ids_t = {pid: torch.tensor(ids) for pid, (ids, _) in built.items()}
-        for name, arg in args.items():
-            if c >= a.long_from and name not in long_names:
-                continue
-            r = ctx["drafters"][name] = run_one(model, arg, ids_t, a)
+        here = {name: arg for name, arg in args.items() if c < a.long_from or name in long_names}
+        for name, r in run_context(model, here, ids_t, a).items():
+            ctx["drafters"][name] = r
             print(f"{c:>7} {name:8s} TTFT {r['ttft_s']:8.2f} s (CPU {r['ttft_cpu_s']:.2f} s), {r['ms_per_token']:8.2f} "
                   f"ms/token (CPU {r['cpu_ms_per_token']:.2f}, spread {r['spread']:.2f}), tau {r['tau']:.2f}, round "
                   f"{r['round_ms']:.2f} ms (draft {r['draft_ms']:.2f}, verify {r['verify_ms']:.2f})", flush=True)

@@ -74,3 +74,37 @@ def test_tiny_contexts(tmp_path):
         assert plain["speedup"] == plain["speedup_cpu"] == 1
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "lc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_repeats_interleave_across_drafters(monkeypatch):
+    """At one context the drafters' repeats interleave, the order rotated each repeat (none, ngram; ngram, none;
+    none, ngram), each repeat a real measurement of its own engine, and each drafter's summary holds its own
+    repeats."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    bench = load_bench("long_context")
+    model_dir = bench.common.resolve_model_dir("embedded")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids, _ = bench.context_ids(tokenizer, 64, bench.find_prompt(model_dir, "code-2"))
+    calls, made, real_measure, real_wrap = [], {}, bench.measure_once, bench.specdec.wrap
+
+    def wrap(model, *, drafter, **kw):
+        made[drafter or "none"] = engine = real_wrap(model, drafter=drafter, **kw)
+        return engine
+
+    def measure_once(engine, *args):
+        calls.append(next(name for name, e in made.items() if e is engine))
+        return real_measure(engine, *args)
+
+    monkeypatch.setattr(bench.specdec, "wrap", wrap)
+    monkeypatch.setattr(bench, "measure_once", measure_once)
+    a = SimpleNamespace(options={}, new_tokens=4, repeats=3)
+    out = bench.run_context(model, {"none": None, "ngram": "ngram"}, {"code-2": torch.tensor(ids)}, a)
+    assert calls == ["none", "ngram", "ngram", "none", "none", "ngram"]
+    assert list(out) == ["none", "ngram"]
+    for r in out.values():
+        assert len(r["ms_per_token_all"]) == 3 and r["identical"] is True
+    assert out["none"]["tau"] == 1 and out["none"]["tokens"] == out["ngram"]["tokens"]
