@@ -35,6 +35,8 @@ the process) at every token the engine emits:
       `verify_ms` (verify with accept and commit), `rest_ms` = round_ms - draft - verify (the drafter's observe,
       bookkeeping) and `draft_share` = draft / (draft + verify);
     - against plain decoding at the same context: `speedup` (`speedup_cpu`) = plain ms/token / this ms/token,
+      `speedup_all` (`speedup_cpu_all`) the same of each repeat (plain's repeat i against this one's: they ran in
+      turn),
       `round_vs_plain_step` (`_cpu`) = round ms / plain ms per token.
 With one torch thread the CPU time is the work itself: on a machine whose cores other processes share it leaves out
 the time spent waiting for a core, which the wall clock counts (`--clock` picks which the table and the plot show;
@@ -214,11 +216,13 @@ def compare(rows: dict) -> None:
     plain = rows.get("none")
     for r in rows.values():
         if plain is None:
-            r.update(speedup=None, speedup_cpu=None, round_vs_plain_step=None, round_vs_plain_step_cpu=None,
-                     identical_to_plain=None)
+            r.update(speedup=None, speedup_cpu=None, speedup_all=None, speedup_cpu_all=None, round_vs_plain_step=None,
+                     round_vs_plain_step_cpu=None, identical_to_plain=None)
             continue
         r["speedup"] = plain["ms_per_token"] / r["ms_per_token"]
         r["speedup_cpu"] = plain["cpu_ms_per_token"] / r["cpu_ms_per_token"]
+        for key, ms in (("speedup_all", "ms_per_token_all"), ("speedup_cpu_all", "cpu_ms_per_token_all")):
+            r[key] = [p / m for p, m in zip(plain[ms], r[ms])]
         r["round_vs_plain_step"] = r["round_ms"] / plain["ms_per_token"]
         r["round_vs_plain_step_cpu"] = r["round_cpu_ms"] / plain["cpu_ms_per_token"]
         r["identical_to_plain"] = r["tokens"] == plain["tokens"]

@@ -12,7 +12,7 @@ from bench_scripts import load_bench
 ROW_KEYS = {"ttft_s", "ttft_cpu_s", "ms_per_token", "cpu_ms_per_token", "tau", "rounds", "round_ms", "round_cpu_ms",
             "draft_ms", "verify_ms", "rest_ms", "draft_share", "spread", "cpu_spread", "ms_per_token_all",
             "cpu_ms_per_token_all", "ttft_s_all", "ttft_cpu_s_all", "tau_all", "tokens", "identical", "speedup",
-            "speedup_cpu", "round_vs_plain_step", "round_vs_plain_step_cpu", "identical_to_plain"}
+            "speedup_cpu", "speedup_all", "speedup_cpu_all", "round_vs_plain_step", "round_vs_plain_step_cpu", "identical_to_plain"}
 NEW = 8
 
 
@@ -71,7 +71,9 @@ def test_tiny_contexts(tmp_path):
             assert len(r["ms_per_token_all"]) == len(r["ttft_s_all"]) == 1
         plain = ctx["drafters"]["none"]
         assert plain["tau"] == 1 and plain["rounds"] == len(prompts) * (NEW - 1)
-        assert plain["speedup"] == plain["speedup_cpu"] == 1
+        assert plain["speedup"] == plain["speedup_cpu"] == 1 and plain["speedup_cpu_all"] == [1.0]
+        for r in ctx["drafters"].values():  # one repeat: its pair's ratio is the medians'
+            assert r["speedup_all"] == [r["speedup"]] and r["speedup_cpu_all"] == [r["speedup_cpu"]]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "lc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
