@@ -7,8 +7,8 @@ may run a generic code path (on the AMD Zen 5 of `bench/results/HISTORY.md` it d
 also inside torch, runs the CPU's widest vectors: tree and chain verify forwards run faster there, a 1-token step
 does not (`bench/verify_cost.py`; figures in bench/RESULTS.md). On an Intel CPU MKL's own paths are the fast ones
 (on the Intel Xeon of bench/RESULTS.md every verify kind runs slower with oneDNN than with `F.linear`), so "auto"
-leaves the layers alone there. At one or two rows MKL is as fast or faster (oneDNN has more
-fixed cost per call), so a call goes to oneDNN only from `MIN_ROWS` rows and `MIN_MACS` multiply-adds.
+leaves the layers alone there. At one or two rows MKL is as fast or faster (oneDNN has more fixed cost per call),
+so a call goes to oneDNN only from `MIN_ROWS` rows and `MIN_MACS` multiply-adds.
 
 `install(model)` turns every plain `nn.Linear` of `model` (type exactly `nn.Linear`) into `OneDNNLinear`, a
 subclass whose forward dispatches by shape; weights, parameters, `state_dict` and `isinstance(m, nn.Linear)` are

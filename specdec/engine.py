@@ -462,7 +462,8 @@ def wrap(model, config: SpecConfig | None = None, **options) -> SpecEngine:
     ("replay" or "snapshot"), commit ("eager" or "lazy"), draft_model, max_batch_size (8), max_length,
     static_shapes, cuda_graph, draft_tokens_by_batch (fewer drafts at larger batches, e.g. `{8: 3}`), cpu_linear
     ("auto", "onednn" or "aten"), memory (a byte budget or a share of free memory), prefix_cache (True or a byte
-    budget), track_interval, states_per_path, tp_group (a process group: tensor parallelism). Any other keyword is an option of the drafter (e.g. `max_ngram=2` for "ngram",
-    `topk=4` for "eagle"; `untrained=True` with "mtp", "eagle" or "dspark": an untrained net of that kind).
+    budget), track_interval, states_per_path, tp_group (a process group: tensor parallelism). Any other keyword is
+    an option of the drafter (e.g. `max_ngram=2` for "ngram", `topk=4` for "eagle"; `untrained=True` with "mtp",
+    "eagle" or "dspark": an untrained net of that kind).
     """
     return SpecEngine(model, config, **options)

@@ -319,16 +319,16 @@ class KVCache:
         lens = self.lengths[self.slots]
         B, T = lens.shape[0], self.num_tokens
         S = self.span
-        low = torch.finfo(dtype).min
+        zero, low = torch.zeros((), dtype=dtype, device=self.device), torch.finfo(dtype).min
         j = torch.arange(S, device=self.device)
-        committed = torch.zeros((), dtype=dtype, device=self.device).where(j < lens[:, None], low)  # [B, S]
+        committed = zero.where(j < lens[:, None], low)  # [B, S]
         mask = committed[:, None, None, :].expand(B, 1, T, S).clone()
         # the round's own keys, at columns lens .. lens + T - 1 of each row (< S): its token t sees u where u is t
         # or an ancestor; one indexed write of [B, T, T]
         rows = torch.arange(B, device=self.device)[:, None, None]
         t = torch.arange(T, device=self.device)
         cols = (lens[:, None] + t)[:, None, :]  # [B, 1, T]
-        block = torch.zeros((), dtype=dtype, device=self.device).where(self.visible(), low)  # [B, T, T]
+        block = zero.where(self.visible(), low)  # [B, T, T]
         mask[rows, 0, t[None, :, None], cols] = block
         return mask
 

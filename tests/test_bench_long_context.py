@@ -12,7 +12,8 @@ from bench_scripts import load_bench
 ROW_KEYS = {"ttft_s", "ttft_cpu_s", "ms_per_token", "cpu_ms_per_token", "tau", "rounds", "round_ms", "round_cpu_ms",
             "draft_ms", "verify_ms", "rest_ms", "draft_share", "spread", "cpu_spread", "ms_per_token_all",
             "cpu_ms_per_token_all", "ttft_s_all", "ttft_cpu_s_all", "tau_all", "tokens", "identical", "speedup",
-            "speedup_cpu", "speedup_all", "speedup_cpu_all", "round_vs_plain_step", "round_vs_plain_step_cpu", "identical_to_plain"}
+            "speedup_cpu", "speedup_all", "speedup_cpu_all", "round_vs_plain_step", "round_vs_plain_step_cpu",
+            "identical_to_plain"}
 NEW = 8
 
 
